@@ -1,0 +1,157 @@
+"""Collectives with observers.
+
+Each function issues one ``torch.distributed`` collective and tells every registered observer
+about it: ``before(call)`` just before the op is issued on the current stream and
+``after(call, work)`` right after it returns (``work`` is the async handle, or None for a blocking
+call). Observers must not synchronize the device; they record and move on.
+
+In a single process (no process group) the collectives are the identity and observers are not
+called: nothing was communicated.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from dslab.comm.process import is_initialized
+
+ReduceOp = dist.ReduceOp
+
+
+@dataclass
+class CollectiveCall:
+    """What an observer learns about one collective."""
+
+    op: str
+    seq: int
+    numel: int
+    dtype: torch.dtype
+    element_size: int
+    group_size: int
+    group_ranks: list[int]
+    async_op: bool
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+
+class CommObserver(Protocol):
+    def before(self, call: CollectiveCall) -> None: ...
+
+    def after(self, call: CollectiveCall, work) -> None: ...
+
+
+_observers: list[CommObserver] = []
+_seq = itertools.count()
+
+
+def add_observer(observer: CommObserver) -> None:
+    if observer not in _observers:
+        _observers.append(observer)
+
+
+def remove_observer(observer: CommObserver) -> None:
+    if observer in _observers:
+        _observers.remove(observer)
+
+
+def _group_ranks(group) -> list[int]:
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, **extra):
+    """Run ``fn`` (the torch.distributed call) between the observers' hooks."""
+    if not _observers:
+        return fn()
+    ranks = _group_ranks(group)
+    call = CollectiveCall(
+        op=op,
+        seq=next(_seq),
+        numel=tensor.numel(),
+        dtype=tensor.dtype,
+        element_size=tensor.element_size(),
+        group_size=len(ranks),
+        group_ranks=ranks,
+        async_op=async_op,
+        extra=extra,
+    )
+    for obs in _observers:
+        obs.before(call)
+    work = fn()
+    for obs in _observers:
+        obs.after(call, work)
+    return work
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """In-place all-reduce of ``tensor`` across ``group``."""
+    if not is_initialized():
+        return None
+    return _issue(
+        "all_reduce", tensor, group, async_op,
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+    )
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    """Reduce ``input`` across ranks and leave this rank's equal slice in ``output``.
+
+    The observed size is the input's (nccl-tests' convention for reduce_scatter).
+    """
+    if not is_initialized():
+        output.copy_(input.view(-1)[: output.numel()].view_as(output))
+        return None
+    return _issue(
+        "reduce_scatter", input, group, async_op,
+        lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op),
+    )
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Gather every rank's ``input`` into ``output`` (rank order along dim 0).
+
+    The observed size is the output's (nccl-tests' convention for all_gather).
+    """
+    if not is_initialized():
+        output.copy_(input.view_as(output))
+        return None
+    return _issue(
+        "all_gather", output, group, async_op,
+        lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    if not is_initialized():
+        return None
+    return _issue(
+        "broadcast", tensor, group, async_op,
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), src=src,
+    )
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    if not is_initialized():
+        output.copy_(input)
+        return None
+    return _issue(
+        "all_to_all", input, group, async_op,
+        lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op),
+    )
+
+
+def barrier(group=None):
+    if not is_initialized():
+        return None
+    empty = torch.empty(0)
+    return _issue("barrier", empty, group, False, lambda: dist.barrier(group=group))

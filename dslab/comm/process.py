@@ -1,0 +1,80 @@
+"""Process-group set-up from torchrun's environment."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def default_backend() -> str:
+    """nccl where CUDA is usable, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> bool:
+    """Join the process group that torchrun (or ``dslab launch``) describes in the environment.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Picks nccl on CUDA and gloo on
+    CPU unless ``dist_backend`` says otherwise, and binds this process to GPU ``LOCAL_RANK``.
+
+    Returns True when a process group is (now) initialised, False when the environment describes no
+    distributed job (a plain ``python train.py``): dslab then runs as a single process.
+    """
+    if is_initialized():
+        return True
+    if rank >= 0 and world_size > 0:
+        env_rank, env_world = rank, world_size
+    else:
+        missing = [k for k in _ENV_KEYS if k not in os.environ]
+        if missing and init_method is None:
+            if len(missing) < len(_ENV_KEYS):
+                raise ValueError(
+                    f"incomplete distributed environment: {', '.join(missing)} not set "
+                    f"(torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
+                )
+            log.info("no distributed environment; running as a single process")
+            return False
+        env_rank = int(os.environ.get("RANK", rank))
+        env_world = int(os.environ.get("WORLD_SIZE", world_size))
+    backend = dist_backend or default_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(get_local_rank() % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method or "env://",
+        rank=env_rank,
+        world_size=env_world,
+        timeout=timeout,
+    )
+    log.info("rank %d of %d joined the %s process group", env_rank, env_world, backend)
+    return True

@@ -1,0 +1,97 @@
+"""Run-time choice between an op's Triton kernel and its PyTorch reference.
+
+The backend is one of:
+
+- ``auto`` (default): Triton when Triton imports and every tensor is on a CUDA device, else the
+  reference.
+- ``torch``: always the reference. This is the ``torch`` arm of a benchmark.
+- ``triton``: always Triton; on CPU tensors this needs ``TRITON_INTERPRET=1`` (the interpreter the
+  CPU tests use) and is an error otherwise.
+
+It is read from ``DSLAB_KERNELS`` at first use; :func:`set_backend` (the engine's ``kernels``
+config field) and the :func:`kernel_backend` context manager override it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+ENV_VAR = "DSLAB_KERNELS"
+
+_override: str | None = None
+
+
+def _validate(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}={name!r} is not a kernel backend; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def backend() -> str:
+    """The backend in force: the override if set, else ``DSLAB_KERNELS``, else ``auto``."""
+    if _override is not None:
+        return _override
+    return _validate(os.environ.get(ENV_VAR, "auto") or "auto", ENV_VAR)
+
+
+def set_backend(name: str | None) -> None:
+    """Force a backend for the whole process (None goes back to ``DSLAB_KERNELS``)."""
+    global _override
+    _override = None if name is None else _validate(name, "kernels")
+
+
+@contextlib.contextmanager
+def kernel_backend(name: str):
+    """Use ``name`` as the backend inside the block."""
+    global _override
+    previous = _override
+    _override = _validate(name, "kernels")
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when the Triton kernel should run on these tensors."""
+    chosen = backend()
+    if chosen == "torch":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    if chosen == "auto":
+        return on_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError(f"{ENV_VAR}=triton but triton is not installed (pip install triton)")
+    if not on_cuda and not interpreting():
+        raise RuntimeError(
+            f"{ENV_VAR}=triton on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)"
+        )
+    return True
+
+
+def planned_backend(device: torch.device | str | None = None) -> str:
+    """Which implementation ops will run on ``device`` ("triton" or "torch"), for ``dslab env``."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    chosen = backend()
+    if chosen == "torch":
+        return "torch"
+    is_cuda = torch.device(device).type == "cuda"
+    if chosen == "auto":
+        return "triton" if is_cuda and triton_available() else "torch"
+    return "triton" if triton_available() and (is_cuda or interpreting()) else "unavailable"

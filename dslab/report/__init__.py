@@ -1,0 +1,1 @@
+"""dslab.report."""
