@@ -6,11 +6,28 @@ The training loop is DeepSpeed's::
     loss = engine(batch)
     engine.backward(loss)
     engine.step()
+
+The top-level names load their modules on first use, so that ``import dslab.kernels`` or
+``import dslab.report`` does not pull in the engine.
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from dslab.comm import init_distributed  # noqa: E402
-from dslab.engine.initialize import add_config_arguments, initialize  # noqa: E402
+_EXPORTS = {
+    "initialize": "dslab.engine.initialize",
+    "add_config_arguments": "dslab.engine.initialize",
+    "init_distributed": "dslab.comm",
+}
 
-__all__ = ["__version__", "add_config_arguments", "init_distributed", "initialize"]
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dslab' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

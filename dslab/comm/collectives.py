@@ -155,3 +155,16 @@ def barrier(group=None):
         return None
     empty = torch.empty(0)
     return _issue("barrier", empty, group, False, lambda: dist.barrier(group=group))
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, in rank order (used for small metadata such as RNG states).
+
+    Observers see it with a size of 0 bytes: its pickled size is not known before it runs.
+    """
+    if not is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    _issue("all_gather_object", torch.empty(0), group, False,
+           lambda: dist.all_gather_object(out, obj, group=group))
+    return out

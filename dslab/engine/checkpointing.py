@@ -1,0 +1,113 @@
+"""What the engine puts in a checkpoint and how it resumes from one.
+
+Layout of ``<save_dir>/<tag>/`` (written by :mod:`checkpoint_io`: aside, then renamed):
+
+- ``model.pt``: the module's state dict.
+- ``optimizer.pt``, ``scheduler.pt``: their state dicts (when present).
+- ``engine.pt``: counters, the loss scaler, the world size, and every rank's RNG state.
+- ``client_state.pt``: the caller's ``client_state``.
+- ``manifest.json``: sizes and checksums of the above, and the config.
+
+With data parallelism (ZeRO stage 0) every rank holds the same states, so rank 0 writes and the
+others wait at a barrier; the RNG states of all ranks are gathered so each resumes its own stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from dslab import comm
+from dslab.engine.checkpoint_io import CheckpointError, load_checkpoint_files, save_checkpoint_files
+from dslab.engine.rng import capture_rng_state, restore_rng_state
+
+log = logging.getLogger(__name__)
+
+
+def save(engine, save_dir, tag, client_state: dict, save_latest: bool) -> Path:
+    if tag is None:
+        tag = f"global_step{engine.global_steps}"
+    tag = str(tag)
+    rng_states = comm.all_gather_object(capture_rng_state())
+    path = Path(save_dir) / tag
+    if engine.rank == 0:
+        files = {"model": engine.module.state_dict(), "client_state": client_state}
+        if engine.optimizer is not None:
+            files["optimizer"] = engine.optimizer.state_dict()
+        if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
+            files["scheduler"] = engine.lr_scheduler.state_dict()
+        files["engine"] = {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+            "world_size": engine.world_size,
+            "zero_stage": engine.config.zero_optimization.stage,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "rng": rng_states,
+        }
+        metadata = {"config": engine.config.to_dict(), "world_size": engine.world_size}
+        path = save_checkpoint_files(save_dir, tag, files, metadata, save_latest=save_latest)
+        log.info("saved checkpoint %s", path)
+    comm.barrier()
+    return path
+
+
+def _load_module(engine, state: dict, path: Path, strict: bool) -> None:
+    model_file = path / "model.pt"
+    own = engine.module.state_dict()
+    if strict:
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{model_file} does not match the model: missing keys {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                f"{'...' if len(unexpected) > 5 else ''}"
+            )
+    for key, value in state.items():
+        if key in own and tuple(own[key].shape) != tuple(value.shape):
+            raise CheckpointError(
+                f"{model_file} does not match the model: '{key}' has shape {tuple(value.shape)} "
+                f"in the checkpoint and {tuple(own[key].shape)} in the model"
+            )
+    engine.module.load_state_dict(state, strict=strict)
+
+
+def load(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+         load_module_strict: bool):
+    load_dir = Path(load_dir)
+    if tag is None and not (load_dir / "latest").is_file():
+        log.warning("no 'latest' file in %s: nothing to resume from", load_dir)
+        return None, None
+    path, files, _metadata = load_checkpoint_files(load_dir, tag)
+    _load_module(engine, files["model"], path, load_module_strict)
+    state = files["engine"]
+    if load_optimizer_states and engine.optimizer is not None:
+        if "optimizer" not in files:
+            raise CheckpointError(f"{path} holds no optimizer state (optimizer.pt is missing)")
+        try:
+            engine.optimizer.load_state_dict(files["optimizer"])
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"{path / 'optimizer.pt'} does not match the optimizer: {err}") from None
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and "scheduler" in files:
+        engine.lr_scheduler.load_state_dict(files["scheduler"])
+    engine.global_steps = int(state["global_steps"])
+    engine.global_samples = int(state["global_samples"])
+    engine.micro_steps = int(state["micro_steps"])
+    engine.skipped_steps = int(state["skipped_steps"])
+    if engine.loss_scaler is not None and state.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    rng = state.get("rng") or []
+    if int(state["world_size"]) == engine.world_size and engine.rank < len(rng):
+        restore_rng_state(rng[engine.rank])
+    else:
+        log.warning(
+            "checkpoint %s was saved by %s ranks and is loaded by %d: RNG states not restored",
+            path, state["world_size"], engine.world_size,
+        )
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return path, files.get("client_state", {})

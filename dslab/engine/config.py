@@ -1,0 +1,165 @@
+"""The engine's config: DeepSpeed's JSON keys, typed.
+
+A config is a dict, a path to a JSON file, or a :class:`DslabConfig`. Each component owns its
+section's model next to its code (``fp16``/``bf16`` in :mod:`precision`, ``optimizer`` in
+:mod:`optimizers`, ``scheduler`` in :mod:`schedulers`, ``csv_monitor``/``tensorboard`` in
+:mod:`monitor`, ``zero_optimization`` in :mod:`zero_config`); this module gathers them, derives
+the batch sizes, and turns every problem into a ``ValueError`` that names the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from dslab.engine.config_base import ConfigSection, closest_key, known_keys, parse_section
+from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
+from dslab.engine.optimizers import OptimizerConfig
+from dslab.engine.precision import BF16Config, FP16Config
+from dslab.engine.schedulers import SchedulerConfig
+from dslab.engine.zero_config import ZeroConfig
+
+# DeepSpeed keys that dslab knows and does not implement. A section that is present but switched
+# off ({"enabled": false}, false, null) is accepted and ignored; anything else is refused.
+UNSUPPORTED_DEEPSPEED_KEYS = (
+    "activation_checkpointing",
+    "aio",
+    "amp",
+    "autotuning",
+    "checkpoint",
+    "comet",
+    "comms_logger",
+    "communication_data_type",
+    "compression_training",
+    "curriculum_learning",
+    "data_efficiency",
+    "data_types",
+    "dump_state",
+    "elasticity",
+    "flops_profiler",
+    "gradient_predivide_factor",
+    "memory_breakdown",
+    "pipeline",
+    "prescale_gradients",
+    "sparse_attention",
+    "sparse_gradients",
+    "wandb",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+)
+
+
+class DslabConfig(ConfigSection):
+    """The whole engine config. Batch sizes are resolved by :meth:`resolve_batch_size`."""
+
+    train_batch_size: int | None = Field(None, ge=1)
+    train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    gradient_accumulation_steps: int | None = Field(None, ge=1)
+    steps_per_print: int = Field(10, ge=1)
+    gradient_clipping: float = Field(0.0, ge=0.0)
+    fp16: FP16Config = FP16Config()
+    bf16: BF16Config = Field(BF16Config(), alias="bf16")
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    wall_clock_breakdown: bool = False
+    csv_monitor: CSVMonitorConfig = CSVMonitorConfig()
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
+    zero_optimization: ZeroConfig = ZeroConfig()
+    # dslab's own keys
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+
+    def resolve_batch_size(self, world_size: int) -> None:
+        """Fill in the missing one of the three batch keys with DeepSpeed's rules and check that
+        ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+        world_size``."""
+        if world_size < 1:
+            raise ValueError(f"data-parallel world size must be >= 1, got {world_size}")
+        tb = self.train_batch_size
+        mb = self.train_micro_batch_size_per_gpu
+        gas = self.gradient_accumulation_steps
+        if tb is None and mb is None:
+            raise ValueError(
+                "config needs 'train_batch_size' or 'train_micro_batch_size_per_gpu' (or both)"
+            )
+        if tb is not None and mb is not None and gas is None:
+            gas = tb // (mb * world_size)
+            if gas < 1:
+                raise ValueError(
+                    f"'train_batch_size' ({tb}) is smaller than 'train_micro_batch_size_per_gpu' "
+                    f"({mb}) x world size ({world_size})"
+                )
+        elif tb is not None and mb is None:
+            gas = gas or 1
+            mb = tb // (gas * world_size)
+            if mb < 1:
+                raise ValueError(
+                    f"'train_batch_size' ({tb}) is smaller than 'gradient_accumulation_steps' "
+                    f"({gas}) x world size ({world_size})"
+                )
+        elif tb is None:
+            gas = gas or 1
+            tb = mb * gas * world_size
+        if tb != mb * gas * world_size:
+            raise ValueError(
+                f"'train_batch_size' ({tb}) must equal 'train_micro_batch_size_per_gpu' ({mb}) x "
+                f"'gradient_accumulation_steps' ({gas}) x data-parallel world size ({world_size}) "
+                f"= {mb * gas * world_size}"
+            )
+        self.train_batch_size = tb
+        self.train_micro_batch_size_per_gpu = mb
+        self.gradient_accumulation_steps = gas
+
+    def to_dict(self) -> dict:
+        """The config as DeepSpeed-style JSON data (only what differs from defaults is kept)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+def _switched_off(value: Any) -> bool:
+    if value in (None, False):
+        return True
+    return isinstance(value, dict) and value.get("enabled") is False
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config file {path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def load_config(config: dict | str | Path | DslabConfig) -> DslabConfig:
+    """Validate ``config`` (a dict, a JSON file path, or a DslabConfig) into a DslabConfig."""
+    if isinstance(config, DslabConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        config = _read_json(Path(config))
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict or a path to a JSON file, not {type(config).__name__}")
+    data = {}
+    for key, value in config.items():
+        if key in UNSUPPORTED_DEEPSPEED_KEYS:
+            if _switched_off(value):
+                continue
+            raise ValueError(
+                f"config key '{key}' is a DeepSpeed feature that dslab does not support yet; "
+                f"remove it or switch it off"
+            )
+        data[key] = value
+    unknown = [k for k in data if k not in known_keys(DslabConfig)]
+    if unknown:
+        key = unknown[0]
+        hint = closest_key(key, known_keys(DslabConfig) + list(UNSUPPORTED_DEEPSPEED_KEYS))
+        raise ValueError(
+            f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
+        )
+    parsed = parse_section(DslabConfig, data)
+    parsed.zero_optimization.check_supported()
+    return parsed

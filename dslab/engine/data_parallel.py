@@ -1,0 +1,127 @@
+"""Data-parallel gradient averaging, bucketed and overlapped with backward.
+
+Parameters are grouped into buckets of at most ``bucket_size`` elements, in reverse registration
+order (roughly the order backward produces their gradients). A post-accumulate-grad hook marks a
+parameter ready; when a bucket is complete its gradients are copied into one flat buffer, divided
+by the world size, and all-reduced asynchronously through :mod:`dslab.comm` while backward goes on.
+Buckets are issued strictly in index order so every rank issues the same sequence of collectives.
+:meth:`finish` issues any bucket still open (a parameter that got no gradient contributes zeros),
+waits for the reductions and copies the averages back into ``param.grad``.
+
+Reduction happens only on the gradient-accumulation boundary; on other micro-steps gradients
+accumulate locally, as with DDP's ``no_sync``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from dslab import comm
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.ready = 0
+        self.buffer: torch.Tensor | None = None
+        self.work = None
+        self.issued = False
+
+    def reset(self) -> None:
+        self.ready = 0
+        self.work = None
+        self.issued = False
+
+
+class GradientAllReducer:
+    """Averages gradients across the data-parallel group during backward."""
+
+    def __init__(self, params: list[nn.Parameter], bucket_size: int, group=None):
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        self.active = False
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, int] = {}
+        self._next = 0
+        self._hooks = []
+        trainable = [p for p in params if p.requires_grad]
+        current: list[nn.Parameter] = []
+        current_numel = 0
+        current_key = None
+        for p in reversed(trainable):
+            key = (p.dtype, p.device)
+            if current and (current_numel + p.numel() > bucket_size or key != current_key):
+                self.buckets.append(_Bucket(current))
+                current, current_numel = [], 0
+            current.append(p)
+            current_numel += p.numel()
+            current_key = key
+        if current:
+            self.buckets.append(_Bucket(current))
+        for index, bucket in enumerate(self.buckets):
+            for p in bucket.params:
+                self._bucket_of[id(p)] = index
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def begin(self, reduce_this_backward: bool) -> None:
+        """Called before each backward: reduce only when this is the accumulation boundary."""
+        self.active = reduce_this_backward and self.world_size > 1
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.active:
+            return
+        bucket = self.buckets[self._bucket_of[id(param)]]
+        bucket.ready += 1
+        self._issue_ready_buckets()
+
+    def _issue_ready_buckets(self, force: bool = False) -> None:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not force and bucket.ready < len(bucket.params):
+                return
+            self._issue(bucket)
+            self._next += 1
+
+    def _issue(self, bucket: _Bucket) -> None:
+        first = bucket.params[0]
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
+        offset = 0
+        for p in bucket.params:
+            view = bucket.buffer[offset: offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        bucket.buffer.div_(self.world_size)
+        bucket.work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.issued = True
+
+    def finish(self) -> None:
+        """After backward: issue what is left, wait, and write the averages into ``param.grad``."""
+        if not self.active:
+            return
+        self._issue_ready_buckets(force=True)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                averaged = bucket.buffer[offset: offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = averaged.clone()
+                else:
+                    p.grad.copy_(averaged)
+                offset += p.numel()
+        self.active = False
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

@@ -1,0 +1,313 @@
+"""The training engine: DeepSpeed's ``engine(batch)`` / ``engine.backward(loss)`` /
+``engine.step()`` loop around any ``nn.Module``.
+
+What one optimizer step does, with ``gradient_accumulation_steps = G``:
+
+1. ``G`` micro-steps of forward (under autocast when bf16/fp16 is on) and ``backward``. The loss is
+   divided by ``G`` (and multiplied by the fp16 loss scale) before ``backward``, so accumulated
+   gradients are the mean over the whole batch.
+2. On the last micro-step (the accumulation boundary) the data-parallel all-reduce runs in buckets
+   during backward (:mod:`data_parallel`).
+3. ``step()`` on the boundary: fp16 unscale and overflow check (an overflow skips the update and
+   lowers the scale), clipping by global norm, the optimizer and scheduler steps, zeroing the
+   gradients. Off the boundary ``step()`` only counts the micro-step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from dslab import comm
+from dslab.engine import checkpointing
+from dslab.engine.config import DslabConfig
+from dslab.engine.data_parallel import GradientAllReducer
+from dslab.engine.monitor import Monitor
+from dslab.engine.optimizers import build_optimizer
+from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
+from dslab.engine.schedulers import build_scheduler
+from dslab.kernels import dispatch
+from dslab.profilers.timers import PhaseTimers
+
+log = logging.getLogger(__name__)
+
+FORWARD, BACKWARD, STEP = "forward", "backward", "step"
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class DslabEngine(nn.Module):
+    """Wraps ``model`` for training; built by :func:`dslab.initialize`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: DslabConfig,
+        optimizer=None,
+        model_parameters=None,
+        lr_scheduler=None,
+    ):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = config
+        self.world_size = comm.get_world_size()
+        self.rank = comm.get_rank()
+        config.resolve_batch_size(self.world_size)
+        dispatch.set_backend(None if config.kernels == "auto" else config.kernels)
+
+        self.device = _default_device()
+        self.module = model.to(self.device)
+        if self.world_size > 1:
+            self._broadcast_parameters()
+
+        self.autocast_dtype = autocast_dtype(config.fp16, config.bf16)
+        self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+
+        params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
+        self.optimizer = self._configure_optimizer(optimizer, params)
+        self.lr_scheduler = self._configure_scheduler(lr_scheduler)
+
+        self.grad_reducer = None
+        if self.world_size > 1:
+            self.grad_reducer = GradientAllReducer(
+                list(self.module.parameters()), config.zero_optimization.reduce_bucket_size
+            )
+
+        self.timers = PhaseTimers(self.device, enabled=config.wall_clock_breakdown)
+        self.monitor = Monitor(config.csv_monitor, config.tensorboard, rank=self.rank)
+        self._pending_losses: list[torch.Tensor] = []
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._boundary_override: bool | None = None
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _broadcast_parameters(self) -> None:
+        """Start every rank from rank 0's weights and buffers."""
+        with torch.no_grad():
+            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+                comm.broadcast(tensor.data, src=0)
+
+    def _configure_optimizer(self, optimizer, params):
+        if optimizer is not None and self.config.optimizer is not None:
+            raise ValueError(
+                "an optimizer was passed to initialize() and the config has an 'optimizer' "
+                "section; keep one of them"
+            )
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            built = optimizer(params)
+            if not isinstance(built, torch.optim.Optimizer):
+                raise ValueError("the optimizer callable must return a torch.optim.Optimizer")
+            return built
+        if optimizer is not None:
+            raise ValueError(
+                f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}"
+            )
+        if self.config.optimizer is None:
+            return None
+        fused_ok = all(p.is_cuda for p in params)
+        return build_optimizer(self.config.optimizer, params, fused_ok=fused_ok)
+
+    def _configure_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None and self.config.scheduler is not None:
+            raise ValueError(
+                "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
+                "section; keep one of them"
+            )
+        if lr_scheduler is not None:
+            if hasattr(lr_scheduler, "step"):
+                return lr_scheduler
+            if callable(lr_scheduler):
+                return lr_scheduler(self.optimizer)
+            raise ValueError("lr_scheduler must have a step() method or be a callable")
+        if self.config.scheduler is None:
+            return None
+        if self.optimizer is None:
+            raise ValueError("config key 'scheduler' needs an optimizer")
+        return build_scheduler(self.config.scheduler, self.optimizer)
+
+    # -- batch sizes (DeepSpeed exposes these as methods) ---------------------------------------
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True on the micro-step whose ``step()`` updates the parameters."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the boundary for the coming micro-step (None goes back to counting)."""
+        self._boundary_override = is_boundary
+
+    def forward(self, *args, **kwargs):
+        self.timers.start(FORWARD)
+        with autocast_context(self.device, self.autocast_dtype):
+            out = self.module(*args, **kwargs)
+        self.timers.stop(FORWARD)
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss`` scaled for accumulation (and fp16); returns the unscaled loss."""
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise ValueError("engine.backward expects a scalar loss tensor")
+        self.timers.start(BACKWARD)
+        if self.monitor.enabled:
+            self._pending_losses.append(loss.detach().float())
+        scaled = loss / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.loss_scale
+        if self.grad_reducer is not None:
+            self.grad_reducer.begin(self.is_gradient_accumulation_boundary())
+        scaled.backward(retain_graph=retain_graph)
+        if self.grad_reducer is not None:
+            self.grad_reducer.finish()
+        self.timers.stop(BACKWARD)
+        return loss
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
+
+    def step(self) -> None:
+        """Update on the accumulation boundary; count the micro-step either way."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
+        if boundary:
+            if self.optimizer is None:
+                raise RuntimeError(
+                    "engine.step() needs an optimizer: pass one to initialize() or add an "
+                    "'optimizer' section to the config"
+                )
+            self.timers.start(STEP)
+            self._take_model_step()
+            self.timers.stop(STEP)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._after_boundary()
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _take_model_step(self) -> None:
+        overflow = False
+        if self.loss_scaler is not None:
+            overflow = self.loss_scaler.unscale_and_check(self._grads())
+            self.loss_scaler.update_scale(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            log.info(
+                "step %d: gradient overflow, skipped; loss scale now %s",
+                self.global_steps, self.loss_scaler.loss_scale,
+            )
+        else:
+            if self.config.gradient_clipping > 0:
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.module.parameters() if p.grad is not None],
+                    self.config.gradient_clipping,
+                )
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self._step_applied = True
+        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+
+    def _after_boundary(self) -> None:
+        print_now = self.global_steps % self.config.steps_per_print == 0
+        if self.monitor.enabled:
+            events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            if self.loss_scaler is not None:
+                events.append(("Train/Samples/loss_scale", self.loss_scaler.loss_scale, self.global_samples))
+            if self._pending_losses:
+                # One host transfer per optimizer step for the whole accumulation window.
+                mean_loss = torch.stack(self._pending_losses).mean().item()
+                events.append(("Train/Samples/train_loss", mean_loss, self.global_samples))
+                self._pending_losses = []
+            if self.config.wall_clock_breakdown:
+                for name, times in self.timers.collect().items():
+                    events.append((f"Train/Samples/elapsed_time_ms_{name}", sum(times) / len(times), self.global_samples))
+            self.monitor.write_events(events)
+        if print_now and self.rank == 0:
+            log.info(
+                "step=%d, skipped=%d, lr=%s", self.global_steps, self.skipped_steps, self.get_lr()
+            )
+            if self.config.wall_clock_breakdown and not self.monitor.enabled:
+                times = self.timers.collect()
+                parts = ", ".join(f"{k}: {sum(v) / len(v):.2f}" for k, v in sorted(times.items()) if v)
+                log.info("time (ms) | %s", parts)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (fp16 overflow) or was not a boundary."""
+        return self._step_applied
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        if self.optimizer is None:
+            return []
+        return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
+
+    @property
+    def cur_scale(self) -> float:
+        """The fp16 loss scale (1.0 when fp16 is off)."""
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def module_state_dict(self) -> dict:
+        """The wrapped model's full state dict (on every rank)."""
+        return self.module.state_dict()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> Path:
+        """Save model, optimizer, scheduler, loss scaler, RNG states and counters under
+        ``save_dir/tag`` (tag defaults to ``global_step<N>``). Returns the checkpoint's path."""
+        return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_strict: bool = True):
+        """Resume from ``load_dir/tag`` (tag defaults to the ``latest`` file's).
+
+        Returns ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and
+        ``load_dir`` holds no ``latest`` file (nothing to resume from), as DeepSpeed does.
+        """
+        return checkpointing.load(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict
+        )
+
+    def destroy(self) -> None:
+        """Remove hooks and close the monitor's files."""
+        if self.grad_reducer is not None:
+            self.grad_reducer.remove()
+        self.monitor.close()

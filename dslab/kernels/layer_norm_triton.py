@@ -1,0 +1,269 @@
+"""Triton kernels for :mod:`dslab.kernels.layer_norm` and the host code that launches them.
+
+Rows are ``x2d[M, N]`` with unit stride along N; ``weight``/``bias`` are ``[N]``; statistics are
+fp32 and the outputs are in the input's dtype.
+
+Forward (one pass, each program normalizes ``BLOCK_M`` whole rows held in registers):
+    h    = x + residual                      (only with a residual; stored, rounded to x's dtype)
+    mean = sum(h) / N,  rstd = 1 / sqrt(sum((h - mean)^2) / N + eps)
+    y    = (h - mean) * rstd * weight + bias
+Memory traffic: reads x (and residual), writes y (and h), plus 8 bytes per row of statistics.
+
+Backward (persistent: a grid sized to the programs that fit on the device at once, each looping
+over row tiles), with xhat = (h - mean) * rstd and g = dy * weight:
+    dh = rstd * (g - xhat * mean(g * xhat) - mean(g))  (+ the incoming gradient of h)
+    dweight = sum_rows(dy * xhat),  dbias = sum_rows(dy)
+Each program accumulates its rows' dweight/dbias in fp32 and writes one partial row; a second
+small kernel sums the ``[programs, N]`` partials in a fixed order, so results are deterministic.
+Memory traffic: reads dy, h (and the gradient of h), writes dx, plus 2 * programs * N * 4 bytes of
+partials written and read again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from dslab.kernels.dispatch import interpreting
+
+# Whole rows live in registers; wider rows go to the PyTorch reference (see layer_norm.py).
+MAX_FUSED_N = 16384
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, R, W, B, Y, H, Mean, Rstd,
+    M, N, stride_x, stride_r, stride_y, stride_h, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h_out = (h + r).to(H.dtype.element_ty)
+        tl.store(H + rows64 * stride_h + cols[None, :], h_out, mask=mask)
+        # Normalize the stored (rounded) h so that backward, which reads it, sees the same input.
+        h = h_out.to(tl.float32)
+    mean = tl.sum(h, axis=1) / N
+    centered = tl.where(mask, h - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(Mean + rows, mean, mask=row_mask)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+    y = centered * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DY, Hin, W, Mean, Rstd, DH, DX, DW_partial, DB_partial,
+    M, N, stride_dy, stride_h, stride_dh, stride_dx,
+    HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        h = tl.load(Hin + rows64 * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (h - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        mean_gx = tl.sum(g * xhat, axis=1) / N
+        mean_g = tl.sum(g, axis=1) / N
+        dx = (g - (xhat * mean_gx[:, None] + mean_g[:, None])) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(DH + rows64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if COMPUTE_DB:
+            db_acc += tl.sum(dy, axis=0)
+    if COMPUTE_DW:
+        tl.store(DW_partial + pid * N + cols, dw_acc, mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_partial + pid * N + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(P, OUT, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[n] = sum_g P[g, n] for P [G, N] fp32, always in the same order."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for start in tl.range(0, G, BLOCK_G):
+        g = start + tl.arange(0, BLOCK_G)
+        mask = (g < G)[:, None] & col_mask[None, :]
+        acc += tl.load(P + g[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_mask)
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D tensor with unit stride along the last dimension."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@functools.cache
+def _forward_config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): ~4K elements per program, ~16 per thread (16-byte loads)."""
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(64, 4096 // block_n))
+    num_warps = max(1, min(16, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+@functools.cache
+def _backward_config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): ~2K elements per loop step; backward holds more per element."""
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(64, 2048 // block_n))
+    num_warps = max(1, min(16, block_m * block_n // 256))
+    return block_m, block_n, num_warps
+
+
+_resident_cache: dict[tuple, int] = {}
+
+
+def _resident_programs(kernel, args: tuple, meta: dict, key: tuple, device: torch.device) -> int:
+    """How many programs of ``kernel`` with ``meta`` fit on the whole device at once.
+
+    Compiles once (``warmup``) and reads the kernel's registers and shared memory; the answer is
+    cached per ``key``. Under the interpreter the answer is a small fixed number.
+    """
+    if device.type != "cuda":
+        return 4
+    cache_key = (key, device.index)
+    resident = _resident_cache.get(cache_key)
+    if resident is None:
+        compiled = kernel.warmup(*args, grid=(1,), **meta)
+        compiled._init_handles()
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index)
+        warps = meta["num_warps"]
+        by_regs = props["max_num_regs"] // max(1, compiled.n_regs * 32 * warps)
+        by_smem = props["max_shared_mem"] // max(1, compiled.metadata.shared)
+        per_sm = max(1, min(by_regs, by_smem, 64 // warps, 32))
+        resident = per_sm * props["multiprocessor_count"]
+        _resident_cache[cache_key] = resident
+    return resident
+
+
+def _sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    groups, n = partials.shape
+    out = torch.empty(n, dtype=dtype, device=partials.device)
+    block_n = 64
+    _sum_partials_kernel[(triton.cdiv(n, block_n),)](
+        partials, out, groups, n, BLOCK_G=32, BLOCK_N=block_n, num_warps=4
+    )
+    return out
+
+
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(y, h or None, mean, rstd) for ``x`` [M, N]; ``h = x + residual`` when a residual is given."""
+    assert x.dim() == 2 and x.shape[1] <= MAX_FUSED_N
+    m, n = x.shape
+    x = _rows(x)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    h = None
+    if residual is not None:
+        residual = _rows(residual)
+        h = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y, h, mean, rstd
+    block_m, block_n, num_warps = _forward_config(n)
+    with _device_guard(x):
+        _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x, residual, weight, bias, y, h, mean, rstd,
+            m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
+            y.stride(0), h.stride(0) if h is not None else 0, eps,
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y, h, mean, rstd
+
+
+def backward(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dh: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight, dbias) for the normalized input ``h`` [M, N]; ``dh`` is added to dx.
+
+    dweight (dbias) is None when ``weight`` (``bias``) is None, else in that parameter's dtype.
+    """
+    m, n = h.shape
+    dy, h = _rows(dy), _rows(h)
+    dh = _rows(dh) if dh is not None else None
+    dx = torch.empty((m, n), dtype=h.dtype, device=h.device)
+    if m == 0:
+        dw = torch.zeros_like(weight) if weight is not None else None
+        db = torch.zeros_like(bias) if bias is not None else None
+        return dx, dw, db
+    block_m, block_n, num_warps = _backward_config(n)
+    meta = dict(
+        HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=weight is not None,
+        COMPUTE_DB=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    with _device_guard(h):
+        strides = (dy.stride(0), h.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0))
+        # The partials' size depends on the grid: the occupancy query compiles the same
+        # specialization with `mean` (fp32, aligned) standing in for them.
+        stand_in = mean if weight is not None else None, mean if bias is not None else None
+        probe_args = (dy, h, weight, mean, rstd, dh, dx, *stand_in, m, n, *strides)
+        key = ("layer_norm_bwd", dy.dtype, h.dtype, weight.dtype if weight is not None else None,
+               tuple(sorted(meta.items())))
+        programs = min(triton.cdiv(m, block_m), _resident_programs(
+            _layer_norm_bwd_kernel, probe_args, meta, key, h.device))
+        dw_partial = (torch.empty((programs, n), dtype=torch.float32, device=h.device)
+                      if weight is not None else None)
+        db_partial = (torch.empty((programs, n), dtype=torch.float32, device=h.device)
+                      if bias is not None else None)
+        _layer_norm_bwd_kernel[(programs,)](
+            dy, h, weight, mean, rstd, dh, dx, dw_partial, db_partial,
+            m, n, *strides, **meta,
+        )
+        dw = _sum_partials(dw_partial, weight.dtype) if weight is not None else None
+        db = _sum_partials(db_partial, bias.dtype) if bias is not None else None
+    return dx, dw, db

@@ -1,0 +1,113 @@
+import json
+import warnings
+
+import pytest
+
+from dslab.engine.config import DslabConfig, load_config
+from dslab.engine.zero_config import DslabDeprecationWarning
+
+
+def resolved(world_size=1, **keys):
+    cfg = load_config(keys)
+    cfg.resolve_batch_size(world_size)
+    return cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+
+
+@pytest.mark.parametrize(
+    "keys, world, expected",
+    [
+        (dict(train_batch_size=32, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2), 4, (32, 4, 2)),
+        (dict(train_batch_size=32, train_micro_batch_size_per_gpu=4), 2, (32, 4, 4)),
+        (dict(train_batch_size=32, gradient_accumulation_steps=2), 4, (32, 4, 2)),
+        (dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3), 2, (24, 4, 3)),
+        (dict(train_batch_size=16), 4, (16, 4, 1)),
+        (dict(train_micro_batch_size_per_gpu=8), 3, (24, 8, 1)),
+    ],
+)
+def test_batch_size_derivation(keys, world, expected):
+    assert resolved(world, **keys) == expected
+
+
+def test_batch_size_inconsistent_names_the_keys():
+    with pytest.raises(ValueError, match="train_batch_size.*30.*= 32"):
+        resolved(4, train_batch_size=30, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+
+
+def test_batch_size_missing():
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu"):
+        resolved(1, gradient_accumulation_steps=2)
+
+
+def test_batch_size_too_small_for_world():
+    with pytest.raises(ValueError, match="smaller"):
+        resolved(8, train_batch_size=4, train_micro_batch_size_per_gpu=1)
+
+
+def test_unknown_top_level_key_names_closest():
+    with pytest.raises(ValueError, match=r"unknown config key 'train_batch_sise'; did you mean 'train_batch_size'"):
+        load_config({"train_batch_sise": 8})
+
+
+def test_unknown_nested_key_names_closest():
+    with pytest.raises(ValueError, match=r"'fp16.loss_scale_windw'.*'fp16.loss_scale_window'"):
+        load_config({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale_windw": 10}})
+
+
+def test_bad_value_names_key():
+    with pytest.raises(ValueError, match="fp16.hysteresis"):
+        load_config({"train_batch_size": 8, "fp16": {"hysteresis": 0}})
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        load_config({"train_batch_size": 8, "gradient_clipping": -1.0})
+
+
+def test_unsupported_deepspeed_section_is_explicit():
+    with pytest.raises(ValueError, match="'pipeline' is a DeepSpeed feature that dslab does not support"):
+        load_config({"train_batch_size": 8, "pipeline": {"stages": 2}})
+    # switched off: accepted
+    load_config({"train_batch_size": 8, "flops_profiler": {"enabled": False}, "wandb": {"enabled": False}})
+
+
+def test_zero_stage_above_zero_refused():
+    with pytest.raises(ValueError, match="zero_optimization.stage.*2.*not supported yet"):
+        load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2}})
+    cfg = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 0, "reduce_bucket_size": 1000}})
+    assert cfg.zero_optimization.reduce_bucket_size == 1000
+
+
+def test_zero_true_is_stage_one_with_deprecation():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="stage' = 1 is not supported yet"):
+            load_config({"train_batch_size": 8, "zero_optimization": True})
+    assert any(issubclass(w.category, DslabDeprecationWarning) for w in caught)
+    assert load_config({"train_batch_size": 8, "zero_optimization": False}).zero_optimization.stage == 0
+
+
+def test_fp16_and_bf16_sections():
+    cfg = load_config({"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 0,
+                                                      "initial_scale_power": 12, "consecutive_hysteresis": True}})
+    assert cfg.fp16.enabled and cfg.fp16.initial_scale_power == 12 and cfg.fp16.consecutive_hysteresis
+    assert load_config({"train_batch_size": 8, "bf16": {"enabled": True}}).bf16.enabled
+
+
+def test_config_from_json_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
+    cfg = load_config(path)
+    assert isinstance(cfg, DslabConfig) and cfg.optimizer.params["lr"] == 1e-3
+    assert load_config(str(path)).train_batch_size == 8
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        load_config(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json is not valid JSON"):
+        load_config(bad)
+
+
+def test_kernels_key():
+    assert load_config({"train_batch_size": 8, "kernels": "torch"}).kernels == "torch"
+    with pytest.raises(ValueError, match="kernels"):
+        load_config({"train_batch_size": 8, "kernels": "cuda"})

@@ -1,0 +1,135 @@
+"""The ``dslab`` command line: subcommands through main() and a real subprocess, exit codes, and
+the frozen list of what users type."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dslab
+from dslab import cli, kernels
+from dslab.kernels import dispatch
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The CLI is an interface (STYLE.md #12): every subcommand and every option a user can type is
+# listed here, so that adding, renaming or removing one is a deliberate change to this table.
+# A new subcommand adds one entry: "name": {"--option", ...} (without -h/--help).
+EXPECTED_TOP_LEVEL_OPTIONS = {"--version"}
+EXPECTED_COMMANDS = {
+    "env": {"--json"},
+}
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {
+        option
+        for action in parser._actions
+        for option in action.option_strings
+        if not isinstance(action, argparse._HelpAction)
+    }
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (subparsers,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    return dict(subparsers.choices)
+
+
+def test_frozen_commands_and_options():
+    parser = cli.build_parser()
+    assert _options(parser) == EXPECTED_TOP_LEVEL_OPTIONS
+    found = {name: _options(subparser) for name, subparser in _subcommands(parser).items()}
+    assert found == EXPECTED_COMMANDS
+    assert [command.name for command in cli.COMMANDS] == list(found)
+    assert all(command.help for command in cli.COMMANDS)
+
+
+def test_env_text(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dslab environment\n")
+    lines = out.splitlines()
+    for op in kernels.OPS:
+        assert any(line.split() == [op, kernels.planned_backend()] for line in lines), op
+
+
+def test_env_json(capsys):
+    assert cli.main(["env", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kernels"] == {op: kernels.planned_backend() for op in kernels.OPS}
+    assert report["dslab"]["version"] == dslab.__version__
+    assert {"python", "torch", "cuda", "nvml"} <= set(report)
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dslab {dslab.__version__}"
+
+
+@pytest.mark.parametrize("argv", [[], ["nonsense"], ["env", "--bogus"]])
+def test_usage_errors_exit_2(argv, capsys):
+    assert cli.main(argv) == 2
+    assert "usage: dslab" in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "env" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error", [ValueError("bad value for 'x'"), FileNotFoundError("no such suite: s")])
+def test_expected_errors_exit_1_without_traceback(error, monkeypatch, capsys):
+    def fail(args):
+        raise error
+
+    failing = cli.Command("fail", "always fails", lambda parser: None, fail)
+    monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, failing))
+    assert cli.main(["fail"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"dslab: error: {error}\n"
+    assert "Traceback" not in captured.err
+
+
+def test_unexpected_errors_propagate(monkeypatch):
+    def fail(args):
+        raise RuntimeError("a bug")
+
+    failing = cli.Command("fail", "always fails", lambda parser: None, fail)
+    monkeypatch.setattr(cli, "COMMANDS", (failing,))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["fail"])
+
+
+def test_env_with_bad_kernel_backend(monkeypatch, capsys):
+    monkeypatch.setattr(dispatch, "_override", None)
+    monkeypatch.setenv(dispatch.ENV_VAR, "fastest")
+    assert cli.main(["env"]) == 1
+    assert capsys.readouterr().err.startswith("dslab: error: DSLAB_KERNELS='fastest' is not a kernel backend")
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != dispatch.ENV_VAR}
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_env_in_a_subprocess():
+    done = _run([sys.executable, "-m", "dslab.cli", "env"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("dslab environment\n")
+    for op in kernels.OPS:
+        assert any(line.split()[:1] == [op] for line in done.stdout.splitlines()), op
+
+
+def test_console_script_version():
+    script = Path(sys.executable).parent / "dslab"
+    if not script.exists():
+        pytest.skip("the dslab console script is not installed next to this interpreter")
+    done = _run([str(script), "--version"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"dslab {dslab.__version__}"
