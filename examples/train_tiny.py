@@ -22,7 +22,7 @@ class TinyTransformer(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(seq, dim))
         layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
         mask = torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1)
         self.register_buffer("causal", mask, persistent=False)

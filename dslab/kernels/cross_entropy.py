@@ -71,15 +71,13 @@ def _load_chunk(ptr, cols, limit, MASKED: tl.constexpr):
 
 
 @_jit
-def _online_chunk(x, running_max, lane_sum, lane_total, SMOOTH: tl.constexpr):
-    """Fold one chunk into the running max, the per-lane sums of exp(x - max) and of x."""
+def _online_chunk(x, running_max, lane_sum):
+    """Fold one chunk into the running max and the per-lane sums of exp(x - max)."""
     new_max = tl.maximum(running_max, tl.max(x, axis=0))
     # A leading all -inf stretch keeps the max at -inf; shifting by 0 then avoids -inf - -inf.
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
     lane_sum = lane_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
-    if SMOOTH:
-        lane_total += tl.where(x == float("-inf"), 0.0, x)
-    return new_max, lane_sum, lane_total
+    return new_max, lane_sum
 
 
 @_jit
@@ -105,10 +103,14 @@ def _forward_kernel(
         full_end = (vocab // BLOCK) * BLOCK
         for start in range(0, full_end, BLOCK):
             x = _load_chunk(row_ptr + start, cols, BLOCK, MASKED=False)
-            running_max, lane_sum, lane_total = _online_chunk(x, running_max, lane_sum, lane_total, SMOOTH)
+            running_max, lane_sum = _online_chunk(x, running_max, lane_sum)
+            if SMOOTH:
+                lane_total += x
         if full_end < vocab:
             x = _load_chunk(row_ptr + full_end, cols, vocab - full_end, MASKED=True)
-            running_max, lane_sum, lane_total = _online_chunk(x, running_max, lane_sum, lane_total, SMOOTH)
+            running_max, lane_sum = _online_chunk(x, running_max, lane_sum)
+            if SMOOTH:
+                lane_total += tl.where(cols < vocab - full_end, x, 0.0)
         lse = running_max + tl.log(tl.sum(lane_sum, axis=0))
         in_range = (target >= 0) & (target < vocab)
         target_logit = tl.load(row_ptr + target, mask=in_range, other=0.0).to(tl.float32)

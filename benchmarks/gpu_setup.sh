@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Prepares a lent GPU machine (python3 with a CUDA torch, no network) to run dslab:
+# installs wheels carried in .whl/ (pydantic and the like) into /tmp/site and dslab itself.
+# Source it:  . benchmarks/gpu_setup.sh
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
