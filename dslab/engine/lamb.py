@@ -58,7 +58,10 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def _global_grad_norm(self) -> torch.Tensor | None:
-        """The L2 norm of every gradient in the optimizer, as a 0-dim tensor (None: no grads)."""
+        """The L2 norm of every gradient in the optimizer (None: no grads).
+
+        A 0-dim tensor on the first gradient's device, in float32 (float64 if a gradient is).
+        """
         grads = [p.grad for group in self.param_groups for p in group["params"]
                  if p.grad is not None]
         if not grads:
@@ -67,10 +70,12 @@ class Lamb(torch.optim.Optimizer):
         for g in grads:
             by_device[g.device].append(g)
         device = grads[0].device
-        squares = [torch.stack([n.float() for n in torch._foreach_norm(gs)]).square().sum()
+        dtype = torch.float32
+        for g in grads:
+            dtype = torch.promote_types(dtype, g.dtype)
+        squares = [torch.stack([n.to(dtype) for n in torch._foreach_norm(gs)]).square().sum()
                    for gs in by_device.values()]
-        squares = [s.to(device) for s in squares]
-        return torch.stack(squares).sum().sqrt()
+        return torch.stack([s.to(device) for s in squares]).sum().sqrt()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -143,16 +148,20 @@ def _trust_ratios(p_norms: list[torch.Tensor], u_norms: list[torch.Tensor],
                   min_coeff: float, max_coeff: float) -> list[torch.Tensor]:
     """clamp(||p|| / ||u||, min_coeff, max_coeff) per parameter, 1 where either norm is 0.
 
-    The 0-dim norms are stacked per device so that the ratios take a few kernels, not a few per
-    parameter; each ratio comes back in its parameter's dtype.
+    The 0-dim norms are stacked per device (in float32, or float64 if a parameter is float64) so
+    that the ratios take a few kernels, not a few per parameter; each ratio comes back in its
+    parameter's dtype.
     """
     ratios: list[torch.Tensor | None] = [None] * len(p_norms)
     by_device: dict[torch.device, list[int]] = defaultdict(list)
     for index, norm in enumerate(p_norms):
         by_device[norm.device].append(index)
     for indices in by_device.values():
-        p_norm = torch.stack([p_norms[i].float() for i in indices])
-        u_norm = torch.stack([u_norms[i].float() for i in indices])
+        dtype = torch.float32
+        for i in indices:
+            dtype = torch.promote_types(dtype, p_norms[i].dtype)
+        p_norm = torch.stack([p_norms[i].to(dtype) for i in indices])
+        u_norm = torch.stack([u_norms[i].to(dtype) for i in indices])
         trust = (p_norm / u_norm).clamp(min_coeff, max_coeff)
         trust = torch.where((p_norm > 0) & (u_norm > 0), trust, torch.ones_like(trust))
         for i, ratio in zip(indices, trust.unbind()):

@@ -207,7 +207,7 @@ class WarmupDecayLR(WarmupLR):
         if t < self.warmup_num_steps:
             return _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
         decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)
-        return max(0.0, (self.total_num_steps - t) / decay_steps)
+        return max(0.0, (self.total_num_steps - t + 1) / decay_steps)
 
 
 class WarmupCosineLR(_Schedule):

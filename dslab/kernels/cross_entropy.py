@@ -61,6 +61,21 @@ def cross_entropy_reference(
 
 
 @_jit
+def _cast(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
+    """``x.to(dtype)``. With ``BF16_BY_HAND`` (set under the interpreter for bf16 outputs), fp32 ->
+    bf16 rounds to nearest even with integer ops: the interpreter's own cast truncates, while the
+    GPU's ``cvt.rn.bf16.f32`` rounds to nearest even like ``torch.Tensor.to``."""
+    if BF16_BY_HAND:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = x.to(dtype)
+    return out
+
+
+@_jit
 def _load_chunk(ptr, cols, limit, MASKED: tl.constexpr):
     """fp32 values at ``ptr + cols``; lanes at or past ``limit`` read -inf when ``MASKED``."""
     if MASKED:
@@ -125,14 +140,14 @@ def _forward_kernel(
 
 @_jit
 def _grad_chunk(x_ptr, grad_ptr, cols, limit, target, lse, scale, label_smoothing, vocab,
-                SMOOTH: tl.constexpr, MASKED: tl.constexpr):
+                SMOOTH: tl.constexpr, MASKED: tl.constexpr, BF16_BY_HAND: tl.constexpr):
     """grad = (exp(x - lse) - (1 - eps) [col == t] - eps / V) * scale for one chunk."""
     x = _load_chunk(x_ptr, cols, limit, MASKED)
     grad = tl.exp(x - lse)
     if SMOOTH:
         grad -= label_smoothing / vocab
     grad = tl.where(cols == target, grad - (1.0 - label_smoothing), grad) * scale
-    grad = grad.to(grad_ptr.dtype.element_ty)
+    grad = _cast(grad, grad_ptr.dtype.element_ty, BF16_BY_HAND)
     if MASKED:
         tl.store(grad_ptr + cols, grad, mask=cols < limit)
     else:
@@ -142,7 +157,7 @@ def _grad_chunk(x_ptr, grad_ptr, cols, limit, target, lse, scale, label_smoothin
 @_jit
 def _backward_kernel(
     logits_ptr, row_stride, grad_ptr, target_ptr, lse_ptr, scale_ptr, vocab, ignore_index, label_smoothing,
-    BLOCK: tl.constexpr, SMOOTH: tl.constexpr,
+    BLOCK: tl.constexpr, SMOOTH: tl.constexpr, BF16_BY_HAND: tl.constexpr,
 ):
     """Row ``pid`` of the gradient (contiguous, logits' dtype); ``scale_ptr`` holds g / n_valid.
 
@@ -163,10 +178,10 @@ def _backward_kernel(
         full_end = (vocab // BLOCK) * BLOCK
         for start in range(0, full_end, BLOCK):
             _grad_chunk(row_ptr + start, grad_row + start, cols, BLOCK, target - start, lse, scale,
-                        label_smoothing, vocab, SMOOTH, MASKED=False)
+                        label_smoothing, vocab, SMOOTH, MASKED=False, BF16_BY_HAND=BF16_BY_HAND)
         if full_end < vocab:
             _grad_chunk(row_ptr + full_end, grad_row + full_end, cols, vocab - full_end, target - full_end,
-                        lse, scale, label_smoothing, vocab, SMOOTH, MASKED=True)
+                        lse, scale, label_smoothing, vocab, SMOOTH, MASKED=True, BF16_BY_HAND=BF16_BY_HAND)
 
 
 def _launch_config(vocab: int) -> tuple[int, int]:
@@ -212,7 +227,8 @@ def cross_entropy_backward_triton(
         block, num_warps = _launch_config(vocab)
         _backward_kernel[(n_rows,)](
             logits, logits.stride(0), grad, target, lse, scale, vocab, ignore_index, float(label_smoothing),
-            BLOCK=block, SMOOTH=label_smoothing > 0.0, num_warps=num_warps,
+            BLOCK=block, SMOOTH=label_smoothing > 0.0,
+            BF16_BY_HAND=interpreting() and logits.dtype == torch.bfloat16, num_warps=num_warps,
         )
     return grad
 

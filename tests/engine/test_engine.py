@@ -229,3 +229,31 @@ def test_scheduler_from_config_is_stepped_per_optimizer_step():
         engine.step()
     assert engine.global_steps == 3
     assert engine.get_lr()[0] == pytest.approx(0.01 * 2 / 10)
+
+
+def test_csv_monitor_and_wall_clock_breakdown(tmp_path):
+    cfg = base_config(gradient_accumulation_steps=2, wall_clock_breakdown=True,
+                      csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "job"})
+    engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
+    x, y = make_data(8)
+    losses = []
+    for _ in range(6):
+        loss = engine(x, y)
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+    engine.destroy()
+    job = tmp_path / "job"
+    names = sorted(p.name for p in job.iterdir())
+    assert "Train_Samples_train_loss.csv" in names and "Train_Samples_lr.csv" in names
+    assert {"Train_Samples_elapsed_time_ms_forward.csv", "Train_Samples_elapsed_time_ms_backward.csv",
+            "Train_Samples_elapsed_time_ms_step.csv"} <= set(names)
+    rows = (job / "Train_Samples_train_loss.csv").read_text().strip().splitlines()
+    assert rows[0].startswith("step,")
+    steps = [int(r.split(",")[0]) for r in rows[1:]]
+    values = [float(r.split(",")[1]) for r in rows[1:]]
+    assert steps == [16, 32, 48]  # global_samples after each optimizer step (batch 8 x 2 micro-steps)
+    expected = [(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2, (losses[4] + losses[5]) / 2]
+    assert values == pytest.approx(expected, rel=1e-6)
+    fwd = [float(r.split(",")[1]) for r in (job / "Train_Samples_elapsed_time_ms_forward.csv").read_text().splitlines()[1:]]
+    assert len(fwd) == 3 and all(t > 0 for t in fwd)
