@@ -50,7 +50,85 @@ def _run_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("suite", help="suite directory (e.g. suites/bert_large) or its suite.json")
+    parser.add_argument("--scale", choices=("full", "tiny"), default=None,
+                        help="'full' on a GPU (default there), 'tiny' on a CPU (default without a GPU)")
+    parser.add_argument("--arms", default=None,
+                        help="comma-separated arms (dslab, torch, torch-compile, hf); default: the suite's")
+    parser.add_argument("--trials", type=int, default=None, help="trials per arm (default: the suite's)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per trial (default: the suite's)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per trial (default: the suite's)")
+    parser.add_argument("--out", default="reports", help="reports root (default: reports/)")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from dslab.bench.runner import run_suite
+
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    report, _ = run_suite(args.suite, scale=args.scale, arms=arms, trials=args.trials, steps=args.steps,
+                          warmup_steps=args.warmup, out=args.out)
+    failed = [f"{r.case}/{r.arm}" for r in report.results if r.status == "failed"]
+    if failed:
+        print(f"dslab: {len(failed)} arm(s) failed: {', '.join(failed)} (errors are in the report)",
+              file=sys.stderr)
+    return 0
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="report_action", metavar="<action>", required=True)
+    listing = actions.add_parser("list", help="list runs, newest last")
+    listing.add_argument("--suite", default=None, help="only this suite's runs")
+    listing.add_argument("--reports", default="reports", help="reports root (default: reports/)")
+    show = actions.add_parser("show", help="print one run's environment and results")
+    show.add_argument("run", help="run id (or a prefix), suite/run_id, or a run directory")
+    show.add_argument("--reports", default="reports", help="reports root (default: reports/)")
+    show.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from dslab.report import find_run, list_runs, read_report
+    from dslab.report.summary import describe, results_table
+
+    if args.report_action == "list":
+        runs = list_runs(args.reports, args.suite)
+        if not runs:
+            print(f"no runs under {args.reports}" + (f" for suite {args.suite}" if args.suite else ""))
+            return 0
+        for path in runs:
+            try:
+                r = read_report(path)
+            except ValueError as err:
+                print(f"{path.parent.name:<12} {path.name:<24} unreadable: {err}")
+                continue
+            best = r.result(r.cases()[0], "dslab") if r.cases() else None
+            figure = f"{best.metrics['samples_per_s']:.1f} samples/s" if best and "samples_per_s" in best.metrics else "-"
+            gpus = (r.environment.get("cuda") or {}).get("gpus") or []
+            hw = gpus[0].get("name", "?") if gpus else "CPU"
+            print(f"{r.suite:<12} {r.run_id:<24} {r.status:<10} {hw:<24} {figure}")
+        return 0
+    report = read_report(find_run(args.reports, args.run))
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(describe(report))
+        print(results_table(report), end="")
+    return 0
+
+
 COMMANDS: tuple[Command, ...] = (
+    Command(
+        "bench",
+        "run a benchmark suite's arms side by side and write a run report",
+        _bench_arguments,
+        _run_bench,
+    ),
+    Command(
+        "report",
+        "list run reports or show one",
+        _report_arguments,
+        _run_report,
+    ),
     Command(
         "env",
         "print versions, GPUs with their datasheet peaks, NVML and the kernel backends (for bug reports)",

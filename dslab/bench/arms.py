@@ -1,0 +1,151 @@
+"""The arms of a benchmark: the same workload trained four ways.
+
+- ``dslab``: the model on dslab's kernels inside :func:`dslab.initialize`'s engine, configured by
+  the suite's engine config (DeepSpeed keys) plus the case's micro-batch and the precision.
+- ``torch``: the same model on PyTorch's own ops, a plain loop: autocast, backward,
+  ``torch.optim.AdamW`` (fused on CUDA), clipping when the suite clips.
+- ``torch-compile``: the ``torch`` arm with the model under ``torch.compile``.
+- ``hf``: transformers' model of the same shape in the ``torch`` arm's loop.
+
+Every arm exposes ``step()`` (one optimizer step) and ``close()``; building an arm may raise, and
+the runner records that arm as failed and goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from dslab.bench.workloads import Workload
+
+INJECT_SLEEP_ENV = "DSLAB_INJECT_STEP_SLEEP_MS"
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def _optimizer_settings(engine_cfg: dict) -> dict:
+    """lr/betas/eps/weight_decay from the suite's engine optimizer section (AdamW defaults)."""
+    opt = engine_cfg.get("optimizer") or {}
+    kind = str(opt.get("type", "AdamW")).lower()
+    if kind not in ("adam", "adamw"):
+        raise ValueError(
+            f"the torch/hf arms train with AdamW; suite engine optimizer type {opt.get('type')!r} "
+            f"has no plain-PyTorch twin"
+        )
+    params = dict(opt.get("params") or {})
+    keep = {k: params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in params}
+    keep.setdefault("lr", 1e-4)
+    return keep
+
+
+def inject_sleep_ms() -> float:
+    raw = os.environ.get(INJECT_SLEEP_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{INJECT_SLEEP_ENV}={raw!r} is not a number of milliseconds") from None
+    if value < 0:
+        raise ValueError(f"{INJECT_SLEEP_ENV} must be >= 0, got {value}")
+    return value
+
+
+class EngineArm:
+    """The ``dslab`` arm: dslab kernels inside the dslab engine."""
+
+    name = "dslab"
+
+    def __init__(self, workload: Workload, device: torch.device, precision: str, engine_cfg: dict):
+        import dslab
+
+        config = dict(engine_cfg)
+        config["train_micro_batch_size_per_gpu"] = workload.case.micro_batch
+        config["gradient_accumulation_steps"] = 1
+        if precision != "fp32":
+            config[precision] = {"enabled": True}
+        config.setdefault("steps_per_print", 10**9)
+        model = workload.build_model(kernels="dslab")
+        self.engine, _, _, _ = dslab.initialize(model=model, config=config, dist_init_required=False)
+        self.batch = workload.make_batch(self.engine.device)
+        self.loss_fn = workload.loss_fn()
+        self.sleep_s = inject_sleep_ms() / 1e3
+        self.model_for_counting = model
+
+    def step(self) -> torch.Tensor:
+        loss = self.engine(**self.batch)
+        self.engine.backward(loss)
+        self.engine.step()
+        if self.sleep_s:
+            # A deliberate slowdown for checking a gate: wait for the device, then sleep, so the
+            # measured step grows by at least this much.
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            time.sleep(self.sleep_s)
+        return loss
+
+    def close(self) -> None:
+        self.engine.destroy()
+        del self.engine
+
+
+class PlainArm:
+    """A hand-written loop: autocast forward, backward, AdamW (fused on CUDA), optional clipping."""
+
+    def __init__(self, name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict):
+        self.name = name
+        self.device = device
+        self.dtype = PRECISION_DTYPES[precision]
+        hf = name == "hf"
+        model = workload.build_hf_model() if hf else workload.build_model(kernels="torch")
+        self.model = model.to(device).train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), **_optimizer_settings(engine_cfg),
+            **({"fused": True} if device.type == "cuda" else {"foreach": True}),
+        )
+        self.clip = float(engine_cfg.get("gradient_clipping", 0.0))
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        self.forward = torch.compile(self.model) if name == "torch-compile" else self.model
+        self.loss_fn = workload.loss_fn(hf=hf)
+        self.batch = workload.make_batch(device)
+
+    def step(self) -> torch.Tensor:
+        if self.dtype is not None:
+            with torch.autocast(self.device.type, dtype=self.dtype):
+                loss = self.loss_fn(self.forward, self.batch)
+        else:
+            loss = self.loss_fn(self.forward, self.batch)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+        else:
+            loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def close(self) -> None:
+        del self.model, self.optimizer, self.forward
+
+
+def build_arm(name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict):
+    if name == "dslab":
+        return EngineArm(workload, device, precision, engine_cfg)
+    if name == "hf":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise ArmSkipped("transformers is not installed") from None
+    return PlainArm(name, workload, device, precision, engine_cfg)
+
+
+class ArmSkipped(Exception):
+    """The arm cannot run here (a missing optional package); recorded as skipped, not failed."""

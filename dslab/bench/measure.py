@@ -1,0 +1,134 @@
+"""Measuring: the device's ceilings, the flops of one training step, and timed trials.
+
+Device work is timed with CUDA events recorded around each step on the current stream and read
+after one synchronisation at the end of the trial; on CPU, where work is synchronous, with the
+host clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def measure_peaks(device: torch.device) -> dict:
+    """bf16 matmul TFLOP/s (8192^3, random data, median of 10) and device-to-device copy GB/s
+    (1 GiB, bytes read + written, median of 10). Empty on CPU."""
+    if device.type != "cuda":
+        return {}
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm = _median_ms(lambda: a @ b, 10)
+    src = torch.randn(1 << 28, device=device)  # 1 GiB of fp32
+    dst = torch.empty_like(src)
+    cp = _median_ms(lambda: dst.copy_(src), 10)
+    peaks = {
+        "bf16_matmul_tflops": 2 * n**3 / (mm * 1e-3) / 1e12,
+        "copy_gbps": 2 * src.numel() * src.element_size() / (cp * 1e-3) / 1e9,
+        "method": "bf16 8192^3 matmul and a 1 GiB device copy (read+write), medians of 10 after warm-up",
+    }
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return peaks
+
+
+def _median_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def count_step_flops(model: torch.nn.Module, loss_fn, batch: dict, dtype: torch.dtype | None,
+                     device: torch.device) -> int:
+    """Floating-point operations of one forward + backward, counted from the aten ops that run
+    (``torch.utils.flop_counter``): matrix products and attention, as that counter defines them."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        if dtype is not None:
+            with torch.autocast(device.type, dtype=dtype):
+                loss = loss_fn(model, batch)
+        else:
+            loss = loss_fn(model, batch)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_trial(step, device: torch.device, warmup: int, steps: int) -> dict:
+    """Warm up, then time ``steps`` calls of ``step`` one by one.
+
+    Returns ``{"step_times_ms": [...], "peak_memory_bytes": int or None, "final_loss": float}``.
+    """
+    loss = None
+    for _ in range(warmup):
+        loss = step()
+    sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        for s, e in zip(starts, ends):
+            s.record()
+            loss = step()
+            e.record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        peak = None
+    return {
+        "step_times_ms": times,
+        "peak_memory_bytes": peak,
+        "final_loss": float(loss.detach().float()) if loss is not None else float("nan"),
+    }
+
+
+def trial_metrics(trial: dict, samples: int, tokens: int, flops: int | None, peaks: dict,
+                  datasheet_bf16_tflops: float | None) -> dict:
+    times = trial["step_times_ms"]
+    step_ms = statistics.median(times)
+    metrics = {
+        "step_time_ms": step_ms,
+        "step_time_min_ms": min(times),
+        "step_time_max_ms": max(times),
+        "samples_per_s": samples / (step_ms / 1e3),
+        "tokens_per_s": tokens / (step_ms / 1e3),
+        "final_loss": trial["final_loss"],
+    }
+    if len(times) >= 4:
+        q = statistics.quantiles(times, n=10)
+        metrics["step_time_p10_ms"], metrics["step_time_p90_ms"] = q[0], q[-1]
+    if trial["peak_memory_bytes"] is not None:
+        metrics["peak_memory_bytes"] = float(trial["peak_memory_bytes"])
+    if flops:
+        tflops = flops / (step_ms / 1e3) / 1e12
+        metrics["model_tflops"] = tflops
+        if peaks.get("bf16_matmul_tflops"):
+            metrics["mfu_measured"] = tflops / peaks["bf16_matmul_tflops"]
+        if datasheet_bf16_tflops:
+            metrics["mfu_datasheet"] = tflops / datasheet_bf16_tflops
+    return metrics

@@ -1,0 +1,201 @@
+"""``dslab bench SUITE``: run a suite's arms side by side and write a run report.
+
+For each case, every arm is built once (same seed, same synthetic batch), then trials run
+interleaved: trial 0 of every arm, then trial 1 with the arm order rotated, and so on, so slow
+drifts of the machine (clocks, temperature, neighbours) fall on all arms alike. The report is
+rewritten atomically after every trial; an arm that fails is recorded with its error and the
+others go on; Ctrl-C leaves the report marked incomplete.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import traceback
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from dslab.bench.arms import PRECISION_DTYPES, ArmSkipped, build_arm
+from dslab.bench.measure import count_step_flops, measure_peaks, run_trial, trial_metrics
+from dslab.bench.suite import SuiteConfig, load_suite, select_arms
+from dslab.bench.workloads import Workload, workloads_for
+from dslab.report import Result, RunReport, Trial, new_run_id, write_report
+from dslab.report.environment import collect_environment
+from dslab.report.store import utc_now
+from dslab.report.summary import describe, results_table
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _error_text(err: BaseException) -> str:
+    if isinstance(err, torch.OutOfMemoryError):
+        return f"out of memory: {str(err).splitlines()[0]}"
+    last = traceback.format_exception(err)[-3:]
+    return f"{type(err).__name__}: {err}\n{''.join(last)}"
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _datasheet_bf16(environment: dict) -> float | None:
+    gpus = (environment.get("cuda") or {}).get("gpus") or []
+    spec = gpus[0].get("spec") if gpus else None
+    return spec.get("bf16_tflops") if spec else None
+
+
+class Progress:
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def line(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+
+def _count_flops(workload: Workload, suite: SuiteConfig, device: torch.device) -> int | None:
+    model = workload.build_model(kernels="torch").to(device)
+    try:
+        return count_step_flops(model, workload.loss_fn(), workload.make_batch(device),
+                                PRECISION_DTYPES[suite.precision], device)
+    finally:
+        del model
+        _free(device)
+
+
+def run_suite(
+    suite_path: str | Path,
+    scale: str | None = None,
+    arms: list[str] | None = None,
+    trials: int | None = None,
+    steps: int | None = None,
+    warmup_steps: int | None = None,
+    out: str | Path = "reports",
+    stream: TextIO = sys.stderr,
+) -> tuple[RunReport, Path]:
+    """Run the suite at ``suite_path``; returns the report and the path of its run.json."""
+    suite, suite_file = load_suite(suite_path)
+    device = _device()
+    progress = Progress(stream)
+    if scale is None:
+        scale = "full" if device.type == "cuda" else "tiny"
+        if device.type != "cuda":
+            progress.line(f"no CUDA GPU: running suite {suite.name} at the 'tiny' scale on the CPU")
+    workloads = workloads_for(suite, scale)
+    sc = suite.scales[scale]
+    arm_names = select_arms(suite, arms)
+    n_trials = trials or sc.trials
+    n_steps = steps or sc.steps
+    n_warmup = sc.warmup_steps if warmup_steps is None else warmup_steps
+    for name, value in (("--trials", n_trials), ("--steps", n_steps)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+    report = RunReport(run_id=new_run_id(), suite=suite.name, created=utc_now())
+    report.environment = collect_environment()
+    report.config = {
+        "suite_file": str(suite_file),
+        "scale": scale,
+        "arms": arm_names,
+        "trials": n_trials,
+        "steps": n_steps,
+        "warmup_steps": n_warmup,
+        "precision": suite.precision,
+        "family": suite.family,
+        "cases": [{**w.case.model_dump(), "preset": w.preset} for w in workloads],
+        "model_options": suite.model_options,
+        "engine": suite.engine,
+        "device": str(device),
+        "seed": suite.seed,
+    }
+    report.data = {"kind": "synthetic", "description": workloads[0].data_description}
+    path = write_report(report, out)
+    progress.line(f"run {report.run_id}: {len(workloads)} case(s) x {len(arm_names)} arm(s) x {n_trials} trial(s) "
+                  f"of {n_steps} steps on {device} -> {path.parent}")
+    try:
+        report.peaks = measure_peaks(device)
+        datasheet = _datasheet_bf16(report.environment)
+        if datasheet:
+            report.peaks["datasheet_bf16_tflops"] = datasheet
+        for workload in workloads:
+            _run_case(report, suite, workload, arm_names, device, n_trials, n_steps, n_warmup,
+                      datasheet, out, progress)
+        report.compute_ratios("dslab", "samples_per_s")
+        report.status = "complete"
+    except KeyboardInterrupt:
+        report.status = "incomplete"
+        report.notes.append("interrupted (Ctrl-C) before the run finished")
+        report.compute_ratios("dslab", "samples_per_s")
+        raise
+    except BaseException:
+        report.status = "incomplete"
+        report.notes.append("the runner stopped on an error before the run finished")
+        raise
+    finally:
+        report.finished = utc_now()
+        path = write_report(report, out)
+        progress.line("")
+        progress.line(describe(report) + "\n" + results_table(report))
+        progress.line(f"report: {path}")
+    return report, path
+
+
+def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_names: list[str],
+              device: torch.device, n_trials: int, n_steps: int, n_warmup: int,
+              datasheet: float | None, out, progress: Progress) -> None:
+    case = workload.case.name
+    samples, tokens = workload.samples_and_tokens()
+    try:
+        flops = _count_flops(workload, suite, device)
+    except Exception as err:  # counting is informative; the timings still stand without it
+        flops = None
+        report.notes.append(f"{case}: flop count failed: {_error_text(err).splitlines()[0]}")
+    if flops:
+        report.config.setdefault("flops_per_step", {})[case] = flops
+
+    built = {}
+    for name in arm_names:
+        result = Result(case=case, arm=name)
+        report.results.append(result)
+        try:
+            built[name] = build_arm(name, workload, device, suite.precision, suite.engine)
+        except ArmSkipped as err:
+            result.status, result.error = "skipped", str(err)
+            progress.line(f"[{suite.name} {case}] {name}: skipped ({err})")
+        except Exception as err:
+            result.status, result.error = "failed", _error_text(err)
+            progress.line(f"[{suite.name} {case}] {name}: failed to build: {result.error.splitlines()[0]}")
+            _free(device)
+    write_report(report, out)
+
+    for t in range(n_trials):
+        live = [n for n in arm_names if n in built]
+        if not live:
+            break
+        shift = t % len(live)
+        for name in live[shift:] + live[:shift]:
+            result = report.result(case, name)
+            try:
+                measured = run_trial(built[name].step, device, n_warmup, n_steps)
+            except Exception as err:
+                result.status, result.error = "failed", _error_text(err)
+                progress.line(f"[{suite.name} {case}] trial {t + 1}/{n_trials} {name}: failed: "
+                              f"{result.error.splitlines()[0]}")
+                built.pop(name).close()
+                _free(device)
+                continue
+            metrics = trial_metrics(measured, samples, tokens, flops, report.peaks, datasheet)
+            result.trials.append(Trial(trial=t, step_times_ms=measured["step_times_ms"], metrics=metrics))
+            result.summarize()
+            progress.line(f"[{suite.name} {case}] trial {t + 1}/{n_trials} {name:<13} "
+                          f"{metrics['samples_per_s']:>10.1f} samples/s  {metrics['step_time_ms']:>9.2f} ms/step")
+        write_report(report, out)
+    for arm in built.values():
+        arm.close()
+    built.clear()
+    _free(device)

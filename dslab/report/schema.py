@@ -1,0 +1,230 @@
+"""The run report: what one ``dslab bench`` run measured, as versioned JSON.
+
+A report is the contract between producers (bench, engine, profilers, I/O tuner) and consumers
+(dashboard, gate, ``dslab report``). Layout of ``run.json`` (schema version 1)::
+
+    {
+      "schema": "dslab.run", "schema_version": 1,
+      "run_id": "20261122T031500Z-3fa9c1", "suite": "bert_large", "status": "complete",
+      "created": ISO-8601, "finished": ISO-8601 or null,
+      "environment": {...},          # dslab.report.environment.collect_environment()
+      "config": {...},               # the resolved suite config, engine config included
+      "data": {"kind": "synthetic", "description": "..."},
+      "peaks": {"bf16_matmul_tflops": measured, "copy_gbps": measured, "datasheet": {...}},
+      "results": [                   # one per (case, arm)
+        {"case": "seq128", "arm": "dslab", "status": "ok" | "failed" | "skipped",
+         "error": null, "metrics": {"samples_per_s": ..., ...},   # medians over trials
+         "trials": [{"trial": 0, "step_times_ms": [...], "metrics": {...}}]}
+      ],
+      "ratios": {"seq128": {"dslab/torch": 1.31, ...}},
+      "profilers": {"flops": null, "memory": null, "comms": null, "telemetry": null},
+      "notes": []
+    }
+
+Readers are tolerant: a report of an older version, or one cut short (Ctrl-C, a crash), loads
+with defaults for what is missing, and :attr:`RunReport.missing` lists those keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA = "dslab.run"
+SCHEMA_VERSION = 1
+
+STATUS_COMPLETE = "complete"
+STATUS_INCOMPLETE = "incomplete"
+STATUSES = (STATUS_COMPLETE, STATUS_INCOMPLETE, "running", "failed")
+
+# Metrics a result may carry, with the direction in which they are better. The gate and the
+# dashboard read this table; producers may add others (they are kept, with no direction).
+METRIC_DIRECTIONS = {
+    "samples_per_s": "higher",
+    "tokens_per_s": "higher",
+    "step_time_ms": "lower",
+    "model_tflops": "higher",
+    "mfu_measured": "higher",
+    "mfu_datasheet": "higher",
+    "peak_memory_bytes": "lower",
+}
+
+PROFILER_SECTIONS = ("flops", "memory", "comms", "telemetry")
+
+
+@dataclass
+class Trial:
+    trial: int
+    step_times_ms: list[float] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    """One arm on one case: its trials and the median of each metric over them."""
+
+    case: str
+    arm: str
+    status: str = "ok"
+    error: str | None = None
+    trials: list[Trial] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def summarize(self) -> None:
+        """Set ``metrics`` to the median over trials of every metric the trials share."""
+        if not self.trials:
+            self.metrics = {}
+            return
+        names = set.intersection(*(set(t.metrics) for t in self.trials))
+        self.metrics = {n: statistics.median(t.metrics[n] for t in self.trials) for n in sorted(names)}
+
+    def trial_values(self, metric: str) -> list[float]:
+        return [t.metrics[metric] for t in self.trials if metric in t.metrics]
+
+
+@dataclass
+class RunReport:
+    run_id: str
+    suite: str
+    status: str = "running"
+    created: str | None = None
+    finished: str | None = None
+    environment: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
+    peaks: dict = field(default_factory=dict)
+    results: list[Result] = field(default_factory=list)
+    ratios: dict = field(default_factory=dict)
+    profilers: dict = field(default_factory=lambda: {name: None for name in PROFILER_SECTIONS})
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    # Filled by the reader, never written: keys the file lacked, and other warnings.
+    missing: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def result(self, case: str, arm: str) -> Result | None:
+        for r in self.results:
+            if r.case == case and r.arm == arm:
+                return r
+        return None
+
+    def cases(self) -> list[str]:
+        return list(dict.fromkeys(r.case for r in self.results))
+
+    def arms(self) -> list[str]:
+        return list(dict.fromkeys(r.arm for r in self.results))
+
+    def compute_ratios(self, numerator_arm: str, metric: str) -> None:
+        """``ratios[case]["<numerator>/<arm>"]`` = numerator's metric over each other arm's."""
+        self.ratios = {}
+        for case in self.cases():
+            mine = self.result(case, numerator_arm)
+            if mine is None or metric not in mine.metrics:
+                continue
+            for other in self.results:
+                if other.case != case or other.arm == numerator_arm or metric not in other.metrics:
+                    continue
+                if other.metrics[metric] > 0:
+                    key = f"{numerator_arm}/{other.arm}"
+                    self.ratios.setdefault(case, {})[key] = mine.metrics[metric] / other.metrics[metric]
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.pop("missing")
+        data.pop("warnings")
+        return {"schema": SCHEMA, **data}
+
+
+def _as_trial(raw: Any, where: str, warnings: list[str]) -> Trial | None:
+    if not isinstance(raw, dict):
+        warnings.append(f"{where}: not an object; skipped")
+        return None
+    try:
+        return Trial(
+            trial=int(raw.get("trial", 0)),
+            step_times_ms=[float(x) for x in raw.get("step_times_ms", [])],
+            metrics={str(k): float(v) for k, v in (raw.get("metrics") or {}).items() if _is_number(v)},
+        )
+    except (TypeError, ValueError) as err:
+        warnings.append(f"{where}: {err}; skipped")
+        return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_result(raw: Any, where: str, warnings: list[str]) -> Result | None:
+    if not isinstance(raw, dict) or "case" not in raw or "arm" not in raw:
+        warnings.append(f"{where}: a result needs 'case' and 'arm'; skipped")
+        return None
+    trials = []
+    for i, t in enumerate(raw.get("trials") or []):
+        trial = _as_trial(t, f"{where}.trials[{i}]", warnings)
+        if trial is not None:
+            trials.append(trial)
+    result = Result(
+        case=str(raw["case"]),
+        arm=str(raw["arm"]),
+        status=str(raw.get("status", "ok")),
+        error=raw.get("error"),
+        trials=trials,
+        metrics={str(k): float(v) for k, v in (raw.get("metrics") or {}).items() if _is_number(v)},
+    )
+    if not result.metrics and trials:
+        result.summarize()
+    return result
+
+
+def report_from_dict(data: dict) -> RunReport:
+    """Build a RunReport from parsed JSON, tolerating older versions and partial files."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a run report must be a JSON object, not {type(data).__name__}")
+    if data.get("schema", SCHEMA) != SCHEMA:
+        raise ValueError(f"not a dslab run report (schema {data.get('schema')!r})")
+    missing = []
+    warnings = []
+    version = data.get("schema_version")
+    if version is None:
+        missing.append("schema_version")
+        version = SCHEMA_VERSION
+    elif not isinstance(version, int) or version > SCHEMA_VERSION:
+        warnings.append(f"schema_version {version!r} is newer than this reader ({SCHEMA_VERSION}); reading what it can")
+
+    def take(key, default, kind):
+        if key not in data:
+            missing.append(key)
+            return default
+        value = data[key]
+        if not isinstance(value, kind):
+            warnings.append(f"'{key}' should be {kind.__name__ if isinstance(kind, type) else kind}; ignored")
+            return default
+        return value
+
+    results = []
+    for i, raw in enumerate(take("results", [], list)):
+        r = _as_result(raw, f"results[{i}]", warnings)
+        if r is not None:
+            results.append(r)
+    profilers = {name: None for name in PROFILER_SECTIONS}
+    profilers.update(take("profilers", {}, dict))
+    return RunReport(
+        run_id=str(take("run_id", "unknown", str)),
+        suite=str(take("suite", "unknown", str)),
+        status=str(take("status", STATUS_INCOMPLETE, str)),
+        created=take("created", None, (str, type(None))),
+        finished=data.get("finished"),
+        environment=take("environment", {}, dict),
+        config=take("config", {}, dict),
+        data=take("data", {}, dict),
+        peaks=take("peaks", {}, dict),
+        results=results,
+        ratios=take("ratios", {}, dict),
+        profilers=profilers,
+        notes=[str(n) for n in take("notes", [], list)],
+        schema_version=int(version) if isinstance(version, int) else SCHEMA_VERSION,
+        missing=missing,
+        warnings=warnings,
+    )

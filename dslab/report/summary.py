@@ -1,0 +1,91 @@
+"""Plain-text tables of a run report, for the terminal (``dslab bench`` and ``dslab report``)."""
+
+from __future__ import annotations
+
+from dslab.report.schema import RunReport
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    if value is None:
+        return "-"
+    return format(value * scale, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    for r in rows:
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return out
+
+
+def results_table(report: RunReport) -> str:
+    """One block per case: each arm's medians over trials, its spread, and dslab's ratio to it."""
+    lines = []
+    for case in report.cases():
+        lines.append(f"{report.suite} / {case}")
+        rows = []
+        base = report.result(case, "dslab")
+        for arm in report.arms():
+            r = report.result(case, arm)
+            if r is None:
+                continue
+            if r.status != "ok" or not r.metrics:
+                rows.append([arm, r.status, (r.error or "").splitlines()[0][:60] if r.error else "", "", "", "", "", "", ""])
+                continue
+            m = r.metrics
+            spread = "-"
+            step_medians = r.trial_values("step_time_ms")
+            if len(step_medians) > 1:
+                spread = f"±{(max(step_medians) - min(step_medians)) / 2 / m['step_time_ms'] * 100:.1f}%"
+            ratio = "-"
+            if arm != "dslab" and base is not None and base.metrics.get("samples_per_s") and m.get("samples_per_s"):
+                ratio = f"{base.metrics['samples_per_s'] / m['samples_per_s']:.3f}"
+            rows.append([
+                arm,
+                _fmt(m.get("samples_per_s"), ",.1f"),
+                _fmt(m.get("tokens_per_s"), ",.0f"),
+                _fmt(m.get("step_time_ms"), ".2f"),
+                spread,
+                _fmt(m.get("model_tflops"), ".1f"),
+                _fmt(m.get("mfu_measured"), ".1%") if m.get("mfu_measured") is not None else _fmt(m.get("mfu_datasheet"), ".1%"),
+                _fmt(m.get("peak_memory_bytes"), ".2f", 1 / 2**30),
+                ratio,
+            ])
+        header = ["arm", "samples/s", "tokens/s", "step ms", "spread", "TFLOP/s", "MFU", "peak GiB", "dslab/arm"]
+        lines.extend("  " + line for line in _table(header, rows))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def describe(report: RunReport) -> str:
+    """The header of a report: identity, status, hardware, versions, and what is missing."""
+    env = report.environment or {}
+    gpus = (env.get("cuda") or {}).get("gpus") or []
+    hardware = ", ".join(g.get("name", "?") for g in gpus) or "CPU"
+    torch_v = (env.get("torch") or {}).get("version", "?")
+    dslab = env.get("dslab") or {}
+    commit = dslab.get("git_commit") or "unknown commit"
+    if dslab.get("git_dirty"):
+        commit += " (dirty)"
+    cfg = report.config or {}
+    lines = [
+        f"run {report.run_id}  suite {report.suite}  status {report.status}",
+        f"  created {report.created or '?'}  finished {report.finished or '-'}",
+        f"  hardware {hardware}  torch {torch_v}  dslab {dslab.get('version', '?')} @ {commit}",
+        f"  scale {cfg.get('scale', '?')}  precision {cfg.get('precision', '?')}  trials {cfg.get('trials', '?')}  "
+        f"steps {cfg.get('steps', '?')} (+{cfg.get('warmup_steps', '?')} warm-up)",
+    ]
+    peaks = report.peaks or {}
+    if peaks.get("bf16_matmul_tflops"):
+        lines.append(f"  measured peaks: bf16 matmul {peaks['bf16_matmul_tflops']:.0f} TFLOP/s, "
+                     f"copy {peaks.get('copy_gbps', 0):.0f} GB/s")
+    if report.data.get("description"):
+        lines.append(f"  data: {report.data['description']}")
+    for note in report.notes:
+        lines.append(f"  note: {note}")
+    if report.missing:
+        lines.append(f"  warning: this report lacks {', '.join(report.missing)} (older or cut short)")
+    for w in report.warnings:
+        lines.append(f"  warning: {w}")
+    return "\n".join(lines) + "\n"
