@@ -78,6 +78,10 @@ def format_validation_error(err: pydantic.ValidationError, model: type[pydantic.
             detail = e["msg"]
             if detail.startswith("Value error, "):
                 detail = detail[len("Value error, "):]
+            if detail.startswith(("config key '", "unknown config key '")):
+                # a nested section already named the full key
+                lines.append(detail)
+                continue
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
             lines.append(f"config key '{key}': {detail}{shown}")

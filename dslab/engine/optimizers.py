@@ -159,7 +159,7 @@ class OptimizerConfig(ConfigSection):
 def build_optimizer(config: OptimizerConfig | dict[str, Any],
                     parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *,
                     fused_ok: bool) -> torch.optim.Optimizer:
-    """The optimizer ``config`` (an :class:`OptimizerConfig` or its dict) names, over ``parameters``.
+    """The optimizer that ``config`` (an :class:`OptimizerConfig` or dict) names, on ``parameters``.
 
     ``parameters`` are tensors or param-group dicts, as torch optimizers take them. ``fused_ok``
     is the caller's word that every parameter is a floating-point CUDA tensor, so the fused

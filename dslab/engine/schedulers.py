@@ -207,7 +207,7 @@ class WarmupDecayLR(WarmupLR):
         if t < self.warmup_num_steps:
             return _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
         decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)
-        return max(0.0, (self.total_num_steps - t + 1) / decay_steps)
+        return max(0.0, (self.total_num_steps - t) / decay_steps)
 
 
 class WarmupCosineLR(_Schedule):
@@ -506,7 +506,7 @@ class SchedulerConfig(ConfigSection):
 
 def build_scheduler(config: SchedulerConfig | dict[str, Any],
                     optimizer: torch.optim.Optimizer) -> _Schedule:
-    """The schedule ``config`` (a :class:`SchedulerConfig` or its dict) names, driving ``optimizer``.
+    """The schedule that ``config`` (a :class:`SchedulerConfig` or dict) names, on ``optimizer``.
 
     Raises ValueError naming ``scheduler.params.<name>`` for an unknown, missing or bad param.
     """
