@@ -12,8 +12,9 @@ The gradient is ``d loss / d x_ij = (softmax(x)_ij - (1 - eps) [j == t_i] - eps 
 for ``g`` the incoming gradient, and zero on ignored rows.
 
 Memory: no ``[N, V]`` fp32 tensor is ever made. The forward kernel streams each row once in
-``BLOCK``-wide chunks, keeping an online maximum (a scalar) and per-lane rescaled sums in fp32,
-and saves only ``lse`` (fp32 ``[N]``). The backward kernel reads each row once more, recomputes
+``BLOCK``-wide chunks, keeping for each segment of 16 contiguous logits an online maximum and a
+rescaled sum of exponentials in fp32 (so no block-wide reduction runs inside the loop), and saves
+only ``lse`` (fp32 ``[N]``). The backward kernel reads each row once more, recomputes
 ``softmax = exp(x - lse)`` and writes the gradient in the logits' dtype. Traffic for bf16 logits:
 forward reads ``2 N V`` bytes, backward reads ``2 N V`` and writes ``2 N V`` (4.9 GB at
 16384 x 50304, ~1.2 ms at 4.2 TB/s). Ignored rows are not read at all.
@@ -44,6 +45,7 @@ except ImportError:  # Triton is optional: without it only the reference runs.
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SEGMENT = 16  # the forward's online max/sum runs per segment of this many contiguous logits
 
 
 def cross_entropy_reference(
@@ -86,23 +88,28 @@ def _load_chunk(ptr, cols, limit, MASKED: tl.constexpr):
 
 
 @_jit
-def _online_chunk(x, running_max, lane_sum):
-    """Fold one chunk into the running max and the per-lane sums of exp(x - max)."""
-    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+def _online_chunk(x, segment_max, segment_sum):
+    """Fold a chunk ``x`` [segments, SEGMENT] into each segment's running max and sum of exp(x - max).
+
+    Each segment's values sit in one or two threads, so the loop needs no block-wide reduction
+    (and no barrier): warps stream their own chunks. One extra exp per segment per chunk.
+    """
+    new_max = tl.maximum(segment_max, tl.max(x, axis=1))
     # A leading all -inf stretch keeps the max at -inf; shifting by 0 then avoids -inf - -inf.
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    lane_sum = lane_sum * tl.exp(running_max - shift) + tl.exp(x - shift)
-    return new_max, lane_sum
+    segment_sum = segment_sum * tl.exp(segment_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    return new_max, segment_sum
 
 
 @_jit
 def _forward_kernel(
     logits_ptr, row_stride, target_ptr, row_loss_ptr, lse_ptr, vocab, ignore_index, label_smoothing,
-    BLOCK: tl.constexpr, SMOOTH: tl.constexpr,
+    BLOCK: tl.constexpr, SEGMENT: tl.constexpr, SMOOTH: tl.constexpr,
 ):
     """Row ``pid``: ``lse`` and ``loss_i`` (see the module docstring); 0 and 0 on ignored rows.
 
-    Reads the row once (``V`` elements); writes two fp32 scalars.
+    Reads the row once (``V`` elements) as chunks of ``BLOCK`` = segments x ``SEGMENT``; writes two
+    fp32 scalars.
     """
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(target_ptr + row)
@@ -111,26 +118,29 @@ def _forward_kernel(
         tl.store(lse_ptr + row, 0.0)
     else:
         row_ptr = logits_ptr + row * row_stride
-        cols = tl.arange(0, BLOCK)
-        running_max = tl.full([], float("-inf"), tl.float32)
-        lane_sum = tl.zeros([BLOCK], tl.float32)
-        lane_total = tl.zeros([BLOCK], tl.float32)
+        cols = tl.arange(0, BLOCK // SEGMENT)[:, None] * SEGMENT + tl.arange(0, SEGMENT)[None, :]
+        segment_max = tl.full([BLOCK // SEGMENT], float("-inf"), tl.float32)
+        segment_sum = tl.zeros([BLOCK // SEGMENT], tl.float32)
+        segment_total = tl.zeros([BLOCK // SEGMENT], tl.float32)
         full_end = (vocab // BLOCK) * BLOCK
         for start in range(0, full_end, BLOCK):
             x = _load_chunk(row_ptr + start, cols, BLOCK, MASKED=False)
-            running_max, lane_sum = _online_chunk(x, running_max, lane_sum)
+            segment_max, segment_sum = _online_chunk(x, segment_max, segment_sum)
             if SMOOTH:
-                lane_total += x
+                segment_total += tl.sum(x, axis=1)
         if full_end < vocab:
             x = _load_chunk(row_ptr + full_end, cols, vocab - full_end, MASKED=True)
-            running_max, lane_sum = _online_chunk(x, running_max, lane_sum)
+            segment_max, segment_sum = _online_chunk(x, segment_max, segment_sum)
             if SMOOTH:
-                lane_total += tl.where(cols < vocab - full_end, x, 0.0)
-        lse = running_max + tl.log(tl.sum(lane_sum, axis=0))
+                segment_total += tl.sum(tl.where(cols < vocab - full_end, x, 0.0), axis=1)
+        row_max = tl.max(segment_max, axis=0)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        lse = row_max + tl.log(tl.sum(segment_sum * tl.exp(segment_max - shift), axis=0))
         in_range = (target >= 0) & (target < vocab)
         target_logit = tl.load(row_ptr + target, mask=in_range, other=0.0).to(tl.float32)
         if SMOOTH:
-            loss = lse - (1.0 - label_smoothing) * target_logit - (label_smoothing / vocab) * tl.sum(lane_total, axis=0)
+            row_total = tl.sum(segment_total, axis=0)
+            loss = lse - (1.0 - label_smoothing) * target_logit - (label_smoothing / vocab) * row_total
         else:
             loss = lse - target_logit
         loss = tl.where(in_range, loss, float("nan"))
@@ -184,30 +194,35 @@ def _backward_kernel(
                         lse, scale, label_smoothing, vocab, SMOOTH, MASKED=True, BF16_BY_HAND=BF16_BY_HAND)
 
 
-def _launch_config(vocab: int) -> tuple[int, int]:
-    """(BLOCK, num_warps). Under the interpreter a small block, so test rows span several chunks."""
+def _launch_config(vocab: int, backward: bool) -> tuple[int, int]:
+    """(BLOCK, num_warps). At 8192 logits per chunk, compiled for sm_90, the forward (8 warps)
+    needs ~40 registers a thread: 6 CTAs and 96 KB of bf16 logits in flight per SM; the backward
+    (16 warps) ~40: 3 CTAs, 48 KB. Under the interpreter a small block, so that the tests' rows
+    span several chunks and a masked tail."""
     if interpreting():
         return 128, 4
-    return min(4096, triton.next_power_of_2(vocab)), 8
+    block = max(_SEGMENT, min(8192, triton.next_power_of_2(vocab)))
+    return block, 16 if backward and block >= 4096 else 8
 
 
-def _rows_with_unit_stride(logits: torch.Tensor) -> torch.Tensor:
-    return logits if logits.stride(1) == 1 else logits.contiguous()
+def _kernel_layout(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits with unit column stride (any row stride) and contiguous targets; copies only if not."""
+    return (logits if logits.stride(1) == 1 else logits.contiguous()), target.contiguous()
 
 
 def cross_entropy_forward_triton(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss: fp32 scalar, lse: fp32 [N]). Allocates 2 fp32 [N] tensors and scalars only."""
-    logits = _rows_with_unit_stride(logits)
+    logits, target = _kernel_layout(logits, target)
     n_rows, vocab = logits.shape
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     if n_rows > 0:
-        block, num_warps = _launch_config(vocab)
+        block, num_warps = _launch_config(vocab, backward=False)
         _forward_kernel[(n_rows,)](
             logits, logits.stride(0), target, row_loss, lse, vocab, ignore_index, float(label_smoothing),
-            BLOCK=block, SMOOTH=label_smoothing > 0.0, num_warps=num_warps,
+            BLOCK=block, SEGMENT=_SEGMENT, SMOOTH=label_smoothing > 0.0, num_warps=num_warps,
         )
     n_valid = (target != ignore_index).sum()
     return row_loss.sum() / n_valid, lse
@@ -218,13 +233,13 @@ def cross_entropy_backward_triton(
     ignore_index: int, label_smoothing: float,
 ) -> torch.Tensor:
     """d loss / d logits: a contiguous [N, V] tensor in the logits' dtype (the only large buffer)."""
-    logits = _rows_with_unit_stride(logits)
+    logits, target = _kernel_layout(logits, target)
     n_rows, vocab = logits.shape
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=logits.device)
     if n_rows > 0:
         n_valid = (target != ignore_index).sum()
         scale = grad_loss.to(torch.float32) / n_valid
-        block, num_warps = _launch_config(vocab)
+        block, num_warps = _launch_config(vocab, backward=True)
         _backward_kernel[(n_rows,)](
             logits, logits.stride(0), grad, target, lse, scale, vocab, ignore_index, float(label_smoothing),
             BLOCK=block, SMOOTH=label_smoothing > 0.0,

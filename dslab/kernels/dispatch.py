@@ -15,7 +15,6 @@ config field) and the :func:`kernel_backend` context manager override it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 
@@ -58,9 +57,11 @@ def kernel_backend(name: str):
         _override = previous
 
 
-@functools.cache
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def interpreting() -> bool:

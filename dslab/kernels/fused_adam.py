@@ -102,7 +102,7 @@ def _cast(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
 
 @_jit
 def _adam_block(
-    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, offsets, limit,
+    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, offsets, copy_offsets, limit,
     decay_factor, weight_decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
     bias_correction2_sqrt,
     DECOUPLED: tl.constexpr, HAS_COPY: tl.constexpr, MASKED: tl.constexpr, BF16_BY_HAND: tl.constexpr,
@@ -132,13 +132,13 @@ def _adam_block(
         tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
         if HAS_COPY:
-            tl.store(copy_ptr + offsets, _cast(param, copy_ptr.dtype.element_ty, BF16_BY_HAND), mask=mask)
+            tl.store(copy_ptr + copy_offsets, _cast(param, copy_ptr.dtype.element_ty, BF16_BY_HAND), mask=mask)
     else:
         tl.store(param_ptr + offsets, param)
         tl.store(exp_avg_ptr + offsets, exp_avg)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq)
         if HAS_COPY:
-            tl.store(copy_ptr + offsets, _cast(param, copy_ptr.dtype.element_ty, BF16_BY_HAND))
+            tl.store(copy_ptr + copy_offsets, _cast(param, copy_ptr.dtype.element_ty, BF16_BY_HAND))
 
 
 @_jit
@@ -170,19 +170,29 @@ def _adam_kernel(
     exp_avg = _column(entry, 2, start, tl.float32, ALIGNED)
     exp_avg_sq = _column(entry, 3, start, tl.float32, ALIGNED)
     copy = _column(entry, 4, start, COPY_DTYPE, ALIGNED)
-    remaining = (tl.load(entry + 5) - start).to(tl.int32)
+    remaining = tl.minimum(tl.load(entry + 5) - start, CHUNK).to(tl.int32)
     offsets = tl.arange(0, BLOCK)
+    # Four elements per thread everywhere: the bf16 store's own choice (8, 16 bytes) would make the
+    # compiler shuffle the fp32 results through shared memory between two layouts.
+    copy_offsets = tl.max_contiguous(tl.arange(0, BLOCK), 4)
     if remaining >= CHUNK:
         for block in range(0, CHUNK, BLOCK):
             _adam_block(param + block, grad + block, exp_avg + block, exp_avg_sq + block, copy + block,
-                        offsets, BLOCK, decay_factor, weight_decay, one_minus_beta1, beta2,
+                        offsets, copy_offsets, BLOCK, decay_factor, weight_decay, one_minus_beta1, beta2,
                         one_minus_beta2, eps, step_size, bias_correction2_sqrt,
                         DECOUPLED, HAS_COPY, MASKED=False, BF16_BY_HAND=BF16_BY_HAND)
     else:
-        for block in range(0, remaining, BLOCK):
+        # A tensor's last chunk: whole blocks unmasked (vectorised), then one masked block.
+        full_end = (remaining // BLOCK) * BLOCK
+        for block in range(0, full_end, BLOCK):
             _adam_block(param + block, grad + block, exp_avg + block, exp_avg_sq + block, copy + block,
-                        offsets, remaining - block, decay_factor, weight_decay, one_minus_beta1, beta2,
+                        offsets, copy_offsets, BLOCK, decay_factor, weight_decay, one_minus_beta1, beta2,
                         one_minus_beta2, eps, step_size, bias_correction2_sqrt,
+                        DECOUPLED, HAS_COPY, MASKED=False, BF16_BY_HAND=BF16_BY_HAND)
+        if full_end < remaining:
+            _adam_block(param + full_end, grad + full_end, exp_avg + full_end, exp_avg_sq + full_end,
+                        copy + full_end, offsets, copy_offsets, remaining - full_end, decay_factor, weight_decay,
+                        one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
                         DECOUPLED, HAS_COPY, MASKED=True, BF16_BY_HAND=BF16_BY_HAND)
 
 
@@ -219,14 +229,19 @@ class _Bucket:
 
 
 def _build_tables(rows: list[int], chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor table [T, 6], chunk table [C, 2] of (tensor index, start)) as int64 on ``device``."""
+    """(tensor table [T, 6], chunk table [C, 2] of (tensor index, start)) as int64 on ``device``.
+
+    Rebuilt only when some tensor's address changes (the step compares the addresses)."""
     tensor_table = torch.tensor(rows, dtype=torch.int64).view(-1, _TABLE_COLUMNS)
     chunks_per_tensor = (tensor_table[:, 5] + chunk - 1) // chunk
     tensor_index = torch.repeat_interleave(torch.arange(len(tensor_table)), chunks_per_tensor)
     first_chunk = torch.cumsum(chunks_per_tensor, 0) - chunks_per_tensor
     starts = (torch.arange(len(tensor_index)) - first_chunk[tensor_index]) * chunk
     chunk_table = torch.stack([tensor_index, starts], dim=1)
-    both = torch.cat([tensor_table.flatten(), chunk_table.flatten()]).to(device)
+    both = torch.cat([tensor_table.flatten(), chunk_table.flatten()])
+    if device.type == "cuda":
+        # Pinned and asynchronous: a pageable copy would wait for all queued work (the backward).
+        both = both.pin_memory().to(device, non_blocking=True)
     return both[: tensor_table.numel()], both[tensor_table.numel():]
 
 
@@ -240,10 +255,11 @@ class FusedAdam(torch.optim.Optimizer):
         bias_correction: divide by ``1 - beta**step`` as torch does; false drops it.
         amsgrad: accepted for signature compatibility; true raises ``ValueError``.
 
-    ``step`` skips parameters whose ``grad`` is None and raises ``RuntimeError`` on sparse grads.
-    On CUDA (or with the ``triton`` backend under ``TRITON_INTERPRET=1``) each group's update is
-    one Triton launch per (device, step count, copy dtype); otherwise :func:`adam_step_reference`
-    runs per tensor. Non-contiguous tensors always take the reference.
+    ``step`` skips parameters whose ``grad`` is None and raises ``RuntimeError`` on sparse or
+    non-fp32 grads. On CUDA (or with the ``triton`` backend under ``TRITON_INTERPRET=1``) each
+    group's update is one Triton launch per (device, step count, copy dtype) bucket, usually one;
+    otherwise :func:`adam_step_reference` runs per tensor. A parameter whose tensors are not all
+    contiguous always takes the reference.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -279,8 +295,8 @@ class FusedAdam(torch.optim.Optimizer):
         parameter without a copy); each copy is a bf16 or fp16 tensor of its parameter's shape on
         its device, e.g. the bf16 weights a model computes with while the optimizer keeps fp32
         masters. Copies are filled from the parameters now, and after each step for the
-        parameters that step updated (in the same kernel pass on the Triton path). Calling it
-        again replaces the whole set.
+        parameters that step updated (in the same kernel pass on the Triton path: 2 more bytes
+        per element). Calling it again replaces the whole set.
         """
         params = [p for group in self.param_groups for p in group["params"]]
         if len(copies) != len(params):
@@ -343,7 +359,7 @@ class FusedAdam(torch.optim.Optimizer):
                 beta1, beta2 = group["betas"]
                 for p, g, m, v, c in zip(bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs,
                                          bucket.copies):
-                    adam_step_reference(p, g, m, v, step=step, lr=group["lr"], beta1=beta1, beta2=beta2,
+                    adam_step_reference(p, g, m, v, step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                                         eps=group["eps"], weight_decay=group["weight_decay"],
                                         adam_w_mode=group["adam_w_mode"],
                                         bias_correction=group["bias_correction"], copy=c)
@@ -359,11 +375,14 @@ class FusedAdam(torch.optim.Optimizer):
             aligned = all(address % 16 == 0 for i, address in enumerate(rows) if i % _TABLE_COLUMNS != 5)
             cached = self._tables[cache_key] = (addresses, aligned, *_build_tables(rows, chunk, device))
         _, aligned, tensor_table, chunk_table = cached
-        lr, (beta1, beta2), weight_decay = float(group["lr"]), group["betas"], group["weight_decay"]
+        lr, eps, weight_decay = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+        beta1, beta2 = (float(b) for b in group["betas"])
         step_size, bias_correction2_sqrt = _bias_corrections(step, lr, beta1, beta2, group["bias_correction"])
+        # Python floats reach the kernel as fp32, rounded from the float64 values as torch rounds its
+        # scalar arguments.
         _adam_kernel[(len(chunk_table) // 2,)](
             tensor_table, chunk_table,
-            1.0 - lr * weight_decay, weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, group["eps"], step_size,
+            1.0 - lr * weight_decay, weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size,
             bias_correction2_sqrt,
             DECOUPLED=bool(group["adam_w_mode"]), HAS_COPY=copy_dtype is not None,
             COPY_DTYPE=tl.float16 if copy_dtype == torch.float16 else tl.bfloat16, ALIGNED=aligned,
@@ -386,8 +405,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._copies = getattr(self, "_copies", {})
         self._tables = {}
         for group in self.param_groups:
-            if group.get("amsgrad", False):
-                raise ValueError("amsgrad=True is not supported by FusedAdam (loaded param group has it)")
+            for unsupported in ("amsgrad", "maximize"):
+                if group.get(unsupported, False):
+                    raise ValueError(f"a loaded param group has {unsupported}=True, "
+                                     "which FusedAdam does not support")
             group.setdefault("adam_w_mode", group.get("decoupled_weight_decay", self.defaults["adam_w_mode"]))
             group.setdefault("bias_correction", self.defaults["bias_correction"])
         for value in self.state.values():
