@@ -2,31 +2,21 @@
 custom op registered with ``torch.library`` and the dispatch between them (see
 :mod:`dslab.kernels.dispatch`).
 
-Names are imported lazily so that ``import dslab`` does not import Triton.
+The ops are imported eagerly: a module and the function it exports share a name
+(``dslab.kernels.attention``), and Python would otherwise leave the submodule, not the function,
+as the package attribute once anything imported the submodule.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from dslab.kernels.dispatch import backend, kernel_backend, planned_backend, set_backend, use_triton
+from dslab.kernels.attention import attention
+from dslab.kernels.bias_dropout_residual import bias_dropout_residual
+from dslab.kernels.bias_gelu import bias_gelu
+from dslab.kernels.cross_entropy import softmax_cross_entropy
+from dslab.kernels.fused_adam import FusedAdam
+from dslab.kernels.layer_norm import layer_norm
 
-_EXPORTS = {
-    "layer_norm": "dslab.kernels.layer_norm",
-    "bias_gelu": "dslab.kernels.bias_gelu",
-    "bias_dropout_residual": "dslab.kernels.bias_dropout_residual",
-    "attention": "dslab.kernels.attention",
-    "softmax_cross_entropy": "dslab.kernels.cross_entropy",
-    "FusedAdam": "dslab.kernels.fused_adam",
-}
+OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "softmax_cross_entropy", "FusedAdam")
 
-OPS = tuple(_EXPORTS)
-
-__all__ = [*_EXPORTS, "OPS", "backend", "kernel_backend", "planned_backend", "set_backend", "use_triton"]
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dslab.kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__all__ = [*OPS, "OPS", "backend", "kernel_backend", "planned_backend", "set_backend", "use_triton"]

@@ -22,9 +22,10 @@ from dslab.kernels.dispatch import use_triton
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Widest row the Triton path holds in registers (layer_norm_triton.MAX_FUSED_N, repeated here so
-# that choosing the path does not import Triton).
-MAX_FUSED_N = 16384
+# Widest row the Triton path holds in registers: backward keeps h, dy, weight and the two gradient
+# accumulators of a whole row there, 5 * 8192 * 4 bytes, and a wider row would spill. Equal to
+# layer_norm_triton.MAX_FUSED_N, repeated so that choosing the path does not import Triton.
+MAX_FUSED_N = 8192
 
 
 def layer_norm_reference(
@@ -150,9 +151,9 @@ _add_layer_norm_op.register_autograd(_backward_add_layer_norm, setup_context=_se
 
 
 def _check(x, weight, bias, eps, residual) -> None:
-    n = x.shape[-1] if x.dim() > 0 else None
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized one)")
+    n = x.shape[-1]
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None and tuple(param.shape) != (n,):
             raise ValueError(f"{name} must have shape ({n},) to match x's last dimension, got {tuple(param.shape)}")
@@ -177,13 +178,13 @@ def layer_norm(
     Returns ``y`` (x's shape and dtype), or ``(y, h)`` when ``residual`` (x's shape and dtype) is
     given, ``h = x + residual`` being normalized and returned in x's dtype. Gradients flow to x,
     residual, weight and bias. The Triton path runs on CUDA tensors (or under the ``triton``
-    backend with ``TRITON_INTERPRET=1``) for fp32/fp16/bf16 with N <= 16384; otherwise the
+    backend with ``TRITON_INTERPRET=1``) for fp32/fp16/bf16 with N <= 8192; otherwise the
     reference runs.
     """
     _check(x, weight, bias, eps, residual)
     n = x.shape[-1]
     if not (
-        x.dtype in TRITON_DTYPES and n <= MAX_FUSED_N and use_triton(x, weight, bias, residual)
+        x.dtype in TRITON_DTYPES and 0 < n <= MAX_FUSED_N and use_triton(x, weight, bias, residual)
     ):
         return layer_norm_reference(x, weight, bias, eps, residual)
     x2d = x.reshape(-1, n)

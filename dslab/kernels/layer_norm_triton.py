@@ -28,10 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dslab.kernels.dispatch import interpreting
 
 # Whole rows live in registers; wider rows go to the PyTorch reference (see layer_norm.py).
-MAX_FUSED_N = 16384
+MAX_FUSED_N = 8192
 
 
 @triton.jit
@@ -57,7 +56,7 @@ def _layer_norm_fwd_kernel(
     mean = tl.sum(h, axis=1) / N
     centered = tl.where(mask, h - mean[:, None], 0.0)
     var = tl.sum(centered * centered, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = tl.math.rsqrt(var + eps)
     tl.store(Mean + rows, mean, mask=row_mask)
     tl.store(Rstd + rows, rstd, mask=row_mask)
     y = centered * rstd[:, None]
@@ -80,8 +79,10 @@ def _layer_norm_bwd_kernel(
     col_mask = cols < N
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Accumulated in the tiles' own layout and reduced over rows once at the end: a per-step
+    # reduction would cross warps (shared memory and barriers) on every iteration.
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
@@ -103,13 +104,13 @@ def _layer_norm_bwd_kernel(
             dx += tl.load(DH + rows64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += dy * xhat
         if COMPUTE_DB:
-            db_acc += tl.sum(dy, axis=0)
+            db_acc += dy
     if COMPUTE_DW:
-        tl.store(DW_partial + pid * N + cols, dw_acc, mask=col_mask)
+        tl.store(DW_partial + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if COMPUTE_DB:
-        tl.store(DB_partial + pid * N + cols, db_acc, mask=col_mask)
+        tl.store(DB_partial + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 @triton.jit
@@ -136,18 +137,26 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _forward_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): ~4K elements per program, ~16 per thread (16-byte loads)."""
+    """(BLOCK_M, BLOCK_N, num_warps) of the forward: ~4K elements per program, 32 per thread.
+
+    For N = 1024 in bf16 that is 4 rows, 4 warps, ~56 registers: 9 programs (72 KB of loads in
+    flight) per Hopper SM, by sm_90 compiles of the kernel.
+    """
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(64, 4096 // block_n))
-    num_warps = max(1, min(16, block_m * block_n // 512))
+    num_warps = max(1, min(16, block_m * block_n // 1024))
     return block_m, block_n, num_warps
 
 
 @functools.cache
 def _backward_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): ~2K elements per loop step; backward holds more per element."""
+    """(BLOCK_M, BLOCK_N, num_warps) of the backward: ~1K elements per loop step, 8 per thread.
+
+    Backward holds h, dy, weight and two accumulators per element, so registers bound occupancy:
+    for N = 1024 one row per step with 4 warps takes 64 registers, 8 programs per SM.
+    """
     block_n = triton.next_power_of_2(n)
-    block_m = max(1, min(64, 2048 // block_n))
+    block_m = max(1, min(64, 1024 // block_n))
     num_warps = max(1, min(16, block_m * block_n // 256))
     return block_m, block_n, num_warps
 
@@ -155,22 +164,21 @@ def _backward_config(n: int) -> tuple[int, int, int]:
 _resident_cache: dict[tuple, int] = {}
 
 
-def _resident_programs(kernel, args: tuple, meta: dict, key: tuple, device: torch.device) -> int:
-    """How many programs of ``kernel`` with ``meta`` fit on the whole device at once.
-
-    Compiles once (``warmup``) and reads the kernel's registers and shared memory; the answer is
-    cached per ``key``. Under the interpreter the answer is a small fixed number.
-    """
+def _resident_programs(kernel, make_args, meta: dict, key: tuple, device: torch.device) -> int:
+    """How many programs of ``kernel`` with ``meta`` fit on the whole device at once: compiled
+    once with ``warmup`` on ``make_args()`` to read its registers and shared memory; cached per
+    ``key``. Off CUDA (the interpreter) a small fixed number, so that programs loop."""
     if device.type != "cuda":
         return 4
     cache_key = (key, device.index)
     resident = _resident_cache.get(cache_key)
     if resident is None:
-        compiled = kernel.warmup(*args, grid=(1,), **meta)
+        compiled = kernel.warmup(*make_args(), grid=(1,), **meta)
         compiled._init_handles()
         props = triton.runtime.driver.active.utils.get_device_properties(device.index)
         warps = meta["num_warps"]
-        by_regs = props["max_num_regs"] // max(1, compiled.n_regs * 32 * warps)
+        regs_per_thread = -(-compiled.n_regs // 8) * 8  # allocated in units of 8 per thread
+        by_regs = props["max_num_regs"] // max(1, regs_per_thread * 32 * warps)
         by_smem = props["max_shared_mem"] // max(1, compiled.metadata.shared)
         per_sm = max(1, min(by_regs, by_smem, 64 // warps, 32))
         resident = per_sm * props["multiprocessor_count"]
@@ -179,11 +187,16 @@ def _resident_programs(kernel, args: tuple, meta: dict, key: tuple, device: torc
 
 
 def _sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of the fp32 ``[programs, N]`` partials, in ``dtype``.
+
+    Narrow column strips (16 floats, 64 bytes a row) give N / 16 programs; tall steps (256 rows)
+    keep 16 KB of loads in flight per step, as the steps do not overlap.
+    """
     groups, n = partials.shape
     out = torch.empty(n, dtype=dtype, device=partials.device)
-    block_n = 64
+    block_n = 16
     _sum_partials_kernel[(triton.cdiv(n, block_n),)](
-        partials, out, groups, n, BLOCK_G=32, BLOCK_N=block_n, num_warps=4
+        partials, out, groups, n, BLOCK_G=256, BLOCK_N=block_n, num_warps=4
     )
     return out
 
@@ -250,12 +263,14 @@ def backward(
         strides = (dy.stride(0), h.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0))
         # The partials' size depends on the grid: the occupancy query compiles the same
         # specialization with `mean` (fp32, aligned) standing in for them.
-        stand_in = mean if weight is not None else None, mean if bias is not None else None
-        probe_args = (dy, h, weight, mean, rstd, dh, dx, *stand_in, m, n, *strides)
+        def probe_args():
+            stand_in = mean if weight is not None else None, mean if bias is not None else None
+            return dy, h, weight, mean, rstd, dh, dx, *stand_in, m, n, *strides
+
         key = ("layer_norm_bwd", dy.dtype, h.dtype, weight.dtype if weight is not None else None,
                tuple(sorted(meta.items())))
-        programs = min(triton.cdiv(m, block_m), _resident_programs(
-            _layer_norm_bwd_kernel, probe_args, meta, key, h.device))
+        resident = _resident_programs(_layer_norm_bwd_kernel, probe_args, meta, key, h.device)
+        programs = min(triton.cdiv(m, block_m), resident)
         dw_partial = (torch.empty((programs, n), dtype=torch.float32, device=h.device)
                       if weight is not None else None)
         db_partial = (torch.empty((programs, n), dtype=torch.float32, device=h.device)

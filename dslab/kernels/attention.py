@@ -1,0 +1,249 @@
+"""Scaled dot-product attention: PyTorch reference, Triton flash attention, custom op and dispatch.
+
+``attention(q, k, v, causal, key_padding_mask, dropout_p, scale)`` computes, per (batch, head),
+
+    out = dropout(softmax(scale * q @ k^T + mask)) @ v
+
+with q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, heads, seq_k, head_dim]``, out like q.
+
+- ``causal``: query i sees keys j <= i (top-left aligned, as ``scaled_dot_product_attention(
+  is_causal=True)``), also when ``seq_q != seq_k``.
+- ``key_padding_mask``: bool ``[batch, seq_k]``, True where the key is padding
+  (``nn.MultiheadAttention``'s convention).
+- A query row whose keys are all masked gets output 0 and gradient 0 (SDPA returns NaN there).
+- ``dropout_p``: dropout on the attention probabilities. On the Triton path the keep-mask comes
+  from Philox with a seed drawn from torch's default (CPU) generator at call time
+  (:func:`draw_dropout_seed`, so ``torch.manual_seed`` reproduces it) and is regenerated, not
+  stored, for the backward. :func:`triton_dropout_keep_mask` materialises it for tests.
+- ``scale`` defaults to ``1 / sqrt(head_dim)`` and must be positive.
+
+Backends (:mod:`dslab.kernels.dispatch`): Triton (:mod:`dslab.kernels.attention_triton`, ``_bwd``)
+for fp16 and bf16 inputs when ``use_triton`` says so; :func:`attention_reference` otherwise. The
+Triton path is the custom ops ``dslab::attention_forward`` / ``dslab::attention_backward`` under
+``torch.compile``, and an ``autograd.Function`` making the same launches in eager mode. fp32
+and fp64 inputs always take the reference, which materialises the ``seq_q x seq_k`` scores. Head
+dims are 32, 64 or 128 on every backend so that a model behaves the same on CPU and GPU.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from dslab.kernels import attention_triton, attention_triton_bwd
+from dslab.kernels.dispatch import use_triton
+
+HEAD_DIMS = (32, 64, 128)
+TRITON_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SEED_LOW, _SEED_HIGH = 2**31, 2**62
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    dropout_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Plain PyTorch attention in the inputs' dtype; materialises ``[batch, heads, seq_q, seq_k]``.
+
+    ``dropout_mask`` (bool, broadcastable to the scores, True = kept) replaces the random draw
+    when given, so tests can apply exactly the mask the Triton kernels used; kept probabilities
+    are scaled by ``1 / (1 - dropout_p)``. Fully masked rows give 0 (not NaN) and 0 gradients.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    masked = torch.zeros((1, 1, seq_q, seq_k), dtype=torch.bool, device=q.device)
+    if causal:
+        masked = masked | torch.ones((seq_q, seq_k), dtype=torch.bool, device=q.device).triu(1)
+    if key_padding_mask is not None:
+        masked = masked | key_padding_mask[:, None, None, :]
+    scores = scores.masked_fill(masked, float("-inf"))
+    row_empty = masked.all(dim=-1, keepdim=True)
+    # Empty rows would be softmax(-inf, ..., -inf) = NaN: give them finite scores, then zero them.
+    probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
+    if dropout_mask is not None:
+        probs = probs * dropout_mask / (1.0 - dropout_p)
+    elif dropout_p > 0.0:
+        probs = torch.nn.functional.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
+
+
+def draw_dropout_seed() -> torch.Tensor:
+    """The Philox seed of one call: an int64 CPU scalar from torch's default generator, in
+    ``[2**31, 2**62)`` (one Triton argument type for every seed)."""
+    return torch.randint(_SEED_LOW, _SEED_HIGH, (), dtype=torch.int64)
+
+
+def triton_dropout_keep_mask(
+    seed: int | torch.Tensor, batch: int, heads: int, seq_q: int, seq_k: int, dropout_p: float, device
+) -> torch.Tensor:
+    """Bool ``[batch, heads, seq_q, seq_k]``: True where the Triton kernels keep a probability for
+    ``seed`` (a :func:`draw_dropout_seed` value). Debug helper for small shapes."""
+    return attention_triton.dropout_keep_mask(int(seed), batch, heads, seq_q, seq_k, dropout_p, device)
+
+
+@torch.library.custom_op("dslab::attention_forward", mutates_args=())
+def _attention_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor],
+    seed: Optional[torch.Tensor],
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: (out, base-2 logsumexp ``[batch, heads, seq_q]`` fp32)."""
+    seed_value = 0 if seed is None else int(seed)
+    return attention_triton.attention_forward(q, k, v, key_padding_mask, seed_value, causal, dropout_p, scale)
+
+
+@_attention_forward_op.register_fake
+def _attention_forward_fake(q, k, v, key_padding_mask, seed, causal, dropout_p, scale):
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return attention_triton.empty_rows_like(q), lse
+
+
+@torch.library.custom_op("dslab::attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor],
+    seed: Optional[torch.Tensor],
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton backward: (dq, dk, dv)."""
+    seed_value = 0 if seed is None else int(seed)
+    return attention_triton_bwd.attention_backward(
+        grad_out, q, k, v, out, lse, key_padding_mask, seed_value, causal, dropout_p, scale
+    )
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p, scale):
+    empty = attention_triton.empty_rows_like
+    return empty(q), empty(k), empty(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_padding_mask, seed, causal, dropout_p, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed)
+    ctx.causal, ctx.dropout_p, ctx.scale = causal, dropout_p, scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, key_padding_mask, seed = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = _attention_backward_op(
+        grad_out, q, k, v, out, lse, key_padding_mask, seed, ctx.causal, ctx.dropout_p, ctx.scale
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same launches as the custom ops, for eager mode: a custom op's Python dispatch costs
+    about 2.5x an autograd.Function's host time per fwd+bwd, which is felt at BERT's seq 128 where
+    the whole fwd+bwd is ~0.1 ms of GPU time. ``torch.compile`` sees the custom ops instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, seed, causal, dropout_p, scale):
+        seed_value = 0 if seed is None else int(seed)
+        out, lse = attention_triton.attention_forward(
+            q, k, v, key_padding_mask, seed_value, causal, dropout_p, scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+        ctx.seed, ctx.causal, ctx.dropout_p, ctx.scale = seed_value, causal, dropout_p, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        dq, dk, dv = attention_triton_bwd.attention_backward(
+            grad_out, q, k, v, out, lse, key_padding_mask, ctx.seed, ctx.causal, ctx.dropout_p, ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _validate(q, k, v, key_padding_mask, dropout_p, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d tensor [batch, heads, seq, head_dim], got {_describe(t)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; expected one of {', '.join(map(str, _DTYPES))}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"q has head_dim {q.shape[-1]}; supported head dims are {HEAD_DIMS}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.shape[:2] != q.shape[:2] or t.shape[-1] != q.shape[-1]:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}; expected [batch, heads, seq_k, head_dim] = "
+                f"[{q.shape[0]}, {q.shape[1]}, seq_k, {q.shape[3]}] to match q {tuple(q.shape)}"
+            )
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v has seq_k {v.shape[2]} but k has {k.shape[2]}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"key_padding_mask must be a bool tensor, got {_describe(key_padding_mask)}")
+        if tuple(key_padding_mask.shape) != (q.shape[0], k.shape[2]):
+            raise ValueError(
+                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected [batch, seq_k] = "
+                f"[{q.shape[0]}, {k.shape[2]}]"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None and not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dim()}-d {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention over q ``[B, H, Sq, D]``, k, v ``[B, H, Sk, D]`` -> ``[B, H, Sq, D]`` (see the module
+    docstring for the masks, dropout and backends). Raises ValueError naming the bad argument."""
+    _validate(q, k, v, key_padding_mask, dropout_p, scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    has_work = q.numel() > 0 and k.shape[2] > 0
+    if has_work and q.dtype in TRITON_DTYPES and use_triton(q, k, v, key_padding_mask):
+        seed = draw_dropout_seed() if dropout_p > 0.0 else None
+        args = (q, k, v, key_padding_mask, seed, bool(causal), float(dropout_p), float(scale))
+        if torch.compiler.is_compiling():
+            return _attention_forward_op(*args)[0]
+        return _EagerAttention.apply(*args)
+    return attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale)

@@ -1,0 +1,286 @@
+"""Triton flash attention: shared pieces, the forward kernel and the dropout-mask debug kernel.
+
+Layout: q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, heads, seq_k, head_dim]``, each with
+a unit stride on the last dimension (any other strides are passed to the kernels). The softmax
+runs online over key blocks (Dao et al. 2022, "FlashAttention", Algorithm 1; FlashAttention-2 loop
+order): a program owns ``BLOCK_M`` query rows of one (batch, head), keeps the running row maximum
+``m``, the running normaliser ``l`` and the output accumulator in fp32 registers, and never writes
+a ``seq_q x seq_k`` tensor. Scores are turned into base-2 exponents once, ``s * scale * log2(e)``,
+so each probability is one FMA and one ``exp2``.
+
+The forward saves ``lse = m + log2(l)`` per row (base-2 units, fp32, ``[batch, heads, seq_q]``) for
+the backward in :mod:`dslab.kernels.attention_triton_bwd`. A row whose keys are all masked has
+``l = 0``: its output is 0 and its ``lse`` is ``+inf`` so that the backward's recomputed
+probabilities ``exp2(s - lse)`` are exactly 0 there.
+
+Memory traffic of the forward, per (batch, head): q and o once, k and v once per query block
+(``ceil(seq_q / BLOCK_M)`` times, mostly from L2), lse ``4 * seq_q`` bytes.
+
+Dropout keeps a probability when a Philox draw keyed by a 64-bit seed, with counter
+``(key index, query index, batch * heads + head, 0)``, is above ``dropout_p``; the backward
+regenerates the same draws, so no mask is stored.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dslab.kernels.dispatch import interpreting
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """``acc + a @ b`` in fp32. ``DOT_FP32`` upcasts the operands first: the Triton interpreter
+    multiplies bf16 operands as raw integers, and a bf16 x bf16 product is exact in fp32, so this
+    gives the tensor-core result (up to summation order)."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _dropout_keep(seed, bh, rows, cols, dropout_p):
+    """Keep-mask for query indices ``rows`` and key indices ``cols`` (int32 blocks that broadcast
+    against each other) of flattened head ``bh``: Philox(seed; key, query, bh, 0) > dropout_p."""
+    zero = rows * 0 + cols * 0
+    bits, _, _, _ = tl.philox(seed, cols + zero, rows + zero, zero + bh, zero)
+    return tl.uint_to_uniform_float(bits) > dropout_p
+
+
+@triton.jit
+def _fwd_key_loop(
+    acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_ks, stride_vs,
+    offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, start, end,
+    BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fold key blocks ``[start, end)`` into the running (acc, l, m). ``BOUNDARY`` blocks may hold
+    keys past ``seq_k`` or (causal) above the diagonal and are masked; the others are not."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
+        if BOUNDARY:
+            key_valid = offs_n < seq_k
+            k = tl.load(k_ptrs, mask=key_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=key_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32)
+        if BOUNDARY:
+            visible = key_valid[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        if HAS_KPM:
+            if BOUNDARY:
+                pad = tl.load(kpm_base + offs_n, mask=key_valid, other=1)
+            else:
+                pad = tl.load(kpm_base + offs_n)
+            s = tl.where(pad[None, :] != 0, float("-inf"), s)
+        # m starts finite (-1e30), so a block whose scores are all -inf gives p = 0 and alpha = 1.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            p = tl.where(keep, p, 0.0)
+        acc = _dot(p.to(v.dtype), v, acc, DOT_FP32)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attention_fwd_kernel(
+    Q, K, V, O, LSE, KPM,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_kpm_b,
+    num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
+    qk_scale, dropout_p, seed,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid ``(ceil(seq_q / BLOCK_M), batch * heads)``. ``seq_*_bucket`` only key the autotuner.
+
+    Causal programs run from the last query block (most key blocks) to the first, so the long
+    ones start early and the tail of the grid is short. Key blocks wholly above the diagonal are
+    never visited; those wholly below it run without masks; the few crossing it (or ``seq_k``)
+    run the masked loop.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_valid = offs_m < seq_q
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    kpm_base = KPM + b * stride_kpm_b
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        # Keys below start_m are visible to every row of the block.
+        full_end = tl.minimum(start_m, seq_k) // BLOCK_N * BLOCK_N
+        end = tl.minimum(start_m + BLOCK_M, seq_k)
+    else:
+        full_end = seq_k // BLOCK_N * BLOCK_N
+        end = seq_k
+    acc, l_i, m_i = _fwd_key_loop(
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_ks, stride_vs,
+        offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, 0, full_end,
+        False, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M, BLOCK_N,
+    )
+    acc, l_i, m_i = _fwd_key_loop(
+        acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_ks, stride_vs,
+        offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, full_end, end,
+        True, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M, BLOCK_N,
+    )
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    inv_l = 1.0 / l_safe
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_valid[:, None])
+    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
+    tl.store(LSE + bh.to(tl.int64) * seq_q + offs_m, lse, mask=row_valid)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _dropout_mask_kernel(OUT, seq_q, seq_k, dropout_p, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes the keep-mask the kernels use, as uint8 ``[batch * heads, seq_q, seq_k]``.
+    Grid ``(ceil(seq_q / BLOCK_M), ceil(seq_k / BLOCK_N), batch * heads)``."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh = tl.program_id(2)
+    keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+    ptrs = OUT + bh.to(tl.int64) * seq_q * seq_k + offs_m[:, None] * seq_k + offs_n[None, :]
+    tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seq_q) & (offs_n[None, :] < seq_k))
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried per head dim on Hopper-class GPUs.
+_FWD_TILES = {
+    32: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
+}
+# The interpreter gets one small config: several key blocks and a diagonal at test sizes.
+_FWD_INTERPRET_TILE = (32, 16, 4, 1)
+_AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT"]
+
+
+def fwd_configs(head_dim: int) -> list[triton.Config]:
+    """The forward's autotune candidates for ``head_dim`` (one config under the interpreter)."""
+    tiles = [_FWD_INTERPRET_TILE] if interpreting() else _FWD_TILES[head_dim]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles
+    ]
+
+
+@functools.cache
+def _fwd_kernel_for(head_dim: int):
+    return triton.autotune(configs=fwd_configs(head_dim), key=_AUTOTUNE_KEY)(_attention_fwd_kernel)
+
+
+def seq_bucket(n: int) -> int:
+    """Autotune bucket for a sequence length: the next power of two (at least 16)."""
+    return max(16, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dimension is contiguous, else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def empty_rows_like(t: torch.Tensor) -> torch.Tensor:
+    """An output laid out like ``t`` (so a ``[batch, seq, heads, dim]`` view stays one) when ``t``'s
+    last dimension is contiguous, else a contiguous one. The fake kernels use this too."""
+    if t.stride(-1) == 1:
+        return torch.empty_like(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def dot_fp32(dtype: torch.dtype) -> bool:
+    """Whether the kernels must upcast dot operands (bf16 under the interpreter; see ``_dot``)."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def padding_as_bytes(key_padding_mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The mask as a uint8 view the kernels read (``like`` stands in when there is none) and its batch stride."""
+    if key_padding_mask is None:
+        return like, 0
+    mask = unit_last_stride(key_padding_mask).view(torch.uint8)
+    return mask, mask.stride(0)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    seed: int,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward. Returns ``out`` (laid out by :func:`empty_rows_like`) and the fp32
+    base-2 ``lse`` ``[batch, heads, seq_q]``. Inputs are already validated."""
+    out = empty_rows_like(q)
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+    kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
+    grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    _fwd_kernel_for(head_dim)[grid](
+        q, k, v, out, lse, kpm,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        stride_kpm_b,
+        heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k),
+        scale * LOG2_E, dropout_p, seed,
+        HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
+        HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_fp32(q.dtype),
+    )
+    return out, lse
+
+
+def dropout_keep_mask(
+    seed: int, batch: int, heads: int, seq_q: int, seq_k: int, dropout_p: float, device: torch.device | str
+) -> torch.Tensor:
+    """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` the Triton kernels apply for ``seed``
+    (True = kept). Materialises the full mask: for tests at small shapes."""
+    out = torch.empty((batch * heads, seq_q, seq_k), dtype=torch.uint8, device=device)
+    block = 64
+    grid = (triton.cdiv(seq_q, block), triton.cdiv(seq_k, block), batch * heads)
+    _dropout_mask_kernel[grid](out, seq_q, seq_k, float(dropout_p), seed, BLOCK_M=block, BLOCK_N=block)
+    return out.view(batch, heads, seq_q, seq_k).bool()

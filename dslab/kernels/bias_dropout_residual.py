@@ -1,0 +1,154 @@
+"""Bias add, dropout and residual add fused: the end of a transformer sublayer.
+
+    out = residual + dropout(x + bias, p)      x, residual [..., N]; bias [N] or None
+
+Dropout zeroes each element with probability p and scales the rest by 1 / (1 - p); it applies only
+when ``training`` and p > 0. The mask is a function of an explicit integer ``seed`` (and of the
+element's position): the same seed and shape give the same mask, so backward regenerates it
+instead of storing it. Each backend has its own generator — the Triton kernel uses Philox per
+element (see :mod:`dslab.kernels.bias_dropout_residual_triton`), the reference a
+``torch.Generator`` seeded with ``seed`` — so the two give different masks for one seed;
+:func:`bias_dropout_residual_reference` also takes an explicit ``keep_mask`` so that one backend's
+mask can be replayed through the reference.
+
+Layers: :func:`bias_dropout_residual_reference` (PyTorch) → the ``dslab::bias_dropout_residual``
+custom op with its autograd (``dslab::bias_dropout_residual_backward``) → the Triton kernels.
+:func:`bias_dropout_residual` picks between them with :func:`dslab.kernels.dispatch.use_triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dslab.kernels.dispatch import use_triton
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_SEED = 2**63 - 1
+
+
+def dropout_keep_mask_reference(
+    shape: torch.Size | tuple[int, ...], p: float, seed: int, device: torch.device | str
+) -> torch.Tensor:
+    """The reference's keep mask (bool, ``shape``): ``rand >= p`` from a generator seeded with ``seed``."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return torch.rand(shape, generator=generator, device=device) >= p
+
+
+def bias_dropout_residual_reference(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool = True,
+    seed: int | None = None,
+    keep_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The PyTorch reference. When dropout applies, the mask is ``keep_mask`` (bool, x's shape)
+    if given, else :func:`dropout_keep_mask_reference` of ``seed``."""
+    h = x + bias if bias is not None else x
+    if training and p > 0:
+        if keep_mask is None:
+            keep_mask = dropout_keep_mask_reference(x.shape, p, seed, x.device)
+        scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+        h = h * keep_mask * scale
+    return residual + h
+
+
+@torch.library.custom_op("dslab::bias_dropout_residual", mutates_args=())
+def _bias_dropout_residual_op(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, seed: int
+) -> torch.Tensor:
+    """residual + dropout(x + bias, p) for ``x``, ``residual`` [M, N]; no dropout when p == 0."""
+    from dslab.kernels import bias_dropout_residual_triton
+
+    return bias_dropout_residual_triton.forward(x, bias, residual, p, seed)
+
+
+@_bias_dropout_residual_op.register_fake
+def _(x, bias, residual, p, seed):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("dslab::bias_dropout_residual_backward", mutates_args=())
+def _bias_dropout_residual_backward_op(
+    dout: torch.Tensor, bias: torch.Tensor | None, p: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dbias) for ``dout`` [M, N] and p > 0; dbias is an empty tensor without a bias (whose
+    only use here is its presence and dtype)."""
+    from dslab.kernels import bias_dropout_residual_triton
+
+    dx, dbias = bias_dropout_residual_triton.backward(dout, bias, p, seed)
+    return dx, dbias if dbias is not None else dout.new_empty(0)
+
+
+@_bias_dropout_residual_backward_op.register_fake
+def _(dout, bias, p, seed):
+    return dout.new_empty(dout.shape), torch.empty_like(bias) if bias is not None else dout.new_empty(0)
+
+
+def _setup(ctx, inputs, output):
+    _x, bias, _residual, p, seed = inputs
+    ctx.p, ctx.seed = p, seed
+    ctx.save_for_backward(bias)
+
+
+def _backward(ctx, dout):
+    (bias,) = ctx.saved_tensors
+    if ctx.p == 0:
+        dx = dout
+        dbias = dout.sum(dim=0) if bias is not None else None
+    else:
+        dx, dbias = _bias_dropout_residual_backward_op(dout, bias, ctx.p, ctx.seed)
+    return dx, (dbias if bias is not None else None), dout, None, None
+
+
+_bias_dropout_residual_op.register_autograd(_backward, setup_context=_setup)
+
+
+def _check(x, bias, residual, p, training, seed) -> None:
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the bias's)")
+    n = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != x.dtype):
+        raise ValueError(
+            f"bias must have shape ({n},) and x's dtype {x.dtype}, got {tuple(bias.shape)} {bias.dtype}"
+        )
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be in [0, 1], got {p}")
+    if training and p > 0:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int when dropout applies (training and p > 0), got {seed!r}")
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
+
+
+def bias_dropout_residual(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool = True,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """``residual + dropout(x + bias, p)`` for ``x``, ``residual`` [..., N] (one dtype) and
+    ``bias`` [N] or None; dropout only when ``training`` and ``p > 0``, with its mask a function
+    of ``seed`` (required then). Gradients flow to x, bias and residual.
+
+    The Triton path runs on CUDA tensors (or under the ``triton`` backend with
+    ``TRITON_INTERPRET=1``) for fp32/fp16/bf16; otherwise the reference runs.
+    """
+    _check(x, bias, residual, p, training, seed)
+    if not (x.dtype in TRITON_DTYPES and use_triton(x, bias, residual)):
+        return bias_dropout_residual_reference(x, bias, residual, p, training, seed)
+    n = x.shape[-1]
+    p_applied = float(p) if training else 0.0
+    out = _bias_dropout_residual_op(
+        x.reshape(-1, n), bias, residual.reshape(-1, n), p_applied, seed if p_applied > 0 else 0
+    )
+    return out.view(x.shape)

@@ -1,0 +1,297 @@
+"""The op set a model calls, chosen by ``kernels``, and the transformer layers built from it.
+
+Two sets with one signature each (:class:`OpSet`):
+
+- ``"dslab"``: :mod:`dslab.kernels`' fused ops. Each dispatches on its own (Triton on CUDA, its
+  PyTorch reference elsewhere; :mod:`dslab.kernels.dispatch`).
+- ``"torch"``: what a PyTorch user writes with PyTorch's own best ops — ``F.layer_norm``,
+  ``F.gelu(x + b)``, ``residual + F.dropout(x + b)``, ``F.scaled_dot_product_attention`` (which
+  picks flash / memory-efficient / math by itself) and ``F.cross_entropy`` on fp32-upcast logits.
+  This is the ``torch`` arm of a benchmark.
+
+The ops:
+
+- ``layer_norm(x, weight, bias, eps=1e-5, residual=None)`` -> ``y``, or ``(y, x + residual)``
+- ``bias_gelu(x, bias, approximate="none"|"tanh")`` -> ``gelu(x + bias)``
+- ``bias_dropout_residual(x, bias, residual, p, training)`` -> ``residual + dropout(x + bias, p)``
+- ``attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None)``, q/k/v
+  ``[batch, heads, seq, head_dim]``, ``key_padding_mask`` bool ``[batch, seq_k]`` (True = padding)
+- ``softmax_cross_entropy(logits [N, V], target [N], ignore_index=-100, label_smoothing=0.0)`` ->
+  fp32 mean loss
+
+Dtypes under autocast (fp32 parameters, half-precision matmul outputs): the ``dslab`` set runs
+each fused op in the dtype of its activation ``x`` and casts the bias and the residual to it, so
+that after the first residual add the residual stream is in the autocast dtype (as in a model cast
+to bf16). The ``torch`` set casts only the bias (as ``nn.Linear(bias=True)`` under autocast would)
+and lets PyTorch promote ``residual + ...`` to the residual's dtype, so its residual stream stays
+fp32 under autocast, as in any autocast model (HuggingFace's included). Outside autocast both sets
+compute in the one dtype of the model.
+
+The dslab dropout mask is a function of an integer seed: one is drawn per call from torch's default
+CPU generator (``torch.manual_seed`` reproduces a run; no device synchronisation).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+KERNEL_SETS = ("dslab", "torch")
+IGNORE_INDEX = -100
+_SEED_HIGH = 2**62
+
+
+@dataclass(frozen=True)
+class OpSet:
+    """The ops of one kernel set (signatures in the module docstring).
+
+    ``head_dims``: the attention head dims the set supports, None for any.
+    """
+
+    name: str
+    layer_norm: Callable
+    bias_gelu: Callable
+    bias_dropout_residual: Callable
+    attention: Callable
+    softmax_cross_entropy: Callable
+    head_dims: tuple[int, ...] | None
+
+    def __reduce__(self):
+        # Pickled (and deep-copied) by name: the dslab set's functions are closures.
+        return op_set, (self.name,)
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch set.
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch_layer_norm(x, weight, bias, eps=1e-5, residual=None):
+    if residual is None:
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    h = x + residual
+    return F.layer_norm(h, h.shape[-1:], weight, bias, eps), h
+
+
+def _torch_bias_gelu(x, bias, approximate="none"):
+    return F.gelu(x + bias.to(x.dtype), approximate=approximate)
+
+
+def _torch_bias_dropout_residual(x, bias, residual, p, training):
+    return residual + F.dropout(x + bias.to(x.dtype), p=p, training=training)
+
+
+def _torch_attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None):
+    if key_padding_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
+    allowed = ~key_padding_mask[:, None, None, :]  # SDPA's bool mask: True = may attend
+    if causal:
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        allowed = allowed & torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+
+
+def _torch_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, label_smoothing=0.0):
+    return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+TORCH_OPS = OpSet(
+    name="torch",
+    layer_norm=_torch_layer_norm,
+    bias_gelu=_torch_bias_gelu,
+    bias_dropout_residual=_torch_bias_dropout_residual,
+    attention=_torch_attention,
+    softmax_cross_entropy=_torch_cross_entropy,
+    head_dims=None,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dslab set: thin wrappers that align dtypes and draw dropout seeds.
+# ---------------------------------------------------------------------------------------------
+
+
+def draw_seed() -> int:
+    """A dropout seed in ``[0, 2**62)`` from torch's default CPU generator (host only, no sync)."""
+    return int(torch.randint(0, _SEED_HIGH, (), dtype=torch.int64).item())
+
+
+@functools.cache
+def _dslab_ops() -> OpSet:
+    # Imported from the op modules, not the package: ``dslab.kernels.layer_norm`` names the module
+    # once that module has been imported.
+    from dslab.kernels.attention import HEAD_DIMS, attention
+    from dslab.kernels.bias_dropout_residual import bias_dropout_residual
+    from dslab.kernels.bias_gelu import bias_gelu
+    from dslab.kernels.cross_entropy import softmax_cross_entropy
+    from dslab.kernels.layer_norm import layer_norm
+
+    def dslab_layer_norm(x, weight, bias, eps=1e-5, residual=None):
+        if residual is not None:
+            residual = residual.to(x.dtype)
+        return layer_norm(x, weight, bias, eps, residual)
+
+    def dslab_bias_gelu(x, bias, approximate="none"):
+        return bias_gelu(x, bias.to(x.dtype), approximate)
+
+    def dslab_bias_dropout_residual(x, bias, residual, p, training):
+        seed = draw_seed() if training and p > 0 else None
+        return bias_dropout_residual(x, bias.to(x.dtype), residual.to(x.dtype), p, training, seed)
+
+    return OpSet(
+        name="dslab",
+        layer_norm=dslab_layer_norm,
+        bias_gelu=dslab_bias_gelu,
+        bias_dropout_residual=dslab_bias_dropout_residual,
+        attention=attention,
+        softmax_cross_entropy=softmax_cross_entropy,
+        head_dims=tuple(HEAD_DIMS),
+    )
+
+
+def op_set(kernels: str) -> OpSet:
+    """The op set named ``kernels`` ("dslab" or "torch")."""
+    if kernels == "torch":
+        return TORCH_OPS
+    if kernels == "dslab":
+        return _dslab_ops()
+    raise ValueError(f"kernels={kernels!r} is not a kernel set; choose one of {', '.join(KERNEL_SETS)}")
+
+
+def check_head_dim(ops: OpSet, hidden: int, heads: int) -> None:
+    """ValueError naming ``heads`` unless ``hidden`` splits into ``heads`` heads the set supports."""
+    if heads <= 0 or hidden % heads:
+        raise ValueError(f"heads={heads} must be positive and divide hidden={hidden}")
+    if ops.head_dims is not None and hidden // heads not in ops.head_dims:
+        raise ValueError(
+            f"hidden / heads = {hidden}/{heads} = {hidden // heads} is a head dim that kernels={ops.name!r} "
+            f"does not support; supported head dims: {ops.head_dims}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers. Matmuls are nn.Linear (without bias where a fused op adds it); everything else is an op.
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerNorm(nn.Module):
+    """Affine layer norm over the last dimension, through ``ops.layer_norm``."""
+
+    def __init__(self, hidden: int, eps: float, ops: OpSet):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.bias = nn.Parameter(torch.zeros(hidden))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention ending in the residual add:
+    ``residual + dropout(attention(x Wqkv + bqkv) Wo + bo)``.
+
+    ``qkv`` is one ``[3 * hidden, hidden]`` projection, rows ordered q, k, v, and within each the
+    heads in order (head ``h`` owns rows ``h * head_dim : (h + 1) * head_dim``).
+    """
+
+    def __init__(self, hidden: int, heads: int, attention_dropout: float, hidden_dropout: float,
+                 causal: bool, ops: OpSet):
+        super().__init__()
+        self.heads = heads
+        self.attention_dropout = attention_dropout
+        self.hidden_dropout = hidden_dropout
+        self.causal = causal
+        self.ops = ops
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out_proj = nn.Linear(hidden, hidden, bias=False)
+        self.out_bias = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``, ``residual`` [batch, seq, hidden]; ``key_padding_mask`` bool [batch, seq] or None."""
+        batch, seq, hidden = x.shape
+        head_dim = hidden // self.heads
+        qkv = self.qkv(x).view(batch, seq, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
+        context = self.ops.attention(
+            qkv[0], qkv[1], qkv[2], causal=self.causal, key_padding_mask=key_padding_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+        )
+        context = context.transpose(1, 2).reshape(batch, seq, hidden)
+        return self.ops.bias_dropout_residual(
+            self.out_proj(context), self.out_bias, residual, self.hidden_dropout, self.training
+        )
+
+
+class FeedForward(nn.Module):
+    """``residual + dropout(gelu(x W1 + b1) W2 + b2)``."""
+
+    def __init__(self, hidden: int, intermediate: int, hidden_dropout: float, gelu_approximate: str,
+                 ops: OpSet):
+        super().__init__()
+        self.hidden_dropout = hidden_dropout
+        self.gelu_approximate = gelu_approximate
+        self.ops = ops
+        self.fc_in = nn.Linear(hidden, intermediate, bias=False)
+        self.fc_in_bias = nn.Parameter(torch.zeros(intermediate))
+        self.fc_out = nn.Linear(intermediate, hidden, bias=False)
+        self.fc_out_bias = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = self.ops.bias_gelu(self.fc_in(x), self.fc_in_bias, self.gelu_approximate)
+        return self.ops.bias_dropout_residual(
+            self.fc_out(h), self.fc_out_bias, residual, self.hidden_dropout, self.training
+        )
+
+
+class TransformerLayer(nn.Module):
+    """One encoder/decoder layer, post-LN (original BERT) or pre-LN (GPT-2):
+
+        post-LN:  x = LN1(x + Attn(x));      x = LN2(x + FFN(x))
+        pre-LN:   x = x + Attn(LN1(x));      x = x + FFN(LN2(x))
+
+    (each ``+`` is ``ops.bias_dropout_residual``, with dropout on the sublayer's output).
+    """
+
+    def __init__(self, hidden: int, heads: int, intermediate: int, hidden_dropout: float,
+                 attention_dropout: float, eps: float, pre_ln: bool, causal: bool,
+                 gelu_approximate: str, ops: OpSet):
+        super().__init__()
+        self.pre_ln = pre_ln
+        self.attention = SelfAttention(hidden, heads, attention_dropout, hidden_dropout, causal, ops)
+        self.attention_norm = LayerNorm(hidden, eps, ops)
+        self.mlp = FeedForward(hidden, intermediate, hidden_dropout, gelu_approximate, ops)
+        self.mlp_norm = LayerNorm(hidden, eps, ops)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre_ln:
+            x = self.attention(self.attention_norm(x), x, key_padding_mask)
+            return self.mlp(self.mlp_norm(x), x)
+        x = self.attention_norm(self.attention(x, x, key_padding_mask))
+        return self.mlp_norm(self.mlp(x, x))
+
+
+def init_normal_(module: nn.Module, std: float) -> None:
+    """BERT/GPT-2 initialisation: Linear and Embedding weights ~ N(0, std), Linear biases 0;
+    LayerNorm and the separate bias parameters keep their construction values (1 and 0)."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def scale_residual_init_(layers: nn.ModuleList, std: float) -> None:
+    """GPT-2's scaled init: the projections that write into the residual stream get
+    ``std / sqrt(2 * n_layers)`` (Radford et al. 2019, section 2.3)."""
+    scaled = std / math.sqrt(2 * len(layers))
+    for layer in layers:
+        nn.init.normal_(layer.attention.out_proj.weight, mean=0.0, std=scaled)
+        nn.init.normal_(layer.mlp.fc_out.weight, mean=0.0, std=scaled)

@@ -1,0 +1,338 @@
+"""dslab.kernels.attention: the Triton flash attention against the PyTorch reference.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (forced with ``kernel_backend("triton")``)
+at small irregular shapes, in bf16 and fp16 (bf16 dot operands are upcast to fp32 inside the same
+kernels there, see ``attention_triton._dot``). Accuracy follows STYLE.md #4: against the float64
+reference, the kernel's error must be at most twice PyTorch's own error in the same low precision
+(the reference run in that dtype), plus a small floor. One exception: the interpreter converts
+fp32 to bf16 by truncation where the GPU rounds to nearest, which doubles the kernel's last-bit
+error, so bf16 checks under the interpreter allow four times PyTorch's error.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dslab.kernels
+from dslab.kernels import attention_triton_bwd
+from dslab.kernels.attention import (
+    attention,
+    attention_reference,
+    draw_dropout_seed,
+    triton_dropout_keep_mask,
+)
+from dslab.kernels.dispatch import interpreting, kernel_backend
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_q, head_dim, generator=gen)
+    k = torch.randn(batch, heads, seq_k, head_dim, generator=gen)
+    v = torch.randn(batch, heads, seq_k, head_dim, generator=gen)
+    grad = torch.randn(batch, heads, seq_q, head_dim, generator=gen)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, grad)]
+
+
+def _padding(kind, batch, seq_k, device="cpu", seed=1):
+    """None, or a mask with random padding; 'full' pads every key of the last batch element, and
+    'first' also pads key 0 of batch 0 (with causal, query 0 of batch 0 then sees nothing)."""
+    if kind is None:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, seq_k, generator=gen) < 0.3
+    mask[-1] = True
+    if kind == "first":
+        mask[0, 0] = True
+    return mask.to(device)
+
+
+def _forward_backward(q, k, v, grad, **kwargs):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v, **kwargs)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+def _reference_forward_backward(q, k, v, grad, **kwargs):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention_reference(q, k, v, **kwargs)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+def _check_against_reference(got, q, k, v, grad, floor, **kwargs):
+    """got = (out, dq, dk, dv) from dslab in low precision; compare with the reference in float64
+    and in the inputs' own dtype."""
+    exact = _reference_forward_backward(*(t.double() for t in (q, k, v, grad)), **kwargs)
+    low = _reference_forward_backward(q, k, v, grad, **kwargs)
+    factor = 4 if interpreting() and q.dtype == torch.bfloat16 else 2
+    for name, g, e, lo in zip(("out", "dq", "dk", "dv"), got, exact, low):
+        assert g.dtype == q.dtype and g.shape == e.shape, name
+        assert torch.isfinite(g).all(), name
+        err = (g.double() - e).abs().max().item()
+        torch_err = (lo.double() - e).abs().max().item()
+        assert err <= factor * torch_err + floor, f"{name}: dslab err {err:.3g} vs torch err {torch_err:.3g}"
+
+
+# (batch, heads, seq_q, seq_k, head_dim, dtype, causal, padding). The interpreter tiles are 32x16
+# forward and 32-key blocks backward: seq_k <= 32 takes the one-key-block backward.
+CASES = [
+    (2, 3, 37, 53, 64, "fp16", False, None),
+    (2, 3, 37, 53, 32, "bf16", True, "first"),
+    (2, 3, 53, 37, 128, "bf16", False, "full"),
+    (2, 3, 53, 37, 64, "fp16", True, None),
+    (2, 3, 45, 29, 64, "bf16", True, "first"),
+    (2, 3, 20, 29, 128, "fp16", False, None),
+    (2, 2, 40, 32, 32, "fp16", False, "full"),
+]
+
+
+@pytest.mark.parametrize("batch,heads,seq_q,seq_k,head_dim,dtype,causal,padding", CASES)
+def test_triton_matches_reference(batch, heads, seq_q, seq_k, head_dim, dtype, causal, padding):
+    dtype = LOW_PRECISION[dtype]
+    q, k, v, grad = _inputs(batch, heads, seq_q, seq_k, head_dim, dtype)
+    mask = _padding(padding, batch, seq_k)
+    kwargs = dict(causal=causal, key_padding_mask=mask)
+    with kernel_backend("triton"):
+        got = _forward_backward(q, k, v, grad, **kwargs)
+    _check_against_reference(got, q, k, v, grad, floor=1e-3, **kwargs)
+    if padding is not None:
+        # Every key of the last batch element is padding: zeros everywhere, no NaN.
+        for t in got:
+            assert torch.equal(t[-1], torch.zeros_like(t[-1]))
+    if padding == "first" and causal:
+        assert torch.equal(got[0][0, :, 0], torch.zeros_like(got[0][0, :, 0]))
+        assert torch.equal(got[1][0, :, 0], torch.zeros_like(got[1][0, :, 0]))
+
+
+@pytest.mark.parametrize("seq_q,seq_k,head_dim,dtype,causal,dropout_p", [
+    (37, 53, 64, "bf16", True, 0.3),
+    (45, 29, 32, "fp16", False, 0.2),
+])
+def test_triton_dropout_matches_reference_with_its_mask(seq_q, seq_k, head_dim, dtype, causal, dropout_p):
+    dtype = LOW_PRECISION[dtype]
+    batch, heads = 2, 3
+    q, k, v, grad = _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed=3)
+    mask = _padding("first", batch, seq_k)
+    torch.manual_seed(11)
+    seed = draw_dropout_seed()
+    with kernel_backend("triton"):
+        keep = triton_dropout_keep_mask(seed, batch, heads, seq_q, seq_k, dropout_p, "cpu")
+        torch.manual_seed(11)
+        got = _forward_backward(q, k, v, grad, causal=causal, key_padding_mask=mask, dropout_p=dropout_p)
+    kwargs = dict(causal=causal, key_padding_mask=mask, dropout_p=dropout_p, dropout_mask=keep)
+    _check_against_reference(got, q, k, v, grad, floor=1e-3, **kwargs)
+
+
+def test_dropout_mask_statistics_and_reproducibility():
+    with kernel_backend("triton"):
+        keep = triton_dropout_keep_mask(2**40 + 7, 2, 3, 64, 96, 0.3, "cpu")
+        again = triton_dropout_keep_mask(2**40 + 7, 2, 3, 64, 96, 0.3, "cpu")
+        other = triton_dropout_keep_mask(2**40 + 8, 2, 3, 64, 96, 0.3, "cpu")
+    assert torch.equal(keep, again)
+    # 36,864 draws: the kept fraction's standard deviation is 0.0024.
+    assert abs(keep.float().mean().item() - 0.7) < 0.015
+    assert (keep != other).float().mean().item() > 0.3
+    flat = keep.view(6, -1)
+    for i in range(1, 6):  # every (batch, head) gets its own stream
+        assert (flat[0] != flat[i]).float().mean().item() > 0.3
+    # Keys and queries are not correlated along rows or columns.
+    assert abs(keep.float().mean(dim=(0, 1, 2)) - 0.7).max().item() < 0.15
+    assert abs(keep.float().mean(dim=(0, 1, 3)) - 0.7).max().item() < 0.15
+
+
+def test_dropout_seed_comes_from_torch_generator():
+    q, k, v, _ = _inputs(1, 2, 20, 24, 32, torch.float16)
+    with kernel_backend("triton"):
+        torch.manual_seed(5)
+        first = attention(q, k, v, dropout_p=0.5)
+        torch.manual_seed(5)
+        second = attention(q, k, v, dropout_p=0.5)
+        third = attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(first, second)
+    assert not torch.equal(first, third)
+
+
+def test_strided_layouts_and_output_layout():
+    """q, k, v as [batch, seq, heads, dim] views and an expanded (stride 0) output gradient."""
+    batch, heads, seq_q, seq_k, dim = 2, 3, 37, 21, 32
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(batch, seq_q, heads, dim, generator=gen).half().transpose(1, 2)
+    kv = torch.randn(batch, seq_k, 2, heads, dim, generator=gen).half()
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    grad = torch.ones(1, 1, 1, 1, dtype=torch.float16).expand(batch, heads, seq_q, dim)
+    with kernel_backend("triton"):
+        got = _forward_backward(q, k, v, grad, causal=True)
+    assert got[0].stride() == q.stride()  # the output keeps q's [batch, seq, heads, dim] layout
+    _check_against_reference(got, q, k, v, grad, floor=1e-3, causal=True)
+
+
+def test_general_and_one_block_backward_agree():
+    """The same inputs through both backward paths give the same gradients."""
+    q, k, v, grad = _inputs(1, 2, 33, 29, 64, torch.float16, seed=8)
+    with kernel_backend("triton"):
+        fused = _forward_backward(q, k, v, grad, causal=True)
+        limit = attention_triton_bwd._BWD_INTERPRET_TILE
+        try:
+            attention_triton_bwd._BWD_INTERPRET_TILE = (16, 16, 32, 16, 4, 1)
+            attention_triton_bwd._bwd_kernel_for.cache_clear()
+            general = _forward_backward(q, k, v, grad, causal=True)
+        finally:
+            attention_triton_bwd._BWD_INTERPRET_TILE = limit
+            attention_triton_bwd._bwd_kernel_for.cache_clear()
+    assert attention_triton_bwd.fused_block_n(29, 33, 2) == 32
+    for a, b in zip(fused, general):
+        assert (a.float() - b.float()).abs().max().item() < 2e-3
+
+
+def test_torch_compile_fullgraph_traces_the_custom_op():
+    q, k, v, grad = _inputs(1, 2, 21, 40, 32, torch.bfloat16, seed=9)
+    mask = _padding("first", 1, 40)
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=True, key_padding_mask=mask)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with kernel_backend("triton"):
+        eager = _forward_backward(q, k, v, grad, causal=True, key_padding_mask=mask)
+        qc, kc, vc = (t.detach().requires_grad_() for t in (q, k, v))
+        out = compiled(qc, kc, vc)
+        grads = torch.autograd.grad(out, (qc, kc, vc), grad)
+    for a, b in zip(eager, (out, *grads)):
+        assert torch.equal(a, b)
+    # With dropout the seed is drawn inside the graph: each compiled call gets a fresh mask.
+    with_dropout = torch.compile(lambda q: attention(q, k, v, dropout_p=0.3), backend="aot_eager", fullgraph=True)
+    with kernel_backend("triton"):
+        first, second = with_dropout(q), with_dropout(q)
+    torch._dynamo.reset()
+    assert torch.isfinite(first).all() and not torch.equal(first, second)
+
+
+def test_fake_kernels_match_real_ones():
+    q, k, v, grad = _inputs(1, 1, 17, 20, 32, torch.float16, seed=10)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [batch, seq, heads, dim] layout
+    args = (q, k, v, None, None, True, 0.0, 0.125)
+    with kernel_backend("triton"):
+        torch.library.opcheck(
+            torch.ops.dslab.attention_forward.default, args, test_utils=("test_schema", "test_faketensor")
+        )
+
+
+def test_auto_backend_on_cpu_and_fp32_use_the_reference():
+    q, k, v, _ = _inputs(2, 2, 19, 23, 64, torch.float32, seed=12)
+    mask = _padding("first", 2, 23)
+    expected = attention_reference(q, k, v, causal=True, key_padding_mask=mask)
+    assert torch.equal(attention(q, k, v, causal=True, key_padding_mask=mask), expected)
+    with kernel_backend("triton"):  # fp32 always takes the reference
+        assert torch.equal(attention(q, k, v, causal=True, key_padding_mask=mask), expected)
+    assert dslab.kernels.attention is attention  # the package exports the function, not the module
+
+
+@pytest.mark.parametrize("causal,padding", [(False, None), (True, "first"), (False, "full")])
+def test_reference_matches_sdpa(causal, padding):
+    q, k, v, _ = _inputs(2, 3, 13, 13, 32, torch.float64, seed=13)
+    mask = _padding(padding, 2, 13)
+    got = attention_reference(q, k, v, causal=causal, key_padding_mask=mask, scale=0.3)
+    allowed = torch.ones(13, 13, dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+    if mask is not None:
+        allowed = allowed & ~mask[:, None, None, :]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.3)
+    live = allowed.expand(2, 3, 13, 13).any(-1, keepdim=True).expand_as(got)
+    torch.testing.assert_close(got[live], expected[live])
+    assert torch.equal(got[~live], torch.zeros_like(got[~live]))
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v, _ = _inputs(1, 1, 5, 7, 64, torch.float64, seed=14)
+    assert torch.allclose(attention(q, k, v), attention(q, k, v, scale=1 / math.sqrt(64)))
+
+
+@pytest.mark.parametrize("change,argument", [
+    (lambda a: {**a, "q": a["q"][0]}, "q"),
+    (lambda a: {**a, "k": a["k"].int()}, "k"),
+    (lambda a: {**a, "v": a["v"].double()}, "v"),
+    (lambda a: {**a, "q": a["q"][..., :48], "k": a["k"][..., :48], "v": a["v"][..., :48]}, "head_dim"),
+    (lambda a: {**a, "k": a["k"][:, :1]}, "k"),
+    (lambda a: {**a, "v": a["v"][:, :, :3]}, "v"),
+    (lambda a: {**a, "key_padding_mask": torch.zeros(2, 5, dtype=torch.bool)}, "key_padding_mask"),
+    (lambda a: {**a, "key_padding_mask": torch.zeros(2, 7)}, "key_padding_mask"),
+    (lambda a: {**a, "dropout_p": 1.0}, "dropout_p"),
+    (lambda a: {**a, "scale": -1.0}, "scale"),
+])
+def test_bad_input_raises_value_error_naming_the_argument(change, argument):
+    q, k, v, _ = _inputs(2, 2, 5, 7, 64, torch.float32)
+    args = change(dict(q=q, k=k, v=v))
+    with pytest.raises(ValueError, match=argument):
+        attention(**args)
+
+
+# --- GPU, real sizes -------------------------------------------------------------------------
+
+BENCH_SHAPES = [  # (batch, heads, seq, head_dim, causal): benchmarks/kernels/bench_attention.py
+    (64, 16, 128, 64, False),
+    (16, 16, 512, 64, False),
+    (16, 12, 1024, 64, True),
+    (4, 16, 4096, 128, True),
+]
+
+
+def _sdpa_forward_backward(q, k, v, grad, causal, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,heads,seq,head_dim,causal", BENCH_SHAPES)
+def test_gpu_benchmark_shapes_against_sdpa(batch, heads, seq, head_dim, causal):
+    """Error against fp32 SDPA at most twice that of SDPA's flash kernel in bf16."""
+    from torch.nn.attention import SDPBackend
+
+    q, k, v, grad = _inputs(batch, heads, seq, seq, head_dim, torch.bfloat16, device="cuda", seed=20)
+    got = _forward_backward(q, k, v, grad, causal=causal)
+    exact = _sdpa_forward_backward(*(t.float() for t in (q, k, v, grad)), causal, SDPBackend.EFFICIENT_ATTENTION)
+    flash = _sdpa_forward_backward(q, k, v, grad, causal, SDPBackend.FLASH_ATTENTION)
+    for name, g, e, lo in zip(("out", "dq", "dk", "dv"), got, exact, flash):
+        err = (g.float() - e).abs().max().item()
+        torch_err = (lo.float() - e).abs().max().item()
+        assert err <= 2 * torch_err + 1e-3, f"{name}: dslab err {err:.3g} vs flash err {torch_err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_q,seq_k,head_dim,dtype,causal,dropout_p", [
+    (300, 517, 64, "bf16", True, 0.0),
+    (517, 300, 128, "fp16", False, 0.1),
+    (100, 77, 32, "bf16", True, 0.2),
+    (129, 128, 64, "fp16", False, 0.0),
+])
+def test_gpu_masks_and_dropout_against_reference(seq_q, seq_k, head_dim, dtype, causal, dropout_p):
+    dtype = LOW_PRECISION[dtype]
+    batch, heads = 2, 4
+    q, k, v, grad = _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, device="cuda", seed=21)
+    mask = _padding("first", batch, seq_k, device="cuda")
+    torch.manual_seed(3)
+    seed = draw_dropout_seed()
+    keep = triton_dropout_keep_mask(seed, batch, heads, seq_q, seq_k, dropout_p, "cuda")
+    torch.manual_seed(3)
+    got = _forward_backward(q, k, v, grad, causal=causal, key_padding_mask=mask, dropout_p=dropout_p)
+    kwargs = dict(causal=causal, key_padding_mask=mask, dropout_p=dropout_p, dropout_mask=keep)
+    _check_against_reference(got, q, k, v, grad, floor=1e-3, **kwargs)
+    for t in got:
+        assert torch.equal(t[-1], torch.zeros_like(t[-1]))
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_deterministic():
+    q, k, v, grad = _inputs(4, 8, 1000, 1000, 64, torch.bfloat16, device="cuda", seed=22)
+    first = _forward_backward(q, k, v, grad, causal=True)
+    second = _forward_backward(q, k, v, grad, causal=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
