@@ -56,6 +56,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'full' on a GPU (default there), 'tiny' on a CPU (default without a GPU)")
     parser.add_argument("--arms", default=None,
                         help="comma-separated arms (dslab, torch, torch-compile, hf); default: the suite's")
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all of the scale's)")
     parser.add_argument("--trials", type=int, default=None, help="trials per arm (default: the suite's)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per trial (default: the suite's)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per trial (default: the suite's)")
@@ -66,7 +67,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     from dslab.bench.runner import run_suite
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
-    report, _ = run_suite(args.suite, scale=args.scale, arms=arms, trials=args.trials, steps=args.steps,
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
+    report, _ = run_suite(args.suite, scale=args.scale, arms=arms, cases=cases, trials=args.trials, steps=args.steps,
                           warmup_steps=args.warmup, out=args.out)
     failed = [f"{r.case}/{r.arm}" for r in report.results if r.status == "failed"]
     if failed:
@@ -148,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         subparser = subparsers.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(subparser)
-        subparser.set_defaults(run=command.run)
+        subparser.set_defaults(_handler=command.run)
     return parser
 
 
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # --help and --version exit 0, usage errors 2
         return _exit_code(exit_.code)
     try:
-        return args.run(args)
+        return args._handler(args)
     except EXPECTED_ERRORS as error:
         print(f"dslab: error: {error}", file=sys.stderr)
         return 1

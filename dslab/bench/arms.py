@@ -107,7 +107,13 @@ class PlainArm:
         )
         self.clip = float(engine_cfg.get("gradient_clipping", 0.0))
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-        self.forward = torch.compile(self.model) if name == "torch-compile" else self.model
+        if name == "torch-compile":
+            # Let the graph hold data-dependent shapes (BERT's sparse MLM gathers the masked rows
+            # with nonzero); without it Dynamo breaks the graph there and recompiles every step.
+            torch._dynamo.config.capture_dynamic_output_shape_ops = True
+            self.forward = torch.compile(self.model)
+        else:
+            self.forward = self.model
         self.loss_fn = workload.loss_fn(hf=hf)
         self.batch = workload.make_batch(device)
 

@@ -17,7 +17,7 @@ from typing import TextIO
 
 import torch
 
-from dslab.bench.arms import PRECISION_DTYPES, ArmSkipped, build_arm
+from dslab.bench.arms import PRECISION_DTYPES, ArmSkipped, build_arm, inject_sleep_ms
 from dslab.bench.measure import count_step_flops, measure_peaks, run_trial, trial_metrics
 from dslab.bench.suite import SuiteConfig, load_suite, select_arms
 from dslab.bench.workloads import Workload, workloads_for
@@ -72,29 +72,36 @@ def run_suite(
     suite_path: str | Path,
     scale: str | None = None,
     arms: list[str] | None = None,
+    cases: list[str] | None = None,
     trials: int | None = None,
     steps: int | None = None,
     warmup_steps: int | None = None,
     out: str | Path = "reports",
-    stream: TextIO = sys.stderr,
+    stream: TextIO | None = None,
 ) -> tuple[RunReport, Path]:
-    """Run the suite at ``suite_path``; returns the report and the path of its run.json."""
+    """Run the suite at ``suite_path``; returns the report and the path of its run.json.
+
+    Progress and the summary table go to ``stream`` (standard error by default)."""
     suite, suite_file = load_suite(suite_path)
     device = _device()
-    progress = Progress(stream)
+    progress = Progress(stream or sys.stderr)
     if scale is None:
         scale = "full" if device.type == "cuda" else "tiny"
         if device.type != "cuda":
             progress.line(f"no CUDA GPU: running suite {suite.name} at the 'tiny' scale on the CPU")
-    workloads = workloads_for(suite, scale)
+    workloads = workloads_for(suite, scale, cases)
     sc = suite.scales[scale]
-    arm_names = select_arms(suite, arms)
+    arm_names = select_arms(suite, arms, scale)
     n_trials = trials or sc.trials
     n_steps = steps or sc.steps
     n_warmup = sc.warmup_steps if warmup_steps is None else warmup_steps
     for name, value in (("--trials", n_trials), ("--steps", n_steps)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    sleep_ms = inject_sleep_ms()
+    if sleep_ms:
+        progress.line(f"DSLAB_INJECT_STEP_SLEEP_MS={sleep_ms:g}: the dslab arm sleeps that long in every step "
+                      f"(a deliberate slowdown for checking a gate)")
 
     report = RunReport(run_id=new_run_id(), suite=suite.name, created=utc_now())
     report.environment = collect_environment()
@@ -112,6 +119,7 @@ def run_suite(
         "engine": suite.engine,
         "device": str(device),
         "seed": suite.seed,
+        "inject_step_sleep_ms": sleep_ms,
     }
     report.data = {"kind": "synthetic", "description": workloads[0].data_description}
     path = write_report(report, out)

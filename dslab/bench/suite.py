@@ -46,6 +46,7 @@ class CaseConfig(ConfigSection):
 class ScaleConfig(ConfigSection):
     preset: str
     cases: list[CaseConfig] = Field(min_length=1)
+    arms: list[Literal["dslab", "torch", "torch-compile", "hf"]] | None = None
     warmup_steps: int = Field(10, ge=0)
     steps: int = Field(30, ge=1)
     trials: int = Field(5, ge=1)
@@ -100,11 +101,23 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
     return suite, file
 
 
-def select_arms(suite: SuiteConfig, requested: list[str] | None) -> list[str]:
+def select_arms(suite: SuiteConfig, requested: list[str] | None, scale: str | None = None) -> list[str]:
+    """The requested arms (dslab always first among them), or the scale's, or the suite's."""
     if not requested:
-        return list(suite.arms)
+        scale_arms = suite.scales[scale].arms if scale in suite.scales else None
+        arms = list(scale_arms or suite.arms)
+        return ["dslab", *[a for a in arms if a != "dslab"]]
     unknown = [a for a in requested if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
-    arms = list(dict.fromkeys(["dslab", *requested])) if "dslab" not in requested else list(dict.fromkeys(requested))
-    return arms
+    return list(dict.fromkeys(["dslab", *requested]))
+
+
+def select_cases(scale: ScaleConfig, requested: list[str] | None) -> list[CaseConfig]:
+    if not requested:
+        return list(scale.cases)
+    names = [c.name for c in scale.cases]
+    unknown = [c for c in requested if c not in names]
+    if unknown:
+        raise ValueError(f"unknown case(s) {', '.join(unknown)}; this scale has {', '.join(names)}")
+    return [c for c in scale.cases if c.name in requested]

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from dslab.bench.suite import CaseConfig, SuiteConfig
+from dslab.bench.suite import CaseConfig, SuiteConfig, select_cases
 
 MASK_TOKEN_ID = 103
 MLM_PROBABILITY = 0.15
@@ -122,7 +122,7 @@ class Workload:
         return self.case.micro_batch, self.case.micro_batch * self.case.seq_len
 
 
-def workloads_for(suite: SuiteConfig, scale: str) -> list[Workload]:
+def workloads_for(suite: SuiteConfig, scale: str, cases: list[str] | None = None) -> list[Workload]:
     if scale not in suite.scales:
         raise ValueError(f"suite {suite.name} has no scale {scale!r}; it has {', '.join(suite.scales)}")
     sc = suite.scales[scale]
@@ -134,5 +134,5 @@ def workloads_for(suite: SuiteConfig, scale: str) -> list[Workload]:
             model_options={**suite.model_options, **case.model_options},
             seed=suite.seed,
         )
-        for case in sc.cases
+        for case in select_cases(sc, cases)
     ]

@@ -25,13 +25,16 @@ def results_table(report: RunReport) -> str:
     for case in report.cases():
         lines.append(f"{report.suite} / {case}")
         rows = []
+        problems = []
         base = report.result(case, "dslab")
         for arm in report.arms():
             r = report.result(case, arm)
             if r is None:
                 continue
             if r.status != "ok" or not r.metrics:
-                rows.append([arm, r.status, (r.error or "").splitlines()[0][:60] if r.error else "", "", "", "", "", "", ""])
+                rows.append([arm, r.status, "", "", "", "", "", "", ""])
+                if r.error:
+                    problems.append(f"    {arm}: {r.status}: {r.error.splitlines()[0][:160]}")
                 continue
             m = r.metrics
             spread = "-"
@@ -47,13 +50,14 @@ def results_table(report: RunReport) -> str:
                 _fmt(m.get("tokens_per_s"), ",.0f"),
                 _fmt(m.get("step_time_ms"), ".2f"),
                 spread,
-                _fmt(m.get("model_tflops"), ".1f"),
+                _fmt(m.get("model_tflops"), ".3g"),
                 _fmt(m.get("mfu_measured"), ".1%") if m.get("mfu_measured") is not None else _fmt(m.get("mfu_datasheet"), ".1%"),
                 _fmt(m.get("peak_memory_bytes"), ".2f", 1 / 2**30),
                 ratio,
             ])
         header = ["arm", "samples/s", "tokens/s", "step ms", "spread", "TFLOP/s", "MFU", "peak GiB", "dslab/arm"]
         lines.extend("  " + line for line in _table(header, rows))
+        lines.extend(problems)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -1,0 +1,154 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from dslab import cli
+from dslab.bench import arms as arms_module
+from dslab.bench.runner import run_suite
+from dslab.bench.suite import load_suite
+from dslab.report import list_runs, read_report
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_suite(tmp_path, **overrides) -> Path:
+    suite = {
+        "name": "gpt2_test",
+        "family": "gpt2",
+        "precision": "bf16",
+        "engine": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0},
+        "arms": ["dslab", "torch"],
+        "scales": {"tiny": {"preset": "gpt2_tiny", "warmup_steps": 1, "steps": 3, "trials": 2,
+                            "cases": [{"name": "a", "seq_len": 32, "micro_batch": 2},
+                                      {"name": "b", "seq_len": 16, "micro_batch": 4}]}},
+    }
+    suite.update(overrides)
+    path = tmp_path / "suite"
+    path.mkdir(exist_ok=True)
+    (path / "suite.json").write_text(json.dumps(suite))
+    return path
+
+
+def test_runner_end_to_end_writes_a_complete_report(tmp_path):
+    report, path = run_suite(tiny_suite(tmp_path), out=tmp_path / "reports")
+    assert path.name == "run.json" and path.parent.parent.name == "gpt2_test"
+    back = read_report(path)
+    assert back.status == "complete" and back.finished and not back.missing
+    assert back.config["scale"] == "tiny" and back.config["trials"] == 2
+    assert back.data["kind"] == "synthetic"
+    assert back.environment["torch"]["version"]
+    assert [(r.case, r.arm) for r in back.results] == [("a", "dslab"), ("a", "torch"), ("b", "dslab"), ("b", "torch")]
+    for r in back.results:
+        assert r.status == "ok" and len(r.trials) == 2
+        assert all(len(t.step_times_ms) == 3 for t in r.trials)
+        m = r.metrics
+        assert m["samples_per_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * (32 if r.case == "a" else 16))
+        assert m["model_tflops"] > 0 and m["final_loss"] == m["final_loss"]  # flops counted, loss not NaN
+    assert set(back.ratios) == {"a", "b"} and "dslab/torch" in back.ratios["a"]
+    assert back.config["flops_per_step"]["a"] > 0
+
+
+def test_failing_arm_does_not_stop_the_others(tmp_path, monkeypatch):
+    original = arms_module.PlainArm.step
+
+    def broken(self):
+        if self.name == "torch":
+            raise RuntimeError("synthetic failure in the torch arm")
+        return original(self)
+
+    monkeypatch.setattr(arms_module.PlainArm, "step", broken)
+    report, path = run_suite(tiny_suite(tmp_path, arms=["dslab", "torch", "hf"]), out=tmp_path / "r")
+    back = read_report(path)
+    torch_res = back.result("a", "torch")
+    assert torch_res.status == "failed" and "synthetic failure" in torch_res.error
+    assert back.result("a", "dslab").status == "ok" and len(back.result("a", "dslab").trials) == 2
+    assert back.result("a", "hf").status == "ok"
+    assert back.status == "complete"
+
+
+def test_arm_that_fails_to_build_is_recorded(tmp_path, monkeypatch):
+    real = arms_module.build_arm
+
+    def build(name, *args, **kwargs):
+        if name == "torch":
+            raise MemoryError("cannot allocate the torch arm")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr("dslab.bench.runner.build_arm", build)
+    report, _ = run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"])
+    assert [r.case for r in report.results] == ["b", "b"]
+    assert report.result("b", "torch").status == "failed"
+    assert "cannot allocate" in report.result("b", "torch").error
+    assert report.result("b", "dslab").status == "ok"
+
+
+def test_ctrl_c_leaves_an_incomplete_report(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    original = arms_module.EngineArm.step
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(arms_module.EngineArm, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(tiny_suite(tmp_path), out=tmp_path / "r")
+    (run,) = list_runs(tmp_path / "r")
+    back = read_report(run)
+    assert back.status == "incomplete"
+    assert any("interrupted" in n for n in back.notes)
+    assert back.result("a", "dslab").trials  # the first trial was kept
+
+
+def test_injected_sleep_slows_only_the_dslab_arm(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MS", "40")
+    report, _ = run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], trials=1)
+    assert report.result("b", "dslab").metrics["step_time_min_ms"] >= 40
+    monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MS", "soon")
+    with pytest.raises(ValueError, match="DSLAB_INJECT_STEP_SLEEP_MS"):
+        run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], trials=1)
+
+
+def test_suite_validation_names_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key 'scales.tiny.step'"):
+        load_suite(tiny_suite(tmp_path, scales={"tiny": {"preset": "gpt2_tiny", "step": 3,
+                                                         "cases": [{"name": "a", "seq_len": 8, "micro_batch": 1}]}}))
+    with pytest.raises(ValueError, match="engine.train_batch_size"):
+        load_suite(tiny_suite(tmp_path, engine={"train_batch_size": 8}))
+    with pytest.raises(ValueError, match="must include 'dslab'"):
+        load_suite(tiny_suite(tmp_path, arms=["torch"]))
+    with pytest.raises(FileNotFoundError, match="no suite"):
+        load_suite(tmp_path / "missing")
+    with pytest.raises(ValueError, match="unknown case"):
+        run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["zzz"])
+    with pytest.raises(ValueError, match="unknown arm"):
+        run_suite(tiny_suite(tmp_path), out=tmp_path / "r", arms=["jax"])
+
+
+def test_cli_bench_and_report_commands(tmp_path, capsys):
+    out = tmp_path / "reports"
+    assert cli.main(["bench", str(tiny_suite(tmp_path)), "--cases", "b", "--trials", "1", "--steps", "2",
+                     "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no CUDA GPU: running suite gpt2_test at the 'tiny' scale" in err
+    assert "gpt2_test / b" in err and "dslab/arm" in err
+    (run,) = list_runs(out)
+    assert cli.main(["report", "list", "--reports", str(out)]) == 0
+    listing = capsys.readouterr().out
+    assert run.name in listing and "complete" in listing
+    assert cli.main(["report", "show", run.name[:12], "--reports", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert f"run {run.name}" in shown and "gpt2_test / b" in shown
+    assert cli.main(["report", "show", "nope", "--reports", str(out)]) == 1
+
+
+@pytest.mark.slow
+def test_readme_suite_bert_large_tiny_runs_all_arms(tmp_path):
+    """The README's main job: suites/bert_large at the tiny scale, every arm, on the CPU."""
+    report, _ = run_suite(REPO / "suites" / "bert_large", out=tmp_path / "r")
+    assert report.status == "complete"
+    assert {r.arm for r in report.results} == {"dslab", "torch", "torch-compile", "hf"}
+    assert all(r.status == "ok" for r in report.results), [(r.arm, r.error) for r in report.results]
