@@ -118,6 +118,19 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gate_arguments(parser: argparse.ArgumentParser) -> None:
+    from dslab.gate.command import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_gate(args: argparse.Namespace) -> int:
+    # The gate reports its own problems and exits 2 ("cannot judge"), never 1 ("regression").
+    from dslab.gate.command import run
+
+    return run(args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "bench",
@@ -130,6 +143,12 @@ COMMANDS: tuple[Command, ...] = (
         "list run reports or show one",
         _report_arguments,
         _run_report,
+    ),
+    Command(
+        "gate",
+        "judge a run against a baseline: exit 0 pass, 1 regression, 2 cannot judge",
+        _gate_arguments,
+        _run_gate,
     ),
     Command(
         "env",

@@ -29,6 +29,8 @@ EXPECTED_COMMANDS = {
         "list": {"--suite", "--reports"},
         "show": {"--reports", "--json"},
     },
+    "gate": {"--suite", "--reports", "--baseline", "--candidate", "--metric", "--arm", "--threshold",
+             "--alpha", "--format", "--update-baseline", "--pytest-benchmark"},
     "env": {"--json"},
 }
 

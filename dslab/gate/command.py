@@ -1,0 +1,215 @@
+"""``dslab gate``: judge a candidate run against a baseline; exit 0 pass, 1 regression, 2 cannot judge.
+
+    dslab gate --suite bert_large                         # newest run vs its fingerprint's baseline
+    dslab gate --suite bert_large --baseline rolling:5    # vs the last 5 runs with its fingerprint
+    dslab gate --suite bert_large --candidate RUN --baseline OTHER_RUN --format markdown
+    dslab gate --suite bert_large --update-baseline RUN   # write reports/baselines/<suite>/<key>.json
+    dslab gate --pytest-benchmark base.json cand.json     # kernel microbenchmarks
+
+Anything that stops a judgement (no such run, no baseline for this fingerprint, a malformed file)
+is reported in the chosen format as a problem and exits 2, never 1: exit 1 means a regression
+was found. Every suite gate also refreshes ``<reports>/<suite>/change_points.json`` (see
+:func:`dslab.gate.baseline.history_change_points`), the change points the dashboard shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dslab.gate.baseline import (
+    TrialSet,
+    baseline_path,
+    history_change_points,
+    injected_sleep_ms,
+    list_baselines,
+    read_baseline,
+    rolling_baseline,
+    trial_set_from_reports,
+    write_baseline,
+    write_change_points,
+)
+from dslab.gate.fingerprint import explain_difference
+from dslab.gate.format import FORMATS, render
+from dslab.gate.pytest_benchmark import gate_pytest_benchmark
+from dslab.gate.verdict import (
+    DEFAULT_METRICS,
+    EXIT_CANNOT_JUDGE,
+    GateReport,
+    GateSettings,
+    gate_trial_sets,
+    trials_needed,
+)
+from dslab.report import find_run, list_runs, read_report
+from dslab.report.store import REPORT_FILE
+
+ROLLING_PREFIX = "rolling:"
+
+
+def parse_threshold(text: str) -> float:
+    """``"5%"`` -> 0.05, ``"0.05"`` -> 0.05; a bare number >= 1 is refused as ambiguous."""
+    value = str(text).strip()
+    try:
+        number = float(value[:-1]) / 100.0 if value.endswith("%") else float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threshold must be a percentage like 5% or a fraction like 0.05, "
+                                         f"got {text!r}") from None
+    if not value.endswith("%") and number >= 1.0:
+        raise argparse.ArgumentTypeError(f"--threshold {text!r} is ambiguous: write {value}% or "
+                                         f"{number / 100:g}")
+    if not 0.0 < number < 1.0:
+        raise argparse.ArgumentTypeError(f"--threshold must lie between 0% and 100%, got {text!r}")
+    return number
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suite", default=None, help="the suite whose runs are judged (default: the candidate's)")
+    parser.add_argument("--reports", default="reports", help="reports root (default: reports/)")
+    parser.add_argument("--baseline", default=None, metavar="PATH",
+                        help="a baseline JSON file, a run (id, suite/id or directory), or rolling:N for the last N "
+                             "runs with the candidate's fingerprint (default: "
+                             "<reports>/baselines/<suite>/<fingerprint>.json)")
+    parser.add_argument("--candidate", nargs="+", default=None, metavar="RUN",
+                        help="run(s) to judge, pooled (default: the suite's newest run)")
+    parser.add_argument("--metric", action="append", default=None, metavar="NAME",
+                        help="metric to judge, repeatable (default: samples_per_s, else tokens_per_s)")
+    parser.add_argument("--arm", action="append", default=None, metavar="ARM",
+                        help="arm to judge, repeatable (default: dslab)")
+    parser.add_argument("--threshold", type=parse_threshold, default=0.05,
+                        help="smallest change that counts, e.g. 5%% or 0.05 (default: 5%%)")
+    parser.add_argument("--alpha", type=float, default=0.01, help="significance level of the rank test (default: 0.01)")
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument("--update-baseline", nargs="+", default=None, metavar="RUN",
+                        help="write the baseline of RUN's fingerprint from RUN (several runs are pooled) and exit")
+    parser.add_argument("--pytest-benchmark", nargs=2, default=None, metavar=("BASE_JSON", "CAND_JSON"),
+                        help="gate two pytest-benchmark JSON files (saved with --benchmark-save-data) instead")
+
+
+def _read_runs(root: str, refs: list[str], suite: str | None) -> list:
+    reports = [read_report(find_run(root, ref)) for ref in refs]
+    for report in reports:
+        if suite is not None and report.suite != suite:
+            raise ValueError(f"run {report.run_id} is of suite {report.suite!r}, not {suite!r}")
+    return sorted(reports, key=lambda r: r.run_id)
+
+
+def _candidates(args: argparse.Namespace) -> list:
+    if args.candidate:
+        return _read_runs(args.reports, args.candidate, args.suite)
+    if args.suite is None:
+        raise ValueError("name the suite (--suite S) or the candidate run(s) (--candidate RUN)")
+    runs = list_runs(args.reports, args.suite)
+    if not runs:
+        raise FileNotFoundError(f"no runs of suite {args.suite!r} under {args.reports}")
+    return [read_report(runs[-1])]
+
+
+def _missing_baseline_message(root: str, candidate: TrialSet) -> str:
+    expected = baseline_path(root, candidate.suite, candidate.fingerprint.key)
+    lines = [f"no baseline for this fingerprint: {expected} does not exist "
+             f"(write one with: dslab gate --update-baseline RUN)"]
+    for path in list_baselines(root, candidate.suite):
+        try:
+            other = read_baseline(path)
+        except (OSError, ValueError) as err:
+            lines.append(f"{path.name}: unreadable ({err})")
+            continue
+        fields = "; ".join(explain_difference(other.fingerprint, candidate.fingerprint, "that baseline", "candidate"))
+        lines.append(f"{path.name} differs in {fields or 'nothing it records'}")
+    return "; ".join(lines)
+
+
+def _baseline(args: argparse.Namespace, candidate: TrialSet) -> TrialSet | str:
+    """The baseline to judge against, or a message saying why there is none."""
+    spec = args.baseline
+    if spec is None:
+        path = baseline_path(args.reports, candidate.suite, candidate.fingerprint.key)
+        return read_baseline(path) if path.is_file() else _missing_baseline_message(args.reports, candidate)
+    if spec.startswith(ROLLING_PREFIX):
+        count = spec[len(ROLLING_PREFIX):]
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--baseline {spec!r}: write rolling:N with N a positive whole number")
+        return rolling_baseline(args.reports, candidate.suite, candidate.fingerprint.key, int(count),
+                                exclude=tuple(candidate.source_runs), before=max(candidate.source_runs))
+    path = Path(spec)
+    if path.is_file() and path.name != REPORT_FILE:
+        return read_baseline(path)
+    return trial_set_from_reports(_read_runs(args.reports, [spec], candidate.suite))
+
+
+def _refresh_change_points(args: argparse.Namespace, suite: str, settings: GateSettings, report: GateReport) -> None:
+    try:
+        if not list_runs(args.reports, suite):
+            return
+        points = history_change_points(args.reports, suite, tuple(args.metric) if args.metric else None,
+                                       settings=settings)
+        path = write_change_points(args.reports, suite, points, settings)
+    except (OSError, ValueError) as err:
+        report.notes.append(f"change points not refreshed: {err}")
+        return
+    report.notes.append(f"{len(points)} change point(s) over the suite's history, written to {path}")
+
+
+def _update_baseline(args: argparse.Namespace, settings: GateSettings) -> int:
+    reports = _read_runs(args.reports, args.update_baseline, args.suite)
+    for report in reports:
+        if injected_sleep_ms(report):
+            raise ValueError(f"run {report.run_id} ran with DSLAB_INJECT_STEP_SLEEP_MS="
+                             f"{injected_sleep_ms(report)} (a deliberate slowdown); it cannot be a baseline")
+    trial_set = trial_set_from_reports(reports)
+    path = write_baseline(trial_set, args.reports)
+    print(f"baseline written: {path} (fingerprint {trial_set.fingerprint.key}, from {trial_set.label})")
+    needed = trials_needed(settings.alpha)
+    for (case, arm), metrics in trial_set.trials.items():
+        metric = next((m for m in (args.metric or DEFAULT_METRICS) if m in metrics), None)
+        if metric is not None and len(metrics[metric]) < needed:
+            print(f"dslab gate: warning: {case}/{arm} has {len(metrics[metric])} trial(s) of {metric}; the gate "
+                  f"needs at least {needed} per side to ever find a change at alpha {settings.alpha:g}",
+                  file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``dslab gate`` with parsed ``args``; returns the exit code (0 pass, 1 regression, 2 cannot judge)."""
+    try:
+        settings = GateSettings(threshold=args.threshold, alpha=args.alpha)
+    except ValueError as err:
+        print(f"dslab gate: error: {err}", file=sys.stderr)
+        return EXIT_CANNOT_JUDGE
+    if args.update_baseline:
+        try:
+            return _update_baseline(args, settings)
+        except (OSError, ValueError) as err:
+            print(f"dslab gate: cannot write the baseline: {err}", file=sys.stderr)
+            return EXIT_CANNOT_JUDGE
+    if args.pytest_benchmark:
+        try:
+            report = gate_pytest_benchmark(args.pytest_benchmark[0], args.pytest_benchmark[1], settings)
+        except (OSError, ValueError) as err:
+            report = GateReport("pytest-benchmark", *args.pytest_benchmark, settings=settings, problems=[str(err)])
+        print(render(report, args.format), end="")
+        return report.exit_code
+    suite = args.suite or "unknown"
+    try:
+        candidates = _candidates(args)
+        suite = candidates[0].suite
+        candidate = trial_set_from_reports(candidates)
+        baseline = _baseline(args, candidate)
+    except (OSError, ValueError) as err:
+        report = GateReport(suite, args.baseline or "-", ", ".join(args.candidate or ["newest run"]), settings,
+                            problems=[str(err)])
+    else:
+        if isinstance(baseline, str):
+            report = GateReport(suite, "-", candidate.label, settings, problems=[baseline])
+        else:
+            arms = tuple(args.arm) if args.arm else ("dslab",)
+            report = gate_trial_sets(baseline, candidate, tuple(args.metric) if args.metric else None, arms, settings)
+        for r in candidates:
+            if injected_sleep_ms(r):
+                report.notes.append(f"candidate run {r.run_id} ran with DSLAB_INJECT_STEP_SLEEP_MS="
+                                    f"{injected_sleep_ms(r)}: a deliberate slowdown of its dslab arm")
+    if suite != "unknown":
+        _refresh_change_points(args, suite, settings, report)
+    print(render(report, args.format), end="")
+    return report.exit_code

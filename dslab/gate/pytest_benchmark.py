@@ -1,0 +1,112 @@
+"""Gating kernel microbenchmarks saved by pytest-benchmark, by the same rule as suite runs.
+
+pytest-benchmark's JSON (``pytest --benchmark-json=FILE`` or ``--benchmark-save``) holds
+``{"machine_info": {...}, "benchmarks": [{"name", "fullname", "group", "stats": {...}}], ...}``.
+The raw timings, one per round in seconds per iteration, are in ``stats.data`` only when the
+run was saved with ``--benchmark-save-data``; a benchmark without them cannot be judged (its
+summary statistics alone do not give the rank test or the bootstrap anything to work on).
+
+Each benchmark is one row: case = its ``fullname`` (``name`` when absent), arm = its ``group``
+(empty when none), metric ``time``, lower is better. The two files must agree on the machine:
+``machine``, ``processor``, ``system``, ``python_implementation``, the major.minor of
+``python_version``, and ``cpu.brand_raw`` and ``cpu.count`` where py-cpuinfo recorded them (the
+host name and kernel release are left out). Rounds of one pytest process are not independent
+trials the way separate benchmark trials are, so the p-value is optimistic; the threshold and
+the interval test are what keep a microbenchmark gate quiet on noise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dslab.gate.fingerprint import diff_values, major_minor
+from dslab.gate.verdict import CANNOT_JUDGE, GateReport, GateSettings, Row, compare_samples
+
+METRIC = "time"
+DIRECTION = "lower"
+
+
+def read_pytest_benchmark(path: str | Path) -> dict:
+    """Parse a pytest-benchmark JSON file; FileNotFoundError or ValueError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no pytest-benchmark file at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
+        raise ValueError(f"{path} is not pytest-benchmark output: it has no 'benchmarks' list")
+    return data
+
+
+def machine_fingerprint(machine_info: dict) -> dict:
+    """The fields of pytest-benchmark's ``machine_info`` that must match (see the module docstring)."""
+    info = machine_info if isinstance(machine_info, dict) else {}
+    cpu = info.get("cpu") if isinstance(info.get("cpu"), dict) else {}
+    out = {key: info.get(key) for key in ("machine", "processor", "system", "python_implementation")}
+    out["python"] = major_minor(info.get("python_version"))
+    for key in ("brand_raw", "count"):
+        if key in cpu:
+            out[f"cpu.{key}"] = cpu[key]
+    return out
+
+
+def benchmark_timings(data: dict) -> dict[tuple[str, str], list[float] | None]:
+    """``{(fullname, group): per-round seconds}``; None for a benchmark saved without its data."""
+    out = {}
+    for bench in data["benchmarks"]:
+        if not isinstance(bench, dict):
+            continue
+        name = str(bench.get("fullname") or bench.get("name") or "?")
+        group = str(bench.get("group") or "")
+        raw = (bench.get("stats") or {}).get("data")
+        out[(name, group)] = [float(x) for x in raw] if isinstance(raw, list) and raw else None
+    return out
+
+
+def gate_pytest_benchmark(
+    baseline_path: str | Path, candidate_path: str | Path, settings: GateSettings | None = None
+) -> GateReport:
+    """Judge every benchmark of the candidate file (and any only in the baseline) by the gate's rule."""
+    settings = settings or GateSettings()
+    base_data, cand_data = read_pytest_benchmark(baseline_path), read_pytest_benchmark(candidate_path)
+    report = GateReport(suite="pytest-benchmark", baseline=str(baseline_path), candidate=str(candidate_path),
+                        settings=settings)
+    base_machine = machine_fingerprint(base_data.get("machine_info"))
+    cand_machine = machine_fingerprint(cand_data.get("machine_info"))
+    shared = set(base_machine) & set(cand_machine)
+    differences = diff_values({k: base_machine[k] for k in shared}, {k: cand_machine[k] for k in shared},
+                              "machine_info")
+    if differences:
+        report.problems.append("machines differ: " + "; ".join(
+            f"{path}: {json.dumps(a)} (baseline) vs {json.dumps(b)} (candidate)" for path, a, b in differences))
+        return report
+    base, cand = benchmark_timings(base_data), benchmark_timings(cand_data)
+    for name, group in dict.fromkeys([*cand, *base]):
+        key = (name, group)
+        reason = None
+        if key not in cand:
+            reason = "the candidate file has no such benchmark"
+        elif key not in base:
+            reason = "the baseline file has no such benchmark"
+        else:
+            missing = [side for side, timings in (("baseline", base), ("candidate", cand)) if timings[key] is None]
+            if missing:
+                reason = (f"the {' and '.join(missing)} file{'s were' if len(missing) > 1 else ' was'} saved without "
+                          f"per-round timings (stats.data); rerun pytest with --benchmark-save-data")
+        if reason is not None:
+            report.rows.append(Row(verdict=CANNOT_JUDGE, reason=reason, direction=DIRECTION, case=name, arm=group,
+                                   metric=METRIC))
+            continue
+        try:
+            comparison = compare_samples(base[key], cand[key], DIRECTION, settings)
+        except ValueError as err:
+            report.rows.append(Row(verdict=CANNOT_JUDGE, reason=str(err), direction=DIRECTION, case=name, arm=group,
+                                   metric=METRIC))
+            continue
+        report.rows.append(Row(**vars(comparison), case=name, arm=group, metric=METRIC))
+    if not report.rows:
+        report.problems.append("neither file holds any benchmark")
+    return report
