@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dslab.engine.config_base import ConfigSection, parse_section
+from dslab.config_base import ConfigSection, parse_section
 
 ARMS = ("dslab", "torch", "torch-compile", "hf")
 FAMILIES = ("bert", "gpt2")

@@ -41,6 +41,30 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_initialized",
+    "log_summary",
     "reduce_scatter_tensor",
     "remove_observer",
+    "set_summary_provider",
 ]
+
+
+_summary_provider = None
+
+
+def set_summary_provider(provider) -> None:
+    """Register the function behind :func:`log_summary` (the comms logger does, when it starts;
+    None unregisters). The comm layer keeps no records itself."""
+    global _summary_provider
+    _summary_provider = provider
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False):
+    """Print (and with ``return_dict`` return) the comms logger's per-op summary.
+
+    DeepSpeed's ``deepspeed.comm.log_summary``; needs the comms logger running
+    (``"comms_logger": {"enabled": true}`` in the engine config)."""
+    if _summary_provider is None:
+        raise RuntimeError(
+            "the comms logger is not running: add \"comms_logger\": {\"enabled\": true} to the config"
+        )
+    return _summary_provider(show_straggler=show_straggler, return_dict=return_dict)

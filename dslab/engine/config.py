@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from dslab.engine.config_base import ConfigSection, closest_key, known_keys, parse_section
+from dslab.config_base import ConfigSection, closest_key, known_keys, parse_section
 from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
 from dslab.engine.optimizers import OptimizerConfig
 from dslab.engine.precision import BF16Config, FP16Config

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from pydantic import field_validator
 
-from dslab.engine.config_base import ConfigSection
+from dslab.config_base import ConfigSection
 
 CSV_DEFAULT_DIR = "csv_monitor"
 TENSORBOARD_DEFAULT_DIR = "runs"

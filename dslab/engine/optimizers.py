@@ -31,7 +31,7 @@ from typing import Annotated, Any, Iterable, Literal
 import torch
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
-from dslab.engine.config_base import ConfigSection, closest_key, parse_section
+from dslab.config_base import ConfigSection, closest_key, parse_section
 from dslab.engine.lamb import Lamb
 
 OptimizerType = Literal["Adam", "AdamW", "Lamb", "SGD"]

@@ -20,7 +20,7 @@ import contextlib
 import torch
 from pydantic import Field
 
-from dslab.engine.config_base import ConfigSection
+from dslab.config_base import ConfigSection
 
 
 class FP16Config(ConfigSection):

@@ -28,7 +28,7 @@ import pydantic
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
-from dslab.engine.config_base import ConfigSection, closest_key, parse_section
+from dslab.config_base import ConfigSection, closest_key, parse_section
 
 
 class ScheduleParamError(ValueError):

@@ -11,7 +11,7 @@ import warnings
 
 from pydantic import Field, model_validator
 
-from dslab.engine.config_base import ConfigSection
+from dslab.config_base import ConfigSection
 
 SUPPORTED_STAGES = (0,)
 

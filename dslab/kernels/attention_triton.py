@@ -187,9 +187,10 @@ def _dropout_mask_kernel(OUT, seq_q, seq_k, dropout_p, seed, BLOCK_M: tl.constex
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried per head dim on Hopper-class GPUs.
 _FWD_TILES = {
-    32: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)],
+    32: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)],
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 4),
+         (64, 32, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
 }
 # The interpreter gets one small config: several key blocks and a diagonal at test sizes.
 _FWD_INTERPRET_TILE = (32, 16, 4, 1)

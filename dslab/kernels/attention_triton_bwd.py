@@ -7,23 +7,25 @@ dropout keep-mask ``Z`` and ``Pd = P * Z / (1 - p)``:
     dS = P * (dP - delta)  with delta = rowsum(dO * O)   (equal to rowsum(dP * P))
     dQ = scale * dS K      dK = scale * dS^T Q
 
-Two paths, both deterministic:
+Two paths, both deterministic (no atomics):
 
-- ``seq_k <= BLOCK_N1`` (one key block, e.g. BERT's seq 128): one kernel. A program per
-  (batch, head) holds all keys, loops over query blocks and writes that block's complete dQ as it
-  goes; ``delta`` is computed in the loop from O and dO. Five matmuls per tile, one launch.
-- otherwise: a ``delta`` kernel, then one launch whose programs take one of two roles. Programs
-  ``[0, n_key_blocks)`` own ``BLOCK_N1`` keys and loop over query blocks accumulating dK, dV in
-  registers; the rest own ``BLOCK_M2`` queries and loop over key blocks accumulating dQ. S and dP
-  are computed in both roles (seven matmuls per tile instead of five) so that no two programs add
-  into the same dQ rows.
+- ``seq_k <= FUSED_MAX_SEQ_K`` (one key block, e.g. BERT's seq 128): one launch of the dK/dV
+  kernel with ``FUSED_DQ``. A program per (batch, head) holds all keys, loops over query blocks,
+  computes ``delta`` from O and dO in the loop and writes that query block's complete dQ as it
+  goes. Five matmuls per tile.
+- otherwise two launches. The dQ kernel: a program per ``BLOCK_M2`` query rows computes and stores
+  their ``delta`` and accumulates dQ over key blocks (S, dP, dQ: three matmuls per tile). Then the
+  dK/dV kernel: a program per ``BLOCK_N1`` keys accumulates dK, dV over query blocks reading that
+  ``delta`` (S^T, dV, dP^T, dK: four matmuls per tile). S and dP are computed by both kernels
+  (seven matmuls per tile instead of five) so that no two programs add into the same dQ rows;
+  each kernel has its own tiles and warps.
 
 Causal blocks above the diagonal are skipped; blocks crossing it run a masked loop, the rest an
 unmasked one. Fully masked query rows have ``lse = +inf``, so their P, dS and dQ are exactly 0.
 
 Memory traffic per (batch, head), general path: q, k, v, o, dO read and dq, dk, dv written once
-from DRAM; the dK/dV role re-reads q, dO, lse, delta once per key block and the dQ role re-reads
-k, v once per query block (mostly from L2).
+from DRAM, delta written once and read once per key block; the dK/dV kernel re-reads q, dO, lse,
+delta once per key block and the dQ kernel re-reads k, v once per query block (mostly from L2).
 """
 
 from __future__ import annotations
@@ -45,24 +47,6 @@ from dslab.kernels.attention_triton import (
     unit_last_stride,
 )
 from dslab.kernels.dispatch import interpreting
-
-
-@triton.jit
-def _delta_kernel(
-    O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
-    num_heads, seq_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """delta[bh, i] = sum_d O[bh, i, d] * dO[bh, i, d] in fp32. Grid ``(ceil(seq_q / BLOCK_M), batch * heads)``."""
-    bh = tl.program_id(1)
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m[:, None] < seq_q
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=rows, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * seq_q + offs_m, delta, mask=offs_m < seq_q)
 
 
 @triton.jit
@@ -160,7 +144,67 @@ def _dq_key_loop(
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _attention_bwd_kernel(
+def _bwd_dq_kernel(
+    Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_dob, stride_doh, stride_dos,
+    stride_dqb, stride_dqh, stride_dqs,
+    stride_kpm_b,
+    num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
+    qk_scale, sm_scale, dropout_p, seed,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_FP32: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+):
+    """dQ of ``BLOCK_M2`` query rows, and ``delta = rowsum(dO * O)`` of those rows, stored for the
+    dK/dV kernel. Grid ``(ceil(seq_q / BLOCK_M2), batch * heads)``; causal programs run from the
+    last query block (most key blocks) down. Three matmuls per tile: S, dP, dQ."""
+    tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    start_m = pid_m * BLOCK_M2
+    offs_m = start_m + tl.arange(0, BLOCK_M2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_valid = offs_m < seq_q
+    rows = offs_m[:, None]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * seq_q + offs_m, delta, mask=row_valid)
+    lse = tl.load(LSE + bh.to(tl.int64) * seq_q + offs_m, mask=row_valid, other=float("inf"))
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    kpm_base = KPM + b * stride_kpm_b
+    dq = tl.zeros([BLOCK_M2, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        full_end = tl.minimum(start_m, seq_k) // BLOCK_N2 * BLOCK_N2
+        end = tl.minimum(start_m + BLOCK_M2, seq_k)
+    else:
+        full_end = seq_k // BLOCK_N2 * BLOCK_N2
+        end = seq_k
+    dq = _dq_key_loop(
+        dq, q, do, lse, delta, offs_m, offs_d, k_base, v_base, kpm_base, stride_ks, stride_vs,
+        seq_k, bh, qk_scale, dropout_p, seed, 0, full_end,
+        False, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M2, BLOCK_N2,
+    )
+    dq = _dq_key_loop(
+        dq, q, do, lse, delta, offs_m, offs_d, k_base, v_base, kpm_base, stride_ks, stride_vs,
+        seq_k, bh, qk_scale, dropout_p, seed, full_end, end,
+        True, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M2, BLOCK_N2,
+    )
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _bwd_dkdv_kernel(
     Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
@@ -175,121 +219,91 @@ def _attention_bwd_kernel(
     qk_scale, sm_scale, dropout_p, seed,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_FP32: tl.constexpr, FUSED_DQ: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
-    """Grid ``(n_key_blocks + n_query_blocks, batch * heads)`` (no query-block programs when
-    ``FUSED_DQ``). dK/dV programs go from the first key block (most causal work) up; dQ programs
-    from the last query block (most causal work) down."""
+    """dK, dV of ``BLOCK_N1`` keys, looping over query blocks; reads ``delta`` from the dQ kernel.
+    Grid ``(ceil(seq_k / BLOCK_N1), batch * heads)``; the first key block has the most causal work.
+    With ``FUSED_DQ`` (one key block covers ``seq_k``) the program also computes ``delta`` from O
+    and dO and writes each query block's complete dQ, and no dQ kernel runs."""
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
-    tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
     do_base = DO + b * stride_dob + h * stride_doh
+    o_base = O + b * stride_ob + h * stride_oh
+    dq_base = DQ + b * stride_dqb + h * stride_dqh
     kpm_base = KPM + b * stride_kpm_b
     lse_base = LSE + bh.to(tl.int64) * seq_q
     delta_base = DELTA + bh.to(tl.int64) * seq_q
-    n_key_blocks = tl.cdiv(seq_k, BLOCK_N1)
 
-    if pid < n_key_blocks:
-        start_n = pid * BLOCK_N1
-        offs_n = start_n + tl.arange(0, BLOCK_N1)
-        key_valid = offs_n < seq_k
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=key_valid[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=key_valid[:, None], other=0.0)
-        if HAS_KPM:
-            key_pad = tl.load(kpm_base + offs_n, mask=key_valid, other=1) != 0
-        else:
-            key_pad = key_valid
-        dk = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
-        o_base = O + b * stride_ob + h * stride_oh
-        dq_base = DQ + b * stride_dqb + h * stride_dqh
-        if CAUSAL:
-            # Queries before start_n see none of these keys; [start_n, start_n + BLOCK_N1) is the diagonal.
-            diag_end = tl.minimum(start_n + BLOCK_N1, seq_q)
-            dk, dv = _dkdv_query_loop(
-                dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
-                stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
-                qk_scale, sm_scale, dropout_p, seed, start_n, diag_end,
-                True, FUSED_DQ, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
-            )
-            rest_start = start_n + BLOCK_N1
-        else:
-            rest_start = 0
+    start_n = pid * BLOCK_N1
+    offs_n = start_n + tl.arange(0, BLOCK_N1)
+    key_valid = offs_n < seq_k
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=key_valid[:, None], other=0.0)
+    v = tl.load(v_ptrs, mask=key_valid[:, None], other=0.0)
+    if HAS_KPM:
+        key_pad = tl.load(kpm_base + offs_n, mask=key_valid, other=1) != 0
+    else:
+        key_pad = key_valid
+    dk = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        # Queries before start_n see none of these keys; [start_n, start_n + BLOCK_N1) is the diagonal.
+        diag_end = tl.minimum(start_n + BLOCK_N1, seq_q)
         dk, dv = _dkdv_query_loop(
             dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
             stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
-            qk_scale, sm_scale, dropout_p, seed, rest_start, seq_q,
-            False, FUSED_DQ, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
+            qk_scale, sm_scale, dropout_p, seed, start_n, diag_end,
+            True, FUSED_DQ, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
         )
-        dk = dk * sm_scale
-        if HAS_KPM and not FUSED_DQ:
-            dk = tl.where(key_pad[:, None], 0.0, dk)
-            dv = tl.where(key_pad[:, None], 0.0, dv)
-        dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
-        dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :]
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_valid[:, None])
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
+        rest_start = start_n + BLOCK_N1
     else:
-        pid_m = pid - n_key_blocks
-        if CAUSAL:
-            pid_m = tl.cdiv(seq_q, BLOCK_M2) - 1 - pid_m
-        start_m = pid_m * BLOCK_M2
-        offs_m = start_m + tl.arange(0, BLOCK_M2)
-        row_valid = offs_m < seq_q
-        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        lse = tl.load(lse_base + offs_m, mask=row_valid, other=float("inf"))
-        delta = tl.load(delta_base + offs_m, mask=row_valid, other=0.0)
-        dq = tl.zeros([BLOCK_M2, HEAD_DIM], dtype=tl.float32)
-        if CAUSAL:
-            full_end = tl.minimum(start_m, seq_k) // BLOCK_N2 * BLOCK_N2
-            end = tl.minimum(start_m + BLOCK_M2, seq_k)
-        else:
-            full_end = seq_k // BLOCK_N2 * BLOCK_N2
-            end = seq_k
-        dq = _dq_key_loop(
-            dq, q, do, lse, delta, offs_m, offs_d, k_base, v_base, kpm_base, stride_ks, stride_vs,
-            seq_k, bh, qk_scale, dropout_p, seed, 0, full_end,
-            False, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M2, BLOCK_N2,
-        )
-        dq = _dq_key_loop(
-            dq, q, do, lse, delta, offs_m, offs_d, k_base, v_base, kpm_base, stride_ks, stride_vs,
-            seq_k, bh, qk_scale, dropout_p, seed, full_end, end,
-            True, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M2, BLOCK_N2,
-        )
-        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :]
-        tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_valid[:, None])
+        rest_start = 0
+    dk, dv = _dkdv_query_loop(
+        dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+        stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
+        qk_scale, sm_scale, dropout_p, seed, rest_start, seq_q,
+        False, FUSED_DQ, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
+    )
+    dk = dk * sm_scale
+    if HAS_KPM and not FUSED_DQ:
+        dk = tl.where(key_pad[:, None], 0.0, dk)
+        dv = tl.where(key_pad[:, None], 0.0, dv)
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_valid[:, None])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
 
 
-# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) tried per head dim (general path).
-_BWD_TILES = {
-    32: [(64, 128, 128, 64, 8, 2), (32, 128, 64, 64, 8, 2), (32, 64, 64, 32, 4, 2)],
-    64: [(64, 128, 128, 64, 8, 2), (32, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (32, 64, 64, 32, 4, 2)],
-    128: [(32, 128, 64, 64, 8, 2), (32, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 2), (32, 64, 64, 32, 4, 2)],
+# (BLOCK_M1, BLOCK_N1, num_warps, num_stages) of the dK/dV kernel, general path, per head dim.
+_DKDV_TILES = {
+    32: [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+    64: [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 4, 2), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+    128: [(32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 2)],
+}
+# (BLOCK_M2, BLOCK_N2, num_warps, num_stages) of the dQ kernel.
+_DQ_TILES = {
+    32: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    64: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)],
+    128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
 }
 # The one-key-block path: (BLOCK_M1, num_warps, num_stages); BLOCK_N1 covers seq_k.
 _FUSED_TILES = {
-    32: [(64, 8, 2), (32, 8, 2), (16, 4, 2)],
-    64: [(64, 8, 2), (32, 8, 2), (16, 4, 2), (32, 4, 2)],
-    128: [(32, 8, 2), (64, 8, 1)],
+    32: [(64, 8, 2), (32, 8, 2), (16, 4, 2), (32, 4, 2)],
+    64: [(64, 8, 2), (32, 8, 2), (16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3)],
+    128: [(32, 8, 2), (64, 8, 1), (16, 4, 2), (32, 4, 2)],
 }
-_BWD_INTERPRET_TILE = (16, 32, 32, 16, 4, 1)
+# Interpreter tiles: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2); BLOCK_N1 is also the one-key-block limit.
+_BWD_INTERPRET_TILE = (16, 32, 32, 16)
 FUSED_MAX_SEQ_K = 128
 FUSED_MAX_SEQ_Q = 512  # beyond this, the one-key-block path needs FUSED_MIN_PROGRAMS (batch, head) pairs
 FUSED_MIN_PROGRAMS = 256
 _AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT"]
-
-
-def _config(bm1: int, bn1: int, bm2: int, bn2: int, warps: int, stages: int) -> triton.Config:
-    meta = {"BLOCK_M1": bm1, "BLOCK_N1": bn1, "BLOCK_M2": bm2, "BLOCK_N2": bn2}
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
 def fused_block_n(seq_k: int, seq_q: int, batch_heads: int) -> int | None:
@@ -301,22 +315,35 @@ def fused_block_n(seq_k: int, seq_q: int, batch_heads: int) -> int | None:
     return limit if interpreting() else max(64, seq_bucket(seq_k))
 
 
-def bwd_configs(head_dim: int, block_n1: int | None) -> list[triton.Config]:
-    """Autotune candidates: general path when ``block_n1`` is None, else the one-key-block path."""
+def dkdv_configs(head_dim: int, block_n1: int | None) -> list[triton.Config]:
+    """dK/dV autotune candidates: general path when ``block_n1`` is None, else the one-key-block path."""
     if interpreting():
-        bm1, bn1, bm2, bn2, w, s = _BWD_INTERPRET_TILE
-        return [_config(bm1, block_n1 or bn1, bm2, bn2, w, s)]
-    if block_n1 is None:
-        return [_config(*tile) for tile in _BWD_TILES[head_dim]]
-    return [_config(bm1, block_n1, 64, 64, w, s) for bm1, w, s in _FUSED_TILES[head_dim] if block_n1 % bm1 == 0]
+        bm1, bn1 = _BWD_INTERPRET_TILE[:2]
+        tiles = [(bm1, block_n1 or bn1, 4, 1)]
+    elif block_n1 is None:
+        tiles = _DKDV_TILES[head_dim]
+    else:
+        tiles = [(bm1, block_n1, w, s) for bm1, w, s in _FUSED_TILES[head_dim] if block_n1 % bm1 == 0]
+    return [triton.Config({"BLOCK_M1": bm, "BLOCK_N1": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+
+
+def dq_configs(head_dim: int) -> list[triton.Config]:
+    """dQ autotune candidates (one config under the interpreter)."""
+    tiles = [(*_BWD_INTERPRET_TILE[2:], 4, 1)] if interpreting() else _DQ_TILES[head_dim]
+    return [triton.Config({"BLOCK_M2": bm, "BLOCK_N2": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
 
 
 @functools.cache
-def _bwd_kernel_for(head_dim: int, block_n1: int | None):
+def dkdv_kernel_for(head_dim: int, block_n1: int | None):
+    """The autotuned dK/dV kernel for ``head_dim`` and path (``block_n1``, see :func:`fused_block_n`)."""
     heuristics = triton.heuristics({"EVEN_N": lambda args: args["seq_k"] % args["BLOCK_N1"] == 0})
-    return triton.autotune(configs=bwd_configs(head_dim, block_n1), key=_AUTOTUNE_KEY)(
-        heuristics(_attention_bwd_kernel)
-    )
+    return triton.autotune(configs=dkdv_configs(head_dim, block_n1), key=_AUTOTUNE_KEY)(heuristics(_bwd_dkdv_kernel))
+
+
+@functools.cache
+def dq_kernel_for(head_dim: int):
+    """The autotuned dQ kernel for ``head_dim``."""
+    return triton.autotune(configs=dq_configs(head_dim), key=_AUTOTUNE_KEY)(_bwd_dq_kernel)
 
 
 def attention_backward(
@@ -340,37 +367,25 @@ def attention_backward(
     seq_k = k.shape[2]
     kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
     block_n1 = fused_block_n(seq_k, seq_q, batch * heads)
+    strides = (
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *grad_out.stride()[:3],
+        *dq.stride()[:3],
+    )
+    sizes = (heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k), scale * LOG2_E, scale, dropout_p, seed)
+    flags = dict(
+        HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
+        HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_fp32(q.dtype),
+    )
     if block_n1 is None:
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
-        block_m = 32 if interpreting() else 64
-        _delta_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
-            out, grad_out, delta, out.stride(0), out.stride(1), out.stride(2),
-            grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-            heads, seq_q, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        dq_kernel_for(head_dim)[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M2"]), batch * heads)](
+            q, k, v, out, grad_out, dq, lse, delta, kpm, *strides, stride_kpm_b, *sizes, **flags,
         )
-
-        def grid(meta):
-            return (triton.cdiv(seq_k, meta["BLOCK_N1"]) + triton.cdiv(seq_q, meta["BLOCK_M2"]), batch * heads)
     else:
-        delta = lse  # not read on this path
-
-        def grid(meta):
-            return (1, batch * heads)
-
-    _bwd_kernel_for(head_dim, block_n1)[grid](
+        delta = lse  # not read: the one-key-block path computes delta itself
+    dkdv_kernel_for(head_dim, block_n1)[lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]), batch * heads)](
         q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        stride_kpm_b,
-        heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k),
-        scale * LOG2_E, scale, dropout_p, seed,
-        HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-        HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_fp32(q.dtype), FUSED_DQ=block_n1 is not None,
+        *strides, *dk.stride()[:3], *dv.stride()[:3], stride_kpm_b, *sizes,
+        FUSED_DQ=block_n1 is not None, **flags,
     )
     return dq, dk, dv

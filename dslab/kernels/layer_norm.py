@@ -156,7 +156,9 @@ def _check(x, weight, bias, eps, residual) -> None:
     n = x.shape[-1]
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None and tuple(param.shape) != (n,):
-            raise ValueError(f"{name} must have shape ({n},) to match x's last dimension, got {tuple(param.shape)}")
+            raise ValueError(
+                f"{name} must have shape ({n},) to match x's last dimension, got {tuple(param.shape)}"
+            )
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # Whole rows live in registers; wider rows go to the PyTorch reference (see layer_norm.py).
 MAX_FUSED_N = 8192
 

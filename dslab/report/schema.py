@@ -17,7 +17,8 @@ A report is the contract between producers (bench, engine, profilers, I/O tuner)
          "trials": [{"trial": 0, "step_times_ms": [...], "metrics": {...}}]}
       ],
       "ratios": {"seq128": {"dslab/torch": 1.31, ...}},
-      "profilers": {"flops": null, "memory": null, "comms": null, "telemetry": null},
+      "profilers": {"flops": null, "memory": null, "comms": null, "telemetry": null,
+                    "wall_clock": null},    # each filled by its profiler, per case
       "notes": []
     }
 
@@ -51,7 +52,7 @@ METRIC_DIRECTIONS = {
     "peak_memory_bytes": "lower",
 }
 
-PROFILER_SECTIONS = ("flops", "memory", "comms", "telemetry")
+PROFILER_SECTIONS = ("flops", "memory", "comms", "telemetry", "wall_clock")
 
 
 @dataclass

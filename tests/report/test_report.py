@@ -54,7 +54,7 @@ def test_partial_and_older_reports_load_with_what_is_missing(tmp_path):
     data["results"][0]["trials"].append("garbage")
     back = report_from_dict(data)
     assert "schema_version" in back.missing and "peaks" in back.missing and "profilers" in back.missing
-    assert back.profilers == {"flops": None, "memory": None, "comms": None, "telemetry": None}
+    assert back.profilers == {"flops": None, "memory": None, "comms": None, "telemetry": None, "wall_clock": None}
     assert len(back.results) == 3
     assert any("results[3]" in w for w in back.warnings)
     assert any("trials[3]" in w for w in back.warnings)

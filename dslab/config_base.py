@@ -4,6 +4,8 @@ name the key.
 A component owns its section: it declares a :class:`ConfigSection` subclass next to its code and
 the top-level config (:mod:`dslab.engine.config`) collects them. Unknown keys are errors that name
 the key and the closest known one.
+
+This module imports nothing of dslab, so every layer (profilers, io, engine, bench) may use it.
 """
 
 from __future__ import annotations
