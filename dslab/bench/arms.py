@@ -86,6 +86,10 @@ class EngineArm:
             time.sleep(self.sleep_s)
         return loss
 
+    def records(self) -> dict[str, dict]:
+        """The engine's profiler records (flops, memory, comms, telemetry, wall clock)."""
+        return self.engine.profiler_records()
+
     def close(self) -> None:
         self.engine.destroy()
         del self.engine

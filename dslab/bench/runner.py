@@ -213,6 +213,14 @@ def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_nam
             progress.line(f"[{suite.name} {case}] trial {t + 1}/{n_trials} {name:<13} "
                           f"{metrics['samples_per_s']:>10.1f} samples/s  {metrics['step_time_ms']:>9.2f} ms/step")
         write_report(report, out)
+    if "dslab" in built:
+        try:
+            for section, data in built["dslab"].records().items():
+                if report.profilers.get(section) is None:
+                    report.profilers[section] = {}
+                report.profilers[section][case] = data
+        except Exception as err:  # a profiler's failure must not lose the measured trials
+            report.notes.append(f"{case}: profiler records failed: {_error_text(err).splitlines()[0]}")
     for arm in built.values():
         arm.close()
     built.clear()

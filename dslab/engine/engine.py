@@ -28,13 +28,11 @@ from dslab.engine.data_parallel import GradientAllReducer
 from dslab.engine.monitor import Monitor
 from dslab.engine.optimizers import build_optimizer
 from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
+from dslab.engine.profiling import ProfilerHooks, build_profilers
 from dslab.engine.schedulers import build_scheduler
 from dslab.kernels import dispatch
-from dslab.profilers.timers import PhaseTimers
 
 log = logging.getLogger(__name__)
-
-FORWARD, BACKWARD, STEP = "forward", "backward", "step"
 
 
 def _default_device() -> torch.device:
@@ -81,7 +79,8 @@ class DslabEngine(nn.Module):
                 list(self.module.parameters()), config.zero_optimization.reduce_bucket_size
             )
 
-        self.timers = PhaseTimers(self.device, enabled=config.wall_clock_breakdown)
+        self.profilers = ProfilerHooks(build_profilers(config, self.device))
+        self.profilers.call("attach", self.module, self.optimizer)
         self.monitor = Monitor(config.csv_monitor, config.tensorboard, rank=self.rank)
         self._pending_losses: list[torch.Tensor] = []
 
@@ -164,17 +163,24 @@ class DslabEngine(nn.Module):
         self._boundary_override = is_boundary
 
     def forward(self, *args, **kwargs):
-        self.timers.start(FORWARD)
+        hooks = self.profilers
+        if hooks:
+            hooks.begin_micro_step(self.global_steps)
+            hooks.call("on_forward_begin")
         with autocast_context(self.device, self.autocast_dtype):
             out = self.module(*args, **kwargs)
-        self.timers.stop(FORWARD)
+        if hooks:
+            hooks.call("on_forward_end")
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` scaled for accumulation (and fp16); returns the unscaled loss."""
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise ValueError("engine.backward expects a scalar loss tensor")
-        self.timers.start(BACKWARD)
+        hooks = self.profilers
+        if hooks:
+            hooks.begin_micro_step(self.global_steps)
+            hooks.call("on_backward_begin")
         if self.monitor.enabled:
             self._pending_losses.append(loss.detach().float())
         scaled = loss / self.gradient_accumulation_steps()
@@ -185,7 +191,8 @@ class DslabEngine(nn.Module):
         scaled.backward(retain_graph=retain_graph)
         if self.grad_reducer is not None:
             self.grad_reducer.finish()
-        self.timers.stop(BACKWARD)
+        if hooks:
+            hooks.call("on_backward_end")
         return loss
 
     def _grads(self) -> list[torch.Tensor]:
@@ -201,9 +208,11 @@ class DslabEngine(nn.Module):
                     "engine.step() needs an optimizer: pass one to initialize() or add an "
                     "'optimizer' section to the config"
                 )
-            self.timers.start(STEP)
+            self.profilers.call("on_optimizer_step_begin")
             self._take_model_step()
-            self.timers.stop(STEP)
+            self.profilers.call("on_optimizer_step_end")
+        self.profilers.end_micro_step(self.global_steps)
+        if boundary:
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._after_boundary()
@@ -245,16 +254,18 @@ class DslabEngine(nn.Module):
                 mean_loss = torch.stack(self._pending_losses).mean().item()
                 events.append(("Train/Samples/train_loss", mean_loss, self.global_samples))
                 self._pending_losses = []
-            if self.config.wall_clock_breakdown:
-                for name, times in self.timers.collect().items():
+            wall_clock = self.profilers.find("wall_clock")
+            if wall_clock is not None:
+                for name, times in wall_clock.collect().items():
                     events.append((f"Train/Samples/elapsed_time_ms_{name}", sum(times) / len(times), self.global_samples))
             self.monitor.write_events(events)
         if print_now and self.rank == 0:
             log.info(
                 "step=%d, skipped=%d, lr=%s", self.global_steps, self.skipped_steps, self.get_lr()
             )
-            if self.config.wall_clock_breakdown and not self.monitor.enabled:
-                times = self.timers.collect()
+            wall_clock = self.profilers.find("wall_clock")
+            if wall_clock is not None and not self.monitor.enabled:
+                times = wall_clock.collect()
                 parts = ", ".join(f"{k}: {sum(v) / len(v):.2f}" for k, v in sorted(times.items()) if v)
                 log.info("time (ms) | %s", parts)
 
@@ -306,8 +317,13 @@ class DslabEngine(nn.Module):
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict
         )
 
+    def profiler_records(self) -> dict[str, dict]:
+        """Each running profiler's records, keyed by its run-report section."""
+        return self.profilers.records()
+
     def destroy(self) -> None:
-        """Remove hooks and close the monitor's files."""
+        """Remove hooks, stop the profilers and close the monitor's files."""
         if self.grad_reducer is not None:
             self.grad_reducer.remove()
+        self.profilers.close()
         self.monitor.close()

@@ -13,6 +13,8 @@ from collections import defaultdict
 
 import torch
 
+from dslab.profilers.base import Profiler
+
 
 class PhaseTimers:
     """Named intervals (forward, backward, step, ...) measured without stalling the device."""
@@ -64,3 +66,49 @@ class PhaseTimers:
         self._resolve(wait)
         done, self._done = dict(self._done), defaultdict(list)
         return done
+
+
+class WallClockBreakdown(Profiler):
+    """``wall_clock_breakdown``: forward, backward and optimizer-step times of every micro-step
+    (CUDA events on GPU, resolved lazily), for the monitor and the run report."""
+
+    section = "wall_clock"
+
+    def __init__(self, device: torch.device):
+        self.timers = PhaseTimers(device, enabled=True)
+        self._history: dict[str, list[float]] = defaultdict(list)
+
+    def on_forward_begin(self) -> None:
+        self.timers.start("forward")
+
+    def on_forward_end(self) -> None:
+        self.timers.stop("forward")
+
+    def on_backward_begin(self) -> None:
+        self.timers.start("backward")
+
+    def on_backward_end(self) -> None:
+        self.timers.stop("backward")
+
+    def on_optimizer_step_begin(self) -> None:
+        self.timers.start("step")
+
+    def on_optimizer_step_end(self) -> None:
+        self.timers.stop("step")
+
+    def collect(self, wait: bool = False) -> dict[str, list[float]]:
+        """Intervals completed since the last collect (ms by phase); also kept for records()."""
+        done = self.timers.collect(wait)
+        for name, times in done.items():
+            self._history[name].extend(times)
+        return done
+
+    def records(self) -> dict:
+        self.collect(wait=True)
+        out = {}
+        for name, times in self._history.items():
+            if times:
+                ordered = sorted(times)
+                out[name] = {"count": len(times), "mean_ms": sum(times) / len(times),
+                             "median_ms": ordered[len(ordered) // 2], "min_ms": ordered[0], "max_ms": ordered[-1]}
+        return {"phases": out, "timing": "CUDA events on the current stream" if self.timers.cuda else "host clock"}

@@ -17,7 +17,8 @@ def tiny_suite(tmp_path, **overrides) -> Path:
         "name": "gpt2_test",
         "family": "gpt2",
         "precision": "bf16",
-        "engine": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0},
+        "engine": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
+                   "wall_clock_breakdown": True},
         "arms": ["dslab", "torch"],
         "scales": {"tiny": {"preset": "gpt2_tiny", "warmup_steps": 1, "steps": 3, "trials": 2,
                             "cases": [{"name": "a", "seq_len": 32, "micro_batch": 2},
@@ -47,6 +48,8 @@ def test_runner_end_to_end_writes_a_complete_report(tmp_path):
         assert m["model_tflops"] > 0 and m["final_loss"] == m["final_loss"]  # flops counted, loss not NaN
     assert set(back.ratios) == {"a", "b"} and "dslab/torch" in back.ratios["a"]
     assert back.config["flops_per_step"]["a"] > 0
+    phases = back.profilers["wall_clock"]["a"]["phases"]
+    assert set(phases) == {"forward", "backward", "step"} and phases["forward"]["count"] >= 6
 
 
 def test_failing_arm_does_not_stop_the_others(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from dslab.engine.config_base import parse_section
+from dslab.config_base import parse_section
 from dslab.engine.monitor import CSVMonitorConfig, Monitor, TensorBoardConfig, metric_file_name
 
 LOSS, LR, SCALE = "Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/loss_scale"

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from dslab.engine.config_base import parse_section
+from dslab.config_base import parse_section
 from dslab.engine.lamb import Lamb
 from dslab.engine.optimizers import OptimizerConfig, build_optimizer
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dslab.engine.config_base import parse_section
+from dslab.config_base import parse_section
 from dslab.engine.schedulers import (
     LRRangeTest,
     OneCycle,

@@ -176,12 +176,14 @@ def test_general_and_one_block_backward_agree():
         fused = _forward_backward(q, k, v, grad, causal=True)
         limit = attention_triton_bwd._BWD_INTERPRET_TILE
         try:
-            attention_triton_bwd._BWD_INTERPRET_TILE = (16, 16, 32, 16, 4, 1)
-            attention_triton_bwd._bwd_kernel_for.cache_clear()
+            attention_triton_bwd._BWD_INTERPRET_TILE = (16, 16, 32, 16)
+            attention_triton_bwd.dkdv_kernel_for.cache_clear()
+            attention_triton_bwd.dq_kernel_for.cache_clear()
             general = _forward_backward(q, k, v, grad, causal=True)
         finally:
             attention_triton_bwd._BWD_INTERPRET_TILE = limit
-            attention_triton_bwd._bwd_kernel_for.cache_clear()
+            attention_triton_bwd.dkdv_kernel_for.cache_clear()
+            attention_triton_bwd.dq_kernel_for.cache_clear()
     assert attention_triton_bwd.fused_block_n(29, 33, 2) == 32
     for a, b in zip(fused, general):
         assert (a.float() - b.float()).abs().max().item() < 2e-3

@@ -1,0 +1,51 @@
+"""The profilers an engine runs, built from its config sections, and the calls into them."""
+
+from __future__ import annotations
+
+import torch
+
+from dslab.profilers.base import Profiler
+from dslab.profilers.timers import WallClockBreakdown
+
+
+def build_profilers(config, device: torch.device) -> list[Profiler]:
+    """One profiler per switched-on section (``wall_clock_breakdown`` and the profiler sections)."""
+    profilers: list[Profiler] = []
+    if config.wall_clock_breakdown:
+        profilers.append(WallClockBreakdown(device))
+    return profilers
+
+
+class ProfilerHooks:
+    """Calls the same hook on every profiler; a no-op with none attached."""
+
+    def __init__(self, profilers: list[Profiler]):
+        self.profilers = profilers
+        self._in_step = False
+
+    def __bool__(self) -> bool:
+        return bool(self.profilers)
+
+    def call(self, hook: str, *args) -> None:
+        for p in self.profilers:
+            getattr(p, hook)(*args)
+
+    def begin_micro_step(self, step: int) -> None:
+        if not self._in_step:
+            self._in_step = True
+            self.call("on_step_begin", step)
+
+    def end_micro_step(self, step: int) -> None:
+        if self._in_step:
+            self._in_step = False
+            self.call("on_step_end", step)
+
+    def find(self, section: str) -> Profiler | None:
+        return next((p for p in self.profilers if p.section == section), None)
+
+    def records(self) -> dict[str, dict]:
+        return {p.section: p.records() for p in self.profilers}
+
+    def close(self) -> None:
+        for p in self.profilers:
+            p.close()
