@@ -40,6 +40,31 @@ def _optimizer_settings(engine_cfg: dict) -> dict:
     return keep
 
 
+def move_training_state(module: torch.nn.Module, optimizer, device: torch.device) -> None:
+    """Move parameters, buffers, gradients and optimizer states to ``device`` in place (the
+    Parameter objects stay the same, so optimizers and compiled graphs keep their references)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.data = p.data.to(device, non_blocking=True)
+            if p.grad is not None:
+                p.grad = p.grad.to(device, non_blocking=True)
+        for name, buf in module.named_buffers():
+            buf.data = buf.data.to(device, non_blocking=True)
+    if optimizer is not None:
+        # torch's Adam family keeps 'step' on the host unless it runs fused or capturable.
+        steps_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if not torch.is_tensor(value):
+                    continue
+                target = device if key != "step" or steps_on_device else torch.device("cpu")
+                if value.device != target:
+                    state[key] = value.to(target, non_blocking=True)
+    if device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def inject_sleep_ms() -> float:
     raw = os.environ.get(INJECT_SLEEP_ENV, "").strip()
     if not raw:
@@ -85,6 +110,12 @@ class EngineArm:
                 torch.cuda.synchronize()
             time.sleep(self.sleep_s)
         return loss
+
+    def park(self) -> None:
+        move_training_state(self.engine.module, self.engine.optimizer, torch.device("cpu"))
+
+    def unpark(self) -> None:
+        move_training_state(self.engine.module, self.engine.optimizer, self.engine.device)
 
     def records(self) -> dict[str, dict]:
         """The engine's profiler records (flops, memory, comms, telemetry, wall clock)."""
@@ -141,6 +172,12 @@ class PlainArm:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+    def park(self) -> None:
+        move_training_state(self.model, self.optimizer, torch.device("cpu"))
+
+    def unpark(self) -> None:
+        move_training_state(self.model, self.optimizer, self.device)
 
     def close(self) -> None:
         del self.model, self.optimizer, self.forward

@@ -155,3 +155,25 @@ def test_readme_suite_bert_large_tiny_runs_all_arms(tmp_path):
     assert report.status == "complete"
     assert {r.arm for r in report.results} == {"dslab", "torch", "torch-compile", "hf"}
     assert all(r.status == "ok" for r in report.results), [(r.arm, r.error) for r in report.results]
+
+
+def test_parked_arm_trains_on_after_a_round_trip_through_host_memory(tmp_path):
+    """park()/unpark() keep the arm's state: the step after a round trip continues training."""
+    import torch
+
+    from dslab.bench.suite import load_suite
+    from dslab.bench.workloads import workloads_for
+
+    suite, _ = load_suite(tiny_suite(tmp_path))
+    workload = workloads_for(suite, "tiny", ["b"])[0]
+    arm = arms_module.build_arm("torch", workload, torch.device("cpu"), "bf16", suite.engine)
+    arm.step()
+    params = [p.detach().clone() for p in arm.model.parameters()]
+    states = [v.clone() for st in arm.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    arm.park()
+    arm.unpark()
+    assert all(torch.equal(a, b) for a, b in zip(params, arm.model.parameters()))
+    after = [v for st in arm.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    assert all(torch.equal(a, b) for a, b in zip(states, after))
+    loss = arm.step()
+    assert torch.isfinite(loss)
