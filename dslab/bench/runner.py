@@ -159,14 +159,16 @@ def run_suite(
 
 
 def _needs_parking(workload: Workload, n_arms: int, device: torch.device) -> bool:
-    """True when every arm's training state (16 bytes per parameter with fp32 AdamW) would take
-    more than half the GPU: then idle arms wait in host memory between their trials."""
+    """True when every arm's resident state (fp32 weights and AdamW moments, 12 bytes per
+    parameter; gradients are freed between steps) would take more than three quarters of the GPU,
+    leaving too little for one arm's activations: then idle arms wait in host memory between
+    their trials."""
     if device.type != "cuda" or n_arms < 2:
         return False
     with torch.device("meta"):
         params = sum(p.numel() for p in workload.build_model(kernels="torch").parameters())
     total = torch.cuda.get_device_properties(device).total_memory
-    return params * 16 * n_arms > 0.5 * total
+    return params * 12 * n_arms > 0.75 * total
 
 
 def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_names: list[str],

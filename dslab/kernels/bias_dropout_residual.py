@@ -12,11 +12,16 @@ element (see :mod:`dslab.kernels.bias_dropout_residual_triton`), the reference a
 mask can be replayed through the reference.
 
 Layers: :func:`bias_dropout_residual_reference` (PyTorch) → the ``dslab::bias_dropout_residual``
-custom op with its autograd (``dslab::bias_dropout_residual_backward``) → the Triton kernels.
-:func:`bias_dropout_residual` picks between them with :func:`dslab.kernels.dispatch.use_triton`.
+custom op with its autograd (``dslab::bias_dropout_residual_backward``) under ``torch.compile``,
+and an ``autograd.Function`` making the same launches in eager mode (the custom ops' Python
+dispatch costs several times its host time, see :mod:`dslab.kernels.layer_norm`) → the Triton
+kernels. :func:`bias_dropout_residual` picks between them with
+:func:`dslab.kernels.dispatch.use_triton`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -106,6 +111,32 @@ def _backward(ctx, dout):
 _bias_dropout_residual_op.register_autograd(_backward, setup_context=_setup)
 
 
+@functools.cache
+def _triton_module():
+    from dslab.kernels import bias_dropout_residual_triton
+
+    return bias_dropout_residual_triton
+
+
+class _EagerBiasDropoutResidual(torch.autograd.Function):
+    """The custom ops' launches for eager mode."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, p, seed):
+        ctx.p, ctx.seed = p, seed
+        ctx.save_for_backward(bias)
+        return _triton_module().forward(x, bias, residual, p, seed)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        (bias,) = ctx.saved_tensors
+        if ctx.p == 0:
+            return dout, (dout.sum(dim=0) if bias is not None else None), dout, None, None
+        dx, dbias = _triton_module().backward(dout, bias, ctx.p, ctx.seed)
+        return dx, dbias, dout, None, None
+
+
 def _check(x, bias, residual, p, training, seed) -> None:
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the bias's)")
@@ -148,7 +179,7 @@ def bias_dropout_residual(
         return bias_dropout_residual_reference(x, bias, residual, p, training, seed)
     n = x.shape[-1]
     p_applied = float(p) if training else 0.0
-    out = _bias_dropout_residual_op(
-        x.reshape(-1, n), bias, residual.reshape(-1, n), p_applied, seed if p_applied > 0 else 0
-    )
-    return out.view(x.shape)
+    args = (x.reshape(-1, n), bias, residual.reshape(-1, n), p_applied, seed if p_applied > 0 else 0)
+    if torch.compiler.is_compiling():
+        return _bias_dropout_residual_op(*args).view(x.shape)
+    return _EagerBiasDropoutResidual.apply(*args).view(x.shape)

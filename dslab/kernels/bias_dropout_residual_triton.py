@@ -15,7 +15,8 @@ recomputation) regenerate the same one.
 
 Forward reads x, residual (and bias, cached), writes out: 3 * M * N elements. Backward reads dout,
 writes dx: 2 * M * N; dbias is accumulated per program in fp32 over a grid sized to the programs
-resident on the device and the ``[programs, N]`` partials are summed in a fixed order.
+resident on the device and the ``[programs, N]`` partials are summed in a fixed order
+(:mod:`dslab.kernels._grid`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from dslab.kernels._grid import column_sums, resident_programs
 
 
 @triton.jit
@@ -101,30 +104,6 @@ def _config(n: int) -> tuple[int, int, int]:
     return max(1, 4096 // block_n), block_n, 4
 
 
-_resident_cache: dict[tuple, int] = {}
-
-
-def _resident_programs(kernel, make_args, meta: dict, key: tuple, device: torch.device) -> int:
-    """How many programs of ``kernel`` with ``meta`` fit on the whole device at once: compiled
-    once with ``warmup`` on ``make_args()`` to read its registers and shared memory; cached per
-    ``key``."""
-    if device.type != "cuda":
-        return 4
-    cache_key = (key, device.index)
-    resident = _resident_cache.get(cache_key)
-    if resident is None:
-        compiled = kernel.warmup(*make_args(), grid=(1,), **meta)
-        compiled._init_handles()
-        props = triton.runtime.driver.active.utils.get_device_properties(device.index)
-        warps = meta["num_warps"]
-        regs_per_thread = -(-compiled.n_regs // 8) * 8  # allocated in units of 8 per thread
-        by_regs = props["max_num_regs"] // max(1, regs_per_thread * 32 * warps)
-        by_smem = props["max_shared_mem"] // max(1, compiled.metadata.shared)
-        resident = max(1, min(by_regs, by_smem, 64 // warps, 32)) * props["multiprocessor_count"]
-        _resident_cache[cache_key] = resident
-    return resident
-
-
 def _scale(p: float) -> float:
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
 
@@ -174,11 +153,10 @@ def backward(
         def probe_args():
             return dout, dx, torch.empty(1, dtype=torch.float32, device=dout.device), *scalars
 
-        key = ("bias_dropout_residual_bwd", dout.dtype, tuple(sorted(meta.items())))
-        resident = _resident_programs(_bias_dropout_residual_bwd_kernel, probe_args, meta, key, dout.device)
+        key = ("bias_dropout_residual_bwd", n, dout.dtype)
+        resident = resident_programs(_bias_dropout_residual_bwd_kernel, probe_args, meta, key, dout.device)
         row_programs = min(row_tiles, max(1, resident // col_tiles))
-        db_partial = torch.empty((row_programs, n), dtype=torch.float32, device=dout.device)
+        db_partial = torch.empty((1, row_programs, n), dtype=torch.float32, device=dout.device)
         _bias_dropout_residual_bwd_kernel[(row_programs, col_tiles)](dout, dx, db_partial, *scalars, **meta)
-        # A fixed-order reduction of the partials: deterministic.
-        db = db_partial.sum(dim=0).to(bias.dtype)
+        (db,) = column_sums(db_partial, (bias.dtype,))
     return dx, db

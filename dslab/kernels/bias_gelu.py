@@ -7,12 +7,16 @@ Backward recomputes ``x + bias`` from the saved inputs instead of storing it: dx
 and dbias = sum over rows of dx.
 
 Layers: :func:`bias_gelu_reference` (PyTorch) → the ``dslab::bias_gelu`` custom op with its
-autograd (``dslab::bias_gelu_backward``) → the Triton kernels in
+autograd (``dslab::bias_gelu_backward``) under ``torch.compile``, and an ``autograd.Function``
+making the same launches in eager mode (the custom ops' Python dispatch costs several times its
+host time, see :mod:`dslab.kernels.layer_norm`) → the Triton kernels in
 :mod:`dslab.kernels.bias_gelu_triton`. :func:`bias_gelu` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +78,30 @@ def _backward(ctx, dy):
 _bias_gelu_op.register_autograd(_backward, setup_context=_setup)
 
 
+@functools.cache
+def _triton_module():
+    from dslab.kernels import bias_gelu_triton
+
+    return bias_gelu_triton
+
+
+class _EagerBiasGelu(torch.autograd.Function):
+    """The custom ops' launches for eager mode."""
+
+    @staticmethod
+    def forward(ctx, x, bias, approximate):
+        ctx.approximate = approximate
+        ctx.save_for_backward(x, bias)
+        return _triton_module().forward(x, bias, approximate)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        dx, dbias = _triton_module().backward(dy, x, bias, ctx.approximate)
+        return dx, dbias, None
+
+
 def bias_gelu(
     x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none"
 ) -> torch.Tensor:
@@ -94,4 +122,7 @@ def bias_gelu(
             raise ValueError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
     if not (x.dtype in TRITON_DTYPES and use_triton(x, bias)):
         return bias_gelu_reference(x, bias, approximate)
-    return _bias_gelu_op(x.reshape(-1, n), bias, approximate).view(x.shape)
+    x2d = x.reshape(-1, n)
+    if torch.compiler.is_compiling():
+        return _bias_gelu_op(x2d, bias, approximate).view(x.shape)
+    return _EagerBiasGelu.apply(x2d, bias, approximate).view(x.shape)

@@ -12,7 +12,8 @@ x's dtype. With u = x + bias:
 Forward reads x (and bias, cached) and writes y: 2 * M * N elements. Backward recomputes u from x
 and bias, reads dy and x, writes dx: 3 * M * N elements. The bias gradient sum_rows(dx) is
 accumulated per program in fp32 (a grid sized to the programs resident on the device, each
-looping over row tiles) and the ``[programs, N]`` partials are summed in a fixed order.
+looping over row tiles) and the ``[programs, N]`` partials are summed in a fixed order
+(:mod:`dslab.kernels._grid`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import inspect
 import torch
 import triton
 import triton.language as tl
+
+from dslab.kernels._grid import column_sums, resident_programs
 
 # div.approx.f32 (reciprocal and multiply) through tl.math.fdiv(approx=True), newer Triton only.
 _HAS_APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.math.fdiv).parameters)
@@ -147,30 +150,6 @@ def _config(n: int) -> tuple[int, int, int]:
     return max(1, 4096 // block_n), block_n, 4
 
 
-_resident_cache: dict[tuple, int] = {}
-
-
-def _resident_programs(kernel, make_args, meta: dict, key: tuple, device: torch.device) -> int:
-    """How many programs of ``kernel`` with ``meta`` fit on the whole device at once: compiled
-    once with ``warmup`` on ``make_args()`` to read its registers and shared memory; cached per
-    ``key``."""
-    if device.type != "cuda":
-        return 4
-    cache_key = (key, device.index)
-    resident = _resident_cache.get(cache_key)
-    if resident is None:
-        compiled = kernel.warmup(*make_args(), grid=(1,), **meta)
-        compiled._init_handles()
-        props = triton.runtime.driver.active.utils.get_device_properties(device.index)
-        warps = meta["num_warps"]
-        regs_per_thread = -(-compiled.n_regs // 8) * 8  # allocated in units of 8 per thread
-        by_regs = props["max_num_regs"] // max(1, regs_per_thread * 32 * warps)
-        by_smem = props["max_shared_mem"] // max(1, compiled.metadata.shared)
-        resident = max(1, min(by_regs, by_smem, 64 // warps, 32)) * props["multiprocessor_count"]
-        _resident_cache[cache_key] = resident
-    return resident
-
-
 def forward(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
     """gelu(x + bias) for ``x`` [M, N]."""
     m, n = x.shape
@@ -213,11 +192,10 @@ def backward(
             stand_in = torch.empty(1, dtype=torch.float32, device=x.device)
             return dy, x, bias, dx, stand_in, m, n, *strides
 
-        key = ("bias_gelu_bwd", dy.dtype, x.dtype, bias.dtype, tuple(sorted(meta.items())))
-        resident = _resident_programs(_bias_gelu_bwd_kernel, probe_args, meta, key, x.device)
+        key = ("bias_gelu_bwd", n, dy.dtype, x.dtype, bias.dtype, approximate)
+        resident = resident_programs(_bias_gelu_bwd_kernel, probe_args, meta, key, x.device)
         row_programs = min(row_tiles, max(1, resident // col_tiles))
-        db_partial = torch.empty((row_programs, n), dtype=torch.float32, device=x.device)
+        db_partial = torch.empty((1, row_programs, n), dtype=torch.float32, device=x.device)
         _bias_gelu_bwd_kernel[(row_programs, col_tiles)](dy, x, bias, dx, db_partial, m, n, *strides, **meta)
-        # A fixed-order reduction of the partials: deterministic.
-        db = db_partial.sum(dim=0).to(bias.dtype)
+        (db,) = column_sums(db_partial, (bias.dtype,))
     return dx, db

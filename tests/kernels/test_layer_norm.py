@@ -112,13 +112,18 @@ def test_weight_gradient_is_deterministic():
         assert torch.equal(a, b)
 
 
-def test_partial_sums_reduce_over_many_programs():
-    from dslab.kernels import layer_norm_triton
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.float16,)], ids=str)
+def test_partial_sums_reduce_over_many_programs(dtypes):
+    from dslab.kernels._grid import column_sums
 
-    partials = torch.randn(600, 40)  # more programs than one 256-row step of the reduction
-    total = layer_norm_triton._sum_partials(partials, torch.bfloat16)
-    assert total.dtype == torch.bfloat16
-    torch.testing.assert_close(total.float(), partials.double().sum(0).float(), rtol=8e-3, atol=1e-5)
+    # More programs than one 256-row step of the reduction, and columns past one 16-wide strip.
+    partials = torch.randn(len(dtypes), 600, 40)
+    sums = column_sums(partials, dtypes)
+    assert len(sums) == len(dtypes)
+    for total, part, dtype in zip(sums, partials, dtypes):
+        assert total.dtype == dtype and total.shape == (40,)
+        rtol = 2 * torch.finfo(dtype).eps
+        torch.testing.assert_close(total.double(), part.double().sum(0), rtol=rtol, atol=1e-4)
 
 
 def test_torch_backend_and_cpu_auto_run_the_reference():
