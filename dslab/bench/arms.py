@@ -83,7 +83,8 @@ class EngineArm:
 
     name = "dslab"
 
-    def __init__(self, workload: Workload, device: torch.device, precision: str, engine_cfg: dict):
+    def __init__(self, workload: Workload, device: torch.device, precision: str, engine_cfg: dict,
+                 profile_dir=None):
         import dslab
 
         config = dict(engine_cfg)
@@ -94,6 +95,8 @@ class EngineArm:
         config.setdefault("steps_per_print", 10**9)
         model = workload.build_model(kernels="dslab")
         self.engine, _, _, _ = dslab.initialize(model=model, config=config, dist_init_required=False)
+        if profile_dir is not None:
+            self.engine.set_profile_output_dir(profile_dir)
         self.batch = workload.make_batch(self.engine.device)
         self.loss_fn = workload.loss_fn()
         self.sleep_s = inject_sleep_ms() / 1e3
@@ -183,9 +186,10 @@ class PlainArm:
         del self.model, self.optimizer, self.forward
 
 
-def build_arm(name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict):
+def build_arm(name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict,
+              profile_dir=None):
     if name == "dslab":
-        return EngineArm(workload, device, precision, engine_cfg)
+        return EngineArm(workload, device, precision, engine_cfg, profile_dir)
     if name == "hf":
         try:
             import transformers  # noqa: F401

@@ -23,7 +23,7 @@ from dslab.bench.arms import PRECISION_DTYPES, ArmSkipped, build_arm, inject_sle
 from dslab.bench.measure import count_step_flops, measure_peaks, run_trial, trial_metrics
 from dslab.bench.suite import SuiteConfig, load_suite, select_arms
 from dslab.bench.workloads import Workload, workloads_for
-from dslab.report import Result, RunReport, Trial, new_run_id, write_report
+from dslab.report import Result, RunReport, Trial, new_run_id, run_dir, write_report
 from dslab.report.environment import collect_environment
 from dslab.report.store import utc_now
 from dslab.report.summary import describe, results_table
@@ -194,7 +194,9 @@ def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_nam
         result = Result(case=case, arm=name)
         report.results.append(result)
         try:
-            built[name] = build_arm(name, workload, device, suite.precision, suite.engine)
+            profile_dir = run_dir(out, report.suite, report.run_id) / "profiles" / case
+            built[name] = build_arm(name, workload, device, suite.precision, suite.engine,
+                                    **({"profile_dir": profile_dir} if name == "dslab" else {}))
             if parking:
                 built[name].park()
         except ArmSkipped as err:

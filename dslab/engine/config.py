@@ -21,6 +21,8 @@ from dslab.engine.optimizers import OptimizerConfig
 from dslab.engine.precision import BF16Config, FP16Config
 from dslab.engine.schedulers import SchedulerConfig
 from dslab.engine.zero_config import ZeroConfig
+from dslab.profilers.memory import MemoryTracerConfig
+from dslab.profilers.telemetry import TelemetryConfig
 
 # DeepSpeed keys that dslab knows and does not implement. A section that is present but switched
 # off ({"enabled": false}, false, null) is accepted and ignored; anything else is refused.
@@ -70,6 +72,8 @@ class DslabConfig(ConfigSection):
     zero_optimization: ZeroConfig = ZeroConfig()
     # dslab's own keys
     kernels: Literal["auto", "torch", "triton"] = "auto"
+    memory_tracer: MemoryTracerConfig = MemoryTracerConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     def resolve_batch_size(self, world_size: int) -> None:
         """Fill in the missing one of the three batch keys with DeepSpeed's rules and check that

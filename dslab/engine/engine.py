@@ -317,6 +317,10 @@ class DslabEngine(nn.Module):
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict
         )
 
+    def set_profile_output_dir(self, path) -> None:
+        """Directory for the files profilers write (e.g. the memory tracer's allocator snapshot)."""
+        self.profilers.set_output_dir(path)
+
     def profiler_records(self) -> dict[str, dict]:
         """Each running profiler's records, keyed by its run-report section."""
         return self.profilers.records()

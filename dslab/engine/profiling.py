@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from dslab.profilers.base import Profiler
+from dslab.profilers.memory import MemoryTracer
+from dslab.profilers.telemetry import TelemetrySampler
 from dslab.profilers.timers import WallClockBreakdown
 
 
@@ -13,6 +15,12 @@ def build_profilers(config, device: torch.device) -> list[Profiler]:
     profilers: list[Profiler] = []
     if config.wall_clock_breakdown:
         profilers.append(WallClockBreakdown(device))
+    for built in (
+        MemoryTracer.from_config(config.memory_tracer),
+        TelemetrySampler.from_config(config.telemetry),
+    ):
+        if built is not None:
+            profilers.append(built)
     return profilers
 
 
@@ -45,6 +53,12 @@ class ProfilerHooks:
 
     def records(self) -> dict[str, dict]:
         return {p.section: p.records() for p in self.profilers}
+
+    def set_output_dir(self, path) -> None:
+        """Where profilers that write files (the memory snapshot, traces) put them."""
+        for p in self.profilers:
+            if hasattr(p, "set_output_dir"):
+                p.set_output_dir(path)
 
     def close(self) -> None:
         for p in self.profilers:

@@ -18,7 +18,8 @@ def tiny_suite(tmp_path, **overrides) -> Path:
         "family": "gpt2",
         "precision": "bf16",
         "engine": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
-                   "wall_clock_breakdown": True},
+                   "wall_clock_breakdown": True, "memory_tracer": {"enabled": True, "profile_step": 1},
+                   "telemetry": {"enabled": True, "interval_ms": 50}},
         "arms": ["dslab", "torch"],
         "scales": {"tiny": {"preset": "gpt2_tiny", "warmup_steps": 1, "steps": 3, "trials": 2,
                             "cases": [{"name": "a", "seq_len": 32, "micro_batch": 2},
@@ -50,6 +51,11 @@ def test_runner_end_to_end_writes_a_complete_report(tmp_path):
     assert back.config["flops_per_step"]["a"] > 0
     phases = back.profilers["wall_clock"]["a"]["phases"]
     assert set(phases) == {"forward", "backward", "step"} and phases["forward"]["count"] >= 6
+    memory = back.profilers["memory"]["a"]
+    assert memory["cuda"] is False and "not traced" in memory["note"]
+    assert memory["activation_bytes"] > 0 and memory["model_states"]["params"] > 0
+    telemetry = back.profilers["telemetry"]["b"]
+    assert telemetry["available"] is False and telemetry["reason"]
 
 
 def test_failing_arm_does_not_stop_the_others(tmp_path, monkeypatch):
