@@ -35,6 +35,8 @@ class CollectiveCall:
     group_size: int
     group_ranks: list[int]
     async_op: bool
+    device: torch.device = torch.device("cpu")
+    group_name: str = ""
     extra: dict = field(default_factory=dict)
 
     @property
@@ -68,6 +70,13 @@ def _group_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
+def _group_name(group) -> str:
+    try:
+        return (group or dist.group.WORLD).group_name
+    except (AttributeError, RuntimeError):
+        return ""
+
+
 def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, **extra):
     """Run ``fn`` (the torch.distributed call) between the observers' hooks."""
     if not _observers:
@@ -82,6 +91,8 @@ def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, **extra):
         group_size=len(ranks),
         group_ranks=ranks,
         async_op=async_op,
+        device=tensor.device,
+        group_name=_group_name(group),
         extra=extra,
     )
     for obs in _observers:

@@ -21,6 +21,7 @@ from dslab.engine.optimizers import OptimizerConfig
 from dslab.engine.precision import BF16Config, FP16Config
 from dslab.engine.schedulers import SchedulerConfig
 from dslab.engine.zero_config import ZeroConfig
+from dslab.profilers.comms import CommsLoggerConfig
 from dslab.profilers.memory import MemoryTracerConfig
 from dslab.profilers.telemetry import TelemetryConfig
 
@@ -33,7 +34,6 @@ UNSUPPORTED_DEEPSPEED_KEYS = (
     "autotuning",
     "checkpoint",
     "comet",
-    "comms_logger",
     "communication_data_type",
     "compression_training",
     "curriculum_learning",
@@ -72,6 +72,7 @@ class DslabConfig(ConfigSection):
     zero_optimization: ZeroConfig = ZeroConfig()
     # dslab's own keys
     kernels: Literal["auto", "torch", "triton"] = "auto"
+    comms_logger: CommsLoggerConfig = CommsLoggerConfig()
     memory_tracer: MemoryTracerConfig = MemoryTracerConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dslab.profilers.base import Profiler
+from dslab.profilers.comms import CommsLogger
 from dslab.profilers.memory import MemoryTracer
 from dslab.profilers.telemetry import TelemetrySampler
 from dslab.profilers.timers import WallClockBreakdown
@@ -16,6 +17,7 @@ def build_profilers(config, device: torch.device) -> list[Profiler]:
     if config.wall_clock_breakdown:
         profilers.append(WallClockBreakdown(device))
     for built in (
+        CommsLogger.from_config(config.comms_logger),
         MemoryTracer.from_config(config.memory_tracer),
         TelemetrySampler.from_config(config.telemetry),
     ):
@@ -52,6 +54,8 @@ class ProfilerHooks:
         return next((p for p in self.profilers if p.section == section), None)
 
     def records(self) -> dict[str, dict]:
+        """Every profiler's records. With several ranks this is a collective (the comms logger
+        gathers every rank's records): call it on all ranks."""
         return {p.section: p.records() for p in self.profilers}
 
     def set_output_dir(self, path) -> None:

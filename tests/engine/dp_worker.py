@@ -27,7 +27,8 @@ def main(out_path: str, steps: int, micro: int, accum: int):
     counter = CountCollectives()
     comm.add_observer(counter)
     cfg = base_config(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum,
-                      zero_optimization={"stage": 0, "reduce_bucket_size": 100})
+                      zero_optimization={"stage": 0, "reduce_bucket_size": 100},
+                      comms_logger={"enabled": True})
     # Each rank builds the model from a different seed: the engine must broadcast rank 0's weights.
     torch.manual_seed(comm.get_rank() if comm.is_initialized() else 0)
     engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
@@ -43,9 +44,12 @@ def main(out_path: str, steps: int, micro: int, accum: int):
             engine.backward(loss)
             engine.step()
     all_reduces = [n for op, n in counter.calls if op == "all_reduce"]
+    summary = comm.log_summary(return_dict=True) if world > 1 else {}
+    logged = {size: row["count"] for size, row in summary.get("all_reduce", {}).items()}
+    engine.destroy()
     if rank == 0:
         torch.save({"params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
-                    "all_reduces": all_reduces, "world": world}, out_path)
+                    "all_reduces": all_reduces, "world": world, "logged_all_reduces": logged}, out_path)
 
 
 if __name__ == "__main__":

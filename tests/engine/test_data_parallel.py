@@ -37,3 +37,7 @@ def test_two_gloo_ranks_match_one_process_on_full_batch(tmp_path):
     assert len(double["all_reduces"]) == 4 * 4
     total = sum(p.numel() for p in single["params"].values())
     assert sum(double["all_reduces"]) == 4 * total
+    # the engine's comms logger (comms_logger.enabled) saw every gradient bucket, by size in bytes
+    sizes = sorted(4 * n for n in set(double["all_reduces"]))
+    assert sorted(int(s) for s in double["logged_all_reduces"]) == sizes
+    assert sum(double["logged_all_reduces"].values()) == 16
