@@ -13,8 +13,8 @@ mask can be replayed through the reference.
 
 Layers: :func:`bias_dropout_residual_reference` (PyTorch) → the ``dslab::bias_dropout_residual``
 custom op with its autograd (``dslab::bias_dropout_residual_backward``) under ``torch.compile``,
-and an ``autograd.Function`` making the same launches in eager mode (the custom ops' Python
-dispatch costs several times its host time, see :mod:`dslab.kernels.layer_norm`) → the Triton
+and an ``autograd.Function`` making the same launches in eager mode with less host time than the
+custom ops' Python dispatch (see :mod:`dslab.kernels.layer_norm`) → the Triton
 kernels. :func:`bias_dropout_residual` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 """

@@ -8,8 +8,8 @@ and dbias = sum over rows of dx.
 
 Layers: :func:`bias_gelu_reference` (PyTorch) → the ``dslab::bias_gelu`` custom op with its
 autograd (``dslab::bias_gelu_backward``) under ``torch.compile``, and an ``autograd.Function``
-making the same launches in eager mode (the custom ops' Python dispatch costs several times its
-host time, see :mod:`dslab.kernels.layer_norm`) → the Triton kernels in
+making the same launches in eager mode with less host time than the custom ops' Python dispatch
+(see :mod:`dslab.kernels.layer_norm`) → the Triton kernels in
 :mod:`dslab.kernels.bias_gelu_triton`. :func:`bias_gelu` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 """

@@ -19,8 +19,10 @@ in a fixed order, so results are deterministic.
 Memory traffic: reads dy, h (and the gradient of h), writes dx, plus 2 * programs * N * 4 bytes of
 partials written and read again.
 
-Host time matters as much as device time here: at 65536 x 1024 bf16 the whole fwd+bwd is ~0.25 ms
-of device work, so each call makes few launches (forward 1, backward 2) and few allocations.
+At 65536 x 1024 bf16 on an H100 the backward kernel runs at ~2.7 TB/s (0.145 ms; the grid of 8
+programs per SM that the occupancy query picks is the fastest of 1-16 per SM) and the whole
+fwd+bwd is ~0.24 ms of device work, less than its host time (see :mod:`dslab.kernels.layer_norm`),
+so each call makes few launches (forward 1, backward 2) and few allocations.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def _inputs(shape, dtype, affine, residual, seed=0):
     x = torch.randn(shape, generator=gen) * 2 + 0.5
     r = torch.randn(shape, generator=gen) if residual else None
     w = 1 + 0.3 * torch.randn(n, generator=gen) if affine in ("both", "weight") else None
-    b = 0.3 * torch.randn(n, generator=gen) if affine == "both" else None
+    b = 0.3 * torch.randn(n, generator=gen) if affine in ("both", "bias") else None
     dy = torch.randn(shape, generator=gen)
     dh = torch.randn(shape, generator=gen) if residual else None
     cast = lambda t: t.to(dtype) if t is not None else None  # noqa: E731
@@ -68,13 +68,13 @@ def test_triton_matches_float64_reference(dtype, shape, residual):
         _assert_within_torch_error(name, grad, low, exact)
 
 
-@pytest.mark.parametrize("affine", ["weight", "none"])
+@pytest.mark.parametrize("affine", ["weight", "bias", "none"])
 def test_without_bias_or_affine(affine):
     tensors, dy, dh = _inputs((45, 64), torch.float32, affine, residual=True, seed=1)
     exact_outs, exact_grads = _run(layer_norm_reference, tensors, dy, dh, dtype=torch.float64)
     with kernel_backend("triton"):
         outs, grads = _run(layer_norm, tensors, dy, dh)
-    assert len(grads) == len(exact_grads) == (3 if affine == "weight" else 2)
+    assert len(grads) == len(exact_grads) == (2 if affine == "none" else 3)
     for out, exact in zip(outs + grads, exact_outs + exact_grads):
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
 
