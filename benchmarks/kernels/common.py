@@ -67,3 +67,24 @@ def peak_extra_memory_bytes(fn: Callable[[], object]) -> int:
     peak = torch.cuda.max_memory_allocated()
     del out
     return peak - before
+
+
+def graph_time_ms(fn: Callable[[], object], iters: int = 30) -> list[float] | None:
+    """Per-replay times in ms of ``fn`` captured once in a CUDA graph: the device time of its
+    kernels without the host's launch overhead. None when ``fn`` cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # not capturable (host syncs, CPU-side state): no graph figure
+        torch.cuda.synchronize()
+        return None
+    times = time_ms(graph.replay, warmup=3, iters=iters)
+    del graph
+    return times

@@ -3,8 +3,10 @@
     python benchmarks/kernels/run.py [--ops layer_norm,attention] [--rounds 5] [--json out.json]
 
 The device's ceilings are measured first (bf16 matmul 8192^3 and a 1 GiB device copy). Each case
-times its dslab and PyTorch callables alternately for ``--rounds`` rounds (CUDA events, 50 calls
-a round after warm-up); the figure per side is the median over all calls. GB/s counts the fewest
+times its dslab and PyTorch callables alternately for ``--rounds`` rounds (CUDA events, 30 calls
+a round after warm-up); the figure per side is the median over all calls. Each side is also
+captured once in a CUDA graph and its replays timed: the device time of its kernels without the
+host's launch overhead (``graph d/t``; ``-`` where a side cannot be captured). GB/s counts the fewest
 bytes the op must move; TFLOP/s the flops it must do; ratio = PyTorch time / dslab time.
 """
 
@@ -22,7 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import median, peak_extra_memory_bytes, time_ms  # noqa: E402
+from common import graph_time_ms, median, peak_extra_memory_bytes, time_ms  # noqa: E402
 
 from dslab.bench.measure import measure_peaks  # noqa: E402
 
@@ -50,6 +52,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-graphs", dest="graphs", action="store_false",
+                        help="skip the CUDA-graph replay timing (device time without launch overhead)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("the kernel benchmark needs a CUDA GPU")
@@ -83,6 +87,11 @@ def main():
                 row["dslab_tflops"] = case.flops / (row["dslab_ms"] * 1e-3) / 1e12
                 row["torch_tflops"] = case.flops / (row["torch_ms"] * 1e-3) / 1e12
                 row["pct_matmul_peak"] = row["dslab_tflops"] / peaks["bf16_matmul_tflops"]
+            if args.graphs:
+                d_graph, t_graph = graph_time_ms(case.dslab), graph_time_ms(case.torch)
+                if d_graph and t_graph:
+                    row["dslab_graph_ms"], row["torch_graph_ms"] = median(d_graph), median(t_graph)
+                    row["graph_ratio"] = row["torch_graph_ms"] / row["dslab_graph_ms"]
             if case.check_memory:
                 row["dslab_peak_extra_bytes"] = peak_extra_memory_bytes(case.dslab)
                 row["torch_peak_extra_bytes"] = peak_extra_memory_bytes(case.torch)
@@ -96,7 +105,8 @@ def main():
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
           f"{importlib.util.find_spec('triton') and __import__('triton').__version__}")
     print(f"measured peaks: bf16 matmul {peaks['bf16_matmul_tflops']:.0f} TFLOP/s, copy {peaks['copy_gbps']:.0f} GB/s")
-    head = f"{'op':<22} {'shape':<34} {'dslab ms':>9} {'torch ms':>9} {'ratio':>6} {'target':>6} {'rate':>16} {'mem d/t GiB':>12}"
+    head = (f"{'op':<22} {'shape':<34} {'dslab ms':>9} {'torch ms':>9} {'ratio':>6} {'target':>6} {'rate':>16} "
+            f"{'graph d/t ms':>14} {'g.ratio':>7} {'mem d/t GiB':>12}")
     print(head)
     for row in rows:
         if "error" in row:
@@ -113,8 +123,12 @@ def main():
             mem = f"{row['dslab_peak_extra_bytes'] / 2**30:.2f}/{row['torch_peak_extra_bytes'] / 2**30:.2f}"
         target = f"{row['target']:.2f}" if row["target"] else "-"
         flag = "" if row["met"] is None else (" ok" if row["met"] else " MISS")
+        graph, gratio = "-", "-"
+        if "graph_ratio" in row:
+            graph = f"{row['dslab_graph_ms']:.3f}/{row['torch_graph_ms']:.3f}"
+            gratio = f"{row['graph_ratio']:.2f}"
         print(f"{row['op']:<22} {row['shape']:<34} {row['dslab_ms']:>9.3f} {row['torch_ms']:>9.3f} "
-              f"{row['ratio']:>6.2f} {target:>6} {rate:>16} {mem:>12}{flag}")
+              f"{row['ratio']:>6.2f} {target:>6} {rate:>16} {graph:>14} {gratio:>7} {mem:>12}{flag}")
     for op, err in errors:
         print(f"{op}: could not load cases: {err}")
     if args.json:
