@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from dslab.config_base import ConfigSection, closest_key, known_keys, parse_section
+from dslab.engine.compile_config import CompileConfig
 from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
 from dslab.engine.optimizers import OptimizerConfig
 from dslab.engine.precision import BF16Config, FP16Config
@@ -70,6 +71,7 @@ class DslabConfig(ConfigSection):
     csv_monitor: CSVMonitorConfig = CSVMonitorConfig()
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     zero_optimization: ZeroConfig = ZeroConfig()
+    compile: CompileConfig = CompileConfig()
     # dslab's own keys
     kernels: Literal["auto", "torch", "triton"] = "auto"
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()

@@ -63,6 +63,9 @@ class DslabEngine(nn.Module):
 
         self.device = _default_device()
         self.module = model.to(self.device)
+        # Kept out of nn.Module's registry: it is self.module or its compiled wrapper, and must
+        # not show up a second time in the engine's modules or state dict.
+        object.__setattr__(self, "_run_module", config.compile.wrap(self.module))
         if self.world_size > 1:
             self._broadcast_parameters()
 
@@ -168,7 +171,7 @@ class DslabEngine(nn.Module):
             hooks.begin_micro_step(self.global_steps)
             hooks.call("on_forward_begin")
         with autocast_context(self.device, self.autocast_dtype):
-            out = self.module(*args, **kwargs)
+            out = self._run_module(*args, **kwargs)
         if hooks:
             hooks.call("on_forward_end")
         return out

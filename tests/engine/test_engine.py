@@ -257,3 +257,20 @@ def test_csv_monitor_and_wall_clock_breakdown(tmp_path):
     assert values == pytest.approx(expected, rel=1e-6)
     fwd = [float(r.split(",")[1]) for r in (job / "Train_Samples_elapsed_time_ms_forward.csv").read_text().splitlines()[1:]]
     assert len(fwd) == 3 and all(t > 0 for t in fwd)
+
+
+def test_compile_section_runs_the_model_compiled():
+    torch.manual_seed(5)
+    model = TinyNet(dropout=0.0)
+    reference = copy.deepcopy(model)
+    cfg = base_config(compile={"enabled": True, "backend": "aot_eager", "kwargs": {"fullgraph": True}},
+                      optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    engine, _, _, _ = dslab.initialize(model=model, config=cfg)
+    x, y = make_data(8)
+    loss = engine(x, y)
+    torch.testing.assert_close(loss, reference(x, y))
+    engine.backward(loss)
+    engine.step()
+    assert engine.was_step_applied()
+    with pytest.raises(ValueError, match="compile.kwargs"):
+        dslab.initialize(model=TinyNet(), config=base_config(compile={"enabled": True, "kwargs": {"modee": 1}}))
