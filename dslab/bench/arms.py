@@ -84,7 +84,7 @@ class EngineArm:
     name = "dslab"
 
     def __init__(self, workload: Workload, device: torch.device, precision: str, engine_cfg: dict,
-                 profile_dir=None):
+                 profile_dir=None, measured_peak_tflops: float | None = None):
         import dslab
 
         config = dict(engine_cfg)
@@ -97,6 +97,8 @@ class EngineArm:
         self.engine, _, _, _ = dslab.initialize(model=model, config=config, dist_init_required=False)
         if profile_dir is not None:
             self.engine.set_profile_output_dir(profile_dir)
+        if measured_peak_tflops:
+            self.engine.set_measured_peak(measured_peak_tflops)
         self.batch = workload.make_batch(self.engine.device)
         self.loss_fn = workload.loss_fn()
         self.sleep_s = inject_sleep_ms() / 1e3
@@ -187,9 +189,9 @@ class PlainArm:
 
 
 def build_arm(name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict,
-              profile_dir=None):
+              profile_dir=None, measured_peak_tflops: float | None = None):
     if name == "dslab":
-        return EngineArm(workload, device, precision, engine_cfg, profile_dir)
+        return EngineArm(workload, device, precision, engine_cfg, profile_dir, measured_peak_tflops)
     if name == "hf":
         try:
             import transformers  # noqa: F401

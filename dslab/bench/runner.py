@@ -196,7 +196,9 @@ def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_nam
         try:
             profile_dir = run_dir(out, report.suite, report.run_id) / "profiles" / case
             built[name] = build_arm(name, workload, device, suite.precision, suite.engine,
-                                    **({"profile_dir": profile_dir} if name == "dslab" else {}))
+                                    **({"profile_dir": profile_dir,
+                                        "measured_peak_tflops": report.peaks.get("bf16_matmul_tflops")}
+                                       if name == "dslab" else {}))
             if parking:
                 built[name].park()
         except ArmSkipped as err:

@@ -23,6 +23,7 @@ from dslab.engine.precision import BF16Config, FP16Config
 from dslab.engine.schedulers import SchedulerConfig
 from dslab.engine.zero_config import ZeroConfig
 from dslab.profilers.comms import CommsLoggerConfig
+from dslab.profilers.flops import FlopsProfilerConfig
 from dslab.profilers.memory import MemoryTracerConfig
 from dslab.profilers.telemetry import TelemetryConfig
 
@@ -42,7 +43,6 @@ UNSUPPORTED_DEEPSPEED_KEYS = (
     "data_types",
     "dump_state",
     "elasticity",
-    "flops_profiler",
     "gradient_predivide_factor",
     "memory_breakdown",
     "pipeline",
@@ -74,6 +74,7 @@ class DslabConfig(ConfigSection):
     compile: CompileConfig = CompileConfig()
     # dslab's own keys
     kernels: Literal["auto", "torch", "triton"] = "auto"
+    flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()
     memory_tracer: MemoryTracerConfig = MemoryTracerConfig()
     telemetry: TelemetryConfig = TelemetryConfig()

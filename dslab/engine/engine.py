@@ -320,6 +320,15 @@ class DslabEngine(nn.Module):
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict
         )
 
+    def set_measured_peak(self, bf16_matmul_tflops: float) -> None:
+        """The bf16 matmul peak measured on this device: the flops profiler's MFU divides by it
+        (beside the datasheet peak). Set it before the profiled step."""
+        flops = self.profilers.find("flops")
+        if flops is not None:
+            flops.measured_peak_tflops = bf16_matmul_tflops
+            if flops.profiler is not None:
+                flops.profiler.measured_peak_tflops = bf16_matmul_tflops
+
     def set_profile_output_dir(self, path) -> None:
         """Directory for the files profilers write (e.g. the memory tracer's allocator snapshot)."""
         self.profilers.set_output_dir(path)

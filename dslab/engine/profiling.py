@@ -6,17 +6,22 @@ import torch
 
 from dslab.profilers.base import Profiler
 from dslab.profilers.comms import CommsLogger
+from dslab.profilers.flops import FlopsStepProfiler
 from dslab.profilers.memory import MemoryTracer
 from dslab.profilers.telemetry import TelemetrySampler
 from dslab.profilers.timers import WallClockBreakdown
 
 
-def build_profilers(config, device: torch.device) -> list[Profiler]:
-    """One profiler per switched-on section (``wall_clock_breakdown`` and the profiler sections)."""
+def build_profilers(config, device: torch.device, measured_peak_tflops: float | None = None) -> list[Profiler]:
+    """One profiler per switched-on section (``wall_clock_breakdown`` and the profiler sections).
+
+    ``measured_peak_tflops`` (the bf16 matmul peak a benchmark measured) is what the flops
+    profiler's MFU divides by, beside the datasheet peak."""
     profilers: list[Profiler] = []
     if config.wall_clock_breakdown:
         profilers.append(WallClockBreakdown(device))
     for built in (
+        FlopsStepProfiler.from_config(config.flops_profiler, measured_peak_tflops=measured_peak_tflops),
         CommsLogger.from_config(config.comms_logger),
         MemoryTracer.from_config(config.memory_tracer),
         TelemetrySampler.from_config(config.telemetry),

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from dslab.kernels.dispatch import use_triton
+from dslab.kernels.dispatch import use_custom_op, use_triton
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SEED = 2**63 - 1
@@ -180,6 +180,6 @@ def bias_dropout_residual(
     n = x.shape[-1]
     p_applied = float(p) if training else 0.0
     args = (x.reshape(-1, n), bias, residual.reshape(-1, n), p_applied, seed if p_applied > 0 else 0)
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return _bias_dropout_residual_op(*args).view(x.shape)
     return _EagerBiasDropoutResidual.apply(*args).view(x.shape)

@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels.dispatch import use_triton
+from dslab.kernels.dispatch import use_custom_op, use_triton
 
 APPROXIMATIONS = ("none", "tanh")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -123,6 +123,6 @@ def bias_gelu(
     if not (x.dtype in TRITON_DTYPES and use_triton(x, bias)):
         return bias_gelu_reference(x, bias, approximate)
     x2d = x.reshape(-1, n)
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         return _bias_gelu_op(x2d, bias, approximate).view(x.shape)
     return _EagerBiasGelu.apply(x2d, bias, approximate).view(x.shape)

@@ -96,3 +96,11 @@ def planned_backend(device: torch.device | str | None = None) -> str:
     if chosen == "auto":
         return "triton" if is_cuda and triton_available() else "torch"
     return "triton" if triton_available() and (is_cuda or interpreting()) else "unavailable"
+
+
+def use_custom_op() -> bool:
+    """True when a Triton op should go through its registered ``torch.library`` custom op rather
+    than the leaner eager ``autograd.Function``: while ``torch.compile`` traces, and while a
+    dispatch mode is active (the flops profiler counts ops at the dispatcher, where the eager
+    Function's direct Triton launches would be invisible). One cheap check per call."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0

@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels.dispatch import use_triton
+from dslab.kernels.dispatch import use_custom_op, use_triton
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -231,7 +231,7 @@ def layer_norm(
         return layer_norm_reference(x, weight, bias, eps, residual)
     x2d = x.reshape(-1, n)
     r2d = residual.reshape(-1, n) if residual is not None else None
-    if torch.compiler.is_compiling():
+    if use_custom_op():
         if r2d is None:
             return _layer_norm_op(x2d, weight, bias, eps)[0].view(x.shape)
         y, h, _, _ = _add_layer_norm_op(x2d, r2d, weight, bias, eps)

@@ -19,7 +19,8 @@ def tiny_suite(tmp_path, **overrides) -> Path:
         "precision": "bf16",
         "engine": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0,
                    "wall_clock_breakdown": True, "memory_tracer": {"enabled": True, "profile_step": 1},
-                   "telemetry": {"enabled": True, "interval_ms": 50}},
+                   "telemetry": {"enabled": True, "interval_ms": 50},
+                   "flops_profiler": {"enabled": True, "profile_step": 1}},
         "arms": ["dslab", "torch"],
         "scales": {"tiny": {"preset": "gpt2_tiny", "warmup_steps": 1, "steps": 3, "trials": 2,
                             "cases": [{"name": "a", "seq_len": 32, "micro_batch": 2},
@@ -54,6 +55,9 @@ def test_runner_end_to_end_writes_a_complete_report(tmp_path):
     memory = back.profilers["memory"]["a"]
     assert memory["cuda"] is False and "not traced" in memory["note"]
     assert memory["activation_bytes"] > 0 and memory["model_states"]["params"] > 0
+    flops = back.profilers["flops"]["a"]
+    assert flops["forward_flops"] > 0 and flops["backward_flops"] > flops["forward_flops"]
+    assert flops["modules"] and flops["params"] > 0
     telemetry = back.profilers["telemetry"]["b"]
     assert telemetry["available"] is False and telemetry["reason"]
 

@@ -1,0 +1,266 @@
+"""What one executed op costs in floating-point operations, by its name at the dispatcher.
+
+Every op the flops profiler sees is classified into one of three figures:
+
+- ``MATMUL``, the total: the ops of ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm,
+  baddbmm, _scaled_mm, convolution and its backward, SDPA's flash/efficient/cudnn kernels and their
+  backwards, ...), counted with torch's own formulas so that the total equals
+  ``FlopCounterMode``'s on aten ops, plus dslab's attention custom ops. A multiply-add counts 2.
+- ``ELEMENTWISE``, reported beside the total, never in it: pointwise arithmetic, activations,
+  reductions, normalisations and softmax, with the small per-element constants of
+  :data:`_PER_ELEMENT` (estimates: what such an op costs is its memory traffic, not its flops).
+  The aten op and dslab's fused op for the same work get matching constants, so the figure does
+  not change with the kernel backend.
+- ``CPU_ATTENTION``, also beside the total: the CPU fused attention kernels
+  (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward), which torch's counter
+  has no formula for. They are counted with torch's SDPA formulas but kept out of the total so
+  that the total stays equal to ``FlopCounterMode``'s; on a GPU these ops never run.
+
+dslab's custom ops are matched by their qualified names (``"dslab::attention_forward"``), read from
+the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schemas:
+
+- ``attention_forward(q [B,H,Sq,D], k [B,H,Sk,D], v, key_padding_mask, seed, causal, dropout_p,
+  scale)``: ``4 B H Sq Sk D`` (the two matmuls ``q k^T`` and ``p v``), half of it when causal
+  (FlashAttention's convention: the kernel skips the blocks above the diagonal).
+- ``attention_backward(grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p,
+  scale)``: 2.5x the forward (five matmuls: the recomputed scores, dP, dV, dQ, dK).
+- ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``bias_gelu(_backward)``,
+  ``bias_dropout_residual(_backward)``, ``cross_entropy_forward/backward``: elementwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import flop_counter
+
+MATMUL = "matmul"
+ELEMENTWISE = "elementwise"
+CPU_ATTENTION = "cpu_attention"
+
+# Per-element costs (flops per element of the op's first output, or of its first tensor input for
+# reductions and backward ops whose output is a reduction). One flop per pointwise arithmetic
+# result, transcendental or not, as DeepSpeed counts activations; selection, comparison, copies,
+# fills, gathers and RNG draws count 0.
+_POINTWISE_ONE = (
+    "add", "sub", "rsub", "mul", "div", "neg", "reciprocal", "sqrt", "rsqrt", "exp", "exp2", "log",
+    "log1p", "pow", "tanh", "sigmoid", "relu", "gelu", "silu", "erf", "sin", "cos", "abs", "clamp",
+    "clamp_min", "clamp_max", "maximum", "minimum", "hardtanh", "leaky_relu", "elu", "threshold_backward",
+    "native_dropout_backward", "native_dropout",
+)
+_POINTWISE_TWO = (
+    "addcmul", "addcdiv", "lerp", "gelu_backward", "sigmoid_backward", "tanh_backward", "silu_backward",
+    "hardtanh_backward", "leaky_relu_backward", "elu_backward",
+)
+_REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "linalg_vector_norm",
+               "logsumexp", "embedding_dense_backward")
+
+#: Layer norm: mean (1), variance (2), normalise (1) and the affine map (1) per element, 4 without
+#: weight and bias (DeepSpeed's count); backward: dx (7: recomputed xhat 2, dy*w 1, two row sums 2
+#: and their combination 2), dweight (2) and dbias (1); without weight and bias, dx alone less dy*w.
+LAYER_NORM_FORWARD, LAYER_NORM_FORWARD_NO_AFFINE = 5, 4
+LAYER_NORM_BACKWARD, LAYER_NORM_BACKWARD_NO_AFFINE = 10, 6
+#: Softmax and log-softmax: max, subtract, exp, sum, normalise; backward: product with the
+#: output, row sum, subtract, product.
+SOFTMAX_FORWARD, SOFTMAX_BACKWARD = 5, 4
+#: Fused cross-entropy: the log-softmax it computes per logit (forward), and softmax, one-hot
+#: subtraction, smoothing and scaling per logit (backward).
+CROSS_ENTROPY_FORWARD, CROSS_ENTROPY_BACKWARD = SOFTMAX_FORWARD, SOFTMAX_BACKWARD
+
+_PER_ELEMENT: dict[str, tuple[int, str]] = {
+    **{name: (1, "out") for name in _POINTWISE_ONE},
+    **{name: (2, "out") for name in _POINTWISE_TWO},
+    **{name: (1, "in") for name in _REDUCTIONS},
+    "_softmax": (SOFTMAX_FORWARD, "out"),
+    "_log_softmax": (SOFTMAX_FORWARD, "out"),
+    "_softmax_backward_data": (SOFTMAX_BACKWARD, "out"),
+    "_log_softmax_backward_data": (SOFTMAX_BACKWARD, "out"),
+}
+
+
+def _numel(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    if isinstance(x, (list, tuple)):
+        return sum(_numel(item) for item in x)
+    return 0
+
+
+def _first_tensor_numel(values) -> int:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return _numel(value)
+    return 0
+
+
+def _out_numel(out) -> int:
+    if isinstance(out, (list, tuple)):
+        return _first_tensor_numel(out)
+    return _numel(out)
+
+
+def attention_flops(q_shape, k_shape, causal: bool) -> int:
+    """Forward matmul flops of attention over q ``[B, H, Sq, D]`` and k ``[B, H, Sk, D]``:
+    ``4 B H Sq Sk D``, halved when causal."""
+    batch, heads, seq_q, head_dim = q_shape
+    seq_k = k_shape[2]
+    flops = 4 * batch * heads * seq_q * seq_k * head_dim
+    return flops // 2 if causal else flops
+
+
+def _dslab_attention_forward(args, kwargs, out) -> int:
+    q, k = args[0], args[1]
+    causal = bool(args[5]) if len(args) > 5 else bool(kwargs.get("causal", False))
+    return attention_flops(q.shape, k.shape, causal)
+
+
+def _dslab_attention_backward(args, kwargs, out) -> int:
+    q, k = args[1], args[2]
+    causal = bool(args[8]) if len(args) > 8 else bool(kwargs.get("causal", False))
+    return attention_flops(q.shape, k.shape, causal) * 5 // 2
+
+
+def _affine(weight) -> bool:
+    return weight is not None
+
+
+def _layer_norm_forward(args, kwargs, out) -> int:
+    # native_layer_norm(input, normalized_shape, weight, bias, eps); dslab::layer_norm(x, weight, bias, eps)
+    x = args[0]
+    weight = args[2] if isinstance(args[1], (list, tuple)) else args[1]
+    per = LAYER_NORM_FORWARD if _affine(weight) else LAYER_NORM_FORWARD_NO_AFFINE
+    return per * x.numel()
+
+
+def _add_layer_norm(args, kwargs, out) -> int:
+    # dslab::add_layer_norm(x, residual, weight, bias, eps): the residual add, then the norm.
+    x, weight = args[0], args[2]
+    per = LAYER_NORM_FORWARD if _affine(weight) else LAYER_NORM_FORWARD_NO_AFFINE
+    return (per + 1) * x.numel()
+
+
+def _native_layer_norm_backward(args, kwargs, out) -> int:
+    # (grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)
+    per = LAYER_NORM_BACKWARD if _affine(args[5]) else LAYER_NORM_BACKWARD_NO_AFFINE
+    return per * args[1].numel()
+
+
+def _dslab_layer_norm_backward(args, kwargs, out) -> int:
+    # (dy, h, weight, bias, mean, rstd, dh): dh, when given, is added to dx (1 per element).
+    per = LAYER_NORM_BACKWARD if _affine(args[2]) else LAYER_NORM_BACKWARD_NO_AFFINE
+    dh = args[6] if len(args) > 6 else None
+    return (per + (1 if dh is not None and dh.numel() else 0)) * args[1].numel()
+
+
+def _bias_gelu(args, kwargs, out) -> int:
+    # (x, bias, approximate): bias add (1) and gelu (1)
+    return (2 if args[1] is not None else 1) * args[0].numel()
+
+
+def _bias_gelu_backward(args, kwargs, out) -> int:
+    # (dy, x, bias, approximate): recomputed x + bias (1), gelu' times dy (2), dbias sum (1)
+    return (4 if args[2] is not None else 2) * args[1].numel()
+
+
+def _bias_dropout_residual(args, kwargs, out) -> int:
+    # (x, bias, residual, p, seed): bias add, dropout scale (when p > 0), residual add
+    x, bias, p = args[0], args[1], float(args[3])
+    return ((bias is not None) + (p > 0) + 1) * x.numel()
+
+
+def _bias_dropout_residual_backward(args, kwargs, out) -> int:
+    # (dout, bias, p, seed): dropout scale, dbias sum
+    return (1 + (args[1] is not None)) * args[0].numel()
+
+
+def _cross_entropy_forward(args, kwargs, out) -> int:
+    return CROSS_ENTROPY_FORWARD * args[0].numel()
+
+
+def _cross_entropy_backward(args, kwargs, out) -> int:
+    # (grad_loss, logits, target, lse, ignore_index, label_smoothing)
+    return CROSS_ENTROPY_BACKWARD * args[1].numel()
+
+
+def _cpu_attention_forward(args, kwargs, out) -> int:
+    # (query, key, value, dropout_p, is_causal, *, attn_mask, scale)
+    return flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+
+
+def _cpu_attention_backward(args, kwargs, out) -> int:
+    # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)
+    return flop_counter.sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
+
+
+_NAMED: dict[str, tuple[str, object]] = {
+    "dslab::attention_forward": (MATMUL, _dslab_attention_forward),
+    "dslab::attention_backward": (MATMUL, _dslab_attention_backward),
+    "dslab::layer_norm": (ELEMENTWISE, _layer_norm_forward),
+    "dslab::add_layer_norm": (ELEMENTWISE, _add_layer_norm),
+    "dslab::layer_norm_backward": (ELEMENTWISE, _dslab_layer_norm_backward),
+    "dslab::bias_gelu": (ELEMENTWISE, _bias_gelu),
+    "dslab::bias_gelu_backward": (ELEMENTWISE, _bias_gelu_backward),
+    "dslab::bias_dropout_residual": (ELEMENTWISE, _bias_dropout_residual),
+    "dslab::bias_dropout_residual_backward": (ELEMENTWISE, _bias_dropout_residual_backward),
+    "dslab::cross_entropy_forward": (ELEMENTWISE, _cross_entropy_forward),
+    "dslab::cross_entropy_backward": (ELEMENTWISE, _cross_entropy_backward),
+    "aten::native_layer_norm": (ELEMENTWISE, _layer_norm_forward),
+    "aten::native_layer_norm_backward": (ELEMENTWISE, _native_layer_norm_backward),
+    "aten::_scaled_dot_product_flash_attention_for_cpu": (CPU_ATTENTION, _cpu_attention_forward),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": (CPU_ATTENTION, _cpu_attention_backward),
+}
+
+
+def op_name(func) -> str:
+    """The qualified name of an op overload without its overload: ``"aten::mm"``,
+    ``"dslab::attention_forward"``."""
+    return func.name().split(".", 1)[0]
+
+
+def _per_element(name: str, args, out) -> int:
+    """Elementwise estimate of an aten op from :data:`_PER_ELEMENT`; ``_foreach_<op>`` ops cost
+    ``<op>``'s constant per element of their first list."""
+    base = name.split("::", 1)[1]
+    foreach = base.startswith("_foreach_")
+    if foreach:
+        base = base[len("_foreach_"):]
+    entry = _PER_ELEMENT.get(base[:-1] if base.endswith("_") else base)  # in-place "add_" as "add"
+    if entry is None:
+        return 0
+    per, basis = entry
+    if foreach:
+        return per * _numel(args[0])
+    if basis == "in":
+        return per * _first_tensor_numel(args)
+    return per * _out_numel(out)
+
+
+def count(func, args, kwargs, out) -> tuple[str, int] | None:
+    """``(figure, flops)`` for one executed op overload ``func`` with its arguments and output, or
+    None when it costs nothing countable."""
+    packet = func._overloadpacket
+    formula = flop_counter.flop_registry.get(packet)
+    if formula is not None:
+        return MATMUL, int(formula(*args, **kwargs, out_val=out))
+    name = op_name(func)
+    named = _NAMED.get(name)
+    if named is not None:
+        figure, formula = named
+        return figure, int(formula(args, kwargs, out))
+    if name.startswith("aten::"):
+        flops = _per_element(name, args, out)
+        if flops:
+            return ELEMENTWISE, flops
+    return None
+
+
+def describe_constants() -> str:
+    """One line per elementwise constant, for the text report's notes."""
+    return (
+        f"elementwise estimates per element: pointwise 1 (2 for fused multiply-adds and activation "
+        f"backwards), reductions 1, layer norm {LAYER_NORM_FORWARD} forward / {LAYER_NORM_BACKWARD} backward, "
+        f"softmax {SOFTMAX_FORWARD} / {SOFTMAX_BACKWARD}, cross-entropy {CROSS_ENTROPY_FORWARD} / "
+        f"{CROSS_ENTROPY_BACKWARD} per logit"
+    )
+
