@@ -93,7 +93,7 @@ class EngineArm:
         if precision != "fp32":
             config[precision] = {"enabled": True}
         config.setdefault("steps_per_print", 10**9)
-        model = workload.build_model(kernels="dslab")
+        model = workload.build_model(kernels="dslab", device=device)
         self.engine, _, _, _ = dslab.initialize(model=model, config=config, dist_init_required=False)
         if profile_dir is not None:
             self.engine.set_profile_output_dir(profile_dir)
@@ -139,7 +139,7 @@ class PlainArm:
         self.device = device
         self.dtype = PRECISION_DTYPES[precision]
         hf = name == "hf"
-        model = workload.build_hf_model() if hf else workload.build_model(kernels="torch")
+        model = workload.build_hf_model(device) if hf else workload.build_model(kernels="torch", device=device)
         self.model = model.to(device).train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), **_optimizer_settings(engine_cfg),

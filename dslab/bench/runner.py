@@ -64,7 +64,7 @@ class Progress:
 
 
 def _count_flops(workload: Workload, suite: SuiteConfig, device: torch.device) -> int | None:
-    model = workload.build_model(kernels="torch").to(device)
+    model = workload.build_model(kernels="torch", device=device)
     try:
         return count_step_flops(model, workload.loss_fn(), workload.make_batch(device),
                                 PRECISION_DTYPES[suite.precision], device)

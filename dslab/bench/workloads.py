@@ -55,16 +55,19 @@ class Workload:
             setattr(config, key, value)
         return config
 
-    def build_model(self, kernels: str) -> nn.Module:
+    def build_model(self, kernels: str, device: torch.device | str | None = None) -> nn.Module:
+        """Our model with ``kernels``, its weights initialised directly on ``device`` from the
+        suite's seed (so the dslab and torch arms start from the same weights)."""
         from dslab.models.bert import BertForPreTraining
         from dslab.models.gpt2 import GPT2LMHeadModel
 
         torch.manual_seed(self.seed)
         cls = BertForPreTraining if self.family == "bert" else GPT2LMHeadModel
-        return cls(self.model_config(), kernels=kernels)
+        with torch.device(device or "cpu"):
+            return cls(self.model_config(), kernels=kernels)
 
-    def build_hf_model(self) -> nn.Module:
-        """transformers' own model of the same shape (random init), SDPA attention."""
+    def build_hf_model(self, device: torch.device | str | None = None) -> nn.Module:
+        """transformers' own model of the same shape (random init on ``device``), SDPA attention."""
         import transformers
 
         cfg = self.model_config()
@@ -77,13 +80,15 @@ class Workload:
                 hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
                 layer_norm_eps=cfg.layer_norm_eps, attn_implementation="sdpa",
             )
-            return transformers.BertForPreTraining(hf_cfg)
+            with torch.device(device or "cpu"):
+                return transformers.BertForPreTraining(hf_cfg)
         hf_cfg = transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.hidden, n_layer=cfg.layers,
             n_head=cfg.heads, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             layer_norm_epsilon=cfg.layer_norm_epsilon, attn_implementation="sdpa",
         )
-        return transformers.GPT2LMHeadModel(hf_cfg)
+        with torch.device(device or "cpu"):
+            return transformers.GPT2LMHeadModel(hf_cfg)
 
     def make_batch(self, device: torch.device) -> dict[str, torch.Tensor]:
         cfg = self.model_config()
