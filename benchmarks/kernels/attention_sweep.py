@@ -1,36 +1,35 @@
 """Where dslab's flash attention spends its time, shape by shape, against SDPA's flash backend.
 
-    python3 benchmarks/kernels/attention_sweep.py [--out DIR] [--shapes 0,1,2,3] [--old DIR]
-        [--profile] [--launch] [--paths]
+    python3 benchmarks/kernels/attention_sweep.py [--out DIR] [--shapes 0,1,2,3] [--paths]
+        [--profile] [--launch]
 
 For each shape of ``bench_attention.SHAPES`` (bf16, self-attention) and for dslab and SDPA
 (``SDPBackend.FLASH_ATTENTION``), three callables are timed: the forward, the backward alone
 (``torch.autograd.grad`` on a saved output, ``retain_graph=True``), and forward + backward. Each is
-measured three ways (medians over ``--iters`` calls):
+measured four ways (medians over ``--iters`` calls):
 
 - ``evt``: CUDA events around each call, calls back to back, as ``run.py`` does. When the host
   takes longer to issue a call than the GPU takes to run it, this is the host's time.
 - ``dev``: the same, with the calls queued behind a ``torch.cuda._sleep`` long enough for the
-  host to issue all of them first, so each interval is device time alone (kernels and the gaps
-  between them on the GPU).
-- ``host``: CPU wall time per call while issuing the calls without synchronising.
+  host to issue all of them first, so each interval is device time alone.
+- ``host``: CPU wall time per call while issuing calls without synchronising (median of 5 runs).
+- ``host_queued``: CPU time per call while issuing the ``dev`` calls behind the sleep.
 
 A call is host-bound when ``host`` > ``dev``; then ``evt`` follows ``host``.
 
-``--paths`` also times the backward launches alone (``attention_triton_bwd.attention_backward`` with
-no autograd) for the one-key-block and the two-kernel backward where both apply, and for an older
-copy of the backward module in ``--old`` (a directory holding ``old_attention_triton_bwd.py``).
-Every autotuner's choice, its per-config timings and each compiled kernel's registers, spills and
-shared memory go to ``DIR/sweep.json``; ``--profile`` adds per-kernel device times (torch
-profiler) and a cProfile of the host path at the first shape; ``--launch`` times the host side
-of the forward and backward launches with and without the launch caches.
+``--paths`` times each backward launch plan of ``attention_triton_bwd.backward_roles`` that applies
+(FUSED, BOTH, DQ_ONLY + DKDV_ONLY), forced one at a time: the backward alone with no autograd
+(``bwd_<plan>``) and forward + backward through ``attention`` (``fb_<plan>``). Every autotuner's
+choice, its per-config timings and each compiled kernel's registers, spills and shared memory go to
+``DIR/sweep.json``; ``--profile`` adds per-kernel device times (torch profiler) and a cProfile of
+the host path at the first shape; ``--launch`` times the host side of the forward and backward
+launches with and without the launch caches, and an empty autograd.Function against a builtin op.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib.util
 import io
 import json
 import math
@@ -89,6 +88,7 @@ def measure(fn, iters: int) -> dict:
         if mode == "dev":
             issued_s = time.perf_counter() - t0
             result["dev_queue_ok"] = issued_s < sleep_s
+            result["host_queued"] = issued_s * 1e3 / iters
         _sync()
         result[mode] = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
     return result
@@ -140,10 +140,12 @@ def compiled_kernels(autotuner) -> list[dict]:
 
 
 def autotuners(head_dim: int) -> dict:
-    found = {"fwd": attention_triton._fwd_kernel_for(head_dim), "dq": attention_triton_bwd.dq_kernel_for(head_dim),
-             "dkdv": attention_triton_bwd.dkdv_kernel_for(head_dim, None)}
+    bwd = attention_triton_bwd
+    found = {"fwd": attention_triton._fwd_kernel_for(head_dim)}
+    for name, roles in (("dq_only", bwd.DQ_ONLY), ("dkdv_only", bwd.DKDV_ONLY), ("both", bwd.BOTH)):
+        found[name] = bwd.bwd_kernel_for(head_dim, roles, None)
     for bn in (64, 128):
-        found[f"dkdv_fused{bn}"] = attention_triton_bwd.dkdv_kernel_for(head_dim, bn)
+        found[f"fused{bn}"] = bwd.bwd_kernel_for(head_dim, bwd.FUSED, bn)
     return found
 
 
@@ -169,11 +171,32 @@ def best_config(at) -> str:
     return f"{tiles} w{cfg.num_warps} s{cfg.num_stages}"
 
 
-def load_old(path: str):
-    spec = importlib.util.spec_from_file_location("old_attention_triton_bwd", Path(path) / "old_attention_triton_bwd.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def plans(seq: int, batch_heads: int) -> list[tuple[str, dict]]:
+    """The backward launch plans that apply to a self-attention shape, with the module settings
+    that force each."""
+    bwd = attention_triton_bwd
+    found = []
+    if bwd.fused_block_n(seq, seq, batch_heads) is not None:
+        found.append(("fused", {}))
+    found.append(("both", {"FUSED_MAX_SEQ_K": 0, "BOTH_MAX_WORK": 2**62}))
+    found.append(("split", {"FUSED_MAX_SEQ_K": 0, "BOTH_MAX_WORK": -1}))
+    return found
+
+
+class forced:
+    """Set ``attention_triton_bwd`` module settings inside a ``with`` block."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+
+    def __enter__(self):
+        self.saved = {name: getattr(attention_triton_bwd, name) for name in self.settings}
+        for name, value in self.settings.items():
+            setattr(attention_triton_bwd, name, value)
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(attention_triton_bwd, name, value)
 
 
 def shape_inputs(batch, heads, seq, head_dim):
@@ -298,7 +321,6 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", default=None, help="comma-separated indices into bench_attention.SHAPES")
     parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--old", default=None)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--launch", action="store_true")
     parser.add_argument("--paths", action="store_true")
@@ -313,10 +335,11 @@ def main():
     header = (f"{torch.cuda.get_device_name()} ({props.multi_processor_count} SMs) | torch {torch.__version__} | "
               f"triton {triton.__version__}")
     print(header)
-    old = load_old(args.old) if args.old else None
     indices = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(SHAPES))
-    report = {"device": header, "shapes": [], "autograd_overhead_ms": autograd_overhead(args.iters)}
-    print("autograd host ms:", report["autograd_overhead_ms"])
+    report = {"device": header, "shapes": []}
+    if args.launch:
+        report["autograd_overhead_ms"] = autograd_overhead(args.iters)
+        print("autograd host ms:", report["autograd_overhead_ms"])
     table = []
     for idx in indices:
         label, batch, heads, seq, head_dim, causal, target = SHAPES[idx]
@@ -351,21 +374,16 @@ def main():
             with torch.no_grad():
                 o, lse = attention_triton.attention_forward(q, k, v, None, 0, causal, 0.0, scale)
             bwd_args = (grad, q.detach(), k.detach(), v.detach(), o, lse, None, 0, causal, 0.0, scale)
-            timings["bwd_direct"] = measure(lambda: attention_triton_bwd.attention_backward(*bwd_args), args.iters)
-            if attention_triton_bwd.fused_block_n(seq, seq, batch * heads) is not None:
-                saved = attention_triton_bwd.FUSED_MAX_SEQ_K
-                attention_triton_bwd.FUSED_MAX_SEQ_K = 0
-                try:
-                    timings["bwd_direct_split"] = measure(
+            default = attention_triton_bwd.attention_backward(*bwd_args)
+            entry["plan_rel_diff"] = {}
+            for plan, settings in plans(seq, batch * heads):
+                with forced(settings):
+                    grads = attention_triton_bwd.attention_backward(*bwd_args)
+                    entry["plan_rel_diff"][plan] = max(rel_err(a, b) for a, b in zip(grads, default))
+                    timings[f"bwd_{plan}"] = measure(
                         lambda: attention_triton_bwd.attention_backward(*bwd_args), args.iters)
-                    timings["split_fwdbwd"] = measure(
+                    timings[f"fb_{plan}"] = measure(
                         lambda: torch.autograd.grad(dslab_fwd(), (q, k, v), grad), args.iters)
-                finally:
-                    attention_triton_bwd.FUSED_MAX_SEQ_K = saved
-            if old is not None:
-                timings["bwd_direct_old"] = measure(lambda: old.attention_backward(*bwd_args), args.iters)
-                entry["old_best"] = {str(k2): best_config(v2) for k2, v2 in
-                                     {"general": old._bwd_kernel_for(head_dim, None)}.items()}
             entry["autotune_paths"] = autotune_report(tuners)
             entry["best_after_paths"] = {name: best_config(at) for name, at in tuners.items()}
         entry["timings"] = timings
@@ -390,17 +408,18 @@ def main():
         d, s = timings["dslab"], timings["sdpa"]
         row = (f"{label[:24]:<24} fwd {d['fwd']['dev']:.3f}/{s['fwd']['dev']:.3f} bwd {d['bwd']['dev']:.3f}/"
                f"{s['bwd']['dev']:.3f} | host f {d['fwd']['host']:.3f}/{s['fwd']['host']:.3f} b {d['bwd']['host']:.3f}/"
-               f"{s['bwd']['host']:.3f} fb {d['fwdbwd']['host']:.3f}/{s['fwdbwd']['host']:.3f} | evt "
+               f"{s['bwd']['host']:.3f} fb {d['fwdbwd']['host']:.3f}/{s['fwdbwd']['host']:.3f} fbq "
+               f"{d['fwdbwd']['host_queued']:.3f}/{s['fwdbwd']['host_queued']:.3f} | evt "
                f"{d['fwdbwd']['evt']:.3f}/{s['fwdbwd']['evt']:.3f} x{s['fwdbwd']['evt'] / d['fwdbwd']['evt']:.2f}")
-        extra = []
-        for key in ("bwd_direct", "bwd_direct_split", "bwd_direct_old"):
-            if key in timings:
-                extra.append(f"{key[11:] or 'new'} {timings[key]['dev']:.3f}/{timings[key]['host']:.3f}")
-        if "split_fwdbwd" in timings:
-            extra.append(f"split fwdbwd evt {timings['split_fwdbwd']['evt']:.3f}")
+        extra = [f"{key[3:]} {t['evt']:.3f}/{t['dev']:.3f}/{t['host']:.3f}" for key, t in timings.items()
+                 if key.startswith("fb_")]
+        extra += [f"{key[4:]} {t['dev']:.3f}/{t['host']:.3f}" for key, t in timings.items() if key.startswith("bwd_")]
+        if "plan_rel_diff" in entry:
+            extra.append("rel diff vs default " + " ".join(f"{n} {e:.1e}" for n, e in entry["plan_rel_diff"].items()))
         best = " ".join(f"{n}={c}" for n, c in entry["best"].items() if c != "-")
         errs = " ".join(f"{n} {a:.1e}/{b:.1e}" for n, (a, b) in entry["check"].items())
-        table.append((row, "   bwd_direct dev/host: " + "; ".join(extra), "   best: " + best, "   err d/s: " + errs))
+        table.append((row, "   plans fb evt/dev/host; bwd dev/host: " + "; ".join(extra), "   best: " + best,
+                      "   err d/s: " + errs))
         print(*table[-1], sep="\n")
         del q, k, v, grad, dslab_out, sdpa_out
         torch.cuda.empty_cache()

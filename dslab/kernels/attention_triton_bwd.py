@@ -7,18 +7,20 @@ dropout keep-mask ``Z`` and ``Pd = P * Z / (1 - p)``:
     dS = P * (dP - delta)  with delta = rowsum(dO * O)   (equal to rowsum(dP * P))
     dQ = scale * dS K      dK = scale * dS^T Q
 
-Two paths, both deterministic (no atomics):
+One kernel, ``_attention_bwd_kernel``, whose programs take one of two roles; every path is
+deterministic (no atomics). A dQ program owns ``BLOCK_M2`` query rows, computes their
+``delta`` from O and dO and accumulates dQ over key blocks (S, dP, dQ: three matmuls per tile). A
+dK/dV program owns ``BLOCK_N1`` keys and accumulates dK, dV over query blocks (S^T, dV, dP^T, dK:
+four matmuls per tile). S and dP are computed in both roles (seven matmuls per tile instead of
+five) so that no two programs add into the same dQ rows. The launches (``backward_roles``):
 
-- ``seq_k <= FUSED_MAX_SEQ_K`` (one key block, e.g. BERT's seq 128): one launch of the dK/dV
-  kernel with ``FUSED_DQ``. A program per (batch, head) holds all keys, loops over query blocks,
-  computes ``delta`` from O and dO in the loop and writes that query block's complete dQ as it
-  goes. Five matmuls per tile.
-- otherwise two launches. The dQ kernel: a program per ``BLOCK_M2`` query rows computes and stores
-  their ``delta`` and accumulates dQ over key blocks (S, dP, dQ: three matmuls per tile). Then the
-  dK/dV kernel: a program per ``BLOCK_N1`` keys accumulates dK, dV over query blocks reading that
-  ``delta`` (S^T, dV, dP^T, dK: four matmuls per tile). S and dP are computed by both kernels
-  (seven matmuls per tile instead of five) so that no two programs add into the same dQ rows;
-  each kernel has its own tiles and warps.
+- ``FUSED`` (``seq_k <= FUSED_MAX_SEQ_K``, one key block, e.g. BERT's seq 128): one launch, a
+  program per (batch, head) holding all keys; it computes delta from O and dO in its loop and
+  writes each query block's complete dQ as it goes (a fifth matmul per tile, no dQ programs).
+- ``BOTH`` (small problems, ``BOTH_MAX_WORK``, where host time per launch matters): one launch,
+  dK/dV programs and dQ programs side by side; the dK/dV programs recompute delta from O and dO.
+- ``DQ_ONLY`` then ``DKDV_ONLY`` (large problems): the dQ launch stores delta, the dK/dV launch
+  reads it; each launch has its own tiles and warps.
 
 Causal blocks above the diagonal are skipped; blocks crossing it run a masked loop, the rest an
 unmasked one. Fully masked query rows have ``lse = +inf``, so their P, dS and dQ are exactly 0.
@@ -38,6 +40,7 @@ import triton.language as tl
 
 from dslab.kernels.attention_triton import (
     LOG2_E,
+    CachedLaunch,
     _dot,
     _dropout_keep,
     dot_fp32,
@@ -54,12 +57,14 @@ def _dkdv_query_loop(
     dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
     stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
     qk_scale, sm_scale, dropout_p, seed, start, end,
-    DIAGONAL: tl.constexpr, FUSED_DQ: tl.constexpr, EVEN_N: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    DIAGONAL: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[start, end)``, in transposed tiles
     ``[BLOCK_N1 keys, BLOCK_M1 queries]``. ``DIAGONAL`` blocks apply the causal mask. Query rows past
-    ``seq_q`` load q = dO = 0, lse = +inf, so they add nothing and need no mask."""
+    ``seq_q`` load q = dO = 0, lse = +inf, so they add nothing and need no mask. ``delta`` is read
+    from ``delta_base``, or with ``DELTA_FROM_O`` recomputed from O and dO of each query block."""
     for start_m in range(start, end, BLOCK_M1):
         offs_m = start_m + tl.arange(0, BLOCK_M1)
         row_valid = offs_m < seq_q
@@ -84,7 +89,7 @@ def _dkdv_query_loop(
         else:
             pd_t = p_t
         dv = _dot(pd_t.to(do.dtype), do, dv, DOT_FP32)
-        if FUSED_DQ:
+        if DELTA_FROM_O:
             o = tl.load(o_base + offs_m[:, None] * stride_os + offs_d[None, :], mask=row_valid[:, None], other=0.0)
             delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         else:
@@ -143,29 +148,20 @@ def _dq_key_loop(
     return dq
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _bwd_dq_kernel(
+@triton.jit
+def _dq_role(
     Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
-    stride_qb, stride_qh, stride_qs,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, stride_os,
-    stride_dob, stride_doh, stride_dos,
-    stride_dqb, stride_dqh, stride_dqs,
-    stride_kpm_b,
-    num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
-    qk_scale, sm_scale, dropout_p, seed,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+    stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid_m, bh,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_FP32: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    DOT_FP32: tl.constexpr, STORE_DELTA: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
-    """dQ of ``BLOCK_M2`` query rows, and ``delta = rowsum(dO * O)`` of those rows, stored for the
-    dK/dV kernel. Grid ``(ceil(seq_q / BLOCK_M2), batch * heads)``; causal programs run from the
-    last query block (most key blocks) down. Three matmuls per tile: S, dP, dQ."""
-    tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
-    pid_m = tl.program_id(0)
+    """dQ of the ``pid_m``-th query block of head ``bh`` (counted from the last when ``CAUSAL``),
+    from ``delta = rowsum(dO * O)`` of its rows (stored for the dK/dV programs when
+    ``STORE_DELTA``). Three matmuls per tile: S, dP, dQ."""
     if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+        pid_m = tl.cdiv(seq_q, BLOCK_M2) - 1 - pid_m
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     start_m = pid_m * BLOCK_M2
@@ -177,7 +173,8 @@ def _bwd_dq_kernel(
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=row_valid[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * seq_q + offs_m, delta, mask=row_valid)
+    if STORE_DELTA:
+        tl.store(DELTA + bh.to(tl.int64) * seq_q + offs_m, delta, mask=row_valid)
     lse = tl.load(LSE + bh.to(tl.int64) * seq_q + offs_m, mask=row_valid, other=float("inf"))
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
@@ -203,31 +200,20 @@ def _bwd_dq_kernel(
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _bwd_dkdv_kernel(
+@triton.jit
+def _dkdv_role(
     Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
-    stride_qb, stride_qh, stride_qs,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, stride_os,
-    stride_dob, stride_doh, stride_dos,
-    stride_dqb, stride_dqh, stride_dqs,
-    stride_dkb, stride_dkh, stride_dks,
-    stride_dvb, stride_dvh, stride_dvs,
-    stride_kpm_b,
-    num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
-    qk_scale, sm_scale, dropout_p, seed,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+    stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+    stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid_n, bh,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    DOT_FP32: tl.constexpr, FUSED_DQ: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
-    """dK, dV of ``BLOCK_N1`` keys, looping over query blocks; reads ``delta`` from the dQ kernel.
-    Grid ``(ceil(seq_k / BLOCK_N1), batch * heads)``; the first key block has the most causal work.
-    With ``FUSED_DQ`` (one key block covers ``seq_k``) the program also computes ``delta`` from O
-    and dO and writes each query block's complete dQ, and no dQ kernel runs."""
-    tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
+    """dK, dV of key block ``pid_n`` of head ``bh``, looping over query blocks (S^T, dV, dP^T, dK:
+    four matmuls per tile). With ``FUSED_DQ`` (one key block covers ``seq_k``) it also writes each
+    query block's complete dQ (a fifth matmul)."""
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -239,7 +225,7 @@ def _bwd_dkdv_kernel(
     lse_base = LSE + bh.to(tl.int64) * seq_q
     delta_base = DELTA + bh.to(tl.int64) * seq_q
 
-    start_n = pid * BLOCK_N1
+    start_n = pid_n * BLOCK_N1
     offs_n = start_n + tl.arange(0, BLOCK_N1)
     key_valid = offs_n < seq_k
     k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
@@ -259,7 +245,7 @@ def _bwd_dkdv_kernel(
             dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
             stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
             qk_scale, sm_scale, dropout_p, seed, start_n, diag_end,
-            True, FUSED_DQ, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
+            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
         )
         rest_start = start_n + BLOCK_N1
     else:
@@ -268,7 +254,7 @@ def _bwd_dkdv_kernel(
         dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
         stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
         qk_scale, sm_scale, dropout_p, seed, rest_start, seq_q,
-        False, FUSED_DQ, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
+        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
     )
     dk = dk * sm_scale
     if HAS_KPM and not FUSED_DQ:
@@ -280,70 +266,182 @@ def _bwd_dkdv_kernel(
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
 
 
-# (BLOCK_M1, BLOCK_N1, num_warps, num_stages) of the dK/dV kernel, general path, per head dim.
-_DKDV_TILES = {
-    32: [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
-    64: [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 4, 2), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
-    128: [(32, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 2)],
-}
-# (BLOCK_M2, BLOCK_N2, num_warps, num_stages) of the dQ kernel.
+# What the programs of one backward launch do (the kernel's ROLES constexpr).
+DQ_ONLY = 1  # dQ of a query block, storing delta for a later DKDV_ONLY launch
+DKDV_ONLY = 2  # dK, dV of a key block, reading delta
+BOTH = 3  # programs [0, n_key_blocks) do dK, dV (recomputing delta from O), the rest dQ
+FUSED = 4  # one key block covers seq_k: dK, dV and every query block's complete dQ
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attention_bwd_kernel(
+    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_dob, stride_doh, stride_dos,
+    stride_dqb, stride_dqh, stride_dqs,
+    stride_dkb, stride_dkh, stride_dks,
+    stride_dvb, stride_dvh, stride_dvs,
+    stride_kpm_b,
+    num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
+    qk_scale, sm_scale, dropout_p, seed,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    DOT_FP32: tl.constexpr, ROLES: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+):
+    """Grid ``(programs, batch * heads)``; ``seq_*_bucket`` only key the autotuner. ``ROLES`` (one of
+    ``DQ_ONLY``, ``DKDV_ONLY``, ``BOTH``, ``FUSED``, as ints) says what program ``pid`` does. dK/dV
+    programs go from the first key block (most causal work) up; dQ programs from the last query
+    block (most causal work) down."""
+    tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
+    tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    if ROLES == 1:
+        _dq_role(
+            Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
+            stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+            stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid, bh,
+            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, True, BLOCK_M2, BLOCK_N2,
+        )
+    elif ROLES == 3:
+        n_key_blocks = tl.cdiv(seq_k, BLOCK_N1)
+        if pid >= n_key_blocks:
+            _dq_role(
+                Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
+                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
+                stride_dqs, stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed,
+                pid - n_key_blocks, bh,
+                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, False, BLOCK_M2, BLOCK_N2,
+            )
+        else:
+            _dkdv_role(
+                Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
+                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
+                stride_dqs, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+                stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid, bh,
+                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, False, True, EVEN_N, BLOCK_M1, BLOCK_N1,
+            )
+    else:
+        _dkdv_role(
+            Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
+            stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+            stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+            stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid, bh,
+            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, ROLES == 4, ROLES == 4, EVEN_N, BLOCK_M1, BLOCK_N1,
+        )
+
+
+# Tiles per head dim, picked from the H100 sweep (benchmarks/kernels/attention_sweep.py; every
+# winner there used 4 warps). DQ_ONLY launches: (BLOCK_M2, BLOCK_N2, num_warps, num_stages).
 _DQ_TILES = {
-    32: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
-    64: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)],
-    128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    32: [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2)],
+    64: [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2)],
+    128: [(64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
 }
-# The one-key-block path: (BLOCK_M1, num_warps, num_stages); BLOCK_N1 covers seq_k.
+# DKDV_ONLY launches: (BLOCK_M1, BLOCK_N1, num_warps, num_stages).
+_DKDV_TILES = {
+    32: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+    64: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+    128: [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3)],
+}
+# BOTH launches: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages).
+_BOTH_TILES = {
+    32: [(32, 128, 64, 64, 4, 3), (32, 64, 64, 64, 4, 3), (64, 64, 64, 32, 4, 3)],
+    64: [(32, 128, 64, 64, 4, 3), (32, 64, 64, 64, 4, 3), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 3)],
+    128: [(64, 64, 64, 32, 4, 2), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 2)],
+}
+# FUSED launches: (BLOCK_M1, num_warps, num_stages); BLOCK_N1 covers seq_k.
 _FUSED_TILES = {
-    32: [(64, 8, 2), (32, 8, 2), (16, 4, 2), (32, 4, 2)],
-    64: [(64, 8, 2), (32, 8, 2), (16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3)],
-    128: [(32, 8, 2), (64, 8, 1), (16, 4, 2), (32, 4, 2)],
+    32: [(32, 4, 3), (32, 8, 2), (64, 8, 2)],
+    64: [(32, 4, 3), (32, 8, 2), (64, 8, 2)],
+    128: [(32, 8, 2), (64, 8, 1), (16, 8, 2)],
 }
-# Interpreter tiles: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2); BLOCK_N1 is also the one-key-block limit.
+# Interpreter tiles (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2); BLOCK_N1 is also the FUSED limit.
 _BWD_INTERPRET_TILE = (16, 32, 32, 16)
 FUSED_MAX_SEQ_K = 128
-FUSED_MAX_SEQ_Q = 512  # beyond this, the one-key-block path needs FUSED_MIN_PROGRAMS (batch, head) pairs
+FUSED_MAX_SEQ_Q = 512  # beyond this, the FUSED path needs FUSED_MIN_PROGRAMS (batch, head) pairs
 FUSED_MIN_PROGRAMS = 256
+# Above this much work (batch * heads * seq_q * seq_k * head_dim, halved when causal) the backward
+# is two launches (DQ_ONLY, DKDV_ONLY), each with its own tiles; at or below it, one BOTH launch,
+# which recomputes delta in the dK/dV programs but saves a launch and an allocation of host time.
+BOTH_MAX_WORK = 2**34
 _AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT"]
 
 
 def fused_block_n(seq_k: int, seq_q: int, batch_heads: int) -> int | None:
-    """BLOCK_N1 of the one-key-block path, or None when the general path runs: that path has one
-    program per (batch, head), so long query sequences over few heads go to the general one."""
+    """BLOCK_N1 of the FUSED path, or None when another path runs: FUSED has one program per
+    (batch, head), so long query sequences over few heads go elsewhere."""
     limit = _BWD_INTERPRET_TILE[1] if interpreting() else FUSED_MAX_SEQ_K
     if seq_k > limit or (seq_q > FUSED_MAX_SEQ_Q and batch_heads < FUSED_MIN_PROGRAMS):
         return None
     return limit if interpreting() else max(64, seq_bucket(seq_k))
 
 
-def dkdv_configs(head_dim: int, block_n1: int | None) -> list[triton.Config]:
-    """dK/dV autotune candidates: general path when ``block_n1`` is None, else the one-key-block path."""
+def backward_roles(batch_heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool) -> tuple[int, ...]:
+    """The launches of one backward, in order: ``(FUSED,)``, ``(BOTH,)`` or ``(DQ_ONLY, DKDV_ONLY)``."""
+    if fused_block_n(seq_k, seq_q, batch_heads) is not None:
+        return (FUSED,)
+    work = batch_heads * seq_q * seq_k * head_dim // (2 if causal else 1)
+    return (BOTH,) if work <= BOTH_MAX_WORK else (DQ_ONLY, DKDV_ONLY)
+
+
+def bwd_configs(head_dim: int, roles: int, block_n1: int | None = None) -> list[triton.Config]:
+    """Autotune candidates of a ``roles`` launch (``block_n1`` for FUSED); one under the interpreter."""
     if interpreting():
-        bm1, bn1 = _BWD_INTERPRET_TILE[:2]
-        tiles = [(bm1, block_n1 or bn1, 4, 1)]
-    elif block_n1 is None:
-        tiles = _DKDV_TILES[head_dim]
+        bm1, bn1, bm2, bn2 = _BWD_INTERPRET_TILE
+        tiles = [(bm1, block_n1 or bn1, bm2, bn2, 4, 1)]
+    elif roles == DQ_ONLY:
+        tiles = [(16, 16, bm2, bn2, w, s) for bm2, bn2, w, s in _DQ_TILES[head_dim]]
+    elif roles == DKDV_ONLY:
+        tiles = [(bm1, bn1, 16, 16, w, s) for bm1, bn1, w, s in _DKDV_TILES[head_dim]]
+    elif roles == BOTH:
+        tiles = _BOTH_TILES[head_dim]
     else:
-        tiles = [(bm1, block_n1, w, s) for bm1, w, s in _FUSED_TILES[head_dim] if block_n1 % bm1 == 0]
-    return [triton.Config({"BLOCK_M1": bm, "BLOCK_N1": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+        tiles = [(bm1, block_n1, 16, 16, w, s) for bm1, w, s in _FUSED_TILES[head_dim] if block_n1 % bm1 == 0]
+    return [
+        triton.Config({"BLOCK_M1": bm1, "BLOCK_N1": bn1, "BLOCK_M2": bm2, "BLOCK_N2": bn2}, num_warps=w, num_stages=s)
+        for bm1, bn1, bm2, bn2, w, s in tiles
+    ]
 
 
-def dq_configs(head_dim: int) -> list[triton.Config]:
-    """dQ autotune candidates (one config under the interpreter)."""
-    tiles = [(*_BWD_INTERPRET_TILE[2:], 4, 1)] if interpreting() else _DQ_TILES[head_dim]
-    return [triton.Config({"BLOCK_M2": bm, "BLOCK_N2": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
-
-
-@functools.cache
-def dkdv_kernel_for(head_dim: int, block_n1: int | None):
-    """The autotuned dK/dV kernel for ``head_dim`` and path (``block_n1``, see :func:`fused_block_n`)."""
-    heuristics = triton.heuristics({"EVEN_N": lambda args: args["seq_k"] % args["BLOCK_N1"] == 0})
-    return triton.autotune(configs=dkdv_configs(head_dim, block_n1), key=_AUTOTUNE_KEY)(heuristics(_bwd_dkdv_kernel))
+def _even_n(args) -> bool:
+    return args["seq_k"] % args["BLOCK_N1"] == 0
 
 
 @functools.cache
-def dq_kernel_for(head_dim: int):
-    """The autotuned dQ kernel for ``head_dim``."""
-    return triton.autotune(configs=dq_configs(head_dim), key=_AUTOTUNE_KEY)(_bwd_dq_kernel)
+def bwd_kernel_for(head_dim: int, roles: int, block_n1: int | None = None):
+    """The autotuned backward kernel of a ``roles`` launch for ``head_dim`` (``block_n1`` for FUSED)."""
+    heuristics = triton.heuristics({"EVEN_N": _even_n})
+    return triton.autotune(configs=bwd_configs(head_dim, roles, block_n1), key=_AUTOTUNE_KEY)(
+        heuristics(_attention_bwd_kernel)
+    )
+
+
+@functools.cache
+def _launcher(head_dim: int, roles: int, block_n1: int | None) -> CachedLaunch:
+    return CachedLaunch(bwd_kernel_for(head_dim, roles, block_n1), heuristics={"EVEN_N": _even_n})
+
+
+def reset_kernels() -> None:
+    """Forget the autotuned backward kernels and their launch caches, so that changed tile tables
+    (tests swap ``_BWD_INTERPRET_TILE``) take effect."""
+    bwd_kernel_for.cache_clear()
+    _launcher.cache_clear()
+
+
+def _grid(roles: int, seq_q: int, seq_k: int, batch_heads: int):
+    if roles == DQ_ONLY:
+        return lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M2"]), batch_heads)
+    if roles == BOTH:
+        return lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]) + triton.cdiv(seq_q, meta["BLOCK_M2"]), batch_heads)
+    return lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]), batch_heads)
 
 
 def attention_backward(
@@ -365,27 +463,25 @@ def attention_backward(
     out, grad_out = unit_last_stride(out), unit_last_stride(grad_out)
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
+    batch_heads = batch * heads
     kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
-    block_n1 = fused_block_n(seq_k, seq_q, batch * heads)
-    strides = (
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *grad_out.stride()[:3],
-        *dq.stride()[:3],
-    )
-    sizes = (heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k), scale * LOG2_E, scale, dropout_p, seed)
-    flags = dict(
-        HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-        HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_fp32(q.dtype),
-    )
-    if block_n1 is None:
+    roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal)
+    block_n1 = fused_block_n(seq_k, seq_q, batch_heads) if roles == (FUSED,) else None
+    if roles[0] == DQ_ONLY:
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
-        dq_kernel_for(head_dim)[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M2"]), batch * heads)](
-            q, k, v, out, grad_out, dq, lse, delta, kpm, *strides, stride_kpm_b, *sizes, **flags,
-        )
     else:
-        delta = lse  # not read: the one-key-block path computes delta itself
-    dkdv_kernel_for(head_dim, block_n1)[lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]), batch * heads)](
-        q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm,
-        *strides, *dk.stride()[:3], *dv.stride()[:3], stride_kpm_b, *sizes,
-        FUSED_DQ=block_n1 is not None, **flags,
+        delta = lse  # not read: these launches compute delta from O and dO
+    tensors = (q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm)
+    ints = (
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *grad_out.stride()[:3],
+        *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], stride_kpm_b,
+        heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k),
     )
+    scalars = (scale * LOG2_E, scale, dropout_p, seed)
+    for role in roles:
+        flags = dict(
+            HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
+            HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_fp32(q.dtype), ROLES=role,
+        )
+        _launcher(head_dim, role, block_n1)(_grid(role, seq_q, seq_k, batch_heads), tensors, ints, scalars, flags)
     return dq, dk, dv

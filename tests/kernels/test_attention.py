@@ -107,11 +107,17 @@ def test_triton_matches_reference(batch, heads, seq_q, seq_k, head_dim, dtype, c
         assert torch.equal(got[1][0, :, 0], torch.zeros_like(got[1][0, :, 0]))
 
 
-@pytest.mark.parametrize("seq_q,seq_k,head_dim,dtype,causal,dropout_p", [
-    (37, 53, 64, "bf16", True, 0.3),
-    (45, 29, 32, "fp16", False, 0.2),
+@pytest.mark.parametrize("seq_q,seq_k,head_dim,dtype,causal,dropout_p,split", [
+    (37, 53, 64, "bf16", True, 0.3, False),
+    (37, 53, 64, "bf16", True, 0.3, True),
+    (45, 29, 32, "fp16", False, 0.2, False),
 ])
-def test_triton_dropout_matches_reference_with_its_mask(seq_q, seq_k, head_dim, dtype, causal, dropout_p):
+def test_triton_dropout_matches_reference_with_its_mask(
+    seq_q, seq_k, head_dim, dtype, causal, dropout_p, split, monkeypatch
+):
+    """With key padding too; ``split`` forces the DQ_ONLY + DKDV_ONLY backward."""
+    if split:
+        monkeypatch.setattr(attention_triton_bwd, "BOTH_MAX_WORK", -1)
     dtype = LOW_PRECISION[dtype]
     batch, heads = 2, 3
     q, k, v, grad = _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed=3)
@@ -169,24 +175,31 @@ def test_strided_layouts_and_output_layout():
     _check_against_reference(got, q, k, v, grad, floor=1e-3, causal=True)
 
 
-def test_general_and_one_block_backward_agree():
-    """The same inputs through both backward paths give the same gradients."""
+def test_backward_paths_agree():
+    """The same inputs through the FUSED, BOTH and DQ_ONLY + DKDV_ONLY backward launches give the
+    same gradients (several key blocks and a causal diagonal in the last two)."""
     q, k, v, grad = _inputs(1, 2, 33, 29, 64, torch.float16, seed=8)
+    bwd = attention_triton_bwd
+    assert bwd.backward_roles(2, 33, 29, 64, True) == (bwd.FUSED,)
+    results = {}
     with kernel_backend("triton"):
-        fused = _forward_backward(q, k, v, grad, causal=True)
-        limit = attention_triton_bwd._BWD_INTERPRET_TILE
+        results["fused"] = _forward_backward(q, k, v, grad, causal=True)
+        limit, max_work = bwd._BWD_INTERPRET_TILE, bwd.BOTH_MAX_WORK
         try:
-            attention_triton_bwd._BWD_INTERPRET_TILE = (16, 16, 32, 16)
-            attention_triton_bwd.dkdv_kernel_for.cache_clear()
-            attention_triton_bwd.dq_kernel_for.cache_clear()
-            general = _forward_backward(q, k, v, grad, causal=True)
+            bwd._BWD_INTERPRET_TILE = (16, 16, 32, 16)
+            bwd.reset_kernels()
+            assert bwd.backward_roles(2, 33, 29, 64, True) == (bwd.BOTH,)
+            results["both"] = _forward_backward(q, k, v, grad, causal=True)
+            bwd.BOTH_MAX_WORK = -1
+            assert bwd.backward_roles(2, 33, 29, 64, True) == (bwd.DQ_ONLY, bwd.DKDV_ONLY)
+            results["split"] = _forward_backward(q, k, v, grad, causal=True)
         finally:
-            attention_triton_bwd._BWD_INTERPRET_TILE = limit
-            attention_triton_bwd.dkdv_kernel_for.cache_clear()
-            attention_triton_bwd.dq_kernel_for.cache_clear()
-    assert attention_triton_bwd.fused_block_n(29, 33, 2) == 32
-    for a, b in zip(fused, general):
-        assert (a.float() - b.float()).abs().max().item() < 2e-3
+            bwd._BWD_INTERPRET_TILE, bwd.BOTH_MAX_WORK = limit, max_work
+            bwd.reset_kernels()
+    _check_against_reference(results["split"], q, k, v, grad, floor=1e-3, causal=True)
+    for name in ("fused", "both"):
+        for a, b in zip(results[name], results["split"]):
+            assert (a.float() - b.float()).abs().max().item() < 2e-3, name
 
 
 def test_torch_compile_fullgraph_traces_the_custom_op():
@@ -338,3 +351,35 @@ def test_gpu_backward_is_deterministic():
     second = _forward_backward(q, k, v, grad, causal=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_q,seq_k,head_dim,causal,padding,dropout_p", [
+    (300, 517, 64, True, "first", 0.1),  # dQ + dK/dV kernels
+    (128, 128, 64, False, None, 0.0),  # one-key-block backward
+    (200, 200, 128, True, None, 0.0),
+])
+def test_gpu_cached_launch_matches_triton_launch(seq_q, seq_k, head_dim, causal, padding, dropout_p):
+    """Calls after the first with the same key launch the kept compiled kernels directly
+    (``attention_triton.CachedLaunch``); on the same inputs they must give exactly what Triton's
+    own launch path gives."""
+    from dslab.kernels import attention_triton
+
+    batch, heads = 2, 3
+    mask = _padding(padding, batch, seq_k, device="cuda")
+    kwargs = dict(causal=causal, key_padding_mask=mask, dropout_p=dropout_p)
+    first = _inputs(batch, heads, seq_q, seq_k, head_dim, torch.bfloat16, device="cuda", seed=30)
+    second = _inputs(batch, heads, seq_q, seq_k, head_dim, torch.bfloat16, device="cuda", seed=31)
+    attention_triton.clear_launch_caches()
+    torch.manual_seed(1)
+    _forward_backward(*first, **kwargs)  # Triton's path; the launchers keep the kernels
+    kept = {id(c): len(c.entries) for c in attention_triton.CachedLaunch.instances}
+    assert sum(kept.values()) >= 2
+    torch.manual_seed(2)
+    cached = _forward_backward(*second, **kwargs)
+    assert {id(c): len(c.entries) for c in attention_triton.CachedLaunch.instances} == kept  # no new keys
+    attention_triton.clear_launch_caches()
+    torch.manual_seed(2)
+    direct = _forward_backward(*second, **kwargs)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), cached, direct):
+        assert torch.equal(a, b), name
