@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One lent-GPU session's measurements, by stage, so a device call can run the stages that fit:
+#   bash benchmarks/gpu_session.sh tests kernels     # gpu tests, kernel table
+#   bash benchmarks/gpu_session.sh bert              # dslab bench suites/bert_large (5 trials)
+#   bash benchmarks/gpu_session.sh gpt2 overhead     # gpt2 124m + 1.5b, profiler + engine overhead
+# Logs and reports go under $OUT (or ./gpu-out); the last lines of each stage are its table.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. benchmarks/gpu_setup.sh
+out="${OUT:-gpu-out}"
+mkdir -p "$out"
+trials="${TRIALS:-5}"
+for stage in "$@"; do
+  echo "=== $stage"
+  case "$stage" in
+    tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/models tests/profilers 2>&1 | tail -15 | tee "$out/gpu_tests.txt" ;;
+    kernels)
+      python3 benchmarks/kernels/run.py --rounds 3 --json "$out/kernels.json" > "$out/kernels.log" 2>&1
+      tail -18 "$out/kernels.log" ;;
+    bert)
+      python3 -m dslab.cli bench suites/bert_large --trials "$trials" --out "$out/reports" > "$out/bert.log" 2>&1
+      grep -A 30 "^run " "$out/bert.log" | tail -25 ;;
+    gpt2)
+      python3 -m dslab.cli bench suites/gpt2 --cases "${GPT2_CASES:-124m,1.5b}" --trials "$trials" \
+        --out "$out/reports" > "$out/gpt2.log" 2>&1
+      grep -A 30 "^run " "$out/gpt2.log" | tail -25 ;;
+    overhead)
+      python3 benchmarks/profiler_overhead.py --suite suites/gpt2 --case 124m > "$out/overhead.log" 2>&1
+      tail -4 "$out/overhead.log"
+      python3 benchmarks/engine_overhead.py --trials 5 2>&1 | tail -5 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
