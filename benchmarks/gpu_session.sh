@@ -19,11 +19,11 @@ for stage in "$@"; do
       python3 benchmarks/kernels/run.py --rounds 3 --json "$out/kernels.json" > "$out/kernels.log" 2>&1
       tail -18 "$out/kernels.log" ;;
     bert)
-      python3 -m dslab.cli bench suites/bert_large --trials "$trials" --out "$out/reports" > "$out/bert.log" 2>&1
+      python3 -m dslab.cli bench suites/bert_large --trials "$trials" --out "$out" > "$out/bert.log" 2>&1
       grep -A 30 "^run " "$out/bert.log" | tail -25 ;;
     gpt2)
       python3 -m dslab.cli bench suites/gpt2 --cases "${GPT2_CASES:-124m,1.5b}" --trials "$trials" \
-        --out "$out/reports" > "$out/gpt2.log" 2>&1
+        --out "$out" > "$out/gpt2.log" 2>&1
       grep -A 30 "^run " "$out/gpt2.log" | tail -25 ;;
     overhead)
       python3 benchmarks/profiler_overhead.py --suite suites/gpt2 --case 124m > "$out/overhead.log" 2>&1
