@@ -297,9 +297,40 @@ class _EmptyFunction(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None, None, None, None
 
 
+class _EmptyFunctionAttributes(torch.autograd.Function):
+    """As ``_EmptyFunction`` with the inputs and lse kept as ctx attributes (only ``out`` saved)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, seed, causal, dropout_p, scale):
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(out)
+        ctx.tensors = (q, k, v, lse, key_padding_mask)
+        ctx.params = (seed, causal, dropout_p, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (out,) = ctx.saved_tensors
+        q, k, v, lse, key_padding_mask = ctx.tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None, None, None, None
+
+
+class _BareFunction(torch.autograd.Function):
+    """No allocations, nothing saved: the autograd.Function machinery alone."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, grad_out, grad_out
+
+
 def autograd_overhead(iters: int) -> dict:
-    """Host ms per call of an empty autograd.Function (fwd, bwd alone, fwd+bwd) on small CUDA
-    tensors, against a builtin op (``q * k``) in the same roles."""
+    """Host ms per call of empty autograd.Functions (fwd, bwd alone, fwd+bwd) on small CUDA tensors,
+    against a builtin op (``q * k``) in the same roles, with the autograd engine's device threads
+    on (the default) and off (``torch.autograd.set_multithreading_enabled(False)``)."""
     q, k, v = (torch.randn(2, 2, 8, 64, device="cuda", requires_grad=True) for _ in range(3))
     grad = torch.randn(2, 2, 8, 64, device="cuda")
     args = (None, 0, False, 0.0, 0.125)
@@ -309,11 +340,17 @@ def autograd_overhead(iters: int) -> dict:
         "function_fwd": lambda: _EmptyFunction.apply(q, k, v, *args),
         "function_bwd": lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True),
         "function_fwdbwd": lambda: torch.autograd.grad(_EmptyFunction.apply(q, k, v, *args), (q, k, v), grad),
+        "attrs_fwdbwd": lambda: torch.autograd.grad(_EmptyFunctionAttributes.apply(q, k, v, *args), (q, k, v), grad),
+        "bare_fwdbwd": lambda: torch.autograd.grad(_BareFunction.apply(q, k, v), (q, k, v), grad),
         "mul_fwd": lambda: q * k,
         "mul_bwd": lambda: torch.autograd.grad(builtin_out, (q, k), grad, retain_graph=True),
         "mul_fwdbwd": lambda: torch.autograd.grad(q * k, (q, k), grad),
     }
-    return {name: round(measure(fn, iters)["host"], 4) for name, fn in cases.items()}
+    result = {name: round(measure(fn, iters)["host"], 4) for name, fn in cases.items()}
+    with torch.autograd.set_multithreading_enabled(False):
+        for name in ("function_fwdbwd", "bare_fwdbwd", "mul_fwdbwd"):
+            result[name + "_single_thread"] = round(measure(cases[name], iters)["host"], 4)
+    return result
 
 
 def main():
@@ -338,7 +375,7 @@ def main():
     indices = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(SHAPES))
     report = {"device": header, "shapes": []}
     if args.launch:
-        report["autograd_overhead_ms"] = autograd_overhead(args.iters)
+        report["autograd_overhead_ms"] = autograd_overhead(100)
         print("autograd host ms:", report["autograd_overhead_ms"])
     table = []
     for idx in indices:

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from dslab.kernels import attention_triton, attention_triton_bwd
-from dslab.kernels.dispatch import use_triton
+from dslab.kernels.dispatch import use_custom_op, use_triton
 
 HEAD_DIMS = (32, 64, 128)
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
@@ -170,17 +170,25 @@ class _EagerAttention(torch.autograd.Function):
             q, k, v, key_padding_mask, seed_value, causal, dropout_p, scale
         )
         ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.seed, ctx.causal, ctx.dropout_p, ctx.scale = seed_value, causal, dropout_p, scale
+        ctx.params = (seed_value, causal, dropout_p, scale)
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = attention_triton_bwd.attention_backward(
-            grad_out, q, k, v, out, lse, key_padding_mask, ctx.seed, ctx.causal, ctx.dropout_p, ctx.scale
-        )
-        return dq, dk, dv, None, None, None, None, None
+        # once_differentiable's no_grad block only matters under create_graph=True; skipping it
+        # otherwise saves host time on every backward.
+        if torch.is_grad_enabled():
+            return _eager_backward_once_differentiable(ctx, grad_out)
+        return _eager_backward(ctx, grad_out)
+
+
+def _eager_backward(ctx, grad_out):
+    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = attention_triton_bwd.attention_backward(grad_out, q, k, v, out, lse, key_padding_mask, *ctx.params)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_eager_backward_once_differentiable = torch.autograd.function.once_differentiable(_eager_backward)
 
 
 def _function_apply(function):
@@ -265,7 +273,7 @@ def attention(
     if has_work and q.dtype in TRITON_DTYPES and use_triton(q, k, v, key_padding_mask):
         seed = draw_dropout_seed() if dropout_p > 0.0 else None
         args = (q, k, v, key_padding_mask, seed, bool(causal), float(dropout_p), float(scale))
-        if torch.compiler.is_compiling():
+        if use_custom_op():
             return _attention_forward_op(*args)[0]
         return _eager_attention(*args)
     return attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale)

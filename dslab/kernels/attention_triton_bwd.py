@@ -25,9 +25,9 @@ five) so that no two programs add into the same dQ rows. The launches (``backwar
 Causal blocks above the diagonal are skipped; blocks crossing it run a masked loop, the rest an
 unmasked one. Fully masked query rows have ``lse = +inf``, so their P, dS and dQ are exactly 0.
 
-Memory traffic per (batch, head), general path: q, k, v, o, dO read and dq, dk, dv written once
-from DRAM, delta written once and read once per key block; the dK/dV kernel re-reads q, dO, lse,
-delta once per key block and the dQ kernel re-reads k, v once per query block (mostly from L2).
+Memory traffic per (batch, head), BOTH and DQ_ONLY + DKDV_ONLY: q, k, v, o, dO read and dq, dk,
+dv written once from DRAM; the dK/dV programs re-read q, dO, lse and delta (BOTH: O instead of
+delta) once per key block and the dQ programs re-read k, v once per query block (mostly from L2).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from dslab.kernels.attention_triton import (
     CachedLaunch,
     _dot,
     _dropout_keep,
-    dot_fp32,
     empty_rows_like,
     padding_as_bytes,
     seq_bucket,
@@ -370,23 +369,30 @@ FUSED_MAX_SEQ_Q = 512  # beyond this, the FUSED path needs FUSED_MIN_PROGRAMS (b
 FUSED_MIN_PROGRAMS = 256
 # Above this much work (batch * heads * seq_q * seq_k * head_dim, halved when causal) the backward
 # is two launches (DQ_ONLY, DKDV_ONLY), each with its own tiles; at or below it, one BOTH launch,
-# which recomputes delta in the dK/dV programs but saves a launch and an allocation of host time.
-BOTH_MAX_WORK = 2**34
+# which saves a launch and an allocation (~20 us of host time on a lent H100 host) but runs longer
+# on the GPU (shared warps and stages, delta recomputed in the dK/dV programs): +7% at BERT-large
+# seq 512 (2**32, host-bound there), +24% at GPT-2 seq 1024 causal (1.5 * 2**32).
+BOTH_MAX_WORK = 2**32
 _AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT"]
 
 
-def fused_block_n(seq_k: int, seq_q: int, batch_heads: int) -> int | None:
+def fused_block_n(seq_k: int, seq_q: int, batch_heads: int, interpret: bool | None = None) -> int | None:
     """BLOCK_N1 of the FUSED path, or None when another path runs: FUSED has one program per
-    (batch, head), so long query sequences over few heads go elsewhere."""
-    limit = _BWD_INTERPRET_TILE[1] if interpreting() else FUSED_MAX_SEQ_K
+    (batch, head), so long query sequences over few heads go elsewhere. ``interpret`` is
+    :func:`interpreting`, when the caller has it."""
+    if interpret is None:
+        interpret = interpreting()
+    limit = _BWD_INTERPRET_TILE[1] if interpret else FUSED_MAX_SEQ_K
     if seq_k > limit or (seq_q > FUSED_MAX_SEQ_Q and batch_heads < FUSED_MIN_PROGRAMS):
         return None
-    return limit if interpreting() else max(64, seq_bucket(seq_k))
+    return limit if interpret else max(64, seq_bucket(seq_k))
 
 
-def backward_roles(batch_heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool) -> tuple[int, ...]:
+def backward_roles(
+    batch_heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool, interpret: bool | None = None
+) -> tuple[int, ...]:
     """The launches of one backward, in order: ``(FUSED,)``, ``(BOTH,)`` or ``(DQ_ONLY, DKDV_ONLY)``."""
-    if fused_block_n(seq_k, seq_q, batch_heads) is not None:
+    if fused_block_n(seq_k, seq_q, batch_heads, interpret) is not None:
         return (FUSED,)
     work = batch_heads * seq_q * seq_k * head_dim // (2 if causal else 1)
     return (BOTH,) if work <= BOTH_MAX_WORK else (DQ_ONLY, DKDV_ONLY)
@@ -465,8 +471,9 @@ def attention_backward(
     seq_k = k.shape[2]
     batch_heads = batch * heads
     kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
-    roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal)
-    block_n1 = fused_block_n(seq_k, seq_q, batch_heads) if roles == (FUSED,) else None
+    interpret = interpreting()
+    roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal, interpret)
+    block_n1 = fused_block_n(seq_k, seq_q, batch_heads, interpret) if roles == (FUSED,) else None
     if roles[0] == DQ_ONLY:
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     else:
@@ -478,10 +485,11 @@ def attention_backward(
         heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k),
     )
     scalars = (scale * LOG2_E, scale, dropout_p, seed)
+    dot_in_fp32 = interpret and q.dtype == torch.bfloat16  # see attention_triton.dot_fp32
     for role in roles:
         flags = dict(
             HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-            HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_fp32(q.dtype), ROLES=role,
+            HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_in_fp32, ROLES=role,
         )
         _launcher(head_dim, role, block_n1)(_grid(role, seq_q, seq_k, batch_heads), tensors, ints, scalars, flags)
     return dq, dk, dv

@@ -202,6 +202,17 @@ def test_backward_paths_agree():
             assert (a.float() - b.float()).abs().max().item() < 2e-3, name
 
 
+def test_double_backward_raises():
+    """The Triton backward is not differentiable: with create_graph=True the gradients carry a node
+    that raises when differentiated (``once_differentiable``), rather than silently being constants."""
+    q, k, v, grad = (t.requires_grad_() for t in _inputs(1, 1, 9, 12, 32, torch.float16, seed=15))
+    with kernel_backend("triton"):
+        out = attention(q, k, v)
+        (dq,) = torch.autograd.grad(out, (q,), grad, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.float().sum().backward()
+
+
 def test_torch_compile_fullgraph_traces_the_custom_op():
     q, k, v, grad = _inputs(1, 2, 21, 40, 32, torch.bfloat16, seed=9)
     mask = _padding("first", 1, 40)
