@@ -273,7 +273,9 @@ def test_cuda_peaks_phases_and_snapshot(tmp_path):
     steps = {s["step"]: s for s in rec["steps"]}
     assert sorted(steps) == [0, 1, 2, 3]
     assert steps[2]["peak_allocated"] >= model.spike_bytes
-    assert steps[3]["peak_allocated"] < model.spike_bytes  # the peak was reset at step begin
+    # the peak was reset at step begin: step 3 lacks step 2's spike (absolute figures include
+    # whatever else the process holds on the GPU, so compare the two steps)
+    assert steps[2]["peak_allocated"] - steps[3]["peak_allocated"] >= 0.9 * model.spike_bytes
     assert all(s["peak_reserved"] >= s["peak_allocated"] for s in steps.values())
     assert rec["peak"]["allocated"] == steps[2]["peak_allocated"]
     acts = {row["module"]: row["bytes"] for row in rec["activations"]}
