@@ -30,8 +30,7 @@ class CompileConfig(ConfigSection):
                 f"config key 'compile.kwargs' has {', '.join(unknown)}; torch.compile takes "
                 f"{', '.join(sorted(allowed))}"
             )
-        # Keep data-dependent values in the graph: a dropout seed read with .item(), the rows a
-        # sparse head gathers with nonzero. Without these Dynamo breaks the graph at each.
-        torch._dynamo.config.capture_scalar_outputs = True
+        # Keep data-dependent shapes in the graph (a sparse head gathers its rows with nonzero);
+        # without it Dynamo breaks the graph there and recompiles every step.
         torch._dynamo.config.capture_dynamic_output_shape_ops = True
         return torch.compile(module, backend=self.backend, **self.kwargs)
