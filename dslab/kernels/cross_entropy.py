@@ -29,19 +29,9 @@ import torch.nn.functional as F
 
 from dslab.kernels.dispatch import interpreting, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # Triton is optional: without it only the reference runs.
-    triton = None
-
-    class tl:  # noqa: N801 - stands in for triton.language so the kernel signatures parse
-        constexpr = None
-
-    def _jit(fn):
-        return fn
+from dslab.kernels._triton_compat import cast_rounding as _cast
+from dslab.kernels._triton_compat import jit as _jit
+from dslab.kernels._triton_compat import tl, triton
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,21 +50,6 @@ def cross_entropy_reference(
 # ---------------------------------------------------------------------------------------------
 # Triton kernels: one program per row, the row streamed in BLOCK-wide chunks.
 # ---------------------------------------------------------------------------------------------
-
-
-@_jit
-def _cast(x, dtype: tl.constexpr, BF16_BY_HAND: tl.constexpr):
-    """``x.to(dtype)``. With ``BF16_BY_HAND`` (set under the interpreter for bf16 outputs), fp32 ->
-    bf16 rounds to nearest even with integer ops: the interpreter's own cast truncates, while the
-    GPU's ``cvt.rn.bf16.f32`` rounds to nearest even like ``torch.Tensor.to``."""
-    if BF16_BY_HAND:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(x != x, 0x7FC0, rounded)
-        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        out = x.to(dtype)
-    return out
 
 
 @_jit
