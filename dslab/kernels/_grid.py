@@ -5,10 +5,13 @@ bias_dropout_residual's bias).
 Such a backward launches :func:`resident_programs` programs, each looping over row tiles and
 accumulating its rows' share of the gradient in fp32; each writes one ``[N]`` row of partials, and
 :func:`column_sums` adds the ``[programs, N]`` partials up in a fixed order, so the result is
-deterministic.
+deterministic. The launch helpers those kernels share (device guard, unit-stride rows) sit here
+too.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -78,3 +81,13 @@ def column_sums(partials: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> tupl
         partials, outs[0], outs[-1], groups, n, BLOCK_G=256, BLOCK_N=block_n, num_warps=4
     )
     return outs
+
+
+def device_guard(t: torch.Tensor):
+    """Launch on ``t``'s GPU (a no-op context on CPU, where the interpreter runs)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) with unit stride along the last dimension (a copy only when it lacks one)."""
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -18,7 +18,6 @@ looping over row tiles) and the ``[programs, N]`` partials are summed in a fixed
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
@@ -27,6 +26,8 @@ import triton
 import triton.language as tl
 
 from dslab.kernels._grid import column_sums, resident_programs
+from dslab.kernels._grid import device_guard as _device_guard
+from dslab.kernels._grid import unit_stride_rows as _rows
 
 # div.approx.f32 (reciprocal and multiply) through tl.math.fdiv(approx=True), newer Triton only.
 _HAS_APPROX_DIV = tl.constexpr("approx" in inspect.signature(tl.math.fdiv).parameters)
@@ -134,13 +135,6 @@ def _bias_gelu_bwd_kernel(
         tl.store(DB_partial + pid_m * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (2-D) with unit stride along the last dimension."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @functools.cache

@@ -27,7 +27,6 @@ so each call makes few launches (forward 1, backward 2) and few allocations.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -35,6 +34,8 @@ import triton
 import triton.language as tl
 
 from dslab.kernels._grid import column_sums, resident_programs
+from dslab.kernels._grid import device_guard as _device_guard
+from dslab.kernels._grid import unit_stride_rows as _rows
 
 # Whole rows live in registers; wider rows go to the PyTorch reference (see layer_norm.py).
 MAX_FUSED_N = 8192
@@ -122,13 +123,6 @@ def _layer_norm_bwd_kernel(
         tl.store(Partials + db_row.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 2-D tensor with unit stride along the last dimension."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @functools.cache
