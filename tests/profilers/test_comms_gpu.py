@@ -22,9 +22,14 @@ def nccl_group(tmp_path):
 
 
 def sleep_cycles_for(ms: float) -> int:
-    """GPU clock cycles that ``torch.cuda._sleep`` spins for ``ms`` milliseconds, measured."""
+    """GPU clock cycles that ``torch.cuda._sleep`` spins for ``ms`` milliseconds, measured.
+
+    The kernel is launched once before it is timed: its first launch loads the module between the
+    two events, which would inflate the measured time and so shorten every later sleep."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 10**7
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    cycles = 10**8
     start.record()
     torch.cuda._sleep(cycles)
     end.record()
