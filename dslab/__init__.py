@@ -21,6 +21,7 @@ _EXPORTS = {
     "initialize": "dslab.engine.initialize",
     "add_config_arguments": "dslab.engine.initialize",
     "init_distributed": "dslab.comm",
+    "estimate_zero_memory": "dslab.engine.zero_estimate",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -131,6 +131,19 @@ def _run_gate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    from dslab.engine.launch.runner import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    # The exit code is the worst of the launched processes'.
+    from dslab.engine.launch.runner import launch
+
+    return launch(args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "bench",
@@ -155,6 +168,12 @@ COMMANDS: tuple[Command, ...] = (
         "print versions, GPUs with their datasheet peaks, NVML and the kernel backends (for bug reports)",
         _env_arguments,
         _run_env,
+    ),
+    Command(
+        "launch",
+        "start a training script on every host of a hostfile (one torchrun per host), or on this machine",
+        _launch_arguments,
+        _run_launch,
     ),
 )
 

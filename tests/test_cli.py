@@ -32,6 +32,8 @@ EXPECTED_COMMANDS = {
     "gate": {"--suite", "--reports", "--baseline", "--candidate", "--metric", "--arm", "--threshold",
              "--alpha", "--format", "--update-baseline", "--pytest-benchmark"},
     "env": {"--json"},
+    "launch": {"--hostfile", "--include", "--exclude", "--num_nodes", "--num_gpus", "--master_addr",
+               "--master_port", "--rdzv_backend", "--dry-run"},
 }
 
 

@@ -40,7 +40,12 @@ On ``profile_step`` (the engine's ``global_steps``; its first micro-step):
   with amsgrad; SGD: 1 with momentum, else 0; RMSprop: 1 + momentum + centered; Adagrad: 1).
   fp32 Adam: 4 + 4 + 8 = 16 bytes per parameter. Per-tensor step counters are in the measured
   figure, not the estimate. Under ZeRO stage >= 1 the measured optimizer states are this rank's
-  shard, so they fall below the stage-0 estimate by the sharding factor.
+  shard, so they fall below the stage-0 estimate by the sharding factor. ``zero_estimate``
+  partitions the same three totals for ZeRO stages 0-3 over this run's world size
+  (:func:`dslab.profilers.zero_memory_model.partition_per_gpu`; stage 3 adds the largest
+  module's own parameters and gradients as its gather buffer), so the measured ``total`` of this
+  rank sits beside the per-GPU estimate of the stage the engine runs (``zero_estimate.stage``,
+  when the engine has called :meth:`MemoryTracer.set_zero_stage`).
 - **Snapshot** (CUDA, ``snapshot: true``): the allocator's event history over the profiled step,
   ``torch.cuda.memory._record_memory_history(max_entries=snapshot_max_entries)`` from the
   profiled step's begin to its end (after the optimizer step), written with
@@ -62,9 +67,11 @@ import torch
 import torch.nn as nn
 from pydantic import Field
 
+from dslab import comm
 from dslab.config_base import ConfigSection
 from dslab.profilers.base import Profiler
 from dslab.profilers.telemetry import BoundedSeries
+from dslab.profilers.zero_memory_model import STAGES, partition_per_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -217,13 +224,31 @@ def optimizer_states_per_param(group: dict) -> int | None:
     return None
 
 
-def model_state_bytes(model: nn.Module, optimizer=None) -> dict:
+def _zero_estimate(model: nn.Module, moments: dict[int, int | None], world_size: int) -> dict:
+    """Per-GPU bytes of the stage-0 estimate's parameters, gradients and optimizer states when
+    ZeRO stages 0-3 partition them over ``world_size`` ranks (see the module docstring)."""
+    params = grads = states = 0
+    for p in model.parameters():
+        nbytes = _tensor_bytes(p)
+        params += nbytes
+        grads += nbytes * int(p.requires_grad)
+        states += nbytes * (moments.get(id(p)) or 0)
+    layer_buffer = max((sum(_tensor_bytes(p) * (1 + int(p.requires_grad)) for p in m.parameters(recurse=False))
+                        for m in model.modules()), default=0)
+    rows = [{"stage": stage, **partition_per_gpu(stage, world_size, params, grads, states, layer_buffer)}
+            for stage in STAGES]
+    return {"world_size": world_size, "per_gpu": rows}
+
+
+def model_state_bytes(model: nn.Module, optimizer=None, world_size: int | None = None) -> dict:
     """Bytes of parameters, gradients and optimizer states now held, and the stage-0 estimate.
 
     Returns ``{"num_params", "params", "grads", "optimizer_states", "optimizer_params", "total",
-    "bytes_per_param", "estimate", "estimate_bytes_per_param", "estimate_note"}``;
-    ``optimizer_params`` are parameters the optimizer updates that the model does not hold
-    (master copies), included in ``total``.
+    "bytes_per_param", "estimate", "estimate_bytes_per_param", "estimate_note",
+    "zero_estimate"}``; ``optimizer_params`` are parameters the optimizer updates that the model
+    does not hold (master copies), included in ``total``. ``zero_estimate`` is ``{"world_size",
+    "per_gpu": [{"stage", "params", "grads", "optimizer_states", "buffer", "total"}]}`` over
+    ``world_size`` ranks (default: the process group's), None where ``estimate`` is.
     """
     params = list(model.parameters())
     model_ids = {id(p) for p in params}
@@ -277,6 +302,8 @@ def model_state_bytes(model: nn.Module, optimizer=None) -> dict:
         "estimate_formula": "sum_p numel(p) * bytes(p.dtype) * (1 + requires_grad(p) + k), "
                             "k = optimizer state tensors per parameter (ZeRO stage 0)",
         "estimate_note": note,
+        "zero_estimate": None if estimate is None else _zero_estimate(
+            model, moments, comm.get_world_size() if world_size is None else world_size),
     }
 
 
@@ -297,6 +324,7 @@ class MemoryTracer(Profiler):
         self.snapshot = snapshot
         self.snapshot_max_entries = snapshot_max_entries
         self.output_dir = None if output_dir is None else Path(output_dir)
+        self.zero_stage: int | None = None
         self.model: nn.Module | None = None
         self.optimizer = None
         self.device: torch.device | None = None
@@ -325,6 +353,12 @@ class MemoryTracer(Profiler):
     def set_output_dir(self, path: str | Path) -> None:
         """Where the snapshot file goes (the run's report directory); set before profile_step."""
         self.output_dir = Path(path)
+
+    def set_zero_stage(self, stage: int) -> None:
+        """The ZeRO stage the engine runs, recorded as ``model_states.zero_estimate.stage``."""
+        if stage not in STAGES:
+            raise ValueError(f"zero_optimization.stage must be one of {STAGES}, got {stage!r}")
+        self.zero_stage = stage
 
     def attach(self, model: nn.Module, optimizer=None) -> None:
         self.model, self.optimizer = model, optimizer
@@ -459,6 +493,9 @@ class MemoryTracer(Profiler):
         model_states = self._model_states
         if model_states is None and self.model is not None:
             model_states = model_state_bytes(self.model, self.optimizer)
+        if model_states is not None and model_states.get("zero_estimate") is not None:
+            model_states = {**model_states,
+                            "zero_estimate": {**model_states["zero_estimate"], "stage": self.zero_stage}}
         activations = self._activations or []
         return {
             "cuda": self.cuda,

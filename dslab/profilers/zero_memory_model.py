@@ -1,0 +1,167 @@
+"""How much memory ZeRO's model states take per GPU and per node: the arithmetic, no torch.
+
+Model states are the parameters, their gradients and the optimizer states (Rajbhandari et al.
+2020, "ZeRO", §3.1 and §5). With ``Ψ`` parameters, ``N`` data-parallel ranks (GPUs per node ×
+nodes) and ``P``, ``G``, ``K`` the bytes per parameter of parameters, gradients and optimizer
+states, the bytes each GPU holds are::
+
+    stage 0   P·Ψ   + G·Ψ   + K·Ψ        every rank holds everything
+    stage 1   P·Ψ   + G·Ψ   + K·Ψ/N      optimizer states partitioned
+    stage 2   P·Ψ   + G·Ψ/N + K·Ψ/N      gradients partitioned too
+    stage 3   P·Ψ/N + G·Ψ/N + K·Ψ/N + B  parameters partitioned too
+
+``B``, stage 3's working buffer, is the largest layer (the most parameters one module owns
+directly) gathered whole with its whole gradient before the reduce-scatter: ``(P + G)·L`` for
+``L`` parameters. Mixed precision (fp16/bf16 parameters with fp32 master weights and Adam's two
+moments) is ``P, G, K = 2, 2, 12`` (16 bytes per parameter); fp32 training with Adam is
+``4, 4, 8``.
+
+Optimizer offload (ZeRO-Offload, stages 1-3, ``offload_optimizer: {"device": "cpu"}``) moves the
+optimizer states and each rank's gradient partition, as fp32, to the CPU, where the CPU optimizer
+updates them: the GPU keeps its parameters (partitioned at stage 3), and at stage 1 the whole
+gradient it all-reduces before copying its partition out. Each node's CPU holds its ranks'
+partitions, ``(4 + K)·Ψ/nodes``.
+
+Without offload the CPU figure is what building the model takes: every process of a node
+constructs the whole model in fp32 on the CPU before the engine moves or partitions it,
+``4·Ψ·gpus_per_node``. Both CPU figures are multiplied by ``additional_buffer_factor`` (pinned
+staging buffers, allocator slack, fragmentation); the CPU holds the larger of the two.
+
+Activations, temporary buffers of the collectives (buckets) and the CUDA context are not model
+states and are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+STAGES = (0, 1, 2, 3)
+PRECISIONS = ("bf16", "fp16", "fp32")
+OFFLOAD_DEVICES = ("none", "cpu")
+FP32_BYTES = 4
+GIB = 1024 ** 3
+
+
+def bytes_per_param(precision: str, optimizer_states: int = 2) -> tuple[int, int, int]:
+    """``(P, G, K)``: bytes per parameter of parameters, gradients and optimizer states.
+
+    ``optimizer_states`` is the number of fp32 tensors of a parameter's size the optimizer keeps
+    (Adam/AdamW/Lamb: 2; SGD with momentum: 1). Half precisions add the fp32 master copy to K."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
+        raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
+    if precision == "fp32":
+        return FP32_BYTES, FP32_BYTES, FP32_BYTES * optimizer_states
+    return 2, 2, FP32_BYTES + FP32_BYTES * optimizer_states
+
+
+def check_layout(stage: int, num_gpus: int, num_nodes: int = 1, offload_optimizer: str = "none") -> None:
+    """Raise ValueError naming the argument for a stage, GPU count, node count or offload device
+    ZeRO cannot have."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (ZeRO stages), got {stage!r}")
+    for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if offload_optimizer not in OFFLOAD_DEVICES:
+        raise ValueError(f"offload_optimizer must be one of {', '.join(OFFLOAD_DEVICES)}, "
+                         f"got {offload_optimizer!r}")
+    if offload_optimizer != "none" and stage == 0:
+        raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3: stage 0 does not partition "
+                         "the optimizer states it would offload")
+
+
+def partition_per_gpu(stage: int, world_size: int, params: float, grads: float, optimizer_states: float,
+                      layer_buffer: float = 0.0, offload_optimizer: bool = False) -> dict[str, int]:
+    """Bytes one GPU holds of whole-model totals ``params``, ``grads``, ``optimizer_states``
+    (bytes, summed over every parameter) at ZeRO ``stage`` over ``world_size`` ranks.
+
+    ``layer_buffer`` is stage 3's gathered-layer buffer (ignored below stage 3). Returns
+    ``{"params", "grads", "optimizer_states", "buffer", "total"}``; partitions round up, as a
+    rank's shard of a padded flat buffer does."""
+    def shard(total: float, partitioned: bool) -> int:
+        return -(-int(total) // world_size) if partitioned else int(total)
+
+    row = {
+        "params": shard(params, stage >= 3),
+        "grads": 0 if offload_optimizer and stage >= 2 else shard(grads, stage >= 2),
+        "optimizer_states": 0 if offload_optimizer else shard(optimizer_states, stage >= 1),
+        "buffer": int(layer_buffer) if stage >= 3 else 0,
+    }
+    row["total"] = sum(row.values())
+    return row
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroMemoryRow:
+    """One option's model-state memory (bytes). ``gpu_*`` are per GPU; ``cpu_*`` per node, with
+    ``cpu_total`` = ``additional_buffer_factor`` × the larger of ``cpu_init`` and ``cpu_offload``."""
+
+    stage: int
+    offload_optimizer: str
+    num_gpus: int
+    num_nodes: int
+    precision: str
+    num_params: int
+    largest_layer_params: int
+    gpu_params: int
+    gpu_grads: int
+    gpu_optimizer_states: int
+    gpu_buffer: int
+    gpu_total: int
+    cpu_init: int
+    cpu_offload: int
+    cpu_total: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def model_state_row(num_params: int, num_gpus: int, stage: int, *, num_nodes: int = 1,
+                    offload_optimizer: str = "none", precision: str = "bf16", optimizer_states: int = 2,
+                    largest_layer_params: int = 0, additional_buffer_factor: float = 1.5) -> ZeroMemoryRow:
+    """The model-state memory of ``num_params`` parameters at one ZeRO option (module docstring)."""
+    check_layout(stage, num_gpus, num_nodes, offload_optimizer)
+    for name, value in (("num_params", num_params), ("largest_layer_params", largest_layer_params)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if largest_layer_params > num_params:
+        raise ValueError(f"largest_layer_params ({largest_layer_params}) exceeds num_params ({num_params})")
+    if not isinstance(additional_buffer_factor, (int, float)) or additional_buffer_factor < 1:
+        raise ValueError(f"additional_buffer_factor must be a number >= 1, got {additional_buffer_factor!r}")
+    p, g, k = bytes_per_param(precision, optimizer_states)
+    world_size = num_gpus * num_nodes
+    offload = offload_optimizer != "none"
+    gpu = partition_per_gpu(stage, world_size, p * num_params, g * num_params, k * num_params,
+                            layer_buffer=(p + g) * largest_layer_params, offload_optimizer=offload)
+    cpu_init = FP32_BYTES * num_params * num_gpus
+    cpu_offload = -(-(FP32_BYTES + k) * num_params // num_nodes) if offload else 0
+    return ZeroMemoryRow(
+        stage=stage, offload_optimizer=offload_optimizer, num_gpus=num_gpus, num_nodes=num_nodes,
+        precision=precision, num_params=num_params, largest_layer_params=largest_layer_params,
+        gpu_params=gpu["params"], gpu_grads=gpu["grads"], gpu_optimizer_states=gpu["optimizer_states"],
+        gpu_buffer=gpu["buffer"], gpu_total=gpu["total"], cpu_init=cpu_init, cpu_offload=cpu_offload,
+        cpu_total=int(additional_buffer_factor * max(cpu_init, cpu_offload)),
+    )
+
+
+def format_table(rows: list[ZeroMemoryRow]) -> str:
+    """A text table of ``rows`` in GiB: per GPU (total and its parts) and per node's CPU."""
+    if not rows:
+        return "no ZeRO options to estimate\n"
+    first = rows[0]
+    lines = [
+        "Estimated memory for model states (parameters, gradients, optimizer states):",
+        f"HW: {first.num_nodes} node(s) x {first.num_gpus} GPU(s) per node",
+        f"SW: {first.num_params / 1e6:,.2f}M parameters, largest layer "
+        f"{first.largest_layer_params / 1e6:,.2f}M, {first.precision}",
+        f"{'stage':>5}  {'offload':<7}  {'per GPU':>9}  {'params':>9}  {'grads':>9}  {'optim':>9}  "
+        f"{'buffer':>9}  {'per CPU':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.stage:>5}  {r.offload_optimizer:<7}  " + "  ".join(
+                f"{value / GIB:>6.2f}GiB" for value in (r.gpu_total, r.gpu_params, r.gpu_grads,
+                                                        r.gpu_optimizer_states, r.gpu_buffer, r.cpu_total)))
+    return "\n".join(lines) + "\n"
