@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dslab.models import hf_mapping
+from dslab.models.graphs import CudaGraphLayers
 from dslab.models.ops import IGNORE_INDEX, LayerNorm, TransformerLayer, check_head_dim, init_normal_, op_set
 
 
@@ -124,7 +125,7 @@ class BertEmbeddings(nn.Module):
         return F.dropout(self.norm(x), self.dropout, self.training)
 
 
-class BertForPreTraining(nn.Module):
+class BertForPreTraining(CudaGraphLayers, nn.Module):
     """BERT with its pretraining heads.
 
     ``forward(input_ids, token_type_ids=None, attention_mask=None, masked_lm_labels=None,
@@ -168,9 +169,7 @@ class BertForPreTraining(nn.Module):
     def encode(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``[batch, seq, hidden]`` after the last layer (and ``final_norm``)."""
-        x = self.embeddings(input_ids, token_type_ids)
-        for layer in self.layers:
-            x = layer(x, key_padding_mask)
+        x = self.run_layers(self.embeddings(input_ids, token_type_ids), key_padding_mask)
         return x if self.final_norm is None else self.final_norm(x)
 
     def mlm_head(self, hidden: torch.Tensor) -> torch.Tensor:

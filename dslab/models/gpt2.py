@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dslab.models import hf_mapping
+from dslab.models.graphs import CudaGraphLayers
 from dslab.models.ops import (
     IGNORE_INDEX, LayerNorm, TransformerLayer, check_head_dim, init_normal_, op_set, scale_residual_init_,
 )
@@ -123,7 +124,7 @@ def gpt2_tiny(**overrides) -> GPT2Config:
     )
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
     """GPT-2 with its tied LM head. ``forward(input_ids, labels=None)`` returns the fp32 mean
     next-token loss when ``labels`` is given, else the logits. ``kernels`` picks the op set
     (:func:`dslab.models.ops.op_set`)."""
@@ -156,9 +157,7 @@ class GPT2LMHeadModel(nn.Module):
         """``[batch, seq, hidden]`` after the final LayerNorm."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = F.dropout(self.wte(input_ids) + self.wpe(positions), self.config.dropout, self.training)
-        for layer in self.layers:
-            x = layer(x)
-        return self.final_norm(x)
+        return self.final_norm(self.run_layers(x))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:

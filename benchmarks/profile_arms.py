@@ -1,0 +1,118 @@
+"""Where a suite case's step time goes, arm by arm (one GPU).
+
+    python3 benchmarks/profile_arms.py suites/bert_large --case seq128 [--variants ...] [--out DIR]
+
+Variants (built one at a time, timed interleaved, then each profiled):
+
+* ``dslab``: the suite's ``dslab`` arm (engine, dslab kernels, the suite's profilers on);
+* ``dslab-noprof``: the same with every profiler section taken out of the engine config;
+* ``dslab-torchops``: the engine (no profilers) over the model on PyTorch's ops;
+* ``torch`` and ``torch-compile``: the suite's plain-loop arms.
+
+For each variant: the median step time of ``--trials`` trials of ``--steps`` steps (CUDA events);
+then ``torch.profiler`` over 3 steps, whose tables (top ops by device time and by host time) are
+written to ``DIR/profile-<variant>.txt``, and a summary row: host busy time per step (the
+profiler's span of the step on the host) beside the device's kernel time per step. A step whose
+device time is well under its wall time is host-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from dslab.bench.arms import EngineArm, PlainArm
+from dslab.bench.measure import run_trial
+from dslab.bench.suite import load_suite
+from dslab.bench.workloads import workloads_for
+
+PROFILER_SECTIONS = ("flops_profiler", "memory_tracer", "comms_logger", "telemetry", "wall_clock_breakdown")
+
+
+def build(variant: str, workload, device, suite):
+    cfg = dict(suite.engine)
+    if variant == "dslab":
+        return EngineArm(workload, device, suite.precision, cfg)
+    if variant in ("dslab-noprof", "dslab-torchops"):
+        for key in PROFILER_SECTIONS:
+            cfg.pop(key, None)
+        if variant == "dslab-torchops":
+            cfg["kernels"] = "torch"
+            arm = EngineArm.__new__(EngineArm)
+            import dslab
+            config = {**cfg, "train_micro_batch_size_per_gpu": workload.case.micro_batch,
+                      "gradient_accumulation_steps": 1, suite.precision: {"enabled": True},
+                      "steps_per_print": 10**9}
+            model = workload.build_model(kernels="torch", device=device)
+            arm.engine, _, _, _ = dslab.initialize(model=model, config=config, dist_init_required=False)
+            arm.batch, arm.sleep_s = workload.make_batch(device), 0.0
+            return arm
+        return EngineArm(workload, device, suite.precision, cfg)
+    return PlainArm(variant, workload, device, suite.precision, cfg)
+
+
+def profile(arm, out: Path, name: str) -> tuple[float, float]:
+    """(host ms per step, device kernel ms per step) over 3 profiled steps; tables to a file."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    steps = 3
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            arm.step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CPU)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    host_us = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) if events else 0
+    with open(out / f"profile-{name}.txt", "w") as f:
+        f.write(f"{name}: host span {host_us / steps / 1e3:.2f} ms/step, device {device_us / steps / 1e3:.2f} ms/step\n\n")
+        f.write(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+        f.write("\n\n")
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+    return host_us / steps / 1e3, device_us / steps / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("suite")
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--variants", default="dslab,dslab-noprof,dslab-torchops,torch,torch-compile")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", default="profile-out")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suite, _ = load_suite(args.suite)
+    (workload,) = workloads_for(suite, "full", [args.case])
+    device = torch.device("cuda")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    rows = []
+    for name in variants:
+        try:
+            arm = build(name, workload, device, suite)
+            times = []
+            for _ in range(args.trials):
+                trial = run_trial(arm.step, device, args.warmup, args.steps)
+                times.append(statistics.median(trial["step_times_ms"]))
+            host, dev = profile(arm, out, name)
+            rows.append((name, statistics.median(times), host, dev))
+            print(f"{name}: {statistics.median(times):.2f} ms/step", flush=True)
+            del arm
+            torch.cuda.empty_cache()
+        except Exception as exc:  # a variant that fails is reported, the others go on
+            print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append((name, float("nan"), float("nan"), float("nan")))
+    print(f"\n{suite.name}/{args.case} on {torch.cuda.get_device_name()}, micro-batch {workload.case.micro_batch}")
+    print(f"{'variant':<16} {'step ms':>8} {'host ms':>8} {'device ms':>10}")
+    for name, step, host, dev in rows:
+        print(f"{name:<16} {step:>8.2f} {host:>8.2f} {dev:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

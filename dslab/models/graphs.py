@@ -1,0 +1,231 @@
+"""A model's stack of transformer layers run as two CUDA graphs: one for the forward of every
+layer, one for the backward.
+
+Why: BERT-large's 24 layers launch ~1,500 kernels per training step. Issued one by one from
+Python (autograd, autocast, Triton's launcher) they take the host longer than the GPU takes to run
+them: on an H100 the step's kernels need ~49 ms and the host ~110 ms. Replaying captured graphs
+costs the host a few microseconds per graph, so the step becomes device-bound.
+
+How (the same scheme as ``torch.cuda.make_graphed_callables``, with the differences below):
+
+* Per input signature (shape, dtype, whether the input needs a gradient, the key-padding mask's
+  shape, the autocast dtype, the parameters' storage), the stack is run three times on a side
+  stream (Triton compiles and autotunes there), then its forward is captured into one graph and
+  ``torch.autograd.grad`` of its output into a second graph, both in one private memory pool.
+  Autocast's weight cache is off inside the capture, so each replay casts the current weights.
+* A call copies the input into the static input buffer, replays the forward graph and returns
+  the static output; the backward copies the incoming gradient in, replays the backward graph and
+  hands autograd the static gradients of the input and of every trainable parameter.
+* Dropout stays random: the ops draw their seeds with ``torch.randint`` on the device, which the
+  CUDA generator re-draws on every replay.
+* Gradient accumulation stays exact: autograd may adopt a static gradient buffer as a
+  parameter's ``.grad``; before the next backward replay overwrites that buffer, such a ``.grad``
+  is copied out (only then, so a plain step with ``zero_grad(set_to_none=True)`` copies nothing).
+* Parameters moved to new storage (``p.data = ...``, as the benchmark runner's parking does)
+  change the signature, so the stack is captured again; :meth:`LayerStackGraphs.release` frees
+  every graph and its memory pool.
+
+The stack runs eagerly, and is never captured, when graphs cannot be right: outside training or
+without autograd, off CUDA, inside another capture or under ``torch.compile``, while a
+``TorchDispatchMode`` is active (the flops profiler counts through one), while any module of the
+stack or the process has forward/backward hooks (profilers attach them for the steps they
+profile), or while a previous graphed output still waits for its backward (its activations live
+in the graph's buffers, which a second replay would overwrite). :attr:`LayerStackGraphs.stats`
+counts captures, replays and the eager calls by reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter, OrderedDict
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as module_globals
+
+WARMUP_RUNS = 3
+
+
+def _hooked(layers: nn.ModuleList) -> bool:
+    if (module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
+            or module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in layers.modules())
+
+
+def _dispatch_mode_active() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+class _Captured:
+    """The graphs of one input signature and their static buffers."""
+
+    def __init__(self, run: Callable, x: torch.Tensor, mask: torch.Tensor | None, params: list[nn.Parameter],
+                 autocast_dtype: torch.dtype | None):
+        self.params = params
+        self.static_x = x.detach().clone().requires_grad_(x.requires_grad)
+        self.static_mask = None if mask is None else mask.clone()
+        self.x_needs_grad = x.requires_grad
+        grad_inputs = ([self.static_x] if self.x_needs_grad else []) + params
+
+        def forward():
+            cast = (torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False)
+                    if autocast_dtype is not None else contextlib.nullcontext())
+            with cast:
+                return run(self.static_x, self.static_mask)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                out = forward()
+                torch.autograd.grad(out, grad_inputs, torch.ones_like(out), allow_unused=True)
+                del out
+        torch.cuda.current_stream().wait_stream(side)
+
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool):
+            self.static_out = forward()
+        self.static_grad_out = torch.empty_like(self.static_out)
+        self.backward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.backward_graph, pool=pool):
+            grads = torch.autograd.grad(self.static_out, grad_inputs, self.static_grad_out, allow_unused=True)
+        self.static_grad_x = grads[0] if self.x_needs_grad else None
+        self.static_grad_params = list(grads[1:] if self.x_needs_grad else grads)
+
+    def unalias_param_grads(self) -> None:
+        """Copy out any ``.grad`` that is one of the static gradient buffers (see the module doc)."""
+        for p, g in zip(self.params, self.static_grad_params):
+            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, owner, captured, x, mask, *params):
+        if x.data_ptr() != captured.static_x.data_ptr():
+            captured.static_x.copy_(x)
+        if mask is not None:
+            captured.static_mask.copy_(mask)
+        captured.forward_graph.replay()
+        ctx.owner, ctx.captured = owner, captured
+        owner._awaiting_backward = True
+        return captured.static_out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        captured = ctx.captured
+        ctx.owner._awaiting_backward = False
+        captured.static_grad_out.copy_(grad_out)
+        captured.unalias_param_grads()
+        captured.backward_graph.replay()
+        grad_x = captured.static_grad_x.detach() if captured.static_grad_x is not None else None
+        grads = [g.detach() if g is not None else None for g in captured.static_grad_params]
+        return (None, None, grad_x, None, *grads)
+
+
+class LayerStackGraphs:
+    """Runs ``layers`` (each called as ``layer(x, key_padding_mask)``) through captured CUDA
+    graphs where it can, eagerly elsewhere (see the module docstring).
+
+    ``max_signatures`` bounds how many input signatures keep their graphs (each holds the
+    activations of a whole forward in its memory pool); the least recently used goes first.
+    """
+
+    def __init__(self, layers: nn.ModuleList, max_signatures: int = 2):
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"layers must be an nn.ModuleList, got {type(layers).__name__}")
+        if max_signatures < 1:
+            raise ValueError(f"max_signatures must be >= 1, got {max_signatures}")
+        self.layers = layers
+        self.max_signatures = max_signatures
+        self._captured: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._awaiting_backward = False
+        self.stats: Counter = Counter()
+
+    def run_eager(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, key_padding_mask)
+        return x
+
+    def eager_reason(self, x: torch.Tensor) -> str | None:
+        """Why this call must run eagerly, or None when it can replay graphs."""
+        if not self.layers.training:
+            return "eval"
+        if not torch.is_grad_enabled():
+            return "no_grad"
+        if x.device.type != "cuda":
+            return "not_cuda"
+        if torch.compiler.is_compiling():
+            return "compiling"
+        if torch.cuda.is_current_stream_capturing():
+            return "capturing"
+        if _dispatch_mode_active():
+            return "dispatch_mode"
+        if _hooked(self.layers):
+            return "hooks"
+        if self._awaiting_backward:
+            return "awaiting_backward"
+        return None
+
+    def __call__(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        reason = self.eager_reason(x)
+        if reason is not None:
+            self.stats[f"eager_{reason}"] += 1
+            return self.run_eager(x, key_padding_mask)
+        params = [p for p in self.layers.parameters() if p.requires_grad]
+        autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad,
+               None if key_padding_mask is None else (tuple(key_padding_mask.shape), key_padding_mask.dtype),
+               autocast_dtype, tuple(p.data_ptr() for p in params))
+        captured = self._captured.get(key)
+        if captured is None:
+            while len(self._captured) >= self.max_signatures:
+                self._captured.popitem(last=False)
+            captured = _Captured(self.run_eager, x, key_padding_mask, params, autocast_dtype)
+            self._captured[key] = captured
+            self.stats["captures"] += 1
+        else:
+            self._captured.move_to_end(key)
+        self.stats["replays"] += 1
+        return _Replay.apply(self, captured, x, key_padding_mask, *params)
+
+    def release(self) -> None:
+        """Drop every captured graph (their memory returns to the caching allocator)."""
+        self._captured.clear()
+        self._awaiting_backward = False
+
+
+class CudaGraphLayers:
+    """Mixin for a model whose transformer layers are ``self.layers`` (an ``nn.ModuleList`` of
+    layers called as ``layer(x, key_padding_mask)``): :meth:`enable_cuda_graphs` switches the
+    stack to :class:`LayerStackGraphs`; the model's forward calls :meth:`run_layers`."""
+
+    _layer_graphs: LayerStackGraphs | None = None
+
+    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+        """Run the layer stack through captured CUDA graphs in training (see
+        :mod:`dslab.models.graphs`); ``False`` goes back to eager and frees the graphs."""
+        if self._layer_graphs is not None:
+            self._layer_graphs.release()
+        self._layer_graphs = LayerStackGraphs(self.layers) if enabled else None
+
+    def release_cuda_graphs(self) -> None:
+        """Free the captured graphs (they are captured again on the next graphed call)."""
+        if self._layer_graphs is not None:
+            self._layer_graphs.release()
+
+    @property
+    def cuda_graph_stats(self) -> dict[str, int]:
+        """Captures, replays and eager calls by reason; empty when graphs are off."""
+        return dict(self._layer_graphs.stats) if self._layer_graphs is not None else {}
+
+    def run_layers(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self._layer_graphs is not None:
+            return self._layer_graphs(x, key_padding_mask)
+        for layer in self.layers:
+            x = layer(x, key_padding_mask)
+        return x

@@ -1,0 +1,142 @@
+"""CUDA graphs over the layer stack (dslab.models.graphs): where they may not run, the stack runs
+eagerly and says why; on a GPU, graphed training matches eager training step for step."""
+
+import pytest
+import torch
+
+from dslab.models import BertForPreTraining, GPT2LMHeadModel, bert_tiny, gpt2_tiny
+from dslab.models.graphs import LayerStackGraphs
+
+
+def gpt2_batch(device, batch=3, seq=40, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, 1000, (batch, seq), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_off_cuda_the_stack_runs_eagerly_and_counts_why():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_tiny(), kernels="torch")
+    reference = GPT2LMHeadModel(gpt2_tiny(), kernels="torch")
+    reference.load_state_dict(model.state_dict())
+    model.enable_cuda_graphs()
+    batch = gpt2_batch("cpu")
+    model.eval(), reference.eval()
+    torch.testing.assert_close(model(**batch), reference(**batch), rtol=0, atol=0)
+    model.train()
+    model(**batch).backward()
+    assert model.cuda_graph_stats == {"eager_eval": 1, "eager_not_cuda": 1}
+    model.enable_cuda_graphs(False)
+    assert model.cuda_graph_stats == {}
+
+
+def test_stack_refuses_a_non_modulelist():
+    with pytest.raises(ValueError, match="ModuleList"):
+        LayerStackGraphs(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="max_signatures"):
+        LayerStackGraphs(torch.nn.ModuleList(), max_signatures=0)
+
+
+# ----------------------------------------------------------------------------------------- GPU --
+
+cuda = pytest.mark.gpu
+
+
+def _pair(kernels, dropout, dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = gpt2_tiny(dropout=dropout)
+    graphed = GPT2LMHeadModel(cfg, kernels=kernels).cuda()
+    eager = GPT2LMHeadModel(cfg, kernels=kernels).cuda()
+    eager.load_state_dict(graphed.state_dict())
+    graphed.enable_cuda_graphs()
+    return graphed, eager
+
+
+def _train(model, steps, autocast_dtype, accumulate=1, seed=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            batch = gpt2_batch("cuda", seed=seed + step * accumulate + micro)
+            with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = model(**batch)
+            loss.backward()
+            losses.append(float(loss))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+@cuda
+@pytest.mark.parametrize("kernels", ["dslab", "torch"])
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16])
+def test_graphed_training_matches_eager(kernels, autocast_dtype):
+    graphed, eager = _pair(kernels, dropout=0.0)
+    got = _train(graphed, 4, autocast_dtype)
+    want = _train(eager, 4, autocast_dtype)
+    tol = 1e-4 if autocast_dtype is None else 2e-2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=tol, atol=tol)
+    for (name, p), q in zip(graphed.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=name)
+    stats = graphed.cuda_graph_stats
+    assert stats["captures"] == 1 and stats["replays"] == 4, stats
+
+
+@cuda
+def test_gradient_accumulation_is_exact_under_graphs():
+    graphed, eager = _pair("dslab", dropout=0.0)
+    got = _train(graphed, 2, None, accumulate=3)
+    want = _train(eager, 2, None, accumulate=3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
+    for p, q in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+
+
+@cuda
+def test_dropout_draws_new_masks_on_every_replay():
+    graphed, _ = _pair("dslab", dropout=0.3)
+    batch = gpt2_batch("cuda")
+    losses = []
+    for _ in range(3):
+        loss = graphed(**batch)
+        loss.backward()
+        losses.append(float(loss))
+    assert graphed.cuda_graph_stats["replays"] == 3
+    assert len(set(losses)) == 3, losses
+
+
+@cuda
+def test_moved_parameters_are_captured_again_and_hooks_run_eagerly():
+    graphed, eager = _pair("dslab", dropout=0.0)
+    _train(graphed, 1, None)
+    for p in graphed.parameters():
+        p.data = p.data.clone()
+    _train(graphed, 1, None)
+    assert graphed.cuda_graph_stats["captures"] == 2
+    calls = []
+    handle = graphed.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    _train(graphed, 1, None)
+    handle.remove()
+    assert calls == [1] and graphed.cuda_graph_stats["eager_hooks"] == 1
+
+
+@cuda
+def test_bert_with_padding_mask_matches_eager():
+    torch.manual_seed(0)
+    cfg = bert_tiny(hidden_dropout=0.0, attention_dropout=0.0)
+    graphed = BertForPreTraining(cfg).cuda()
+    eager = BertForPreTraining(cfg).cuda()
+    eager.load_state_dict(graphed.state_dict())
+    graphed.enable_cuda_graphs()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    labels = torch.where(torch.rand(ids.shape, device="cuda") < 0.3, ids, torch.full_like(ids, -100))
+    nsp = torch.tensor([0, 1], device="cuda")
+    for model in (graphed, eager):
+        for _ in range(2):
+            loss = model(ids, attention_mask=mask, masked_lm_labels=labels, next_sentence_label=nsp)
+            loss.backward()
+    torch.testing.assert_close(graphed.embeddings.word_embeddings.weight.grad,
+                               eager.embeddings.word_embeddings.weight.grad, rtol=1e-4, atol=1e-5)
+    assert graphed.cuda_graph_stats["replays"] == 2
