@@ -1,0 +1,9 @@
+"""dslab's dashboard over run reports: a Dash app (:mod:`dashboards.app`) and static PNG figures
+for CI artifacts (:mod:`dashboards.plots`).
+
+Everything here reads saved run reports through :mod:`dslab.report` and nothing else of dslab
+(DESIGN.md, layers). :mod:`dashboards.data` finds and caches reports, :mod:`dashboards.views`
+turns a report into plain tables and series, and the two drawing layers (plotly figures for the
+app, matplotlib for the PNGs) draw those same tables, so both show the same numbers. Importing this
+package imports neither Dash nor matplotlib.
+"""

@@ -1,0 +1,136 @@
+"""The Dash app: ``dslab dashboard [--reports DIR] [--host 127.0.0.1] [--port 8050]``.
+
+Routes (all read-only, all under the reports directory):
+
+- ``/``: Runs - the filterable run table, throughput over time per suite, compare two runs.
+- ``/run/<suite>/<run_id>[/<tab>][?case=<case>]``: one run; tabs flops, comms, memory, telemetry, io.
+- ``/compare?a=<suite>/<run_id>&b=<suite>/<run_id>``: two runs side by side.
+- ``/trace/<suite>/<run_id>``: the run's ``trace.pftrace`` (written by ``dslab trace``).
+
+Suite and run ids from URLs are validated by :func:`dashboards.data.resolve_run`; a bad one is a
+"not found" page, never a read outside the reports directory. Page building is wrapped so that a
+report that cannot be drawn shows an error on its page and the app keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from urllib.parse import parse_qs, unquote
+
+import dash
+from dash import Input, Output, dcc, html
+
+from dashboards import pages
+from dashboards.data import RunStore, parse_ref
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8050
+
+STYLE = """
+body { font-family: -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; color: #222; }
+.top { background: #1f2937; color: white; padding: 10px 20px; }
+.top a { color: white; margin-right: 18px; text-decoration: none; font-weight: bold; }
+.page { padding: 10px 24px 40px; }
+.warning { background: #fff4ce; border: 1px solid #e0b100; padding: 6px 10px; margin: 6px 0; }
+.error { background: #fde2e1; border: 1px solid #d62728; padding: 8px 12px; margin: 10px 0; }
+.note { color: #555; font-size: 13px; max-width: 1100px; }
+.filters { display: grid; grid-template-columns: repeat(4, minmax(160px, 1fr)); gap: 8px; margin: 8px 0 12px; }
+.tabs { margin: 10px 0; }
+.tab { display: inline-block; padding: 4px 12px; margin-right: 6px; border: 1px solid #ccc; border-radius: 4px;
+       text-decoration: none; color: #1f2937; }
+.tab.current { background: #1f2937; color: white; }
+.button { display: inline-block; padding: 6px 14px; background: #1f77b4; color: white; border-radius: 4px;
+          text-decoration: none; align-self: center; }
+.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 12px; }
+table.kv { border-collapse: collapse; font-size: 13px; }
+table.kv th { text-align: left; padding: 2px 14px 2px 0; font-weight: normal; color: #555; }
+table.kv td { padding: 2px 0; font-family: monospace; }
+"""
+
+INDEX = """<!DOCTYPE html>
+<html>
+  <head>{%metas%}<title>{%title%}</title>{%favicon%}{%css%}<style>""" + STYLE + """</style></head>
+  <body>{%app_entry%}<footer>{%config%}{%scripts%}{%renderer%}</footer></body>
+</html>"""
+
+
+def _route(store: RunStore, pathname: str | None, search: str | None) -> list:
+    parts = [unquote(p) for p in (pathname or "/").split("/") if p]
+    query = {k: v[0] for k, v in parse_qs((search or "").lstrip("?")).items()}
+    if not parts:
+        return pages.runs_page(store)
+    if parts[0] == "run" and len(parts) in (3, 4):
+        return pages.run_page(store, parts[1], parts[2], parts[3] if len(parts) == 4 else "", query.get("case"))
+    if parts[0] == "compare" and len(parts) == 1:
+        return pages.compare_page(store, parse_ref(query.get("a", "")), parse_ref(query.get("b", "")))
+    raise FileNotFoundError(f"no page at {pathname}")
+
+
+def render(store: RunStore, pathname: str | None, search: str | None = None) -> list:
+    """The components of the page at ``pathname?search``; an error box for a bad address or a
+    report that cannot be read, never an exception."""
+    try:
+        return _route(store, pathname, search)
+    except FileNotFoundError as err:
+        return [html.H2("Not found"), html.Div(str(err), className="error"), dcc.Link("back to the runs", href="/")]
+    except ValueError as err:
+        return [html.H2("Cannot show this"), html.Div(str(err), className="error"),
+                dcc.Link("back to the runs", href="/")]
+    except Exception as err:  # the app must keep serving whatever a report holds
+        logger.exception("page %s failed", pathname)
+        return [html.H2("This page could not be drawn"),
+                html.Div(f"{type(err).__name__}: {err}", className="error"), dcc.Link("back to the runs", href="/")]
+
+
+def create_app(reports: str | Path = "reports") -> dash.Dash:
+    """The dashboard over the run reports under ``reports``."""
+    store = RunStore(reports)
+    app = dash.Dash(__name__, title="dslab dashboard", suppress_callback_exceptions=True,
+                    index_string=INDEX,
+                    update_title=None)
+    app.layout = html.Div([
+        dcc.Location(id="url"),
+        html.Div([dcc.Link("dslab", href="/"), dcc.Link("Runs", href="/"),
+                  html.Span(f"reports: {Path(reports).resolve()}", style={"fontSize": "12px"})], className="top"),
+        html.Div(id="page", className="page"),
+    ])
+
+    @app.callback(Output("page", "children"), Input("url", "pathname"), Input("url", "search"))
+    def _page(pathname, search):
+        return render(store, pathname, search)
+
+    @app.callback(Output("runs-table", "rowData"), Output("runs-graphs", "children"),
+                  Input("filter-suite", "value"), Input("filter-arm", "value"),
+                  Input("filter-gpu", "value"), Input("filter-commit", "value"), prevent_initial_call=True)
+    def _filter(suites, arms, gpus, commits):
+        chosen = pages.filter_summaries(store.summaries(), suites, arms, gpus, commits)
+        return pages.display_rows(pages.run_rows(chosen)), pages.history_graphs(store, chosen, arms)
+
+    @app.callback(Output("compare-link", "href"), Input("compare-a", "value"), Input("compare-b", "value"))
+    def _compare(a, b):
+        return pages.compare_href(a, b)
+
+    @app.server.route("/trace/<suite>/<run_id>")
+    def _trace(suite, run_id):
+        import flask
+
+        try:
+            path = store.trace_file(suite, run_id)
+        except (ValueError, FileNotFoundError):
+            path = None
+        if path is None:
+            flask.abort(404)
+        return flask.send_file(path, as_attachment=True, download_name=f"{run_id}.pftrace",
+                               mimetype="application/octet-stream")
+
+    return app
+
+
+def run(reports: str | Path = "reports", host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
+    """Serve the dashboard until interrupted (127.0.0.1 unless told otherwise)."""
+    app = create_app(reports)
+    print(f"dslab dashboard on http://{host}:{port}/ over {Path(reports).resolve()} (Ctrl-C stops it)")
+    app.run(host=host, port=port, debug=False)

@@ -1,0 +1,327 @@
+"""The dashboard's pages as Dash components, built from a :class:`dashboards.data.RunStore`.
+
+Every section of a page is built through :func:`guarded`: a section whose data is malformed turns
+into a warning naming the problem while the rest of the page is drawn.
+"""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import quote
+
+import dash_ag_grid as dag
+from dash import dcc, html
+
+from dashboards import figures, views
+from dashboards.data import RunStore, RunSummary, commit_of, gpu_name
+
+logger = logging.getLogger(__name__)
+
+TABS = (("", "Run"), ("flops", "Flops"), ("comms", "Comms"), ("memory", "Memory"),
+        ("telemetry", "Telemetry"), ("io", "I/O"))
+GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
+HEADLINE_METRIC = "samples_per_s"
+PAGE_SIZE = 25
+
+
+def warning(text: str) -> html.Div:
+    return html.Div(text, className="warning")
+
+
+def guarded(title: str, build) -> list:
+    """``build()``'s components under an ``h3`` ``title``; a warning in their place if it fails."""
+    try:
+        body = build()
+    except Exception as err:  # a malformed section must not take the page down
+        logger.warning("section %r could not be drawn: %s", title, err, exc_info=True)
+        body = [warning(f"{title}: could not be drawn from this report ({type(err).__name__}: {err})")]
+    return [html.H3(title), *(body if isinstance(body, list) else [body])]
+
+
+def graph(graph_id: str, figure) -> dcc.Graph:
+    return dcc.Graph(id=graph_id, figure=figure, config=GRAPH_CONFIG, className="graph")
+
+
+def display_rows(rows: list[dict]) -> list[dict]:
+    """``rows`` with floats rounded to 4 significant digits, for a table."""
+    def shown(v):
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
+            return int(v)
+        return float(f"{v:.4g}") if isinstance(v, float) else v
+
+    return [{k: shown(v) for k, v in row.items()} for row in rows]
+
+
+def table(table_id: str, rows: list[dict], columns: list[tuple[str, str]] | None = None,
+          page_size: int = 50, filters: bool = False) -> dag.AgGrid:
+    """An AG Grid of ``rows`` (sortable; ``filters`` adds a filter box under each header); a
+    ``link`` column holds markdown links."""
+    columns = columns or [(k, k) for k in (rows[0] if rows else {})]
+    defs = [{"field": key, "headerName": name, **({"cellRenderer": "markdown", "linkTarget": "_self"}
+                                                   if key == "link" else {})} for key, name in columns]
+    return dag.AgGrid(
+        id=table_id, rowData=display_rows(rows), columnDefs=defs, columnSize="autoSize",
+        defaultColDef={"sortable": True, "resizable": True, "filter": filters, "floatingFilter": filters},
+        dashGridOptions={"pagination": len(rows) > page_size, "paginationPageSize": page_size,
+                         "domLayout": "autoHeight", "enableCellTextSelection": True},
+        style={"height": None})
+
+
+def key_value(rows: list[tuple[str, str]], class_name: str = "kv") -> html.Table:
+    return html.Table([html.Tr([html.Th(k), html.Td(v)]) for k, v in rows], className=class_name)
+
+
+# -- runs -------------------------------------------------------------------------------------
+
+
+def run_rows(summaries: list[RunSummary]) -> list[dict]:
+    rows = []
+    for s in reversed(summaries):
+        headline = next((m[HEADLINE_METRIC] for (case, arm), m in s.metrics.items()
+                         if arm == "dslab" and HEADLINE_METRIC in m), None)
+        rows.append({"suite": s.suite, "link": f"[{s.run_id}](/run/{quote(s.suite)}/{quote(s.run_id)})",
+                     "status": s.status, "created": s.created or "-", "gpu": s.gpu, "commit": s.commit,
+                     "arms": ", ".join(s.arms), "dslab_samples_per_s": headline,
+                     "warnings": s.error or "; ".join(s.warnings)})
+    return rows
+
+
+def filter_summaries(summaries: list[RunSummary], suites, arms, gpus, commits) -> list[RunSummary]:
+    def keep(s: RunSummary) -> bool:
+        return ((not suites or s.suite in suites) and (not gpus or s.gpu in gpus)
+                and (not commits or s.commit in commits) and (not arms or bool(set(arms) & set(s.arms))))
+    return [s for s in summaries if keep(s)]
+
+
+def history_graphs(store: RunStore, summaries: list[RunSummary], arms) -> list:
+    out = []
+    for suite in sorted({s.suite for s in summaries}):
+        out.extend(guarded(f"{suite}", lambda suite=suite: graph(
+            f"history-{suite}", figures.throughput_history(suite, summaries, set(arms or ()),
+                                                           store.baselines(suite), store.change_points(suite)))))
+    return out or [html.P("no runs match the filters")]
+
+
+def runs_page(store: RunStore) -> list:
+    summaries = store.summaries()
+    if not summaries:
+        return [html.H2("Runs"), html.P(f"no run reports under {store.root}: run `dslab bench SUITE` first")]
+
+    def options(values):
+        return [{"label": v, "value": v} for v in sorted(set(values))]
+
+    refs = [s.ref for s in reversed(summaries) if s.error is None]
+    unreadable = [s for s in summaries if s.error]
+    filters = html.Div([
+        dcc.Dropdown(id="filter-suite", options=options(s.suite for s in summaries), multi=True, placeholder="suite"),
+        dcc.Dropdown(id="filter-arm", options=options(a for s in summaries for a in s.arms), multi=True,
+                     placeholder="arm"),
+        dcc.Dropdown(id="filter-gpu", options=options(s.gpu for s in summaries), multi=True, placeholder="GPU"),
+        dcc.Dropdown(id="filter-commit", options=options(s.commit for s in summaries), multi=True,
+                     placeholder="commit"),
+    ], className="filters")
+    columns = [("suite", "suite"), ("link", "run"), ("status", "status"), ("created", "created"), ("gpu", "GPU"),
+               ("commit", "commit"), ("arms", "arms"), ("dslab_samples_per_s", "dslab samples/s"),
+               ("warnings", "warnings")]
+    compare = html.Div([
+        dcc.Dropdown(id="compare-a", options=refs, value=refs[1] if len(refs) > 1 else None, placeholder="run A"),
+        dcc.Dropdown(id="compare-b", options=refs, value=refs[0] if refs else None, placeholder="run B"),
+        dcc.Link("compare", id="compare-link", href=compare_href(refs[1] if len(refs) > 1 else None,
+                                                                   refs[0] if refs else None), className="button"),
+    ], className="filters")
+    return [
+        html.H2(f"Runs ({len(summaries)})"),
+        *([warning(f"{len(unreadable)} run(s) could not be read: "
+                   + "; ".join(f"{s.ref}: {s.error}" for s in unreadable[:5]))] if unreadable else []),
+        filters,
+        table("runs-table", run_rows(summaries), columns, page_size=PAGE_SIZE, filters=True),
+        html.H3("Compare two runs"), compare,
+        html.H3("Throughput over time and commits, per suite"),
+        html.P("Lines: the dslab arm of each case (other arms in the legend). Shaded: the gate's baseline "
+               "(min to max of its trials). Triangles: the gate's change points.", className="note"),
+        html.Div(history_graphs(store, summaries, None), id="runs-graphs"),
+    ]
+
+
+def compare_href(a: str | None, b: str | None) -> str:
+    return f"/compare?a={quote(a or '')}&b={quote(b or '')}"
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+
+def _nav(suite: str, run_id: str, current: str) -> html.Div:
+    links = []
+    for tab, label in TABS:
+        href = f"/run/{quote(suite)}/{quote(run_id)}" + (f"/{tab}" if tab else "")
+        links.append(dcc.Link(label, href=href, className="tab current" if tab == current else "tab"))
+    return html.Div(links, className="tabs")
+
+
+def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
+    trace = store.trace_file(suite, run_id)
+    if trace is not None:
+        trace_line = html.P(["Perfetto trace: ", html.A("trace.pftrace", href=f"/trace/{quote(suite)}/{quote(run_id)}",
+                                                         id="trace-link"),
+                             " - open it at ",
+                             html.A("ui.perfetto.dev", href="https://ui.perfetto.dev", target="_blank"),
+                             " (Open trace file)."])
+    else:
+        trace_line = html.P(["No Perfetto trace yet: ", html.Code(f"dslab trace {suite}/{run_id}"),
+                             " writes trace.pftrace into the run's directory; open it at ",
+                             html.A("ui.perfetto.dev", href="https://ui.perfetto.dev", target="_blank"), "."],
+                            id="trace-link")
+    problems = [f"this report lacks {', '.join(report.missing)} (older or cut short)"] if report.missing else []
+    problems += list(report.warnings)
+    if report.suite != suite or report.run_id != run_id:
+        problems.append(f"the report names itself {report.suite}/{report.run_id}")
+    return [
+        html.H2(f"{suite} / {run_id}"),
+        html.P(f"status {report.status} - created {report.created or '?'} - finished {report.finished or '-'}"),
+        *[warning(p) for p in problems],
+        *[html.P(f"note: {n}", className="note") for n in report.notes],
+        trace_line,
+        _nav(suite, run_id, tab),
+    ]
+
+
+def _case_links(suite: str, run_id: str, tab: str, cases: list[str], chosen: str | None) -> html.Div:
+    if len(cases) < 2:
+        return html.Div()
+    return html.Div(["case: "] + [dcc.Link(c, href=f"/run/{quote(suite)}/{quote(run_id)}/{tab}?case={quote(c)}",
+                                           className="tab current" if c == chosen else "tab") for c in cases],
+                    className="tabs")
+
+
+def run_page(store: RunStore, suite: str, run_id: str, tab: str = "", case: str | None = None) -> list:
+    """The run's page: its header, navigation, and the chosen tab's sections."""
+    report = store.report(suite, run_id)
+    body = {"": _run_tab, "flops": _flops_tab, "comms": _comms_tab, "memory": _memory_tab,
+            "telemetry": _telemetry_tab, "io": _io_tab}.get(tab)
+    if body is None:
+        raise FileNotFoundError(f"no page {tab!r}")
+    return _header(store, report, suite, run_id, tab) + body(report, suite, run_id, case)
+
+
+def _run_tab(report, suite, run_id, case) -> list:
+    columns = [("case", "case"), ("arm", "arm"), ("status", "status"), ("trials", "trials"),
+               ("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"), ("step_time_ms", "step ms"),
+               ("spread_pct", "spread %"), ("model_tflops", "TFLOP/s"), ("mfu_pct", "MFU %"), ("peak_gib", "peak GiB"),
+               ("dslab_over_arm", "dslab/arm"), ("error", "error")]
+    out = guarded("Arms", lambda: table("arms-table", views.arm_rows(report), columns))
+    for c in report.cases():
+        out += guarded(f"Case {c}", lambda c=c: html.Div([graph(f"arms-{c}", figures.arms_bar(report, c)),
+                                                          graph(f"trials-{c}", figures.trials_strip(report, c))],
+                                                         className="pair"))
+    out += guarded("Environment", lambda: key_value(views.environment_rows(report)))
+    return out
+
+
+def _flops_tab(report, suite, run_id, case) -> list:
+    cases, chosen, data = views.section(report, "flops", case)
+    if data is None:
+        return [html.P("no flops profile in this run (flops_profiler off)")]
+    out = [_case_links(suite, run_id, "flops", cases, chosen)]
+    nodes = []
+
+    def tree():
+        nodes.extend(views.flops_tree(data))
+        return graph("flops-treemap", figures.flops_treemap(nodes, chosen))
+
+    out += guarded("Flops by module", tree)
+    out += guarded("MFU", lambda: key_value(views.mfu_rows(data)))
+    out += guarded("Top modules per depth", lambda: table("flops-top", views.top_modules(nodes)))
+
+    def roof():
+        memory = views.section(report, "memory", chosen)[2]
+        points = views.roofline_points(nodes, memory, report.config.get("precision"))
+        return [graph("flops-roofline", figures.roofline(points, views.ceilings(report, data), chosen)),
+                html.P(views.ROOFLINE_NOTE, className="note")]
+
+    out += guarded("Roofline", roof)
+    return out
+
+
+def _comms_tab(report, suite, run_id, case) -> list:
+    cases, chosen, data = views.section(report, "comms", case)
+    if data is None:
+        return [html.P("no comms log in this run (comms_logger off)")]
+    out = [_case_links(suite, run_id, "comms", cases, chosen)]
+    out += guarded("Per op (reporting rank)", lambda: table("comms-ops", views.comms_op_rows(data)))
+    out += guarded("Bandwidth against message size", lambda: graph(
+        "comms-bandwidth", figures.comms_bandwidth(views.comms_op_rows(data), views.bandwidth_points(data), chosen)))
+    out += guarded("Straggler wait", lambda: graph(
+        "comms-stragglers", figures.straggler_heatmap(views.straggler_matrix(data), chosen)))
+    if isinstance(data.get("definitions"), str):
+        out.append(html.P(data["definitions"], className="note"))
+    return out
+
+
+def _memory_tab(report, suite, run_id, case) -> list:
+    cases, chosen, data = views.section(report, "memory", case)
+    if data is None:
+        return [html.P("no memory trace in this run (memory_tracer off)")]
+    out = [_case_links(suite, run_id, "memory", cases, chosen)]
+    if data.get("note"):
+        out.append(html.P(str(data["note"]), className="note"))
+    out += guarded("Timeline", lambda: graph(
+        "memory-timeline", figures.memory_timeline(views.memory_timeline(data), chosen)))
+    out += guarded("Activation memory per module", lambda: graph(
+        "memory-activations", figures.activations_bar(views.activation_rows(data), chosen)))
+    out += guarded("Measured beside the estimate", lambda: graph(
+        "memory-estimate", figures.measured_vs_estimate(views.memory_measured_vs_estimate(data), chosen)))
+    return out
+
+
+def _telemetry_tab(report, suite, run_id, case) -> list:
+    cases, chosen, data = views.section(report, "telemetry", case)
+    if data is None:
+        return [html.P("no telemetry in this run (telemetry off)")]
+    out = [_case_links(suite, run_id, "telemetry", cases, chosen)]
+    if not data.get("available", True):
+        out.append(html.P(f"telemetry was not available: {data.get('reason') or 'no reason given'}", className="note"))
+    out += guarded("Time series per GPU", lambda: graph(
+        "telemetry-series", figures.telemetry(views.telemetry_series(data), chosen)))
+    return out
+
+
+def _io_tab(report, suite, run_id, case) -> list:
+    data = report.profilers.get("io")
+    if not data:
+        return [html.P("no I/O tuner results in this run", id="io-empty")]
+
+    def rows():
+        if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
+            return [table(f"io-{name}", [r for r in rows if isinstance(r, dict)]) for name, rows in data.items()]
+        if isinstance(data, list):
+            return table("io-results", [r for r in data if isinstance(r, dict)])
+        return key_value(views.flatten("io", data))
+
+    return guarded("I/O tuner", rows)
+
+
+# -- compare ----------------------------------------------------------------------------------
+
+
+def compare_page(store: RunStore, a: tuple[str, str], b: tuple[str, str]) -> list:
+    ra, rb = store.report(*a), store.report(*b)
+    metrics = ("samples_per_s", "tokens_per_s", "step_time_ms", "model_tflops")
+    rows = []
+    for r in ra.results:
+        other = rb.result(r.case, r.arm)
+        if other is None:
+            continue
+        for m in metrics:
+            if m in r.metrics and m in other.metrics:
+                rows.append({"case": r.case, "arm": r.arm, "metric": m, "A": r.metrics[m], "B": other.metrics[m],
+                             "B_over_A": other.metrics[m] / r.metrics[m] if r.metrics[m] else None})
+    env = [("", f"A: {a[0]}/{a[1]}", f"B: {b[0]}/{b[1]}")]
+    env += [("GPU", gpu_name(ra), gpu_name(rb)), ("commit", commit_of(ra), commit_of(rb)),
+            ("created", ra.created or "?", rb.created or "?"), ("status", ra.status, rb.status)]
+    return [
+        html.H2("Compare two runs"),
+        html.Table([html.Tr([html.Th(k), html.Td(x), html.Td(y)]) for k, x, y in env], className="kv"),
+        *guarded("Metrics", lambda: table("compare-table", rows, [
+            ("case", "case"), ("arm", "arm"), ("metric", "metric"), ("A", "A"), ("B", "B"), ("B_over_A", "B/A")])),
+        *guarded("Side by side", lambda: graph("compare-bar", figures.compare_bar(ra, rb))),
+    ]

@@ -1,0 +1,283 @@
+"""Run reports for the dashboard and trace tests, made in the shapes the profilers write.
+
+:func:`make_report` builds one run's ``run.json`` content: two cases, three arms with trials, and
+every profiler section per case as ``dslab.bench.runner`` stores it (flops module tree, memory
+steps and activations, multi-rank comms with a straggler, NVML telemetry, wall clock). The comms
+section is made by the real analysis functions (:mod:`dslab.profilers.comms_analysis`) from
+generated records, so its shape follows the comms logger's. :func:`make_small_report` is the
+minimal report of the 500-run load test.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from pathlib import Path
+
+from dslab.profilers.comms_analysis import DEFINITIONS, analyze_stragglers, summarize, summary_rows
+
+GPU = "NVIDIA H100 80GB HBM3"
+CASES = ("seq128", "seq512")
+ARMS = ("dslab", "torch", "torch-compile")
+STRAGGLER_RANK = 3
+WORLD = 4
+LAYERS = 3
+
+
+def _module(name, type_, depth, params, fwd, latency_ms, calls=1):
+    return {"name": name, "type": type_, "depth": depth, "params": params, "forward_flops": fwd,
+            "backward_flops": 2 * fwd, "macs": (3 * fwd) // 2, "elementwise_flops": fwd // 100,
+            "forward_latency_ms": latency_ms, "backward_latency_ms": 2 * latency_ms, "calls": calls}
+
+
+def flops_section(scale: float = 1.0) -> dict:
+    """A GPT-like module tree: embeddings, a ModuleList of layers (never called itself: calls 0,
+    its figures the sum of its layers), attention and MLP Linears, a head."""
+    d = 1024
+    tokens = int(8 * 512 * scale)
+    lin = lambda n_in, n_out: 2 * tokens * n_in * n_out  # noqa: E731
+    modules = []
+    layer_modules = []
+    for i in range(LAYERS):
+        qkv, out = lin(d, 3 * d), lin(d, d)
+        attn_core = 4 * tokens * 512 * d
+        fc_in, fc_out = lin(d, 4 * d), lin(4 * d, d)
+        attn = qkv + out + attn_core
+        mlp = fc_in + fc_out
+        p = f"layers.{i}"
+        layer_modules += [
+            _module(p, "TransformerLayer", 2, 12 * d * d, attn + mlp, 6.0 + i),
+            _module(f"{p}.attention", "SelfAttention", 3, 4 * d * d, attn, 3.0 + i),
+            _module(f"{p}.attention.qkv", "Linear", 4, 3 * d * d, qkv, 1.0),
+            _module(f"{p}.attention.out_proj", "Linear", 4, d * d, out, 0.4),
+            _module(f"{p}.attention_norm", "LayerNorm", 3, 2 * d, 0, 0.1),
+            _module(f"{p}.mlp", "FeedForward", 3, 8 * d * d, mlp, 2.5),
+            _module(f"{p}.mlp.fc_in", "Linear", 4, 4 * d * d, fc_in, 1.2),
+            _module(f"{p}.mlp.fc_out", "Linear", 4, 4 * d * d, fc_out, 1.2),
+        ]
+    layers_fwd = sum(m["forward_flops"] for m in layer_modules if m["depth"] == 2)
+    layers_lat = sum(m["forward_latency_ms"] for m in layer_modules if m["depth"] == 2)
+    head = lin(d, 32000)
+    total_fwd = layers_fwd + head
+    modules.append(_module("", "GPT2LMHead", 0, 40 * d * d, total_fwd, layers_lat + 4.0))
+    modules.append(_module("embeddings", "Embedding", 1, 32000 * d, 0, 0.3))
+    modules.append(_module("layers", "ModuleList", 1, 12 * d * d * LAYERS, layers_fwd, layers_lat, calls=0))
+    modules.extend(layer_modules)
+    modules.append(_module("lm_head", "Linear", 1, 32000 * d, head, 3.0))
+    duration_ms = 3 * (layers_lat + 4.0) + 5.0
+    total = 3 * total_fwd
+    return {
+        "profile_step": 3, "profiled": True, "total_flops": total, "forward_flops": total_fwd,
+        "backward_flops": 2 * total_fwd, "optimizer_flops": 0, "total_macs": total // 2,
+        "params": 40 * d * d, "duration_ms": duration_ms, "forward_latency_ms": layers_lat + 4.0,
+        "backward_latency_ms": 2 * (layers_lat + 4.0), "optimizer_latency_ms": 5.0,
+        "achieved_tflops": total / (duration_ms / 1e3) / 1e12,
+        "elementwise_flops": {"forward": 1, "backward": 2, "optimizer": 3, "total": 6},
+        "cpu_attention_flops": {"forward": 0, "backward": 0, "optimizer": 0, "total": 0},
+        "flops_by_op": {"aten::mm": {"figure": "matmul", "flops": total}},
+        "flops_by_dtype": {"bfloat16": total}, "uncounted_autograd_functions": [],
+        "mfu": {"measured": total / (duration_ms / 1e3) / 700e12, "datasheet": total / (duration_ms / 1e3) / 989.5e12},
+        "peaks": {"device": GPU, "measured_tflops": 700.0, "datasheet_tflops": 989.5,
+                  "datasheet_gpu": "H100 SXM5 80GB", "datasheet_by_dtype": {"bfloat16": 989.5}, "note": None},
+        "world_size": WORLD, "batch_size": 8,
+        "timing": "CUDA events on the current stream, read after one synchronize at stop_profile",
+        "counting": "ops executed under a TorchDispatchMode, forward and backward",
+        "modules": modules,
+    }
+
+
+def comms_section(t0_ns: int, steps: int = 4, seed: int = 0) -> dict:
+    """Four ranks' all_reduce and all_gather records; rank 3 arrives 4-6 ms late to every
+    collective, so the others wait for it."""
+    rng = random.Random(seed)
+    per_rank = {rank: [] for rank in range(WORLD)}
+    group = ",".join(str(r) for r in range(WORLD))
+    seqs: dict[str, int] = {}
+    for step in range(steps):
+        for k, (op, nbytes) in enumerate((("all_reduce", 1 << 20), ("all_reduce", 16 << 20),
+                                          ("all_gather", 8 << 20), ("all_reduce", 64 << 20))):
+            seq = seqs.get(op, 0)
+            seqs[op] = seq + 1
+            base = t0_ns + step * 200_000_000 + k * 20_000_000
+            arrivals = {r: base + rng.randint(0, 300_000) for r in range(WORLD)}
+            arrivals[STRAGGLER_RANK] += rng.randint(4_000_000, 6_000_000)
+            last = max(arrivals.values())
+            transfer_ms = nbytes / 150e9 * 1e3 * 2
+            for r in range(WORLD):
+                per_rank[r].append({
+                    "op": op, "group": group, "group_size": WORLD, "seq": seq, "bytes": nbytes,
+                    "dtype": "bfloat16", "async": False, "step": step, "arrival_ns": arrivals[r],
+                    "host_arrival_ns": arrivals[r], "latency_ms": (last - arrivals[r]) / 1e6 + transfer_ms,
+                })
+    analysis = analyze_stragglers(per_rank, {r: 0 for r in per_rank})
+    as_str = lambda v: {str(k): as_str(x) for k, x in v.items()} if isinstance(v, dict) else v  # noqa: E731
+    return {
+        "rank": 0, "ops": summary_rows(summarize(per_rank[0])),
+        "per_rank": {str(r): recs for r, recs in per_rank.items()},
+        "stragglers": analysis["stragglers"], "straggler": as_str(analysis),
+        "clock_offsets_ns": {str(r): 0 for r in per_rank}, "dropped_records": 0, "definitions": DEFINITIONS,
+    }
+
+
+def memory_section(steps: int = 12) -> dict:
+    acts = []
+    for i in range(LAYERS):
+        acts += [{"module": f"layers.{i}.attention.qkv", "bytes": 8 << 20, "tensors": 1, "storages": 1, "shared_bytes": 0},
+                 {"module": f"layers.{i}.attention", "bytes": 32 << 20, "tensors": 4, "storages": 3, "shared_bytes": 0},
+                 {"module": f"layers.{i}.mlp.fc_in", "bytes": 8 << 20, "tensors": 1, "storages": 1, "shared_bytes": 0},
+                 {"module": f"layers.{i}.mlp.fc_out", "bytes": 32 << 20, "tensors": 1, "storages": 1, "shared_bytes": 4 << 20}]
+    acts.append({"module": "lm_head", "bytes": 250 << 20, "tensors": 1, "storages": 1, "shared_bytes": 0})
+    params = 40 * 1024 * 1024 * 2
+    return {
+        "cuda": True, "note": None, "device": "cuda:0", "profile_step": 5,
+        "steps": [{"step": s, "peak_allocated": (3 << 30) + s * (20 << 20), "peak_reserved": (4 << 30) + s * (8 << 20)}
+                  for s in range(1, steps + 1)],
+        "steps_stride": 1, "peak": {"allocated": (3 << 30) + steps * (20 << 20), "reserved": 5 << 30},
+        "phases": {"forward_delta": 600 << 20, "backward_delta": -(500 << 20), "optimizer_delta": 0, "allocated": {}},
+        "activations": acts, "activation_bytes": sum(a["bytes"] for a in acts),
+        "model_states": {"num_params": params // 2, "params": params, "grads": params, "optimizer_states": 4 * params,
+                         "optimizer_params": 0, "total": 6 * params, "bytes_per_param": 12.0,
+                         "estimate": 6 * params, "estimate_bytes_per_param": 12.0,
+                         "estimate_formula": "sum_p numel(p) * bytes(p.dtype) * (1 + requires_grad(p) + k)",
+                         "estimate_note": None},
+        "snapshot": None, "snapshot_note": None,
+    }
+
+
+def telemetry_section(started: float, n: int = 30, gpus: int = 2) -> dict:
+    out = {"available": True, "reason": None, "interval_ms": 500, "max_samples": 4096,
+           "started_at_unix": started, "gpus": {}, "summary": {}}
+    for g in range(gpus):
+        uuid = f"GPU-0000000{g}-aaaa-bbbb-cccc-dddddddddddd"
+        samples = [{"t": 0.5 * i, "util_gpu": 90.0 - 5 * g + (i % 3), "util_mem": 40.0, "sm_clock_mhz": 1980.0 - 10 * (i % 4),
+                    "mem_used_bytes": (30 << 30) + i * (10 << 20), "power_w": 600.0 + 10 * g + (i % 5),
+                    "temp_c": 60.0 + i / 10, "throttle": ["sw_power_cap"] if i % 7 == 0 else []} for i in range(n)]
+        out["gpus"][uuid] = {"index": g, "nvml_index": g, "name": GPU, "stride": 1, "samples": samples, "errors": {}}
+        out["summary"][uuid] = {"samples_taken": n, "throttle_counts": {"sw_power_cap": (n + 6) // 7}}
+    return out
+
+
+def _results(throughput: float, rng: random.Random) -> list[dict]:
+    results = []
+    for case, tokens in zip(CASES, (128, 512)):
+        for arm, factor in zip(ARMS, (1.0, 0.8, 0.95)):
+            trials = []
+            for t in range(3):
+                sps = throughput * factor * (1 + rng.uniform(-0.02, 0.02)) * (128 / tokens)
+                step_ms = 8 / sps * 1e3
+                trials.append({"trial": t, "step_times_ms": [step_ms * (1 + 0.01 * k) for k in range(3)],
+                               "metrics": {"samples_per_s": sps, "tokens_per_s": sps * tokens, "step_time_ms": step_ms,
+                                           "model_tflops": sps * 0.9, "mfu_measured": sps * 0.9 / 700,
+                                           "peak_memory_bytes": float(5 << 30)}})
+            metrics = {k: sorted(tr["metrics"][k] for tr in trials)[1] for k in trials[0]["metrics"]}
+            results.append({"case": case, "arm": arm, "status": "ok", "error": None, "trials": trials, "metrics": metrics})
+    results.append({"case": CASES[1], "arm": "hf", "status": "failed",
+                    "error": "CUDA out of memory. Tried to allocate 2.00 GiB", "trials": [], "metrics": {}})
+    return results
+
+
+def make_report(run_id: str, suite: str = "gpt2_medium", *, created: str = "2026-11-20T10:00:00+00:00",
+                commit: str = "a1b2c3d4e5f6", throughput: float = 400.0, profilers: bool = True, seed: int = 0) -> dict:
+    """The ``run.json`` content of one full run (see the module docstring)."""
+    rng = random.Random(seed)
+    results = _results(throughput, rng)
+    ratios = {}
+    for case in CASES:
+        mine = next(r for r in results if r["case"] == case and r["arm"] == "dslab")["metrics"]["samples_per_s"]
+        ratios[case] = {f"dslab/{r['arm']}": mine / r["metrics"]["samples_per_s"]
+                        for r in results if r["case"] == case and r["arm"] != "dslab" and r["metrics"]}
+    t0 = 1_795_000_000_000_000_000
+    sections = {name: None for name in ("flops", "memory", "comms", "telemetry", "wall_clock")}
+    if profilers:
+        sections = {
+            "flops": {c: flops_section(1.0 + i) for i, c in enumerate(CASES)},
+            "memory": {c: memory_section() for c in CASES},
+            "comms": {c: comms_section(t0 + i * 10**10, seed=seed + i) for i, c in enumerate(CASES)},
+            "telemetry": {c: telemetry_section(t0 / 1e9 + i * 10) for i, c in enumerate(CASES)},
+            "wall_clock": {c: {"phases": {p: {"count": 8, "mean_ms": ms, "median_ms": ms, "min_ms": ms * 0.9, "max_ms": ms * 1.1}
+                                          for p, ms in (("forward", 10.0), ("backward", 20.0), ("step", 3.0))},
+                               "timing": "CUDA events on the current stream"} for c in CASES},
+        }
+    return {
+        "schema": "dslab.run", "schema_version": 1, "run_id": run_id, "suite": suite, "status": "complete",
+        "created": created, "finished": created,
+        "environment": {
+            "python": {"version": "3.11.7"}, "torch": {"version": "2.13.0+cu128", "cuda": "12.8"},
+            "dslab": {"version": "0.1.0", "git_commit": commit, "git_dirty": False},
+            "cuda": {"available": True, "device_count": 2,
+                     "gpus": [{"index": i, "name": GPU, "total_memory_bytes": 85 << 30} for i in range(2)]},
+            "hostname": "gpu-host",
+        },
+        "config": {"scale": "full", "precision": "bf16", "trials": 3, "steps": 3, "warmup_steps": 1,
+                   "cases": [{"name": c, "seq_len": n, "micro_batch": 8} for c, n in zip(CASES, (128, 512))]},
+        "data": {"kind": "synthetic", "description": "synthetic tokens"},
+        "peaks": {"bf16_matmul_tflops": 700.0, "copy_gbps": 2800.0, "datasheet_bf16_tflops": 989.5},
+        "results": results, "ratios": ratios, "profilers": sections, "notes": [],
+    }
+
+
+def make_small_report(run_id: str, suite: str, created: str, throughput: float) -> dict:
+    """A report without profiler sections: one case, two arms, three trials."""
+    results = []
+    for arm, factor in (("dslab", 1.0), ("torch", 0.8)):
+        trials = [{"trial": t, "step_times_ms": [10.0], "metrics": {"samples_per_s": throughput * factor * (1 + 0.01 * t),
+                                                                     "step_time_ms": 10.0}} for t in range(3)]
+        results.append({"case": "seq128", "arm": arm, "status": "ok", "error": None, "trials": trials,
+                        "metrics": {"samples_per_s": throughput * factor * 1.01, "step_time_ms": 10.0}})
+    return {"schema": "dslab.run", "schema_version": 1, "run_id": run_id, "suite": suite, "status": "complete",
+            "created": created, "environment": {"dslab": {"git_commit": f"{zlib.crc32(run_id.encode()):010x}"},
+                                                "cuda": {"gpus": [{"name": GPU}]}},
+            "config": {}, "data": {}, "peaks": {}, "results": results, "ratios": {}, "profilers": {}, "notes": []}
+
+
+def write_run(root: Path, data: dict | str, suite: str | None = None, run_id: str | None = None) -> Path:
+    """Write ``data`` (a dict, or raw text for malformed fixtures) as ``<root>/<suite>/<run_id>/run.json``."""
+    suite = suite or data["suite"]
+    run_id = run_id or data["run_id"]
+    path = Path(root) / suite / run_id / "run.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path.parent
+
+
+def write_gate_files(root: Path, suite: str, run_ids: list[str], throughput: float) -> None:
+    """A baseline file and a change point, as ``dslab gate`` writes them."""
+    baseline = {"schema": "dslab.baseline", "schema_version": 1, "suite": suite, "label": f"run {run_ids[0]}",
+                "source_runs": [run_ids[0]], "fingerprint": {"key": "abc123"},
+                "results": [{"case": "seq128", "arm": "dslab", "status": "ok", "error": None,
+                             "trials": {"samples_per_s": [throughput * 0.97, throughput, throughput * 1.03]}}]}
+    path = Path(root) / "baselines" / suite / "abc123.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(baseline))
+    points = {"schema": "dslab.change_points", "schema_version": 1, "suite": suite,
+              "change_points": [{"run_id": run_ids[-1], "case": "seq128", "arm": "dslab", "metric": "samples_per_s",
+                                 "kind": "regression", "change": 0.8, "ci": [0.75, 0.85], "p_value": 0.01}]}
+    (Path(root) / suite / "change_points.json").write_text(json.dumps(points))
+
+
+# The fixture reports directory of the dashboard tests (tests/dashboards/conftest.py).
+SUITE = "gpt2_medium"
+RUN_IDS = [f"2026112{i}T100000Z-aaaa0{i}" for i in range(5)]
+PARTIAL = "20261126T100000Z-partia"
+NOT_JSON = "20261127T100000Z-badjsn"
+NOT_OBJECT = "20261128T100000Z-notobj"
+
+
+def partial_report() -> dict:
+    """A run cut short, with every profiler section malformed in its own way."""
+    data = make_report(PARTIAL, SUITE, created="2026-11-26T10:00:00+00:00")
+    for key in ("environment", "config", "finished", "ratios"):
+        data.pop(key)
+    data["status"] = "incomplete"
+    data["results"].append("not a result")
+    data["results"][0]["trials"].append(7)
+    data["profilers"] = {
+        "flops": {"seq128": {"modules": "not a list"}},
+        "comms": {"seq128": {"per_rank": {"rank-zero": []}}},
+        "memory": {"seq128": {"steps": [1, 2, 3], "activations": "x"}},
+        "telemetry": "garbage",
+        "wall_clock": None,
+        "io": {"results": [{"block_size": 1 << 20, "queue_depth": 8, "read_GBps": 6.1}]},
+    }
+    return data
