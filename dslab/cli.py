@@ -86,12 +86,31 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
     show.add_argument("run", help="run id (or a prefix), suite/run_id, or a run directory")
     show.add_argument("--reports", default="reports", help="reports root (default: reports/)")
     show.add_argument("--json", action="store_true", help="print the report as JSON")
+    plot = actions.add_parser("plot", help="write PNG figures of a run's main views (for CI artifacts)")
+    plot.add_argument("run", help="run id (or a prefix), suite/run_id, or a run directory")
+    plot.add_argument("--reports", default="reports", help="reports root (default: reports/)")
+    plot.add_argument("--out", default=None, help="output folder (default: <run directory>/plots)")
+
+
+def _run_report_plot(args: argparse.Namespace) -> int:
+    from dashboards.plots import write_plots
+    from dslab.report import find_run, read_report
+
+    run = find_run(args.reports, args.run)
+    written, warnings = write_plots(read_report(run), args.out or run / "plots")
+    for warning in warnings:
+        print(f"dslab: warning: {warning}", file=sys.stderr)
+    for path in written:
+        print(path)
+    return 0
 
 
 def _run_report(args: argparse.Namespace) -> int:
     from dslab.report import find_run, list_runs, read_report
     from dslab.report.summary import describe, results_table
 
+    if args.report_action == "plot":
+        return _run_report_plot(args)
     if args.report_action == "list":
         runs = list_runs(args.reports, args.suite)
         if not runs:
@@ -131,6 +150,33 @@ def _run_gate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _dashboard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reports", default="reports", help="reports root (default: reports/)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8050, help="port (default: 8050)")
+
+
+def _run_dashboard(args: argparse.Namespace) -> int:
+    from dashboards.app import run
+
+    run(args.reports, host=args.host, port=args.port)
+    return 0
+
+
+def _trace_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run id (or a prefix), suite/run_id, or a run directory")
+    parser.add_argument("--reports", default="reports", help="reports root (default: reports/)")
+    parser.add_argument("--force", action="store_true", help="rewrite the trace if it exists")
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    from dslab.profilers.trace import write_trace
+    from dslab.report import find_run
+
+    print(write_trace(find_run(args.reports, args.run), force=args.force))
+    return 0
+
+
 def _launch_arguments(parser: argparse.ArgumentParser) -> None:
     from dslab.engine.launch.runner import add_arguments
 
@@ -144,6 +190,27 @@ def _run_launch(args: argparse.Namespace) -> int:
     return launch(args)
 
 
+def _zero_to_fp32_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint_dir",
+                        help="a save directory (its 'latest', or --tag, picks the checkpoint) or "
+                             "one checkpoint's own directory")
+    parser.add_argument("out", help="file to write the full fp32 state dict to (torch.save)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag inside CHECKPOINT_DIR")
+
+
+def _run_zero_to_fp32(args: argparse.Namespace) -> int:
+    from dslab.engine.checkpoint_io import CheckpointError
+    from dslab.engine.zero.consolidate import zero_to_fp32
+
+    try:
+        path = zero_to_fp32(args.checkpoint_dir, args.out, tag=args.tag)
+    except CheckpointError as error:
+        print(f"dslab: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "bench",
@@ -153,9 +220,21 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "report",
-        "list run reports or show one",
+        "list run reports, show one, or plot one to PNG files",
         _report_arguments,
         _run_report,
+    ),
+    Command(
+        "dashboard",
+        "serve the Dash dashboard over the run reports (http://127.0.0.1:8050/ by default)",
+        _dashboard_arguments,
+        _run_dashboard,
+    ),
+    Command(
+        "trace",
+        "write a run's Perfetto trace (trace.pftrace, for ui.perfetto.dev) if missing and print its path",
+        _trace_arguments,
+        _run_trace,
     ),
     Command(
         "gate",
@@ -174,6 +253,12 @@ COMMANDS: tuple[Command, ...] = (
         "start a training script on every host of a hostfile (one torchrun per host), or on this machine",
         _launch_arguments,
         _run_launch,
+    ),
+    Command(
+        "zero-to-fp32",
+        "consolidate a ZeRO checkpoint's shards into one full fp32 state dict (no GPU needed)",
+        _zero_to_fp32_arguments,
+        _run_zero_to_fp32,
     ),
 )
 

@@ -28,12 +28,16 @@ EXPECTED_COMMANDS = {
     "report": {
         "list": {"--suite", "--reports"},
         "show": {"--reports", "--json"},
+        "plot": {"--reports", "--out"},
     },
+    "dashboard": {"--reports", "--host", "--port"},
+    "trace": {"--reports", "--force"},
     "gate": {"--suite", "--reports", "--baseline", "--candidate", "--metric", "--arm", "--threshold",
              "--alpha", "--format", "--update-baseline", "--pytest-benchmark"},
     "env": {"--json"},
     "launch": {"--hostfile", "--include", "--exclude", "--num_nodes", "--num_gpus", "--master_addr",
                "--master_port", "--rdzv_backend", "--dry-run"},
+    "zero-to-fp32": {"--tag"},
 }
 
 

@@ -117,6 +117,9 @@ class EngineArm:
         return loss
 
     def park(self) -> None:
+        release = getattr(self.engine.module, "release_cuda_graphs", None)
+        if release is not None:
+            release()  # the graphs' memory pools hold a whole forward's activations
         move_training_state(self.engine.module, self.engine.optimizer, torch.device("cpu"))
 
     def unpark(self) -> None:
@@ -125,6 +128,10 @@ class EngineArm:
     def records(self) -> dict[str, dict]:
         """The engine's profiler records (flops, memory, comms, telemetry, wall clock)."""
         return self.engine.profiler_records()
+
+    def cuda_graph_stats(self) -> dict[str, int]:
+        """The layer stack's graph captures, replays and eager calls (empty when graphs are off)."""
+        return dict(getattr(self.engine.module, "cuda_graph_stats", {}) or {})
 
     def close(self) -> None:
         self.engine.destroy()

@@ -249,6 +249,10 @@ def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_nam
                 report.profilers[section][case] = data
         except Exception as err:  # a profiler's failure must not lose the measured trials
             report.notes.append(f"{case}: profiler records failed: {_error_text(err).splitlines()[0]}")
+        graph_stats = built["dslab"].cuda_graph_stats()
+        if graph_stats:
+            counts = ", ".join(f"{k} {v}" for k, v in sorted(graph_stats.items()))
+            report.notes.append(f"{case}: dslab arm CUDA graphs of the layer stack: {counts}")
     for arm in built.values():
         arm.close()
     built.clear()

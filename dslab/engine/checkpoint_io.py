@@ -204,6 +204,17 @@ def save_checkpoint_files(save_dir: str | os.PathLike, tag: str, files: dict[str
     for name, obj in files.items():
         validate_tag(name, param=f"files key {name!r}")
         check_weights_only(obj, name)
+    _check_metadata(metadata)
+    partial = begin_checkpoint(save_dir, tag)
+    try:
+        entries = {name: write_checkpoint_file(partial, name, obj) for name, obj in files.items()}
+    except BaseException:
+        abort_checkpoint(partial)
+        raise
+    return commit_checkpoint(save_dir, tag, partial, entries, metadata, save_latest)
+
+
+def _check_metadata(metadata: dict) -> None:
     if not isinstance(metadata, dict):
         raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
     try:
@@ -211,28 +222,58 @@ def save_checkpoint_files(save_dir: str | os.PathLike, tag: str, files: dict[str
     except (TypeError, ValueError) as err:
         raise ValueError(f"metadata must be JSON-serialisable: {err}") from None
 
+
+def begin_checkpoint(save_dir: str | os.PathLike, tag: str) -> pathlib.Path:
+    """Create and return the hidden ``<save_dir>/.<tag>.partial-<random>`` directory that
+    :func:`write_checkpoint_file` fills and :func:`commit_checkpoint` renames to ``<tag>``.
+
+    The three steps let several processes write one checkpoint (ZeRO: every rank its shard, into
+    the directory rank 0 began, on a file system they share); :func:`save_checkpoint_files` is
+    them in a row for one writer."""
+    validate_tag(tag)
     save_dir = pathlib.Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(save_dir)
-
-    token = secrets.token_hex(8)
-    partial = save_dir / f".{tag}.partial-{token}"
-    target = save_dir / tag
+    partial = save_dir / f".{tag}.partial-{secrets.token_hex(8)}"
     partial.mkdir()
+    return partial
+
+
+def write_checkpoint_file(directory: str | os.PathLike, name: str, obj: object) -> dict:
+    """torch.save ``obj`` as ``<directory>/<name>.pt``, fsync it, and return its manifest entry
+    ``{"file", "bytes", "sha256"}``. Raises ValueError before writing when ``obj`` holds what
+    torch.load(weights_only=True) could not rebuild."""
+    validate_tag(name, param=f"files key {name!r}")
+    check_weights_only(obj, name)
+    path = pathlib.Path(directory) / f"{name}.pt"
+    torch.save(obj, path)
+    size, digest = _hash_and_sync(path)
+    return {"file": path.name, "bytes": size, "sha256": digest}
+
+
+def abort_checkpoint(partial: str | os.PathLike) -> None:
+    """Remove a begun checkpoint directory that will not be committed."""
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def commit_checkpoint(save_dir: str | os.PathLike, tag: str, partial: str | os.PathLike,
+                      entries: dict[str, dict], metadata: dict, save_latest: bool = True
+                      ) -> pathlib.Path:
+    """Write the manifest of ``entries`` (name -> entry from :func:`write_checkpoint_file`) into
+    ``partial``, fsync it, rename ``partial`` to ``<save_dir>/<tag>`` (an existing ``<tag>`` is
+    renamed aside first and removed after) and move ``latest``. Returns the tag's path."""
+    _check_metadata(metadata)
+    save_dir = pathlib.Path(save_dir)
+    partial = pathlib.Path(partial)
+    target = save_dir / tag
     try:
-        entries = {}
-        for name, obj in files.items():
-            path = partial / f"{name}.pt"
-            torch.save(obj, path)
-            size, digest = _hash_and_sync(path)
-            entries[name] = {"file": path.name, "bytes": size, "sha256": digest}
         manifest = {
             "format": "dslab-checkpoint",
             "format_version": FORMAT_VERSION,
             "dslab_version": _dslab_version(),
             "tag": tag,
             "metadata": metadata,
-            "files": entries,
+            "files": dict(entries),
         }
         with open(partial / MANIFEST_NAME, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
@@ -240,12 +281,12 @@ def save_checkpoint_files(save_dir: str | os.PathLike, tag: str, files: dict[str
             os.fsync(f.fileno())
         _fsync_dir(partial)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        abort_checkpoint(partial)
         raise
 
     old = None
     if target.exists() or target.is_symlink():
-        old = save_dir / f".{tag}.old-{token}"
+        old = save_dir / f".{tag}.old-{partial.name.rsplit('-', 1)[-1]}"
         os.rename(target, old)
     os.rename(partial, target)
     _fsync_dir(save_dir)
@@ -311,9 +352,10 @@ def _verify_file(path: pathlib.Path, entry: Any) -> None:
                               f"expected {entry['sha256']}")
 
 
-def load_checkpoint_files(load_dir: str | os.PathLike, tag: str | None = None
-                          ) -> tuple[pathlib.Path, dict[str, object], dict]:
-    """Read the checkpoint ``<load_dir>/<tag>`` (``tag=None``: the one ``latest`` names).
+def load_checkpoint_files(load_dir: str | os.PathLike, tag: str | None = None,
+                          names=None) -> tuple[pathlib.Path, dict[str, object], dict]:
+    """Read the checkpoint ``<load_dir>/<tag>`` (``tag=None``: the one ``latest`` names); with
+    ``names``, only those of its files (names the manifest lacks are left out of the result).
 
     Returns ``(path of the tag directory, {name: object}, metadata)``. Every file's size and
     sha256 are checked against the manifest before it is loaded with
@@ -334,7 +376,10 @@ def load_checkpoint_files(load_dir: str | os.PathLike, tag: str | None = None
     manifest = _read_manifest(ckpt_dir)
 
     loaded: dict[str, object] = {}
+    wanted = None if names is None else set(names)
     for name, entry in manifest["files"].items():
+        if wanted is not None and name not in wanted:
+            continue
         try:
             validate_tag(name, param="file name")
         except ValueError as err:

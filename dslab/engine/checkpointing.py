@@ -10,6 +10,9 @@ Layout of ``<save_dir>/<tag>/`` (written by :mod:`checkpoint_io`: aside, then re
 
 With data parallelism (ZeRO stage 0) every rank holds the same states, so rank 0 writes and the
 others wait at a barrier; the RNG states of all ranks are gathered so each resumes its own stream.
+With ZeRO stages 1 to 3 every rank also writes its shard (``zero_shard_rank<r>.pt``, holding the
+optimizer state partition and the parameter shards) into the same checkpoint, and there is no
+``optimizer.pt``: see :mod:`dslab.engine.zero.checkpoint`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch
 from dslab import comm
 from dslab.engine.checkpoint_io import CheckpointError, load_checkpoint_files, save_checkpoint_files
 from dslab.engine.rng import capture_rng_state, restore_rng_state
+from dslab.engine.zero import checkpoint as zero_checkpoint
+
+_ENGINE_FILES = ("model", "optimizer", "scheduler", "engine", "client_state")
 
 log = logging.getLogger(__name__)
 
@@ -31,28 +37,45 @@ def save(engine, save_dir, tag, client_state: dict, save_latest: bool) -> Path:
         tag = f"global_step{engine.global_steps}"
     tag = str(tag)
     rng_states = comm.all_gather_object(capture_rng_state())
+    metadata = {"config": engine.config.to_dict(), "world_size": engine.world_size}
+
+    def rank0_files() -> dict:
+        return _rank0_files(engine, client_state, rng_states)
+
+    if engine.zero is not None:
+        path = zero_checkpoint.save(engine.zero, engine.optimizer, save_dir, tag, rank0_files,
+                                    metadata, save_latest)
+        log.info("saved checkpoint %s", path)
+        return path
     path = Path(save_dir) / tag
     if engine.rank == 0:
-        files = {"model": engine.module.state_dict(), "client_state": client_state}
-        if engine.optimizer is not None:
-            files["optimizer"] = engine.optimizer.state_dict()
-        if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
-            files["scheduler"] = engine.lr_scheduler.state_dict()
-        files["engine"] = {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-            "world_size": engine.world_size,
-            "zero_stage": engine.config.zero_optimization.stage,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "rng": rng_states,
-        }
-        metadata = {"config": engine.config.to_dict(), "world_size": engine.world_size}
-        path = save_checkpoint_files(save_dir, tag, files, metadata, save_latest=save_latest)
+        path = save_checkpoint_files(save_dir, tag, rank0_files(), metadata, save_latest=save_latest)
         log.info("saved checkpoint %s", path)
     comm.barrier()
     return path
+
+
+def _rank0_files(engine, client_state: dict, rng_states: list) -> dict:
+    zero = engine.zero
+    files = {"model": engine.module.state_dict() if zero is None else zero_checkpoint.model_state(zero),
+             "client_state": client_state}
+    if engine.optimizer is not None and zero is None:
+        files["optimizer"] = engine.optimizer.state_dict()
+    if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
+        files["scheduler"] = engine.lr_scheduler.state_dict()
+    files["engine"] = {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "world_size": engine.world_size,
+        "zero_stage": engine.config.zero_optimization.stage,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "rng": rng_states,
+    }
+    if zero is not None:
+        files["engine"]["zero"] = zero_checkpoint.metadata(zero)
+    return files
 
 
 def _load_module(engine, state: dict, path: Path, strict: bool) -> None:
@@ -76,22 +99,43 @@ def _load_module(engine, state: dict, path: Path, strict: bool) -> None:
     engine.module.load_state_dict(state, strict=strict)
 
 
+def _refuse_sharded(path: Path, zero: dict | None, wants_optimizer: bool) -> None:
+    """A stage 0 engine reads a ZeRO checkpoint's model.pt only when it is whole (stages 1, 2)
+    and the optimizer states are not asked for."""
+    if zero is None:
+        return
+    saved = f"{path} was saved with ZeRO stage {zero['stage']} by {zero['world_size']} ranks"
+    if zero["stage"] == 3:
+        raise CheckpointError(
+            f"{saved}: its parameters are sharded and this engine runs stage 0; load it with a "
+            "ZeRO engine, or consolidate the weights with 'dslab zero-to-fp32'")
+    if wants_optimizer:
+        raise CheckpointError(
+            f"{saved}: its optimizer states are sharded and this engine runs stage 0; load it "
+            "with a ZeRO engine, or pass load_optimizer_states=False")
+
+
 def load(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_states: bool,
          load_module_strict: bool):
     load_dir = Path(load_dir)
     if tag is None and not (load_dir / "latest").is_file():
         log.warning("no 'latest' file in %s: nothing to resume from", load_dir)
         return None, None
-    path, files, _metadata = load_checkpoint_files(load_dir, tag)
-    _load_module(engine, files["model"], path, load_module_strict)
+    path, files, _metadata = load_checkpoint_files(load_dir, tag, names=_ENGINE_FILES)
     state = files["engine"]
-    if load_optimizer_states and engine.optimizer is not None:
-        if "optimizer" not in files:
-            raise CheckpointError(f"{path} holds no optimizer state (optimizer.pt is missing)")
-        try:
-            engine.optimizer.load_state_dict(files["optimizer"])
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(f"{path / 'optimizer.pt'} does not match the optimizer: {err}") from None
+    if engine.zero is not None:
+        zero_checkpoint.load(engine.zero, engine.optimizer, path, files, load_optimizer_states,
+                             load_module_strict)
+    else:
+        _refuse_sharded(path, state.get("zero"), load_optimizer_states and engine.optimizer is not None)
+        _load_module(engine, files["model"], path, load_module_strict)
+        if load_optimizer_states and engine.optimizer is not None:
+            if "optimizer" not in files:
+                raise CheckpointError(f"{path} holds no optimizer state (optimizer.pt is missing)")
+            try:
+                engine.optimizer.load_state_dict(files["optimizer"])
+            except (ValueError, KeyError) as err:
+                raise CheckpointError(f"{path / 'optimizer.pt'} does not match the optimizer: {err}") from None
     if load_lr_scheduler_states and engine.lr_scheduler is not None and "scheduler" in files:
         engine.lr_scheduler.load_state_dict(files["scheduler"])
     engine.global_steps = int(state["global_steps"])

@@ -17,6 +17,7 @@ from pydantic import Field
 
 from dslab.config_base import ConfigSection, closest_key, known_keys, parse_section
 from dslab.engine.compile_config import CompileConfig
+from dslab.engine.cuda_graph_config import CudaGraphConfig
 from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
 from dslab.engine.optimizers import OptimizerConfig
 from dslab.engine.precision import BF16Config, FP16Config
@@ -73,6 +74,7 @@ class DslabConfig(ConfigSection):
     zero_optimization: ZeroConfig = ZeroConfig()
     compile: CompileConfig = CompileConfig()
     # dslab's own keys
+    cuda_graphs: CudaGraphConfig = CudaGraphConfig()
     kernels: Literal["auto", "torch", "triton"] = "auto"
     flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()
@@ -169,5 +171,11 @@ def load_config(config: dict | str | Path | DslabConfig) -> DslabConfig:
             f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
         )
     parsed = parse_section(DslabConfig, data)
-    parsed.zero_optimization.check_supported()
+    parsed.zero_optimization.check_supported(
+        parsed.optimizer.type if parsed.optimizer is not None else None)
+    if parsed.zero_optimization.stage == 3 and parsed.compile.enabled:
+        raise ValueError(
+            "config key 'compile.enabled' cannot be combined with 'zero_optimization.stage' = 3: "
+            "stage 3 swaps each parameter's storage in and out around every module's forward, "
+            "which a compiled graph does not see; use stage 2 with compile, or stage 3 without")
     return parsed

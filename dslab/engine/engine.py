@@ -7,7 +7,9 @@ What one optimizer step does, with ``gradient_accumulation_steps = G``:
    divided by ``G`` (and multiplied by the fp16 loss scale) before ``backward``, so accumulated
    gradients are the mean over the whole batch.
 2. On the last micro-step (the accumulation boundary) the data-parallel all-reduce runs in buckets
-   during backward (:mod:`data_parallel`).
+   during backward (:mod:`data_parallel`). With ZeRO (``zero_optimization.stage`` 1 to 3) the
+   :mod:`zero` runtime reduce-scatters instead, and shards optimizer states, gradients and
+   parameters by stage.
 3. ``step()`` on the boundary: fp16 unscale and overflow check (an overflow skips the update and
    lowers the scale), clipping by global norm, the optimizer and scheduler steps, zeroing the
    gradients. Off the boundary ``step()`` only counts the micro-step.
@@ -30,6 +32,7 @@ from dslab.engine.optimizers import build_optimizer
 from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
 from dslab.engine.profiling import ProfilerHooks, build_profilers
 from dslab.engine.schedulers import build_scheduler
+from dslab.engine.zero import build_zero
 from dslab.kernels import dispatch
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class DslabEngine(nn.Module):
         self.module = model.to(self.device)
         # Kept out of nn.Module's registry: it is self.module or its compiled wrapper, and must
         # not show up a second time in the engine's modules or state dict.
+        config.cuda_graphs.apply(self.module)
         object.__setattr__(self, "_run_module", config.compile.wrap(self.module))
         if self.world_size > 1:
             self._broadcast_parameters()
@@ -73,11 +77,13 @@ class DslabEngine(nn.Module):
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
 
         params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
+        # ZeRO (stage > 0) owns the gradient reduction and the optimizer's view of the parameters.
+        self.zero = None
         self.optimizer = self._configure_optimizer(optimizer, params)
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
 
-        self.grad_reducer = None
-        if self.world_size > 1:
+        self.grad_reducer = self.zero
+        if self.world_size > 1 and self.zero is None:
             self.grad_reducer = GradientAllReducer(
                 list(self.module.parameters()), config.zero_optimization.reduce_bucket_size
             )
@@ -108,6 +114,11 @@ class DslabEngine(nn.Module):
                 "an optimizer was passed to initialize() and the config has an 'optimizer' "
                 "section; keep one of them"
             )
+        if self.config.zero_optimization.stage > 0:
+            self.zero, built = build_zero(
+                self.module, self.config, optimizer, params,
+                lambda groups, fused_ok: build_optimizer(self.config.optimizer, groups, fused_ok=fused_ok))
+            return built
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
         if callable(optimizer):
@@ -227,28 +238,36 @@ class DslabEngine(nn.Module):
         self._boundary_override = None
 
     def _take_model_step(self) -> None:
-        overflow = False
-        if self.loss_scaler is not None:
-            overflow = self.loss_scaler.unscale_and_check(self._grads())
-            self.loss_scaler.update_scale(overflow)
-        if overflow:
+        if self.zero is not None:
+            applied = self.zero.step(self.optimizer, self.loss_scaler, self.config.gradient_clipping)
+        else:
+            applied = self._step_replicated()
+        if not applied:
             self.skipped_steps += 1
             log.info(
                 "step %d: gradient overflow, skipped; loss scale now %s",
                 self.global_steps, self.loss_scaler.loss_scale,
             )
-        else:
-            if self.config.gradient_clipping > 0:
-                torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.module.parameters() if p.grad is not None],
-                    self.config.gradient_clipping,
-                )
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            self._step_applied = True
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._step_applied = applied
         self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)
+
+    def _step_replicated(self) -> bool:
+        """Stage 0: every rank holds the whole averaged gradient and steps on all of it."""
+        if self.loss_scaler is not None:
+            overflow = self.loss_scaler.unscale_and_check(self._grads())
+            self.loss_scaler.update_scale(overflow)
+            if overflow:
+                return False
+        if self.config.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in self.module.parameters() if p.grad is not None],
+                self.config.gradient_clipping,
+            )
+        self.optimizer.step()
+        return True
 
     def _after_boundary(self) -> None:
         print_now = self.global_steps % self.config.steps_per_print == 0
@@ -278,6 +297,8 @@ class DslabEngine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
+        if self.zero is not None:
+            self.zero.zero_grad()
 
     def was_step_applied(self) -> bool:
         """False when the last boundary step was skipped (fp16 overflow) or was not a boundary."""
@@ -303,7 +324,10 @@ class DslabEngine(nn.Module):
         return self.cur_scale
 
     def module_state_dict(self) -> dict:
-        """The wrapped model's full state dict (on every rank)."""
+        """The wrapped model's full state dict (on every rank). With ZeRO stage 3 it is gathered
+        from every rank's shards: a collective, so call it on all ranks."""
+        if self.zero is not None:
+            return self.zero.module_state_dict()
         return self.module.state_dict()
 
     # -- checkpoints ----------------------------------------------------------------------------

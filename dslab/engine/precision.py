@@ -109,6 +109,12 @@ class LossScaler:
         """
         if not grads:
             return False
+        return bool(self.unscale_and_find_inf(grads).item() > 0)
+
+    def unscale_and_find_inf(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide ``grads`` (a non-empty list) by the scale in place; returns a 0-dim float32
+        tensor on the first gradient's device, > 0 when any of them is inf or NaN. No host
+        synchronisation: ZeRO all-reduces the flag across ranks before reading it."""
         by_key: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
             by_key.setdefault((g.device, g.dtype), []).append(g)
@@ -118,7 +124,8 @@ class LossScaler:
             inv_scale = torch.full((), 1.0 / self.cur_scale, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
             flags.append(found)
-        return bool(sum(f.item() for f in flags) > 0)
+        device = grads[0].device
+        return torch.stack([f.to(device) for f in flags]).sum()
 
     def state_dict(self) -> dict:
         return {

@@ -1,19 +1,25 @@
 """DeepSpeed's ``zero_optimization`` section.
 
-dslab runs stage 0 (plain data parallelism with bucketed, overlapped gradient all-reduce). The
-other keys are accepted with DeepSpeed's meaning so that existing configs validate; a stage above
-0 is refused with a clear message rather than silently ignored.
+Stage 0 is plain data parallelism (bucketed, overlapped gradient all-reduce); stages 1 to 3 shard
+optimizer states, then gradients, then parameters (:mod:`dslab.engine.zero`). The keys keep
+DeepSpeed's meaning: ``reduce_bucket_size`` caps a stage 1/2 unit (elements), ``overlap_comm``
+lets reductions run during backward, ``stage3_prefetch_bucket_size`` caps the elements gathered
+ahead of use, ``stage3_max_live_parameters`` the gathered elements alive at once,
+``stage3_param_persistence_threshold`` keeps modules with at most that many elements gathered.
+``allgather_bucket_size``, ``contiguous_gradients`` and ``reduce_scatter`` are accepted for
+DeepSpeed configs and have no effect: dslab always reduce-scatters whole units through contiguous
+buffers.
 """
 
 from __future__ import annotations
 
 import warnings
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dslab.config_base import ConfigSection
 
-SUPPORTED_STAGES = (0,)
+SUPPORTED_STAGES = (0, 1, 2, 3)
 
 
 class DslabDeprecationWarning(DeprecationWarning):
@@ -24,8 +30,21 @@ warnings.simplefilter("default", DslabDeprecationWarning)
 
 
 class OffloadOptimizerConfig(ConfigSection):
+    """``offload_optimizer``: ``device: cpu`` keeps the optimizer states in CPU memory and steps
+    there (pinned buffers with ``pin_memory`` when CUDA is in use)."""
+
     device: str = "none"
     pin_memory: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value == "nvme":
+            raise ValueError("offload_optimizer.device 'nvme' is a DeepSpeed feature that dslab "
+                             "does not support; use 'cpu' or 'none'")
+        if value not in ("cpu", "none"):
+            raise ValueError(f"offload_optimizer.device must be 'cpu' or 'none', got {value!r}")
+        return value
 
 
 class ZeroConfig(ConfigSection):
@@ -57,9 +76,22 @@ class ZeroConfig(ConfigSection):
             return {"stage": 0}
         return data
 
-    def check_supported(self) -> None:
+    def check_supported(self, optimizer_type: str | None = None) -> None:
+        """Refuse combinations dslab cannot run, naming the keys."""
         if self.stage not in SUPPORTED_STAGES:
             raise ValueError(
-                f"config key 'zero_optimization.stage' = {self.stage} is not supported yet: dslab "
-                f"runs ZeRO stage 0 (data parallel) only; set the stage to 0 or remove the section"
+                f"config key 'zero_optimization.stage' = {self.stage} is not supported: dslab "
+                f"runs stages {', '.join(map(str, SUPPORTED_STAGES))}"
+            )
+        if self.stage == 0 and self.offload_optimizer.device != "none":
+            raise ValueError(
+                "config key 'zero_optimization.offload_optimizer.device' = "
+                f"{self.offload_optimizer.device!r} needs 'zero_optimization.stage' >= 1: stage 0 "
+                "keeps whole optimizer states on every rank"
+            )
+        if self.stage > 0 and optimizer_type == "Lamb":
+            raise ValueError(
+                f"config key 'optimizer.type' = 'Lamb' cannot run with 'zero_optimization.stage' "
+                f"= {self.stage}: LAMB's trust ratio needs each parameter's whole norm and ZeRO "
+                "splits parameters across ranks; use stage 0 or Adam/AdamW/SGD"
             )

@@ -165,6 +165,10 @@ def test_readme_suite_bert_large_tiny_runs_all_arms(tmp_path):
     assert report.status == "complete"
     assert {r.arm for r in report.results} == {"dslab", "torch", "torch-compile", "hf"}
     assert all(r.status == "ok" for r in report.results), [(r.arm, r.error) for r in report.results]
+    # The suite turns CUDA graphs on for the dslab arm; on a CPU the stack runs eagerly, and the
+    # report says how each case's stack ran.
+    graph_notes = [n for n in report.notes if "CUDA graphs" in n]
+    assert len(graph_notes) == 2 and all("eager_not_cuda" in n for n in graph_notes), report.notes
 
 
 def test_parked_arm_trains_on_after_a_round_trip_through_host_memory(tmp_path):

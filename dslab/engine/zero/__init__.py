@@ -1,0 +1,58 @@
+"""ZeRO stages 1 to 3 (Rajbhandari et al., 2020, arXiv:1910.02054) over :mod:`dslab.comm`.
+
+- Stage 1 shards the optimizer states: each rank steps the optimizer on its shard of every unit
+  (see :mod:`.partition`), gradients are reduce-scattered on the accumulation boundary and the
+  updated shards all-gathered back into the full parameters.
+- Stage 2 also shards the gradients: every backward reduce-scatters them in buckets while it runs
+  and keeps only this rank's shard (:mod:`.grads`).
+- Stage 3 also shards the parameters: each module's parameters are all-gathered just before its
+  forward and backward, prefetched, and released after (:mod:`.stage3`).
+
+``offload_optimizer.device: cpu`` keeps the optimizer's masters, gradients and states in CPU
+memory and steps there (:mod:`.runtime`). Checkpoints are sharded per rank
+(:mod:`.checkpoint`); ``dslab zero-to-fp32`` consolidates them (:mod:`.consolidate`).
+
+Every collective goes through :mod:`dslab.comm` (``reduce_scatter`` and ``all_gather``, sized as
+nccl-tests count them), so the comms logger sees them all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from dslab.engine.zero.consolidate import consolidated_state_dict, zero_to_fp32
+from dslab.engine.zero.runtime import ZeroRuntime, refuse_lamb
+
+__all__ = ["ZeroRuntime", "build_zero", "consolidated_state_dict", "zero_to_fp32"]
+
+
+def build_zero(module: nn.Module, config, optimizer, params: list, build_from_config
+               ) -> tuple[ZeroRuntime, torch.optim.Optimizer]:
+    """The ZeRO runtime for ``module`` and the optimizer over its masters.
+
+    ``optimizer`` is what was passed to ``initialize()``: a torch optimizer built on the model's
+    parameters (re-pointed at the masters), a callable (called with the masters' param groups),
+    or None (``build_from_config(param_groups, fused_ok)`` builds the config's optimizer over
+    ``params``).
+    """
+    zero = config.zero_optimization
+    if isinstance(optimizer, torch.optim.Optimizer):
+        refuse_lamb(optimizer, zero.stage)
+        runtime = ZeroRuntime(module, zero, optimizer.param_groups)
+        return runtime, runtime.adopt(optimizer)
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
+    if optimizer is None and config.optimizer is None:
+        raise ValueError(
+            f"ZeRO stage {zero.stage} ('zero_optimization.stage') shards an optimizer's states: "
+            "pass an optimizer to initialize() or add an 'optimizer' section to the config")
+    runtime = ZeroRuntime(module, zero, params)
+    if callable(optimizer):
+        built = optimizer(runtime.optimizer_param_groups())
+        if not isinstance(built, torch.optim.Optimizer):
+            raise ValueError("the optimizer callable must return a torch.optim.Optimizer")
+        refuse_lamb(built, zero.stage)
+        return runtime, built
+    return runtime, build_from_config(runtime.optimizer_param_groups(), runtime.masters_on_cuda)

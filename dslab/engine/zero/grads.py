@@ -1,0 +1,125 @@
+"""Gradient reduce-scatter in units, overlapped with backward (ZeRO stages 1 to 3).
+
+A post-accumulate-grad hook counts the parameters of a unit whose gradient is ready. Units are
+issued strictly in ``issue_order`` (the same on every rank, so every rank issues the same
+sequence of collectives): a unit whose gradients are all ready, and all units before it, are
+copied into a flat buffer of ``padded`` elements (zeros for padding and for parameters that got
+no gradient), divided by the world size and reduce-scattered asynchronously; each rank receives
+its ``S``-element shard of the average. The parameters' ``.grad`` are freed as soon as they are
+copied, so a full gradient lives only between its accumulation and its unit's issue.
+
+The shards are added into ``unit.grad_shard`` (the accumulation across micro-steps happens on
+the shards: stage 2 and 3 reduce every backward) once the collective completes. At most
+``max_in_flight`` elements of flat gradient buffers wait on collectives at a time; beyond that the
+oldest is completed first. Memory traffic per unit and reduction: read the grads once, write the
+flat buffer once, plus the collective's own.
+
+Stage 1 reduces only on the accumulation boundary (gradients accumulate in full ``.grad`` until
+then); stages 2 and 3 reduce every backward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from dslab import comm
+from dslab.engine.zero.partition import FlatUnit
+
+
+class GradientReduceScatter:
+    """Reduce-scatters the gradients of ``units`` into their ``grad_shard`` during backward."""
+
+    def __init__(self, units: list[FlatUnit], reduce_every_backward: bool, max_in_flight: int,
+                 on_issued: Callable[[FlatUnit], None] | None = None, group=None):
+        self.units = units
+        self.issue_order: list[FlatUnit] = list(units)
+        self.reduce_every_backward = reduce_every_backward
+        self.max_in_flight = max_in_flight
+        self.on_issued = on_issued
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        self.active = False
+        self._ready: dict[int, int] = {}
+        self._next = 0
+        self._in_flight: deque = deque()
+        self._in_flight_numel = 0
+        self._unit_of: dict[int, FlatUnit] = {}
+        self._hooks = []
+        for unit in units:
+            for p in unit.params:
+                self._unit_of[id(p)] = unit
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def set_issue_order(self, order: list[FlatUnit]) -> None:
+        """Issue units in ``order`` (units missing from it go last, in index order)."""
+        seen = {u.index for u in order}
+        self.issue_order = list(order) + [u for u in self.units if u.index not in seen]
+
+    def begin(self, is_boundary: bool) -> None:
+        """Before each backward: reduce in this backward (always for stages 2 and 3, only on the
+        accumulation boundary for stage 1)."""
+        self.active = self.reduce_every_backward or is_boundary
+        self._ready = {u.index: 0 for u in self.units}
+        self._next = 0
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.active:
+            return
+        self._ready[self._unit_of[id(param)].index] += 1
+        self._issue_ready()
+
+    def _issue_ready(self, force: bool = False) -> None:
+        while self._next < len(self.issue_order):
+            unit = self.issue_order[self._next]
+            if not force and self._ready[unit.index] < len(unit.params):
+                return
+            self._issue(unit)
+            self._next += 1
+
+    def _issue(self, unit: FlatUnit) -> None:
+        flat = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
+        for p, offset, size in zip(unit.params, unit.layout.offsets, unit.layout.sizes):
+            if p.grad is not None:
+                flat[offset: offset + size].copy_(p.grad.reshape(-1))
+                p.grad = None
+        flat.div_(self.world_size)
+        shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        work = comm.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
+        if self.on_issued is not None:
+            self.on_issued(unit)
+        self._in_flight.append((unit, flat, shard, work))
+        self._in_flight_numel += unit.padded
+        # Without overlap (max_in_flight < 0) every reduction completes at once; with it, the
+        # newest stays in flight while backward goes on.
+        keep = 0 if self.max_in_flight < 0 else 1
+        while len(self._in_flight) > keep and self._in_flight_numel > self.max_in_flight:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        unit, flat, shard, work = self._in_flight.popleft()
+        self._in_flight_numel -= flat.numel()
+        if work is not None:
+            work.wait()
+        if unit.grad_shard is None:
+            unit.grad_shard = shard
+        else:
+            unit.grad_shard.add_(shard)
+
+    def finish(self) -> None:
+        """After backward: issue what is left (units that got no gradient contribute zeros) and
+        complete every reduction."""
+        if not self.active:
+            return
+        self._issue_ready(force=True)
+        while self._in_flight:
+            self._complete_oldest()
+        self.active = False
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

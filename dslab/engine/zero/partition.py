@@ -1,0 +1,195 @@
+"""How ZeRO lays parameters out: flat units, each split into equal shards across the ranks.
+
+A *unit* is a list of parameters of one optimizer param group, one dtype and one device, laid end
+to end in a flat buffer of ``numel`` elements and padded with zeros to ``padded = ceil(numel /
+W) * W`` elements for a world of ``W`` ranks. Rank ``r`` owns elements ``[r * S, (r + 1) * S)``
+of every unit, ``S = padded / W`` (FSDP's layout): a reduce-scatter of a unit's flat gradient
+leaves each rank exactly its shard, and an all-gather of the shards rebuilds the unit, so every
+collective works on whole units with no per-rank bookkeeping.
+
+Which parameters form a unit does not depend on ``W`` (buckets of at most ``reduce_bucket_size``
+elements for stages 1 and 2, one module's own parameters for stage 3), so a checkpoint's units
+can be re-split for another world size from its :class:`UnitLayout` records alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """What a unit holds, independent of the world size (stored in sharded checkpoints).
+
+    ``names`` are the parameters' names in ``module.named_parameters()``, in flat-buffer order;
+    ``group`` is the optimizer param group; ``resident`` units keep their full flat buffer on
+    every rank (stages 1 and 2, and stage 3 units under the persistence threshold).
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group: int
+    resident: bool
+
+    @property
+    def sizes(self) -> list[int]:
+        return [math.prod(shape) for shape in self.shapes]
+
+    @property
+    def offsets(self) -> list[int]:
+        offsets, total = [], 0
+        for size in self.sizes:
+            offsets.append(total)
+            total += size
+        return offsets
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    def padded(self, world_size: int) -> int:
+        return math.ceil(self.numel / world_size) * world_size
+
+    def shard_numel(self, world_size: int) -> int:
+        return self.padded(world_size) // world_size
+
+    def to_dict(self) -> dict:
+        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
+                "group": self.group, "resident": self.resident}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "UnitLayout":
+        return cls(tuple(data["names"]), tuple(tuple(int(d) for d in s) for s in data["shapes"]),
+                   int(data["group"]), bool(data["resident"]))
+
+
+def flatten(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
+    """The tensors end to end in one 1-D buffer of ``padded`` elements (zeros after them)."""
+    first = tensors[0]
+    flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+    offset = 0
+    for t in tensors:
+        flat[offset: offset + t.numel()].copy_(t.reshape(-1))
+        offset += t.numel()
+    return flat
+
+
+def plan_buckets(named_groups: list[list[tuple[str, nn.Parameter]]], bucket_size: int
+                 ) -> list[tuple[UnitLayout, list[nn.Parameter]]]:
+    """Stage 1 and 2 units: each group's parameters in reverse order (roughly the order backward
+    produces their gradients), cut into buckets of at most ``bucket_size`` elements (a larger
+    parameter gets a bucket of its own) and at every change of dtype or device."""
+    units = []
+    for group_index, named in enumerate(named_groups):
+        current: list[tuple[str, nn.Parameter]] = []
+        current_numel, current_key = 0, None
+        for name, p in reversed(named):
+            key = (p.dtype, p.device)
+            if current and (current_numel + p.numel() > bucket_size or key != current_key):
+                units.append(_unit(current, group_index, resident=True))
+                current, current_numel = [], 0
+            current.append((name, p))
+            current_numel += p.numel()
+            current_key = key
+        if current:
+            units.append(_unit(current, group_index, resident=True))
+    return units
+
+
+def plan_module_units(module: nn.Module, named_groups: list[list[tuple[str, nn.Parameter]]],
+                      persistence_threshold: int
+                      ) -> list[tuple[UnitLayout, list[nn.Parameter], nn.Module]]:
+    """Stage 3 units: the parameters each module registers itself (not its children's), split by
+    param group, dtype and device, in ``module.modules()`` order. A unit of at most
+    ``persistence_threshold`` elements stays resident (gathered once, never released). Returns
+    ``(layout, params, owning module)`` triples."""
+    group_of = {id(p): g for g, named in enumerate(named_groups) for _, p in named}
+    name_of = {id(p): name for named in named_groups for name, p in named}
+    assigned: set[int] = set()
+    units = []
+    for owner in module.modules():
+        by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+        for p in owner._parameters.values():
+            if p is None or id(p) not in group_of or id(p) in assigned:
+                continue
+            assigned.add(id(p))
+            key = (group_of[id(p)], p.dtype, p.device)
+            by_key.setdefault(key, []).append((name_of[id(p)], p))
+        for (group_index, _, _), named in by_key.items():
+            numel = sum(p.numel() for _, p in named)
+            layout, params = _unit(named, group_index, resident=numel <= persistence_threshold)
+            units.append((layout, params, owner))
+    return units
+
+
+def _unit(named: list[tuple[str, nn.Parameter]], group: int, resident: bool
+          ) -> tuple[UnitLayout, list[nn.Parameter]]:
+    layout = UnitLayout(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named),
+                        group, resident)
+    return layout, [p for _, p in named]
+
+
+class FlatUnit:
+    """One unit on one rank: its shard, and its full flat buffer while gathered.
+
+    The model's parameters are views into ``full`` while the unit is gathered; a released unit
+    (stage 3) points them at empty tensors and frees ``full``. ``shard`` (``S`` elements) is this
+    rank's slice: a view into ``full`` for a resident unit, its own buffer otherwise.
+    ``grad_shard`` (``S`` elements) accumulates this rank's reduced gradient until the step.
+    """
+
+    def __init__(self, index: int, layout: UnitLayout, params: list[nn.Parameter],
+                 world_size: int, rank: int):
+        self.index = index
+        self.layout = layout
+        self.params = params
+        self.world_size = world_size
+        self.rank = rank
+        self.numel = layout.numel
+        self.padded = layout.padded(world_size)
+        self.shard_numel = self.padded // world_size
+        self.resident = layout.resident
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.grad_shard: torch.Tensor | None = None
+        self.pending = None
+        self.held = False
+        with torch.no_grad():
+            self.full: torch.Tensor | None = flatten([p.detach() for p in params], self.padded)
+        lo = rank * self.shard_numel
+        shard = self.full[lo: lo + self.shard_numel]
+        self.shard = shard if self.resident else shard.clone()
+        self.bind()
+        if not self.resident:
+            self.release()
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None and self.pending is None
+
+    def bind(self) -> None:
+        """Point every parameter at its slice of ``full``."""
+        for p, shape, offset, size in zip(self.params, self.layout.shapes, self.layout.offsets,
+                                          self.layout.sizes):
+            p.data = self.full[offset: offset + size].view(shape)
+
+    def release(self) -> None:
+        """Free the full buffer (stage 3); the parameters become empty until the next gather."""
+        if self.resident:
+            return
+        self.full = None
+        self.pending = None
+        self.held = False
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def param_slices(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``flat`` (this unit's full flat buffer, at least ``numel`` long) cut into its
+        parameters by name, each in its shape (views)."""
+        return {name: flat[offset: offset + size].view(shape)
+                for name, shape, offset, size in zip(self.layout.names, self.layout.shapes,
+                                                     self.layout.offsets, self.layout.sizes)}

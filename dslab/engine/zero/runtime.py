@@ -1,0 +1,250 @@
+"""The ZeRO runtime the engine calls: units, optimizer over shards, the step.
+
+The optimizer never sees the model's parameters. For each unit it sees one *master*: a 1-D
+``nn.Parameter`` of the unit's shard (``S`` elements). Without offload the master shares storage
+with the shard, so the optimizer updates the shard in place; with ``offload_optimizer.device:
+cpu`` the master (and its gradient and optimizer states) live in CPU memory (pinned when CUDA is
+in use and ``pin_memory`` is set) and the shard is copied back after the CPU step. The update is
+elementwise per master, which is exact for Adam/AdamW/SGD-style optimizers; LAMB's per-parameter
+trust ratio is not, so LAMB is refused.
+
+One optimizer step (on the accumulation boundary, after backward left each rank's averaged
+gradient shard in ``unit.grad_shard``):
+
+1. fp16: unscale the shards and check them for inf/NaN; the verdict is all-reduced (MAX) so every
+   rank skips or steps together.
+2. Clipping: the global norm is ``sqrt(all_reduce(sum of squared shard norms))`` (padding is
+   zero and adds nothing); the shards are scaled by ``min(1, clip / (norm + 1e-6))`` as
+   ``torch.nn.utils.clip_grad_norm_`` does.
+3. The optimizer steps on the masters (offload: gradients copied to CPU first).
+4. Publish: resident units all-gather their shards into the full buffers that the parameters
+   view; stage 3 releases every gathered unit (its full copy is stale).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from dslab import comm
+from dslab.engine.lamb import Lamb
+from dslab.engine.zero.grads import GradientReduceScatter
+from dslab.engine.zero.partition import FlatUnit, plan_buckets, plan_module_units
+from dslab.engine.zero.stage3 import ParameterGatherer
+from dslab.engine.zero_config import ZeroConfig
+
+
+def refuse_lamb(optimizer, stage: int) -> None:
+    if isinstance(optimizer, Lamb):
+        raise ValueError(
+            f"optimizer Lamb cannot run with ZeRO stage {stage} ('zero_optimization.stage'): its "
+            "trust ratio needs each parameter's whole norm, and ZeRO splits parameters across "
+            "ranks; use stage 0 or an Adam/AdamW/SGD optimizer")
+
+
+def _as_groups(params) -> list[dict]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [dict(group) for group in params]
+    return [{"params": params}]
+
+
+class ZeroRuntime:
+    """ZeRO stages 1 to 3 for one module; built by the engine when ``zero_optimization.stage`` > 0.
+
+    ``param_groups`` are the optimizer's groups over the model's parameters (dicts with
+    ``params`` and per-group options); only parameters that require a gradient are sharded.
+    """
+
+    def __init__(self, module: nn.Module, config: ZeroConfig, param_groups, group=None):
+        self.module = module
+        self.config = config
+        self.stage = config.stage
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.group_options = []
+        named_groups = self._named_groups(_as_groups(param_groups))
+        if self.stage == 3:
+            planned = plan_module_units(module, named_groups,
+                                        config.stage3_param_persistence_threshold)
+            owners = [owner for _, _, owner in planned]
+            planned = [(layout, params) for layout, params, _ in planned]
+        else:
+            planned = plan_buckets(named_groups, config.reduce_bucket_size)
+        self.units = [FlatUnit(i, layout, params, self.world_size, self.rank)
+                      for i, (layout, params) in enumerate(planned)]
+        self.gatherer = None
+        if self.stage == 3:
+            self.gatherer = ParameterGatherer(
+                module, list(zip(self.units, owners)), config.stage3_prefetch_bucket_size,
+                config.stage3_max_live_parameters, group)
+        max_in_flight = 2 * config.reduce_bucket_size if config.overlap_comm else -1
+        self.reducer = GradientReduceScatter(
+            self.units, reduce_every_backward=self.stage >= 2, max_in_flight=max_in_flight,
+            on_issued=self.gatherer.release if self.gatherer is not None else None, group=group)
+        self.offload = config.offload_optimizer.device == "cpu"
+        pin = self.offload and config.offload_optimizer.pin_memory and torch.cuda.is_available()
+        self.masters: list[nn.Parameter] = []
+        self._cpu_grads: list[torch.Tensor] = []
+        for unit in self.units:
+            if self.offload:
+                master = torch.empty(unit.shard_numel, dtype=unit.dtype, pin_memory=pin)
+                master.copy_(unit.shard)
+                self.masters.append(nn.Parameter(master))
+                self._cpu_grads.append(torch.zeros(unit.shard_numel, dtype=unit.dtype,
+                                                   pin_memory=pin))
+            else:
+                self.masters.append(nn.Parameter(unit.shard))
+
+    def _named_groups(self, groups: list[dict]) -> list[list[tuple[str, nn.Parameter]]]:
+        name_of = {id(p): name for name, p in self.module.named_parameters()}
+        seen: set[int] = set()
+        named_groups = []
+        for index, group in enumerate(groups):
+            named = []
+            for p in group["params"]:
+                if id(p) not in name_of:
+                    raise ValueError(
+                        f"optimizer param group {index} holds a parameter of shape "
+                        f"{tuple(p.shape)} that is not in the model; ZeRO shards the model's "
+                        "own parameters only")
+                if id(p) in seen:
+                    raise ValueError(f"parameter '{name_of[id(p)]}' is in more than one "
+                                     "optimizer param group")
+                seen.add(id(p))
+                if p.requires_grad:
+                    named.append((name_of[id(p)], p))
+            named_groups.append(named)
+            self.group_options.append({k: v for k, v in group.items() if k != "params"})
+        return named_groups
+
+    # -- the optimizer ------------------------------------------------------------------------
+
+    def optimizer_param_groups(self) -> list[dict]:
+        """Param groups over the masters, with each original group's options."""
+        groups = [dict(options, params=[]) for options in self.group_options]
+        for unit, master in zip(self.units, self.masters):
+            groups[unit.layout.group]["params"].append(master)
+        return [g for g in groups if g["params"]]
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Point an optimizer built on the model's parameters at the masters instead."""
+        refuse_lamb(optimizer, self.stage)
+        if any(optimizer.state.values()):
+            raise ValueError("the optimizer passed to initialize() has already stepped; ZeRO "
+                             "needs a fresh optimizer to shard its states")
+        for group, unit_group in zip(optimizer.param_groups, range(len(self.group_options))):
+            group["params"] = [m for u, m in zip(self.units, self.masters)
+                               if u.layout.group == unit_group]
+        optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
+        return optimizer
+
+    @property
+    def masters_on_cuda(self) -> bool:
+        return bool(self.masters) and all(m.is_cuda for m in self.masters)
+
+    # -- backward and step --------------------------------------------------------------------
+
+    def begin(self, is_boundary: bool) -> None:
+        """Before each backward (the engine calls it as it calls stage 0's all-reducer)."""
+        if self.gatherer is not None and self.gatherer.order:
+            resident = [u for u in self.units if u.resident]
+            self.reducer.set_issue_order(self.gatherer.backward_issue_order() + resident)
+        self.reducer.begin(is_boundary)
+
+    def finish(self) -> None:
+        """After each backward: complete the reductions into the gradient shards."""
+        self.reducer.finish()
+
+    def step(self, optimizer: torch.optim.Optimizer, loss_scaler, clip: float) -> bool:
+        """Unscale/check, clip, step the masters and publish the new shards; False when an fp16
+        overflow skipped the update. Gradients are cleared either way."""
+        for unit in self.units:
+            if unit.grad_shard is None:
+                unit.grad_shard = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        grads = [unit.grad_shard for unit in self.units]
+        overflow = False
+        if loss_scaler is not None and grads:
+            found = loss_scaler.unscale_and_find_inf(grads)
+            comm.all_reduce(found, op=comm.ReduceOp.MAX, group=self.group)
+            overflow = bool(found.item() > 0)
+            loss_scaler.update_scale(overflow)
+        if not overflow:
+            if clip > 0 and grads:
+                self._clip(grads, clip)
+            self._attach_grads()
+            optimizer.step()
+            self._publish()
+        self.zero_grad()
+        return not overflow
+
+    def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient from every rank's shards (a collective)."""
+        device = grads[0].device
+        squares = torch.stack([n.float().to(device) for n in torch._foreach_norm(grads)]).square()
+        total = squares.sum()
+        comm.all_reduce(total, group=self.group)
+        return total.sqrt()
+
+    def _clip(self, grads: list[torch.Tensor], clip: float) -> None:
+        coef = (clip / (self.global_grad_norm(grads) + 1e-6)).clamp(max=1.0)
+        by_key: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            by_key.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), group in by_key.items():
+            torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+
+    def _attach_grads(self) -> None:
+        for unit, master, index in zip(self.units, self.masters, range(len(self.units))):
+            if self.offload:
+                self._cpu_grads[index].copy_(unit.grad_shard, non_blocking=True)
+                master.grad = self._cpu_grads[index]
+            else:
+                master.grad = unit.grad_shard
+        if self.offload and any(u.device.type == "cuda" for u in self.units):
+            torch.cuda.current_stream().synchronize()
+
+    def _publish(self) -> None:
+        works = []
+        with torch.no_grad():
+            for unit, master in zip(self.units, self.masters):
+                if self.offload:
+                    unit.shard.copy_(master, non_blocking=True)
+                if unit.resident:
+                    works.append(comm.all_gather_into_tensor(unit.full, unit.shard,
+                                                             group=self.group, async_op=True))
+        for work in works:
+            if work is not None:
+                work.wait()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+
+    def zero_grad(self) -> None:
+        for unit, master in zip(self.units, self.masters):
+            unit.grad_shard = None
+            master.grad = None
+
+    def reload_shards(self, shards: list[torch.Tensor]) -> None:
+        """Set every unit's shard (and master) from ``shards`` and rebuild the resident units'
+        full buffers (a collective)."""
+        with torch.no_grad():
+            for unit, master, shard in zip(self.units, self.masters, shards):
+                unit.shard.copy_(shard)
+                if self.offload:
+                    master.copy_(shard)
+        self._publish()
+
+    # -- whole model --------------------------------------------------------------------------
+
+    def module_state_dict(self) -> dict:
+        """The module's full state dict; with stage 3 a collective (copies gathered from every
+        rank), otherwise the module's own."""
+        if self.gatherer is not None:
+            return self.gatherer.gathered_state_dict()
+        return self.module.state_dict()
+
+    def remove(self) -> None:
+        self.reducer.remove()
+        if self.gatherer is not None:
+            self.gatherer.remove()

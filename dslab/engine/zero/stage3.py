@@ -1,0 +1,207 @@
+"""ZeRO stage 3: parameters gathered per module just before use and released after.
+
+Each module that registers parameters of a released (non-resident) unit gets:
+
+- a forward pre-hook that all-gathers its units (waiting for a prefetch already in flight) and
+  then prefetches the units that the recorded forward order says come next, up to
+  ``prefetch_numel`` elements, while fewer than ``max_live_numel`` gathered elements are live;
+- a forward hook that releases its units again and registers a hook on each output tensor that
+  needs a gradient: when backward reaches the module's output, the units are gathered again
+  (with a prefetch of the next ones in reverse forward order);
+- after backward, :class:`~dslab.engine.zero.grads.GradientReduceScatter` releases a unit as soon
+  as its gradients are copied out for the reduce-scatter.
+
+A parameter read outside its own module's forward while the root module runs forward (a tied LM
+head reading ``self.wte.weight``) is gathered on access through the module's parameter registry
+and held until its gradients are reduced (or, without autograd, until the forward ends).
+
+The forward order is recorded in the first forward; all ranks see the same module order, so all
+ranks issue the same sequence of all-gathers. Parameters must not be read outside the forward
+(their data is empty between uses): :meth:`ParameterGatherer.gathered_state_dict` is the way to
+read the full weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from dslab import comm
+from dslab.engine.zero.partition import FlatUnit
+
+
+class _GatheringParameters(dict):
+    """A module's ``_parameters`` that reports every ``module.name`` read to ``on_access``."""
+
+    def __init__(self, items, on_access):
+        super().__init__(items)
+        self.on_access = on_access
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        self.on_access(value)
+        return value
+
+
+class ParameterGatherer:
+    """Gathers and releases stage 3 units around their modules' forward and backward."""
+
+    def __init__(self, root: nn.Module, units: list[tuple[FlatUnit, nn.Module]],
+                 prefetch_numel: int, max_live_numel: int, group=None):
+        self.root = root
+        self.group = group
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.units = [u for u, _ in units if not u.resident]
+        self._units_of: dict[int, list[FlatUnit]] = {}
+        self._unit_of_param: dict[int, FlatUnit] = {}
+        owners: dict[int, nn.Module] = {}
+        for unit, owner in units:
+            if unit.resident:
+                continue
+            self._units_of.setdefault(id(owner), []).append(unit)
+            owners[id(owner)] = owner
+            for p in unit.params:
+                self._unit_of_param[id(p)] = unit
+        self.order: list[FlatUnit] = []
+        self._recorded: set[int] = set()
+        self._order_done = False
+        self._root_depth = 0
+        self.live_numel = 0
+        self._hooks = [
+            root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
+            root.register_forward_hook(self._root_post_forward),
+        ]
+        self._owners = list(owners.values())
+        for owner in self._owners:
+            self._hooks.append(owner.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(owner.register_forward_hook(self._post_forward))
+            owner._parameters = _GatheringParameters(owner._parameters, self._on_access)
+
+    # -- gather and release -------------------------------------------------------------------
+
+    def gather(self, unit: FlatUnit) -> None:
+        """Make ``unit``'s parameters full (waiting for its prefetch if one is in flight)."""
+        if unit.pending is not None:
+            unit.pending.wait()
+            unit.pending = None
+            unit.bind()
+        elif unit.full is None:
+            self._start_gather(unit, async_op=False)
+
+    def _start_gather(self, unit: FlatUnit, async_op: bool) -> None:
+        unit.full = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+        work = comm.all_gather_into_tensor(unit.full, unit.shard, group=self.group,
+                                           async_op=async_op)
+        self.live_numel += unit.padded
+        if async_op and work is not None:
+            unit.pending = work
+        else:
+            unit.bind()
+
+    def release(self, unit: FlatUnit) -> None:
+        if unit.resident or unit.full is None:
+            return
+        if unit.pending is not None:
+            unit.pending.wait()
+        self.live_numel -= unit.padded
+        unit.release()
+
+    def release_all(self) -> None:
+        """Release every gathered unit (after the optimizer step: their full copies are stale)."""
+        for unit in self.units:
+            self.release(unit)
+
+    def _prefetch_after(self, unit: FlatUnit, reverse: bool) -> None:
+        if not self._order_done or self.prefetch_numel <= 0:
+            return
+        order = self.order[::-1] if reverse else self.order
+        try:
+            position = next(i for i, u in enumerate(order) if u is unit)
+        except StopIteration:
+            return
+        budget = self.prefetch_numel
+        for candidate in order[position + 1:]:
+            if budget <= 0:
+                break
+            if candidate.full is not None:
+                continue
+            if self.live_numel + candidate.padded > self.max_live_numel:
+                break
+            self._start_gather(candidate, async_op=True)
+            budget -= candidate.padded
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def _root_pre_forward(self, module, args):
+        self._root_depth += 1
+
+    def _root_post_forward(self, module, args, output):
+        self._root_depth -= 1
+        if self._root_depth == 0:
+            self._order_done = self._order_done or bool(self.order)
+            if not torch.is_grad_enabled():
+                for unit in self.units:
+                    if unit.held:
+                        self.release(unit)
+
+    def _pre_forward(self, module, args):
+        units = self._units_of[id(module)]
+        for unit in units:
+            if not self._order_done and unit.index not in self._recorded:
+                self._recorded.add(unit.index)
+                self.order.append(unit)
+            self.gather(unit)
+        self._prefetch_after(units[-1], reverse=False)
+
+    def _post_forward(self, module, args, output):
+        units = self._units_of[id(module)]
+        for unit in units:
+            if not unit.held:
+                self.release(unit)
+        if torch.is_grad_enabled():
+            for leaf in tree_leaves(output):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(lambda grad, units=units: self._pre_backward(units))
+        return None
+
+    def _pre_backward(self, units: list[FlatUnit]):
+        for unit in units:
+            self.gather(unit)
+        self._prefetch_after(units[0], reverse=True)
+        return None
+
+    def _on_access(self, value) -> None:
+        if self._root_depth == 0 or not isinstance(value, nn.Parameter):
+            return
+        unit = self._unit_of_param.get(id(value))
+        if unit is not None and not unit.gathered:
+            self.gather(unit)
+            unit.held = True
+
+    def backward_issue_order(self) -> list[FlatUnit]:
+        """The order gradients become ready in, roughly: the reverse of the forward order."""
+        return self.order[::-1]
+
+    # -- whole-model access -------------------------------------------------------------------
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """The root module's full state dict (copies); a collective: call it on every rank."""
+        held = [u for u in self.units if u.full is None]
+        for unit in held:
+            self.gather(unit)
+        try:
+            state = {k: v.detach().clone() for k, v in self.root.state_dict().items()}
+        finally:
+            for unit in held:
+                self.release(unit)
+        return state
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for owner in self._owners:
+            owner._parameters = dict(owner._parameters)
+        self._owners = []

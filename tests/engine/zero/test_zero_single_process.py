@@ -1,0 +1,134 @@
+"""ZeRO in one process (no process group): config errors, optimizers passed to initialize(), the
+parameter release of stage 3, and the shard layout."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dslab
+from dslab.engine.config import load_config
+from dslab.engine.lamb import Lamb
+from dslab.engine.zero.partition import UnitLayout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import TinyNet, base_config, make_data  # noqa: E402
+
+
+def _train(engine, steps=3):
+    x, y = make_data(8 * steps, seed=3)
+    for s in range(steps):
+        loss = engine(x[s * 8:(s + 1) * 8], y[s * 8:(s + 1) * 8])
+        engine.backward(loss)
+        engine.step()
+
+
+def _zero(stage, **extra):
+    return {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0,
+            **extra}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_lamb_is_refused_with_zero(stage):
+    cfg = base_config(optimizer={"type": "Lamb", "params": {"lr": 1e-3}},
+                      zero_optimization={"stage": stage})
+    with pytest.raises(ValueError, match="'optimizer.type' = 'Lamb'.*'zero_optimization.stage'"):
+        load_config(cfg)
+    model = TinyNet()
+    cfg = base_config(zero_optimization={"stage": stage})
+    del cfg["optimizer"]
+    with pytest.raises(ValueError, match=f"Lamb cannot run with ZeRO stage {stage}"):
+        dslab.initialize(model=model, optimizer=Lamb(model.parameters()), config=cfg)
+
+
+def test_bad_offload_configs_are_refused():
+    with pytest.raises(ValueError, match="'nvme' is a DeepSpeed feature"):
+        load_config(base_config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}))
+    with pytest.raises(ValueError, match="must be 'cpu' or 'none'"):
+        load_config(base_config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "gpu"}}))
+    with pytest.raises(ValueError, match="offload_optimizer.device.*needs 'zero_optimization.stage' >= 1"):
+        load_config(base_config(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}))
+    with pytest.raises(ValueError, match="pin_mem"):
+        load_config(base_config(zero_optimization={"stage": 1, "offload_optimizer": {"pin_mem": True}}))
+
+
+def test_compile_with_stage3_is_refused():
+    with pytest.raises(ValueError, match="'compile.enabled' cannot be combined with 'zero_optimization.stage' = 3"):
+        load_config(base_config(zero_optimization={"stage": 3}, compile={"enabled": True}))
+
+
+def test_zero_needs_an_optimizer():
+    cfg = base_config(zero_optimization={"stage": 2})
+    del cfg["optimizer"]
+    with pytest.raises(ValueError, match="ZeRO stage 2.*pass an optimizer"):
+        dslab.initialize(model=TinyNet(), config=cfg)
+
+
+def _with_optimizer(stage, make):
+    torch.manual_seed(0)
+    model = TinyNet(dropout=0.0)
+    cfg = base_config(zero_optimization=_zero(stage))
+    del cfg["optimizer"]
+    if make == "instance":
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    else:
+        def optimizer(params):
+            return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    engine, opt, _, _ = dslab.initialize(model=model, optimizer=optimizer, config=cfg)
+    if make == "instance":
+        assert opt is optimizer
+    return engine, opt
+
+
+@pytest.mark.parametrize("make", ["instance", "callable"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_optimizer_instance_and_callable_are_sharded(stage, make):
+    reference, _ = _with_optimizer(0, make)
+    _train(reference)
+    engine, opt = _with_optimizer(stage, make)
+    if make == "instance":  # each group keeps its options
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    model_ids = {id(p) for p in engine.module.parameters()}
+    assert all(p.dim() == 1 and id(p) not in model_ids for g in opt.param_groups for p in g["params"])
+    _train(engine)
+    state, expected = engine.module_state_dict(), reference.module_state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7)
+    engine.destroy()
+    reference.destroy()
+
+
+def test_stage3_releases_parameters_between_uses():
+    cfg = base_config(zero_optimization=_zero(3))
+    engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
+    _train(engine, 1)
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    full = engine.module_state_dict()
+    assert full["fc1.weight"].shape == (32, 16)
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    with torch.no_grad():  # forward without autograd gathers and releases too
+        engine(*[t[:4] for t in make_data(4)])
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    engine.destroy()
+
+
+def test_persistent_units_stay_gathered():
+    cfg = base_config(zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 200})
+    engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
+    _train(engine, 1)
+    sizes = {n: p.numel() for n, p in engine.module.named_parameters()}
+    # fc1 (16x32 + 32 = 544 elements) is above the threshold, fc2 (32x4 + 4 = 132) below
+    assert sizes == {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 128, "fc2.bias": 4}
+    engine.destroy()
+
+
+def test_unit_layout_pads_to_the_world_size():
+    layout = UnitLayout(("a", "b"), ((3, 3), (4,)), group=0, resident=True)
+    assert layout.numel == 13 and layout.offsets == [0, 9]
+    assert [layout.padded(w) for w in (1, 2, 3, 4)] == [13, 14, 15, 16]
+    assert layout.shard_numel(3) == 5
+    assert UnitLayout.from_dict(layout.to_dict()) == layout

@@ -1,0 +1,201 @@
+"""One rank of the ZeRO tests, started by torchrun (see test_zero_multiprocess.py).
+
+``main OUT CKPT``: 2 ranks. Every stage against stage 0 in several configs, the comms each stage
+issues, and sharded checkpoints (save, resume, uninterrupted run) per stage.
+``reload OUT CKPT``: 3 ranks. Loads the 2-rank checkpoints (re-partitioning), saves them again
+at 3 ranks, and runs stage 2 against stage 0 with odd padding.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dslab
+from dslab import comm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import TinyNet, base_config, make_data  # noqa: E402
+
+DIM, HIDDEN, CLASSES = 13, 9, 3  # odd sizes: every unit needs padding
+
+
+class TiedNet(nn.Module):
+    """Embedding, a layer, and a head tied to the embedding (read outside the embedding's
+    forward, as GPT-2's LM head is)."""
+
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, ids, y):
+        h = torch.relu(self.fc(self.emb(ids))).mean(1)
+        return F.cross_entropy(F.linear(h, self.emb.weight).float(), y)
+
+
+class Observed:
+    def __init__(self):
+        self.calls = []
+
+    def before(self, call):
+        self.calls.append((call.op, call.nbytes))
+
+    def after(self, call, work):
+        pass
+
+
+def build(stage, tied=False, dropout=0.0, seed=0, **overrides):
+    zero = {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 200}
+    zero.update(overrides.pop("zero", {}))
+    cfg = base_config(zero_optimization=zero, **overrides)
+    torch.manual_seed(seed)
+    model = TiedNet() if tied else TinyNet(DIM, HIDDEN, CLASSES, dropout=dropout)
+    engine, _, _, _ = dslab.initialize(model=model, config=cfg)
+    return engine
+
+
+def batches(engine, tied, steps, start=0):
+    """This rank's micro-batches of global steps ``start .. start + steps``."""
+    micro, accum, world = (engine.train_micro_batch_size_per_gpu(),
+                           engine.gradient_accumulation_steps(), engine.world_size)
+    n = micro * accum * world * (start + steps)
+    if tied:
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randint(0, 11, (n, 5), generator=g), torch.randint(0, 11, (n,), generator=g)
+    else:
+        x, y = make_data(n, dim=DIM, classes=CLASSES, seed=7)
+    for s in range(start, start + steps):
+        base = s * micro * accum * world
+        for a in range(accum):
+            lo = base + (a * world + engine.rank) * micro
+            yield x[lo:lo + micro].to(engine.device), y[lo:lo + micro].to(engine.device)
+
+
+def train(engine, steps, tied=False, start=0):
+    losses = []
+    for xb, yb in batches(engine, tied, steps, start):
+        loss = engine(xb, yb)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().cpu().clone())
+    return losses
+
+
+def state(engine):
+    return {k: v.detach().cpu().clone() for k, v in engine.module_state_dict().items()}
+
+
+def same_on_all_ranks(sd):
+    flat = torch.cat([v.float().reshape(-1) for v in sd.values()])
+    gathered = comm.all_gather_object(flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+SCENARIOS = {
+    "fp32": {},
+    "accum_clip": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05},
+    "offload": {"zero": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+    "bf16": {"bf16": {"enabled": True}},
+    "fp16": {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1},
+             "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False,
+                                                      "weight_decay": 0.01}}},
+    "tied": {"tied": True},
+}
+
+
+def run_matrix(results):
+    for name, overrides in SCENARIOS.items():
+        tied = overrides.get("tied", False)
+        for stage in (0, 1, 2, 3):
+            kwargs = {k: v for k, v in overrides.items() if k != "tied"}
+            if stage == 0:
+                kwargs.pop("zero", None)
+            engine = build(stage, tied=tied, **kwargs)
+            train(engine, 3, tied)
+            sd = state(engine)
+            results[f"{name}/stage{stage}"] = {"state": sd, "skipped": engine.skipped_steps,
+                                               "ranks_agree": same_on_all_ranks(sd)}
+            engine.destroy()
+
+
+def run_comms(results):
+    for stage in (2, 3):
+        observed = Observed()
+        comm.add_observer(observed)
+        engine = build(stage, gradient_accumulation_steps=2, comms_logger={"enabled": True})
+        train(engine, 2)
+        summary = comm.log_summary(return_dict=True)
+        comm.remove_observer(observed)
+        results[f"comms/stage{stage}"] = {
+            "calls": [c for c in observed.calls if c[0] in ("reduce_scatter", "all_gather")],
+            "logged": {op: {int(size): row["count"] for size, row in summary.get(op, {}).items()}
+                       for op in ("reduce_scatter", "all_gather")},
+            "padded_bytes": [u.padded * 4 for u in engine.zero.units],
+        }
+        engine.destroy()
+
+
+CKPT = {"gradient_accumulation_steps": 2, "dropout": 0.2,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 0.02}}}
+
+
+def run_checkpoints(results, ckpt_root):
+    for stage in (1, 2, 3):
+        straight = build(stage, **CKPT)
+        expected = train(straight, 4)
+        results[f"ckpt/stage{stage}/straight"] = state(straight)
+        straight.destroy()
+
+        first = build(stage, **CKPT)
+        head = train(first, 2)
+        save_dir = ckpt_root / f"stage{stage}"
+        first.save_checkpoint(save_dir, client_state={"stage": stage})
+        results[f"ckpt/stage{stage}/saved"] = state(first)
+        first.destroy()
+
+        torch.manual_seed(1234)
+        resumed = build(stage, seed=99, **CKPT)
+        _, client = resumed.load_checkpoint(save_dir)
+        tail = train(resumed, 2, start=2)
+        results[f"ckpt/stage{stage}/resumed"] = state(resumed)
+        results[f"ckpt/stage{stage}/losses_equal"] = all(
+            torch.equal(a, b) for a, b in zip(expected, head + tail))
+        results[f"ckpt/stage{stage}/client"] = client
+        resumed.destroy()
+
+
+def main_mode(out, ckpt_root):
+    results = {}
+    run_matrix(results)
+    run_comms(results)
+    run_checkpoints(results, ckpt_root)
+    if comm.get_rank() == 0:
+        torch.save(results, out)
+
+
+def reload_mode(out, ckpt_root):
+    results = {}
+    for stage in (1, 2, 3):
+        engine = build(stage, **CKPT)
+        engine.load_checkpoint(ckpt_root / f"stage{stage}")
+        results[f"reload/stage{stage}/state"] = state(engine)
+        engine.save_checkpoint(ckpt_root / f"stage{stage}-3ranks")
+        losses = train(engine, 1, start=2)
+        results[f"reload/stage{stage}/finite"] = all(torch.isfinite(x).item() for x in losses)
+        engine.destroy()
+    for stage in (0, 2):
+        engine = build(stage, gradient_clipping=0.05)
+        train(engine, 3)
+        results[f"three/stage{stage}"] = state(engine)
+        engine.destroy()
+    if comm.get_rank() == 0:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    mode, out, ckpt_root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    {"main": main_mode, "reload": reload_mode}[mode](out, ckpt_root)
