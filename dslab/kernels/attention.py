@@ -12,15 +12,29 @@ with q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, heads, seq_k, head
   (``nn.MultiheadAttention``'s convention).
 - A query row whose keys are all masked gets output 0 and gradient 0 (SDPA returns NaN there).
 - ``dropout_p``: dropout on the attention probabilities. On the Triton path the keep-mask comes
-  from Philox with a seed drawn from torch's default (CPU) generator at call time
-  (:func:`draw_dropout_seed`, so ``torch.manual_seed`` reproduces it) and is regenerated, not
-  stored, for the backward. :func:`triton_dropout_keep_mask` materialises it for tests.
+  from Philox keyed by ``seed``: an int64 ``[1]`` tensor on q's device, by default drawn at call
+  time from torch's generator for that device (:func:`draw_dropout_seed`: ``torch.manual_seed``
+  reproduces it, no host synchronisation, and a captured CUDA graph draws a new one on each
+  replay); an int or a tensor may be passed instead, and the same value gives the same mask. The
+  kernels read the seed from device memory, and the backward regenerates the mask from the saved
+  seed tensor instead of storing it. :func:`triton_dropout_keep_mask` materialises it for tests.
+  The reference draws its mask with ``F.dropout``, or from a generator seeded with ``seed``'s value
+  (read on the host) when one is passed.
 - ``scale`` defaults to ``1 / sqrt(head_dim)`` and must be positive.
+
+``attention_packed(qkv, heads, causal, key_padding_mask, dropout_p, scale)`` is the same attention
+straight from a packed projection: qkv ``[batch, seq, 3 * hidden]`` (q, k, v blocks of ``hidden``
+columns, ``heads`` heads of ``hidden / heads`` columns in order within each) -> ``[batch, seq,
+hidden]`` (heads concatenated). Its Triton path reads q, k, v as strided views of qkv, writes the
+output in ``[batch, seq, heads, head_dim]`` order, reads the incoming ``[batch, seq, hidden]``
+gradient in place and writes dq, dk, dv into one ``[batch, seq, 3 * hidden]`` gradient: no
+transposes, copies or zero-fills around the kernels (whose memory traffic is ``attention``'s).
 
 Backends (:mod:`dslab.kernels.dispatch`): Triton (:mod:`dslab.kernels.attention_triton`, ``_bwd``)
 for fp16 and bf16 inputs when ``use_triton`` says so; :func:`attention_reference` otherwise. The
-Triton path is the custom ops ``dslab::attention_forward`` / ``dslab::attention_backward`` under
-``torch.compile``, and an ``autograd.Function`` making the same launches in eager mode. fp32
+Triton path is the custom ops ``dslab::attention_forward`` / ``dslab::attention_backward`` (and
+``dslab::attention_packed_forward`` / ``_backward``) under ``torch.compile``, and an
+``autograd.Function`` making the same launches in eager mode. fp32
 and fp64 inputs always take the reference, which materialises the ``seq_q x seq_k`` scores. Head
 dims are 32, 64 or 128 on every backend so that a model behaves the same on CPU and GPU.
 """
@@ -36,7 +50,8 @@ from dslab.kernels.dispatch import use_custom_op, use_triton
 HEAD_DIMS = (32, 64, 128)
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SEED_LOW, _SEED_HIGH = 2**31, 2**62
+SEED_HIGH = 2**62
+MAX_SEED = 2**63 - 1
 
 
 def attention_reference(
@@ -48,12 +63,15 @@ def attention_reference(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     dropout_mask: Optional[torch.Tensor] = None,
+    seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch attention in the inputs' dtype; materialises ``[batch, heads, seq_q, seq_k]``.
 
     ``dropout_mask`` (bool, broadcastable to the scores, True = kept) replaces the random draw
     when given, so tests can apply exactly the mask the Triton kernels used; kept probabilities
-    are scaled by ``1 / (1 - dropout_p)``. Fully masked rows give 0 (not NaN) and 0 gradients.
+    are scaled by ``1 / (1 - dropout_p)``. Otherwise the mask is ``F.dropout``'s, or with ``seed``
+    (an int or a 1-element tensor, read on the host) ``rand >= dropout_p`` from a generator seeded
+    with it. Fully masked rows give 0 (not NaN) and 0 gradients.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -68,6 +86,9 @@ def attention_reference(
     row_empty = masked.all(dim=-1, keepdim=True)
     # Empty rows would be softmax(-inf, ..., -inf) = NaN: give them finite scores, then zero them.
     probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
+    if dropout_mask is None and dropout_p > 0.0 and seed is not None:
+        generator = torch.Generator(device=q.device).manual_seed(int(seed))
+        dropout_mask = torch.rand(probs.shape, generator=generator, device=q.device) >= dropout_p
     if dropout_mask is not None:
         probs = probs * dropout_mask / (1.0 - dropout_p)
     elif dropout_p > 0.0:
@@ -75,18 +96,39 @@ def attention_reference(
     return torch.matmul(probs, v)
 
 
-def draw_dropout_seed() -> torch.Tensor:
-    """The Philox seed of one call: an int64 CPU scalar from torch's default generator, in
-    ``[2**31, 2**62)`` (one Triton argument type for every seed)."""
-    return torch.randint(_SEED_LOW, _SEED_HIGH, (), dtype=torch.int64)
+def draw_dropout_seed(device: torch.device | str) -> torch.Tensor:
+    """The Philox seed of one call: int64 ``[1]`` on ``device`` in ``[0, 2**62)``, from torch's
+    generator for that device (``torch.randint``: no host synchronisation, CUDA-graph safe)."""
+    return torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device)
+
+
+def _seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``seed`` as the int64 ``[1]`` tensor on ``device`` the kernels read (an int by a fill on the
+    device, no host-to-device copy); ValueError naming ``seed`` for anything else."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != device:
+            raise ValueError(
+                f"seed must be a 1-element int64 tensor on {device}, got a {seed.dtype} tensor of shape "
+                f"{tuple(seed.shape)} on {seed.device}"
+            )
+        return seed.view(1)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an int in [0, 2**63 - 1] or a 1-element int64 tensor, got {seed!r}")
+    return torch.full((1,), seed, dtype=torch.int64, device=device)
 
 
 def triton_dropout_keep_mask(
     seed: int | torch.Tensor, batch: int, heads: int, seq_q: int, seq_k: int, dropout_p: float, device
 ) -> torch.Tensor:
-    """Bool ``[batch, heads, seq_q, seq_k]``: True where the Triton kernels keep a probability for
-    ``seed`` (a :func:`draw_dropout_seed` value). Debug helper for small shapes."""
-    return attention_triton.dropout_keep_mask(int(seed), batch, heads, seq_q, seq_k, dropout_p, device)
+    """Bool ``[batch, heads, seq_q, seq_k]`` on ``device``: True where the Triton kernels keep a
+    probability for ``seed`` (an int, or a :func:`draw_dropout_seed` tensor, moved to ``device``).
+    Debug helper for small shapes."""
+    if isinstance(seed, torch.Tensor):
+        seed = seed.to(device)
+        seed = _seed_tensor(seed, seed.device)  # seed.device is "cuda:0" where device may say "cuda"
+    else:
+        seed = _seed_tensor(seed, torch.device(device))
+    return attention_triton.dropout_keep_mask(seed, batch, heads, seq_q, seq_k, dropout_p)
 
 
 @torch.library.custom_op("dslab::attention_forward", mutates_args=())
@@ -100,9 +142,9 @@ def _attention_forward_op(
     dropout_p: float,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward: (out, base-2 logsumexp ``[batch, heads, seq_q]`` fp32)."""
-    seed_value = 0 if seed is None else int(seed)
-    return attention_triton.attention_forward(q, k, v, key_padding_mask, seed_value, causal, dropout_p, scale)
+    """Triton forward: (out, base-2 logsumexp ``[batch, heads, seq_q]`` fp32); ``seed`` int64 ``[1]``
+    on q's device, None without dropout."""
+    return attention_triton.attention_forward(q, k, v, key_padding_mask, seed, causal, dropout_p, scale)
 
 
 @_attention_forward_op.register_fake
@@ -125,10 +167,9 @@ def _attention_backward_op(
     dropout_p: float,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward: (dq, dk, dv)."""
-    seed_value = 0 if seed is None else int(seed)
+    """Triton backward: (dq, dk, dv), the dropout mask regenerated from the forward's ``seed``."""
     return attention_triton_bwd.attention_backward(
-        grad_out, q, k, v, out, lse, key_padding_mask, seed_value, causal, dropout_p, scale
+        grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p, scale
     )
 
 
@@ -165,12 +206,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, seed, causal, dropout_p, scale):
-        seed_value = 0 if seed is None else int(seed)
-        out, lse = attention_triton.attention_forward(
-            q, k, v, key_padding_mask, seed_value, causal, dropout_p, scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
-        ctx.params = (seed_value, causal, dropout_p, scale)
+        out, lse = attention_triton.attention_forward(q, k, v, key_padding_mask, seed, causal, dropout_p, scale)
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed)
+        ctx.params = (causal, dropout_p, scale)
         return out
 
     @staticmethod
@@ -183,8 +221,10 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def _eager_backward(ctx, grad_out):
-    q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = attention_triton_bwd.attention_backward(grad_out, q, k, v, out, lse, key_padding_mask, *ctx.params)
+    q, k, v, out, lse, key_padding_mask, seed = ctx.saved_tensors
+    dq, dk, dv = attention_triton_bwd.attention_backward(
+        grad_out, q, k, v, out, lse, key_padding_mask, seed, *ctx.params
+    )
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -233,16 +273,20 @@ def _validate(q, k, v, key_padding_mask, dropout_p, scale) -> None:
             )
     if v.shape[2] != k.shape[2]:
         raise ValueError(f"v has seq_k {v.shape[2]} but k has {k.shape[2]}")
+    _validate_options(key_padding_mask, q.shape[0], k.shape[2], q.device, "q", dropout_p, scale)
+
+
+def _validate_options(key_padding_mask, batch, seq_k, device, input_name, dropout_p, scale) -> None:
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
             raise ValueError(f"key_padding_mask must be a bool tensor, got {_describe(key_padding_mask)}")
-        if tuple(key_padding_mask.shape) != (q.shape[0], k.shape[2]):
+        if tuple(key_padding_mask.shape) != (batch, seq_k):
             raise ValueError(
                 f"key_padding_mask has shape {tuple(key_padding_mask.shape)}; expected [batch, seq_k] = "
-                f"[{q.shape[0]}, {k.shape[2]}]"
+                f"[{batch}, {seq_k}]"
             )
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+        if key_padding_mask.device != device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but {input_name} is on {device}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is not None and not (math.isfinite(scale) and scale > 0.0):
@@ -263,17 +307,216 @@ def attention(
     key_padding_mask: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over q ``[B, H, Sq, D]``, k, v ``[B, H, Sk, D]`` -> ``[B, H, Sq, D]`` (see the module
-    docstring for the masks, dropout and backends). Raises ValueError naming the bad argument."""
+    docstring for the masks, dropout, ``seed`` and backends). Raises ValueError naming the bad
+    argument."""
     _validate(q, k, v, key_padding_mask, dropout_p, scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if seed is not None:
+        seed = _seed_tensor(seed, q.device)
     has_work = q.numel() > 0 and k.shape[2] > 0
     if has_work and q.dtype in TRITON_DTYPES and use_triton(q, k, v, key_padding_mask):
-        seed = draw_dropout_seed() if dropout_p > 0.0 else None
+        if dropout_p > 0.0:
+            seed = draw_dropout_seed(q.device) if seed is None else seed
+        else:
+            seed = None
         args = (q, k, v, key_padding_mask, seed, bool(causal), float(dropout_p), float(scale))
         if use_custom_op():
             return _attention_forward_op(*args)[0]
         return _eager_attention(*args)
-    return attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale)
+    return attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention_packed: the same op on a packed [batch, seq, 3 * hidden] projection.
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``[batch, heads, seq, head_dim]`` as strided views of qkv ``[batch, seq, 3 * hidden]``."""
+    batch, seq, width = qkv.shape
+    q, k, v = qkv.view(batch, seq, 3, heads, width // (3 * heads)).unbind(2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _as_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[batch, seq, hidden]`` viewed as ``[batch, heads, seq, head_dim]`` (no copy for any strides)."""
+    batch, seq, hidden = t.shape
+    return t.view(batch, seq, heads, hidden // heads).transpose(1, 2)
+
+
+def attention_packed_reference(
+    qkv: torch.Tensor,
+    heads: int,
+    causal: bool = False,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    dropout_mask: Optional[torch.Tensor] = None,
+    seed: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`attention_reference` on the heads of qkv ``[batch, seq, 3 * hidden]``, returned as
+    ``[batch, seq, hidden]``; ``dropout_mask`` and ``seed`` as there."""
+    batch, seq, width = qkv.shape
+    q, k, v = _split_heads(qkv, heads)
+    out = attention_reference(q, k, v, causal, key_padding_mask, dropout_p, scale, dropout_mask, seed)
+    return out.transpose(1, 2).reshape(batch, seq, width // 3)
+
+
+def _packed_forward(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale):
+    batch, seq, width = qkv.shape
+    out = qkv.new_empty((batch, seq, width // 3))
+    q, k, v = _split_heads(qkv, heads)
+    _, lse = attention_triton.attention_forward(
+        q, k, v, key_padding_mask, seed, causal, dropout_p, scale, out=_as_heads(out, heads)
+    )
+    return out, lse
+
+
+def _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale):
+    grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    q, k, v = _split_heads(qkv, heads)
+    attention_triton_bwd.attention_backward(
+        _as_heads(grad_out, heads), q, k, v, _as_heads(out, heads), lse, key_padding_mask, seed,
+        causal, dropout_p, scale, grads=_split_heads(grad_qkv, heads),
+    )
+    return grad_qkv
+
+
+@torch.library.custom_op("dslab::attention_packed_forward", mutates_args=())
+def _attention_packed_forward_op(
+    qkv: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor],
+    seed: Optional[torch.Tensor],
+    heads: int,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward on qkv ``[batch, seq, 3 * hidden]``: (out ``[batch, seq, hidden]``, base-2
+    logsumexp ``[batch, heads, seq]`` fp32)."""
+    return _packed_forward(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale)
+
+
+@_attention_packed_forward_op.register_fake
+def _attention_packed_forward_fake(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale):
+    batch, seq, width = qkv.shape
+    return qkv.new_empty((batch, seq, width // 3)), qkv.new_empty((batch, heads, seq), dtype=torch.float32)
+
+
+@torch.library.custom_op("dslab::attention_packed_backward", mutates_args=())
+def _attention_packed_backward_op(
+    grad_out: torch.Tensor,
+    qkv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: Optional[torch.Tensor],
+    seed: Optional[torch.Tensor],
+    heads: int,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+) -> torch.Tensor:
+    """Triton backward: the gradient of qkv, ``[batch, seq, 3 * hidden]``."""
+    return _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale)
+
+
+@_attention_packed_backward_op.register_fake
+def _attention_packed_backward_fake(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale):
+    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+
+
+def _packed_setup_context(ctx, inputs, output):
+    qkv, key_padding_mask, seed, heads, causal, dropout_p, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse, key_padding_mask, seed)
+    ctx.params = (heads, causal, dropout_p, scale)
+
+
+def _packed_backward_autograd(ctx, grad_out, grad_lse):
+    qkv, out, lse, key_padding_mask, seed = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grad_qkv = _attention_packed_backward_op(grad_out, qkv, out, lse, key_padding_mask, seed, *ctx.params)
+    return grad_qkv, None, None, None, None, None, None
+
+
+_attention_packed_forward_op.register_autograd(_packed_backward_autograd, setup_context=_packed_setup_context)
+
+
+class _EagerAttentionPacked(torch.autograd.Function):
+    """The packed custom ops' launches for eager mode (see :class:`_EagerAttention`)."""
+
+    @staticmethod
+    def forward(ctx, qkv, key_padding_mask, seed, heads, causal, dropout_p, scale):
+        out, lse = _packed_forward(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale)
+        ctx.save_for_backward(qkv, out, lse, key_padding_mask, seed)
+        ctx.params = (heads, causal, dropout_p, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            return _eager_packed_backward_once_differentiable(ctx, grad_out)
+        return _eager_packed_backward(ctx, grad_out)
+
+
+def _eager_packed_backward(ctx, grad_out):
+    qkv, out, lse, key_padding_mask, seed = ctx.saved_tensors
+    grad_qkv = _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, *ctx.params)
+    return grad_qkv, None, None, None, None, None, None
+
+
+_eager_packed_backward_once_differentiable = torch.autograd.function.once_differentiable(_eager_packed_backward)
+_eager_attention_packed = _function_apply(_EagerAttentionPacked)
+
+
+def _validate_packed(qkv, heads, key_padding_mask, dropout_p, scale) -> None:
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
+        raise ValueError(f"qkv must be a 3-d tensor [batch, seq, 3 * hidden], got {_describe(qkv)}")
+    if qkv.dtype not in _DTYPES:
+        raise ValueError(f"qkv has dtype {qkv.dtype}; expected one of {', '.join(map(str, _DTYPES))}")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
+        raise ValueError(f"heads must be a positive int, got {heads!r}")
+    width = qkv.shape[-1]
+    if width % (3 * heads):
+        raise ValueError(f"qkv's last dimension {width} is not 3 * heads * head_dim for heads={heads}")
+    if width // (3 * heads) not in HEAD_DIMS:
+        raise ValueError(
+            f"qkv has head_dim {width // (3 * heads)} ({width} / (3 * heads={heads})); supported head dims "
+            f"are {HEAD_DIMS}"
+        )
+    _validate_options(key_padding_mask, qkv.shape[0], qkv.shape[1], qkv.device, "qkv", dropout_p, scale)
+
+
+def attention_packed(
+    qkv: torch.Tensor,
+    heads: int,
+    causal: bool = False,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    seed: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Self-attention over qkv ``[B, S, 3 * hidden]`` (q, k, v column blocks, ``heads`` heads in
+    order in each) -> ``[B, S, hidden]``; masks, dropout, ``seed`` and backends as :func:`attention`.
+    Raises ValueError naming the bad argument."""
+    _validate_packed(qkv, heads, key_padding_mask, dropout_p, scale)
+    head_dim = qkv.shape[-1] // (3 * heads)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if seed is not None:
+        seed = _seed_tensor(seed, qkv.device)
+    if qkv.numel() > 0 and qkv.dtype in TRITON_DTYPES and use_triton(qkv, key_padding_mask):
+        if dropout_p > 0.0:
+            seed = draw_dropout_seed(qkv.device) if seed is None else seed
+        else:
+            seed = None
+        args = (qkv, key_padding_mask, seed, heads, bool(causal), float(dropout_p), float(scale))
+        if use_custom_op():
+            return _attention_packed_forward_op(*args)[0]
+        return _eager_attention_packed(*args)
+    return attention_packed_reference(qkv, heads, causal, key_padding_mask, dropout_p, scale, seed=seed)

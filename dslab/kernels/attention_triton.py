@@ -18,7 +18,9 @@ Memory traffic of the forward, per (batch, head): q and o once, k and v once per
 
 Dropout keeps a probability when a Philox draw keyed by a 64-bit seed, with counter
 ``(key index, query index, batch * heads + head, 0)``, is above ``dropout_p``; the backward
-regenerates the same draws, so no mask is stored.
+regenerates the same draws, so no mask is stored. The seed is an int64 ``[1]`` tensor on the device
+that the kernels load (``SEED``), not a host scalar, so a captured CUDA graph picks up the value
+written on each replay.
 
 Host side: every launch of the forward and backward goes through :class:`CachedLaunch`, which
 skips Triton's per-call Python once a call's key has been seen. At BERT's seq 128 the whole
@@ -105,16 +107,16 @@ def _fwd_key_loop(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE, KPM,
+    Q, K, V, O, LSE, KPM, SEED,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
     stride_kpm_b,
     num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
-    qk_scale, dropout_p, seed,
+    qk_scale, dropout_p,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -143,6 +145,10 @@ def _attention_fwd_kernel(
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     kpm_base = KPM + b * stride_kpm_b
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    else:
+        seed = 0
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -177,13 +183,14 @@ def _attention_fwd_kernel(
     tl.store(LSE + bh.to(tl.int64) * seq_q + offs_m, lse, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _dropout_mask_kernel(OUT, seq_q, seq_k, dropout_p, seed, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit
+def _dropout_mask_kernel(OUT, SEED, seq_q, seq_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Writes the keep-mask the kernels use, as uint8 ``[batch * heads, seq_q, seq_k]``.
     Grid ``(ceil(seq_q / BLOCK_M), ceil(seq_k / BLOCK_N), batch * heads)``."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     bh = tl.program_id(2)
+    seed = tl.load(SEED)
     keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
     ptrs = OUT + bh.to(tl.int64) * seq_q * seq_k + offs_m[:, None] * seq_k + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seq_q) & (offs_n[None, :] < seq_k))
@@ -341,6 +348,14 @@ def dot_fp32(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
+def seed_or_standin(seed: torch.Tensor | None, dropout_p: float, standin: torch.Tensor) -> torch.Tensor:
+    """The ``SEED`` pointer of a launch: ``seed`` when dropout applies, else ``standin`` (not read)."""
+    if dropout_p > 0.0:
+        assert seed is not None and seed.dtype == torch.int64 and seed.numel() == 1
+        return seed
+    return standin
+
+
 def padding_as_bytes(key_padding_mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The mask as a uint8 view the kernels read (``like`` stands in when there is none) and its batch stride."""
     if key_padding_mask is None:
@@ -354,14 +369,18 @@ def attention_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-    seed: int,
+    seed: torch.Tensor | None,
     causal: bool,
     dropout_p: float,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward. Returns ``out`` (laid out by :func:`empty_rows_like`) and the fp32
-    base-2 ``lse`` ``[batch, heads, seq_q]``. Inputs are already validated."""
-    out = empty_rows_like(q)
+    """Launch the forward. Returns ``out`` and the fp32 base-2 ``lse`` ``[batch, heads, seq_q]``.
+    ``seed``: int64 ``[1]`` on q's device, read by the kernel (None without dropout). ``out``: a
+    ``[batch, heads, seq_q, head_dim]`` tensor (any strides, unit last) to write into, else one laid
+    out by :func:`empty_rows_like`. Inputs are already validated."""
+    if out is None:
+        out = empty_rows_like(q)
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
@@ -369,10 +388,10 @@ def attention_forward(
     kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
     fwd_launcher(head_dim)(
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads),
-        (q, k, v, out, lse, kpm),
+        (q, k, v, out, lse, kpm, seed_or_standin(seed, dropout_p, lse)),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], stride_kpm_b,
          heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k)),
-        (scale * LOG2_E, dropout_p, seed),
+        (scale * LOG2_E, dropout_p),
         dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
              HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_fp32(q.dtype)),
     )
@@ -380,12 +399,13 @@ def attention_forward(
 
 
 def dropout_keep_mask(
-    seed: int, batch: int, heads: int, seq_q: int, seq_k: int, dropout_p: float, device: torch.device | str
+    seed: torch.Tensor, batch: int, heads: int, seq_q: int, seq_k: int, dropout_p: float
 ) -> torch.Tensor:
     """The bool keep-mask ``[batch, heads, seq_q, seq_k]`` the Triton kernels apply for ``seed``
-    (True = kept). Materialises the full mask: for tests at small shapes."""
-    out = torch.empty((batch * heads, seq_q, seq_k), dtype=torch.uint8, device=device)
+    (int64 ``[1]``, read on its device, where the mask is made; True = kept). Materialises the full
+    mask: for tests at small shapes."""
+    out = torch.empty((batch * heads, seq_q, seq_k), dtype=torch.uint8, device=seed.device)
     block = 64
     grid = (triton.cdiv(seq_q, block), triton.cdiv(seq_k, block), batch * heads)
-    _dropout_mask_kernel[grid](out, seq_q, seq_k, float(dropout_p), seed, BLOCK_M=block, BLOCK_N=block)
+    _dropout_mask_kernel[grid](out, seed, seq_q, seq_k, float(dropout_p), BLOCK_M=block, BLOCK_N=block)
     return out.view(batch, heads, seq_q, seq_k).bool()

@@ -45,6 +45,7 @@ from dslab.kernels.attention_triton import (
     _dropout_keep,
     empty_rows_like,
     padding_as_bytes,
+    seed_or_standin,
     seq_bucket,
     unit_last_stride,
 )
@@ -272,9 +273,9 @@ BOTH = 3  # programs [0, n_key_blocks) do dK, dV (recomputing delta from O), the
 FUSED = 4  # one key block covers seq_k: dK, dV and every query block's complete dQ
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _attention_bwd_kernel(
-    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
+    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -285,7 +286,7 @@ def _attention_bwd_kernel(
     stride_dvb, stride_dvh, stride_dvs,
     stride_kpm_b,
     num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
-    qk_scale, sm_scale, dropout_p, seed,
+    qk_scale, sm_scale, dropout_p,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     DOT_FP32: tl.constexpr, ROLES: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
@@ -293,11 +294,16 @@ def _attention_bwd_kernel(
     """Grid ``(programs, batch * heads)``; ``seq_*_bucket`` only key the autotuner. ``ROLES`` (one of
     ``DQ_ONLY``, ``DKDV_ONLY``, ``BOTH``, ``FUSED``, as ints) says what program ``pid`` does. dK/dV
     programs go from the first key block (most causal work) up; dQ programs from the last query
-    block (most causal work) down."""
+    block (most causal work) down. ``SEED`` is the forward's int64 ``[1]`` seed tensor (read only
+    with dropout)."""
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    else:
+        seed = 0
     if ROLES == 1:
         _dq_role(
             Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
@@ -458,13 +464,22 @@ def attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
-    seed: int,
+    seed: torch.Tensor | None,
     causal: bool,
     dropout_p: float,
     scale: float,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward; returns dq, dk, dv laid out like q, k, v (see ``empty_rows_like``)."""
-    dq, dk, dv = empty_rows_like(q), empty_rows_like(k), empty_rows_like(v)
+    """Launch the backward; returns dq, dk, dv. Every tensor is ``[batch, heads, seq, head_dim]``
+    with any strides (``grad_out`` and ``out`` too: a ``[batch, seq, heads * head_dim]`` buffer
+    viewed as heads is read in place); a last dimension that is not unit-stride is copied first.
+    ``seed``: the forward's int64 ``[1]`` tensor (None without dropout). ``grads``: (dq, dk, dv)
+    views to write into (unit last stride), e.g. of one packed ``[batch, seq, 3 * hidden]``
+    gradient; else they are allocated laid out like q, k, v (see ``empty_rows_like``)."""
+    if grads is None:
+        dq, dk, dv = empty_rows_like(q), empty_rows_like(k), empty_rows_like(v)
+    else:
+        dq, dk, dv = grads
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     out, grad_out = unit_last_stride(out), unit_last_stride(grad_out)
     batch, heads, seq_q, head_dim = q.shape
@@ -478,13 +493,13 @@ def attention_backward(
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     else:
         delta = lse  # not read: these launches compute delta from O and dO
-    tensors = (q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm)
+    tensors = (q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm, seed_or_standin(seed, dropout_p, lse))
     ints = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *grad_out.stride()[:3],
         *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], stride_kpm_b,
         heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k),
     )
-    scalars = (scale * LOG2_E, scale, dropout_p, seed)
+    scalars = (scale * LOG2_E, scale, dropout_p)
     dot_in_fp32 = interpret and q.dtype == torch.bfloat16  # see attention_triton.dot_fp32
     for role in roles:
         flags = dict(

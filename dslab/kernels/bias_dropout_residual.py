@@ -3,11 +3,19 @@
     out = residual + dropout(x + bias, p)      x, residual [..., N]; bias [N] or None
 
 Dropout zeroes each element with probability p and scales the rest by 1 / (1 - p); it applies only
-when ``training`` and p > 0. The mask is a function of an explicit integer ``seed`` (and of the
-element's position): the same seed and shape give the same mask, so backward regenerates it
-instead of storing it. Each backend has its own generator — the Triton kernel uses Philox per
-element (see :mod:`dslab.kernels.bias_dropout_residual_triton`), the reference a
-``torch.Generator`` seeded with ``seed`` — so the two give different masks for one seed;
+when ``training`` and p > 0. The mask is a function of a ``seed`` (and of the element's position):
+the same seed and shape give the same mask, so backward regenerates it instead of storing it.
+
+The seed is a 1-element int64 tensor on x's device (:func:`draw_seed` draws one with
+``torch.randint`` from torch's generator for that device, so ``torch.manual_seed`` reproduces a
+run); an int is accepted too and turned into such a tensor with a fill on the device. The Triton
+kernels load the seed from device memory, so no host synchronisation happens and a CUDA graph that
+captured the op draws a new mask on every replay (the captured ``randint`` writes a new value).
+
+Each backend has its own generator — the Triton kernel uses Philox per element (see
+:mod:`dslab.kernels.bias_dropout_residual_triton`), the reference a ``torch.Generator`` seeded with
+the seed's value, which it reads on the host (free on CPU; one synchronisation on a GPU, where the
+reference runs only when forced) — so the two give different masks for one seed;
 :func:`bias_dropout_residual_reference` also takes an explicit ``keep_mask`` so that one backend's
 mask can be replayed through the reference.
 
@@ -22,6 +30,7 @@ kernels. :func:`bias_dropout_residual` picks between them with
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -29,14 +38,31 @@ from dslab.kernels.dispatch import use_custom_op, use_triton
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_SEED = 2**63 - 1
+SEED_HIGH = 2**62
+
+
+def draw_seed(device: torch.device | str) -> torch.Tensor:
+    """A dropout seed: int64 ``[1]`` on ``device``, uniform in ``[0, 2**62)``, from torch's
+    generator for that device (``torch.randint``; no host synchronisation, safe to capture in a
+    CUDA graph, where each replay draws a new value)."""
+    return torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, device=device)
+
+
+def seed_tensor(seed: int | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``seed`` as the int64 ``[1]`` tensor on ``device`` that the kernels read: a tensor is viewed
+    as ``[1]`` (no copy), an int is written by a fill on the device (no host-to-device copy)."""
+    if isinstance(seed, torch.Tensor):
+        return seed.view(1)
+    return torch.full((1,), seed, dtype=torch.int64, device=device)
 
 
 def dropout_keep_mask_reference(
-    shape: torch.Size | tuple[int, ...], p: float, seed: int, device: torch.device | str
+    shape: torch.Size | tuple[int, ...], p: float, seed: int | torch.Tensor, device: torch.device | str
 ) -> torch.Tensor:
-    """The reference's keep mask (bool, ``shape``): ``rand >= p`` from a generator seeded with ``seed``."""
+    """The reference's keep mask (bool, ``shape``): ``rand >= p`` from a generator seeded with
+    ``seed``'s value (read on the host)."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(int(seed))
     return torch.rand(shape, generator=generator, device=device) >= p
 
 
@@ -46,11 +72,11 @@ def bias_dropout_residual_reference(
     residual: torch.Tensor,
     p: float,
     training: bool = True,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
     keep_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PyTorch reference. When dropout applies, the mask is ``keep_mask`` (bool, x's shape)
-    if given, else :func:`dropout_keep_mask_reference` of ``seed``."""
+    if given, else :func:`dropout_keep_mask_reference` of ``seed`` (an int or a 1-element tensor)."""
     h = x + bias if bias is not None else x
     if training and p > 0:
         if keep_mask is None:
@@ -62,9 +88,14 @@ def bias_dropout_residual_reference(
 
 @torch.library.custom_op("dslab::bias_dropout_residual", mutates_args=())
 def _bias_dropout_residual_op(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, seed: int
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    seed: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """residual + dropout(x + bias, p) for ``x``, ``residual`` [M, N]; no dropout when p == 0."""
+    """residual + dropout(x + bias, p) for ``x``, ``residual`` [M, N]; no dropout when p == 0.
+    ``seed``: int64 ``[1]`` on x's device (None when p == 0)."""
     from dslab.kernels import bias_dropout_residual_triton
 
     return bias_dropout_residual_triton.forward(x, bias, residual, p, seed)
@@ -77,7 +108,7 @@ def _(x, bias, residual, p, seed):
 
 @torch.library.custom_op("dslab::bias_dropout_residual_backward", mutates_args=())
 def _bias_dropout_residual_backward_op(
-    dout: torch.Tensor, bias: torch.Tensor | None, p: float, seed: int
+    dout: torch.Tensor, bias: Optional[torch.Tensor], p: float, seed: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias) for ``dout`` [M, N] and p > 0; dbias is an empty tensor without a bias (whose
     only use here is its presence and dtype)."""
@@ -94,17 +125,17 @@ def _(dout, bias, p, seed):
 
 def _setup(ctx, inputs, output):
     _x, bias, _residual, p, seed = inputs
-    ctx.p, ctx.seed = p, seed
-    ctx.save_for_backward(bias)
+    ctx.p = p
+    ctx.save_for_backward(bias, seed)
 
 
 def _backward(ctx, dout):
-    (bias,) = ctx.saved_tensors
+    bias, seed = ctx.saved_tensors
     if ctx.p == 0:
         dx = dout
         dbias = dout.sum(dim=0) if bias is not None else None
     else:
-        dx, dbias = _bias_dropout_residual_backward_op(dout, bias, ctx.p, ctx.seed)
+        dx, dbias = _bias_dropout_residual_backward_op(dout, bias, ctx.p, seed)
     return dx, (dbias if bias is not None else None), dout, None, None
 
 
@@ -123,17 +154,17 @@ class _EagerBiasDropoutResidual(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, residual, p, seed):
-        ctx.p, ctx.seed = p, seed
-        ctx.save_for_backward(bias)
+        ctx.p = p
+        ctx.save_for_backward(bias, seed)
         return _triton_module().forward(x, bias, residual, p, seed)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        (bias,) = ctx.saved_tensors
+        bias, seed = ctx.saved_tensors
         if ctx.p == 0:
             return dout, (dout.sum(dim=0) if bias is not None else None), dout, None, None
-        dx, dbias = _triton_module().backward(dout, bias, ctx.p, ctx.seed)
+        dx, dbias = _triton_module().backward(dout, bias, ctx.p, seed)
         return dx, dbias, dout, None, None
 
 
@@ -153,9 +184,18 @@ def _check(x, bias, residual, p, training, seed) -> None:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"p must be in [0, 1], got {p}")
     if training and p > 0:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int when dropout applies (training and p > 0), got {seed!r}")
-        if not 0 <= seed <= MAX_SEED:
+        if isinstance(seed, torch.Tensor):
+            if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != x.device:
+                raise ValueError(
+                    f"seed must be a 1-element int64 tensor on x's device {x.device}, got a {seed.dtype} "
+                    f"tensor of shape {tuple(seed.shape)} on {seed.device}"
+                )
+        elif isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(
+                f"seed must be an int or a 1-element int64 tensor when dropout applies (training and p > 0), "
+                f"got {seed!r}"
+            )
+        elif not 0 <= seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
 
 
@@ -165,11 +205,13 @@ def bias_dropout_residual(
     residual: torch.Tensor,
     p: float,
     training: bool = True,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``residual + dropout(x + bias, p)`` for ``x``, ``residual`` [..., N] (one dtype) and
     ``bias`` [N] or None; dropout only when ``training`` and ``p > 0``, with its mask a function
-    of ``seed`` (required then). Gradients flow to x, bias and residual.
+    of ``seed`` (required then): a 1-element int64 tensor on x's device (:func:`draw_seed`), or an
+    int in ``[0, 2**63)``; an int and a tensor holding it give the same mask. Gradients flow to x,
+    bias and residual.
 
     The Triton path runs on CUDA tensors (or under the ``triton`` backend with
     ``TRITON_INTERPRET=1``) for fp32/fp16/bf16; otherwise the reference runs.
@@ -179,7 +221,8 @@ def bias_dropout_residual(
         return bias_dropout_residual_reference(x, bias, residual, p, training, seed)
     n = x.shape[-1]
     p_applied = float(p) if training else 0.0
-    args = (x.reshape(-1, n), bias, residual.reshape(-1, n), p_applied, seed if p_applied > 0 else 0)
+    seed = seed_tensor(seed, x.device) if p_applied > 0 else None
+    args = (x.reshape(-1, n), bias, residual.reshape(-1, n), p_applied, seed)
     if use_custom_op():
         return _bias_dropout_residual_op(*args).view(x.shape)
     return _EagerBiasDropoutResidual.apply(*args).view(x.shape)

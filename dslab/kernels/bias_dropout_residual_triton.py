@@ -9,7 +9,9 @@ x's dtype. With scale = 1 / (1 - p):
 
 The keep mask is never stored: element (r, c) is kept when u >= p, u being output ``c % 4`` of
 Philox-4x32-10 (``tl.philox``) with key ``seed`` and counter ``(c // 4, r, 0, 0)``, turned into a
-uniform [0, 1) number from its top 24 bits. One Philox call serves four neighbouring elements. The
+uniform [0, 1) number from its top 24 bits. The seed is a 1-element int64 tensor on the device that
+each program loads (``SEED``), never a host scalar: a CUDA graph that captured the launch reads the
+value the captured ``torch.randint`` wrote on that replay, so every replay draws a new mask. One Philox call serves four neighbouring elements. The
 mask depends only on (seed, row, column), not on block sizes, so forward and backward (and any
 recomputation) regenerate the same one.
 
@@ -46,9 +48,9 @@ def _keep_mask(seed, rows, col_start, p, BLOCK_N: tl.constexpr):
     return uniform >= p
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _bias_dropout_residual_fwd_kernel(
-    X, B, R, OUT, M, N, stride_x, stride_r, stride_out, p, scale, seed,
+    X, B, R, OUT, SEED, M, N, stride_x, stride_r, stride_out, p, scale,
     HAS_BIAS: tl.constexpr, APPLY_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -61,20 +63,22 @@ def _bias_dropout_residual_fwd_kernel(
     if HAS_BIAS:
         h += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if APPLY_DROPOUT:
+        seed = tl.load(SEED)
         h = tl.where(_keep_mask(seed, rows, col_start, p, BLOCK_N), h * scale, 0.0)
     out = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32) + h
     tl.store(OUT + rows64 * stride_out + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _bias_dropout_residual_bwd_kernel(
-    DOUT, DX, DB_partial, M, N, stride_dout, stride_dx, p, scale, seed,
+    DOUT, DX, DB_partial, SEED, M, N, stride_dout, stride_dx, p, scale,
     COMPUTE_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     col_start = tl.program_id(1) * BLOCK_N
     cols = col_start + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    seed = tl.load(SEED)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for tile in tl.range(pid_m, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,8 +93,6 @@ def _bias_dropout_residual_bwd_kernel(
         tl.store(DB_partial + pid_m * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
-
-
 @functools.cache
 def _config(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): tiles of 4K elements, up to 1024 wide, 32 per thread."""
@@ -103,9 +105,10 @@ def _scale(p: float) -> float:
 
 
 def forward(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, seed: int
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, seed: torch.Tensor | None
 ) -> torch.Tensor:
-    """residual + dropout(x + bias, p) for ``x``, ``residual`` [M, N]; no dropout when p == 0."""
+    """residual + dropout(x + bias, p) for ``x``, ``residual`` [M, N]; no dropout when p == 0.
+    ``seed``: int64 ``[1]`` on x's device (read by the kernel), or None when p == 0."""
     m, n = x.shape
     x, residual = _rows(x), _rows(residual)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -114,8 +117,8 @@ def forward(
     block_m, block_n, num_warps = _config(n)
     with _device_guard(x):
         _bias_dropout_residual_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            x, bias, residual, out, m, n, x.stride(0), residual.stride(0), out.stride(0),
-            p, _scale(p), seed,
+            x, bias, residual, out, seed if p > 0.0 else x, m, n, x.stride(0), residual.stride(0),
+            out.stride(0), p, _scale(p),
             HAS_BIAS=bias is not None, APPLY_DROPOUT=p > 0.0,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
@@ -123,10 +126,11 @@ def forward(
 
 
 def backward(
-    dout: torch.Tensor, bias: torch.Tensor | None, p: float, seed: int
+    dout: torch.Tensor, bias: torch.Tensor | None, p: float, seed: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dx, dbias) of the dropout part for ``dout`` [M, N] and p > 0; dbias is None without a
-    bias, else in bias's dtype. (The residual's gradient is ``dout`` itself.)"""
+    """(dx, dbias) of the dropout part for ``dout`` [M, N] and p > 0, the mask regenerated from the
+    forward's ``seed`` tensor; dbias is None without a bias, else in bias's dtype. (The residual's
+    gradient is ``dout`` itself.)"""
     assert p > 0.0
     m, n = dout.shape
     dout = _rows(dout)
@@ -136,21 +140,21 @@ def backward(
     block_m, block_n, num_warps = _config(n)
     row_tiles, col_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     meta = dict(COMPUTE_DB=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    scalars = (m, n, dout.stride(0), dx.stride(0), p, _scale(p), seed)
+    scalars = (m, n, dout.stride(0), dx.stride(0), p, _scale(p))
     with _device_guard(dout):
         if bias is None:
-            _bias_dropout_residual_bwd_kernel[(row_tiles, col_tiles)](dout, dx, None, *scalars, **meta)
+            _bias_dropout_residual_bwd_kernel[(row_tiles, col_tiles)](dout, dx, None, seed, *scalars, **meta)
             return dx, None
 
         # The partials' size depends on the grid: the occupancy query compiles the same
         # specialization with an aligned fp32 tensor standing in for them.
         def probe_args():
-            return dout, dx, torch.empty(1, dtype=torch.float32, device=dout.device), *scalars
+            return dout, dx, torch.empty(1, dtype=torch.float32, device=dout.device), seed, *scalars
 
         key = ("bias_dropout_residual_bwd", n, dout.dtype)
         resident = resident_programs(_bias_dropout_residual_bwd_kernel, probe_args, meta, key, dout.device)
         row_programs = min(row_tiles, max(1, resident // col_tiles))
         db_partial = torch.empty((1, row_programs, n), dtype=torch.float32, device=dout.device)
-        _bias_dropout_residual_bwd_kernel[(row_programs, col_tiles)](dout, dx, db_partial, *scalars, **meta)
+        _bias_dropout_residual_bwd_kernel[(row_programs, col_tiles)](dout, dx, db_partial, seed, *scalars, **meta)
         (db,) = column_sums(db_partial, (bias.dtype,))
     return dx, db

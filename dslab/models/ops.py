@@ -16,6 +16,11 @@ The ops:
 - ``bias_dropout_residual(x, bias, residual, p, training)`` -> ``residual + dropout(x + bias, p)``
 - ``attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None)``, q/k/v
   ``[batch, heads, seq, head_dim]``, ``key_padding_mask`` bool ``[batch, seq_k]`` (True = padding)
+- ``attention_packed(qkv, heads, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None)``:
+  self-attention straight from the packed projection, qkv ``[batch, seq, 3 * hidden]`` (q, k, v
+  column blocks, heads in order within each) -> ``[batch, seq, hidden]`` (heads concatenated). The
+  torch set splits the heads with views, calls SDPA and merges them back (a copy); the dslab set's
+  kernels read and write the packed layouts in place.
 - ``softmax_cross_entropy(logits [N, V], target [N], ignore_index=-100, label_smoothing=0.0)`` ->
   fp32 mean loss
 
@@ -27,8 +32,11 @@ and lets PyTorch promote ``residual + ...`` to the residual's dtype, so its resi
 fp32 under autocast, as in any autocast model (HuggingFace's included). Outside autocast both sets
 compute in the one dtype of the model.
 
-The dslab dropout mask is a function of an integer seed: one is drawn per call from torch's default
-CPU generator (``torch.manual_seed`` reproduces a run; no device synchronisation).
+The dslab dropout mask is a function of a seed: an int64 ``[1]`` tensor on the activation's device,
+drawn per call with ``torch.randint`` from torch's generator for that device (:func:`draw_seed`;
+attention draws its own the same way). ``torch.manual_seed`` reproduces a run, the kernels read the
+seed on the device (no host synchronisation), and a CUDA graph that captured a step draws new masks
+on every replay.
 """
 
 from __future__ import annotations
@@ -44,7 +52,6 @@ import torch.nn.functional as F
 
 KERNEL_SETS = ("dslab", "torch")
 IGNORE_INDEX = -100
-_SEED_HIGH = 2**62
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class OpSet:
     bias_gelu: Callable
     bias_dropout_residual: Callable
     attention: Callable
+    attention_packed: Callable
     softmax_cross_entropy: Callable
     head_dims: tuple[int, ...] | None
 
@@ -97,6 +105,13 @@ def _torch_attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
 
 
+def _torch_attention_packed(qkv, heads, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None):
+    batch, seq, width = qkv.shape
+    q, k, v = qkv.view(batch, seq, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4)
+    context = _torch_attention(q, k, v, causal, key_padding_mask, dropout_p, scale)
+    return context.transpose(1, 2).reshape(batch, seq, width // 3)
+
+
 def _torch_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, label_smoothing=0.0):
     return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
@@ -107,6 +122,7 @@ TORCH_OPS = OpSet(
     bias_gelu=_torch_bias_gelu,
     bias_dropout_residual=_torch_bias_dropout_residual,
     attention=_torch_attention,
+    attention_packed=_torch_attention_packed,
     softmax_cross_entropy=_torch_cross_entropy,
     head_dims=None,
 )
@@ -117,16 +133,19 @@ TORCH_OPS = OpSet(
 # ---------------------------------------------------------------------------------------------
 
 
-def draw_seed() -> int:
-    """A dropout seed in ``[0, 2**62)`` from torch's default CPU generator (host only, no sync)."""
-    return int(torch.randint(0, _SEED_HIGH, (), dtype=torch.int64).item())
+def draw_seed(x: torch.Tensor) -> torch.Tensor:
+    """A dropout seed for an op on ``x``: int64 ``[1]`` on x's device, in ``[0, 2**62)``, from
+    torch's generator for that device (no host synchronisation; CUDA-graph safe)."""
+    from dslab.kernels.bias_dropout_residual import draw_seed as draw_device_seed
+
+    return draw_device_seed(x.device)
 
 
 @functools.cache
 def _dslab_ops() -> OpSet:
     # Imported from the op modules, not the package: ``dslab.kernels.layer_norm`` names the module
     # once that module has been imported.
-    from dslab.kernels.attention import HEAD_DIMS, attention
+    from dslab.kernels.attention import HEAD_DIMS, attention, attention_packed
     from dslab.kernels.bias_dropout_residual import bias_dropout_residual
     from dslab.kernels.bias_gelu import bias_gelu
     from dslab.kernels.cross_entropy import softmax_cross_entropy
@@ -141,7 +160,7 @@ def _dslab_ops() -> OpSet:
         return bias_gelu(x, bias.to(x.dtype), approximate)
 
     def dslab_bias_dropout_residual(x, bias, residual, p, training):
-        seed = draw_seed() if training and p > 0 else None
+        seed = draw_seed(x) if training and p > 0 else None
         return bias_dropout_residual(x, bias.to(x.dtype), residual.to(x.dtype), p, training, seed)
 
     return OpSet(
@@ -150,6 +169,7 @@ def _dslab_ops() -> OpSet:
         bias_gelu=dslab_bias_gelu,
         bias_dropout_residual=dslab_bias_dropout_residual,
         attention=attention,
+        attention_packed=attention_packed,
         softmax_cross_entropy=softmax_cross_entropy,
         head_dims=tuple(HEAD_DIMS),
     )
@@ -217,14 +237,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x``, ``residual`` [batch, seq, hidden]; ``key_padding_mask`` bool [batch, seq] or None."""
-        batch, seq, hidden = x.shape
-        head_dim = hidden // self.heads
-        qkv = self.qkv(x).view(batch, seq, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
-        context = self.ops.attention(
-            qkv[0], qkv[1], qkv[2], causal=self.causal, key_padding_mask=key_padding_mask,
+        context = self.ops.attention_packed(
+            self.qkv(x), self.heads, causal=self.causal, key_padding_mask=key_padding_mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
         )
-        context = context.transpose(1, 2).reshape(batch, seq, hidden)
         return self.ops.bias_dropout_residual(
             self.out_proj(context), self.out_bias, residual, self.hidden_dropout, self.training
         )

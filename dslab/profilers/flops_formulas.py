@@ -24,6 +24,10 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
   (FlashAttention's convention: the kernel skips the blocks above the diagonal).
 - ``attention_backward(grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p,
   scale)``: 2.5x the forward (five matmuls: the recomputed scores, dP, dV, dQ, dK).
+- ``attention_packed_forward(qkv [B,S,3*H*D], key_padding_mask, seed, heads, causal, dropout_p,
+  scale)`` and ``attention_packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads,
+  causal, dropout_p, scale)``: the same attention read from a packed projection, the same flops as
+  ``attention_forward`` / ``attention_backward`` on its ``[B, H, S, D]`` heads.
 - ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``bias_gelu(_backward)``,
   ``bias_dropout_residual(_backward)``, ``cross_entropy_forward/backward``: elementwise.
 """
@@ -121,6 +125,28 @@ def _dslab_attention_backward(args, kwargs, out) -> int:
     return attention_flops(q.shape, k.shape, causal) * 5 // 2
 
 
+def _packed_head_shape(qkv, heads: int) -> tuple[int, int, int, int]:
+    """``[B, H, S, D]`` of the heads in qkv ``[B, S, 3 * H * D]``."""
+    batch, seq, width = qkv.shape
+    return batch, heads, seq, width // (3 * heads)
+
+
+def _dslab_attention_packed_forward(args, kwargs, out) -> int:
+    qkv = args[0]
+    heads = int(args[3]) if len(args) > 3 else int(kwargs["heads"])
+    causal = bool(args[4]) if len(args) > 4 else bool(kwargs.get("causal", False))
+    shape = _packed_head_shape(qkv, heads)
+    return attention_flops(shape, shape, causal)
+
+
+def _dslab_attention_packed_backward(args, kwargs, out) -> int:
+    qkv = args[1]
+    heads = int(args[6]) if len(args) > 6 else int(kwargs["heads"])
+    causal = bool(args[7]) if len(args) > 7 else bool(kwargs.get("causal", False))
+    shape = _packed_head_shape(qkv, heads)
+    return attention_flops(shape, shape, causal) * 5 // 2
+
+
 def _affine(weight) -> bool:
     return weight is not None
 
@@ -196,6 +222,8 @@ def _cpu_attention_backward(args, kwargs, out) -> int:
 _NAMED: dict[str, tuple[str, object]] = {
     "dslab::attention_forward": (MATMUL, _dslab_attention_forward),
     "dslab::attention_backward": (MATMUL, _dslab_attention_backward),
+    "dslab::attention_packed_forward": (MATMUL, _dslab_attention_packed_forward),
+    "dslab::attention_packed_backward": (MATMUL, _dslab_attention_packed_backward),
     "dslab::layer_norm": (ELEMENTWISE, _layer_norm_forward),
     "dslab::add_layer_norm": (ELEMENTWISE, _add_layer_norm),
     "dslab::layer_norm_backward": (ELEMENTWISE, _dslab_layer_norm_backward),

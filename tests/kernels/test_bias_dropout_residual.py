@@ -6,6 +6,9 @@ op on x = 1, residual = 0, no bias, same seed and shape: out = keep / (1 - p)) a
 the reference's ``keep_mask``. Errors are measured against that reference in float64 and must stay
 within twice PyTorch's own error in the same precision, plus a floor of one unit in the last place
 at the output's scale. The keep rate is checked statistically.
+
+Seeds are int64 ``[1]`` tensors on x's device that the kernels read there; ints are accepted and
+give the same masks as tensors holding them.
 """
 
 import math
@@ -17,8 +20,10 @@ from dslab.kernels import kernel_backend
 from dslab.kernels.bias_dropout_residual import (
     bias_dropout_residual,
     bias_dropout_residual_reference,
+    draw_seed,
     dropout_keep_mask_reference,
 )
+from dslab.models import ops as model_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -79,11 +84,73 @@ def test_triton_matches_reference_replaying_its_mask(dtype, shape):
 
 def test_same_seed_same_mask_other_seed_other_mask():
     shape, p = (64, 200), 0.5
-    first, again = _triton_keep_mask(shape, p, 7), _triton_keep_mask(shape, p, 7)
-    other = _triton_keep_mask(shape, p, 8)
+    first, again = _triton_keep_mask(shape, p, 7), _triton_keep_mask(shape, p, torch.tensor([7]))
+    other = _triton_keep_mask(shape, p, torch.tensor([8]))
     assert torch.equal(first, again)
     assert 0.4 < (first == other).float().mean() < 0.6
-    assert torch.equal(dropout_keep_mask_reference(shape, p, 7, "cpu"), dropout_keep_mask_reference(shape, p, 7, "cpu"))
+    assert torch.equal(dropout_keep_mask_reference(shape, p, 7, "cpu"),
+                       dropout_keep_mask_reference(shape, p, torch.tensor([7]), "cpu"))
+    assert not torch.equal(dropout_keep_mask_reference(shape, p, 7, "cpu"),
+                           dropout_keep_mask_reference(shape, p, 8, "cpu"))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_int_and_tensor_seeds_give_the_same_result(backend):
+    """Output and gradients, on the Triton path and the reference; a 0-d tensor works as well."""
+    x, bias, residual, dout = _inputs((19, 70), torch.float32)
+    with kernel_backend(backend):
+        from_int = _run(bias_dropout_residual, x, bias, residual, dout, p=0.4, seed=2**40 + 1)
+        for seed in (torch.tensor([2**40 + 1]), torch.tensor(2**40 + 1)):
+            from_tensor = _run(bias_dropout_residual, x, bias, residual, dout, p=0.4, seed=seed)
+            for a, b in zip(from_int, from_tensor):
+                assert torch.equal(a, b)
+        other = _run(bias_dropout_residual, x, bias, residual, dout, p=0.4, seed=torch.tensor([5]))
+    assert not torch.equal(from_int[0], other[0])
+
+
+def test_backward_regenerates_the_forward_mask_from_the_seed_tensor():
+    """dx is zero exactly where the forward dropped, even when the seed tensor given to the forward
+    is overwritten before the backward: the op keeps its own reference to the value it read."""
+    x = torch.ones(33, 65, requires_grad=True)
+    seed = torch.tensor([123])
+    with kernel_backend("triton"):
+        out = bias_dropout_residual(x, None, torch.zeros(33, 65), 0.5, True, seed)
+        out.backward(torch.ones_like(out))
+    kept = out.detach() != 0
+    assert torch.equal(x.grad != 0, kept)
+    torch.testing.assert_close(x.grad[kept], torch.full_like(x.grad[kept], 2.0))
+    assert torch.equal(kept, _triton_keep_mask((33, 65), 0.5, 123))
+
+
+def test_seed_is_read_on_the_device_not_the_host(monkeypatch):
+    """The Triton path never turns the seed tensor into a Python number (which on a GPU would be a
+    host synchronisation, and a value baked into a captured CUDA graph), and the model op set draws
+    its seeds as int64 [1] tensors on the activation's device."""
+    x, bias, residual, dout = _inputs((9, 40), torch.float32)
+    seed = draw_seed("cpu")
+    assert seed.dtype == torch.int64 and seed.shape == (1,)
+    for name in ("item", "__int__", "__index__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def guarded(self, *args, _original=original, _name=name):
+            if self is seed or (self._base is seed):
+                raise AssertionError(f"the seed tensor was read on the host ({_name})")
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+    with kernel_backend("triton"):
+        out, dx, _, _ = _run(bias_dropout_residual, x, bias, residual, dout, p=0.3, seed=seed)
+    monkeypatch.undo()
+    assert torch.equal(out, _run(bias_dropout_residual_reference, x, bias, residual, dout, p=0.3,
+                                 keep_mask=_triton_keep_mask(x.shape, 0.3, seed))[0])
+    assert torch.equal(dx != 0, _triton_keep_mask(x.shape, 0.3, seed))
+    for device in ("cpu", "meta"):
+        drawn = model_ops.draw_seed(torch.empty(2, 3, device=device))
+        assert drawn.dtype == torch.int64 and drawn.shape == (1,) and drawn.device.type == device
+    torch.manual_seed(4)
+    first = model_ops.draw_seed(x)
+    torch.manual_seed(4)
+    assert torch.equal(first, model_ops.draw_seed(x))
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
@@ -152,6 +219,9 @@ def test_torch_backend_and_cpu_auto_run_the_reference():
         (dict(seed=None), "seed"),
         (dict(seed=1.5), "seed"),
         (dict(seed=-1), "seed"),
+        (dict(seed=torch.tensor([3], dtype=torch.int32)), "seed"),
+        (dict(seed=torch.tensor([3, 4])), "seed"),
+        (dict(seed=torch.tensor([3], device="meta")), "seed"),
         (dict(p=1.5), "p"),
         (dict(bias=torch.ones(7)), "bias"),
         (dict(residual=torch.ones(3, 7)), "residual"),
@@ -167,7 +237,7 @@ def test_bad_arguments_raise_value_error(kwargs, match):
 def test_custom_op_passes_opcheck(with_bias, p):
     x, bias, residual, _ = _inputs((7, 33), torch.float32, with_bias)
     bias = bias.requires_grad_() if bias is not None else None
-    args = (x.requires_grad_(), bias, residual.requires_grad_(), p, 5)
+    args = (x.requires_grad_(), bias, residual.requires_grad_(), p, torch.tensor([5]) if p > 0 else None)
     torch.library.opcheck(torch.ops.dslab.bias_dropout_residual.default, args)
 
 
@@ -179,7 +249,7 @@ def test_torch_compile_traces_the_custom_op():
 
     compiled = torch.compile(sublayer_end, backend="aot_eager", fullgraph=True)
     with kernel_backend("triton"):
-        for seed in (3, 4):  # a new seed each step must not break the graph
+        for seed in (torch.tensor([3]), torch.tensor([4])):  # a new seed each step: one graph
             eager = _run(sublayer_end, x, bias, residual, dout, p=0.2, seed=seed)
             got = _run(compiled, x, bias, residual, dout, p=0.2, seed=seed)
             for a, b in zip(got, eager):
@@ -207,3 +277,39 @@ def test_gpu_real_sizes(shape, dtype):
     again = _run(bias_dropout_residual, x, bias, residual, dout, p=p, training=True, seed=seed)
     for a, b in zip(got, again):
         assert torch.equal(a, b), "two runs with one seed differ"
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync_and_cuda_graph_replays_draw_new_masks():
+    """The model op set's dropout (seed drawn on the device, read by the kernels) runs forward and
+    backward with CUDA's sync debug mode set to error, the backward dropping what the forward
+    dropped; captured in a CUDA graph, every replay draws a new mask, and torch.manual_seed replays
+    the sequence."""
+    dslab_ops = model_ops.op_set("dslab")
+    ones, zeros = torch.ones(512, 256, device="cuda"), torch.zeros(256, device="cuda")
+    x = ones.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = dslab_ops.bias_dropout_residual(x, zeros, ones * 0, 0.3, True)
+        (dx,) = torch.autograd.grad(out, (x,), ones)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out != 0, dx != 0)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        dslab_ops.bias_dropout_residual(ones, zeros, ones * 0, 0.5, True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dslab_ops.bias_dropout_residual(ones, zeros, ones * 0, 0.5, True)
+    masks = []
+    for manual_seed in (1, 1):
+        torch.manual_seed(manual_seed)
+        for _ in range(2):
+            graph.replay()
+            masks.append(captured != 0)
+    assert not torch.equal(masks[0], masks[1])
+    assert torch.equal(masks[0], masks[2]) and torch.equal(masks[1], masks[3])

@@ -106,6 +106,19 @@ def test_attention(ops, causal, padded):
     )
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_packed(ops, causal):
+    """qkv [batch, seq, 3 * hidden] (q, k, v column blocks, heads in order) -> [batch, seq, hidden]."""
+    batch, heads, seq, dim = 2, 3, 11, 32
+    qkv = torch.randn(batch, seq, 3 * heads * dim)
+    mask = torch.zeros(batch, seq, dtype=torch.bool)
+    mask[1, 7:] = True
+    q, k, v = qkv.view(batch, seq, 3, heads, dim).permute(2, 0, 3, 1, 4)
+    expected = _attention(q, k, v, causal, mask, 0.3).transpose(1, 2).reshape(batch, seq, heads * dim)
+    got = ops.attention_packed(qkv, heads, causal=causal, key_padding_mask=mask, scale=0.3)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_softmax_cross_entropy(ops, smoothing):
     logits, target = torch.randn(13, 37) * 2, torch.randint(0, 37, (13,))

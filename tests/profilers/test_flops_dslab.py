@@ -59,6 +59,31 @@ def test_attention_custom_ops(causal):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_packed_custom_ops(causal):
+    """dslab::attention_packed_forward on qkv [B, S, 3*H*D] is priced like dslab::attention_forward on
+    its [B, H, S, D] heads (4*B*H*S*S*D, halved when causal); its backward 2.5x. Also through the
+    public op, which takes the custom op under the profiler's dispatch mode."""
+    from dslab.kernels.attention import attention_packed
+
+    torch.manual_seed(0)
+    b, h, s, d = 2, 3, 17, 32
+    qkv = torch.randn(b, s, 3 * h * d, dtype=torch.bfloat16, requires_grad=True)
+    forward = 4 * b * h * s * s * d // (2 if causal else 1)
+    calls = [
+        lambda qkv: torch.ops.dslab.attention_packed_forward(qkv, None, None, h, causal, 0.0, d**-0.5),
+        lambda qkv: attention_packed(qkv, h, causal=causal, dropout_p=0.1),
+    ]
+    for call in calls:
+        with kernel_backend("triton"):
+            records = profile(call, qkv)
+        assert records["flops_by_op"]["dslab::attention_packed_forward"] == {"figure": "matmul", "flops": forward}
+        assert records["flops_by_op"]["dslab::attention_packed_backward"]["flops"] == forward * 5 // 2
+        assert (records["forward_flops"], records["backward_flops"]) == (forward, forward * 5 // 2)
+        assert records["uncounted_autograd_functions"] == []
+
+
+@needs_interpreter
 def test_elementwise_custom_ops():
     """layer_norm 5 / 10 per element, bias_gelu 2 / 4, bias_dropout_residual (p > 0) 3 / 2,
     cross_entropy 5 / 4 per logit: the elementwise figure, never the total."""
@@ -69,7 +94,7 @@ def test_elementwise_custom_ops():
     cases = [
         (lambda x: torch.ops.dslab.layer_norm(x, weight, bias, 1e-5), "dslab::layer_norm", 5, 10),
         (lambda x: torch.ops.dslab.bias_gelu(x, bias, "tanh"), "dslab::bias_gelu", 2, 4),
-        (lambda x: torch.ops.dslab.bias_dropout_residual(x, bias, torch.randn(rows, n), 0.25, 1234),
+        (lambda x: torch.ops.dslab.bias_dropout_residual(x, bias, torch.randn(rows, n), 0.25, torch.tensor([1234])),
          "dslab::bias_dropout_residual", 3, 2),
     ]
     for fn, name, forward, backward in cases:
