@@ -61,6 +61,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per trial (default: the suite's)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per trial (default: the suite's)")
     parser.add_argument("--out", default="reports", help="reports root (default: reports/)")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="ZeRO stage of the dslab arm's engine (overrides the suite's "
+                             "zero_optimization.stage); start under torchrun / dslab launch to shard")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -69,7 +72,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
     report, _ = run_suite(args.suite, scale=args.scale, arms=arms, cases=cases, trials=args.trials, steps=args.steps,
-                          warmup_steps=args.warmup, out=args.out)
+                          warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage)
     failed = [f"{r.case}/{r.arm}" for r in report.results if r.status == "failed"]
     if failed:
         print(f"dslab: {len(failed)} arm(s) failed: {', '.join(failed)} (errors are in the report)",

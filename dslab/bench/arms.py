@@ -196,7 +196,11 @@ class PlainArm:
 
 
 def build_arm(name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict,
-              profile_dir=None, measured_peak_tflops: float | None = None):
+              profile_dir=None, measured_peak_tflops: float | None = None, world_size: int = 1):
+    """The arm ``name``. With ``world_size`` > 1 (a distributed run) only the ``dslab`` arm runs:
+    the others are single-process loops and raise :class:`ArmSkipped`."""
+    if name != "dslab" and world_size > 1:
+        raise ArmSkipped(f"single-process arm; not run with WORLD_SIZE={world_size}")
     if name == "dslab":
         return EngineArm(workload, device, precision, engine_cfg, profile_dir, measured_peak_tflops)
     if name == "hf":
@@ -208,4 +212,5 @@ def build_arm(name: str, workload: Workload, device: torch.device, precision: st
 
 
 class ArmSkipped(Exception):
-    """The arm cannot run here (a missing optional package); recorded as skipped, not failed."""
+    """The arm cannot run here (a missing optional package, a distributed run of a
+    single-process arm); recorded as skipped, not failed."""

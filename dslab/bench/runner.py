@@ -7,25 +7,45 @@ trial starts with the suite's warm-up steps (compilation, autotuning); later tri
 two steps before they are timed. The report is
 rewritten atomically after every trial; an arm that fails is recorded with its error and the
 others go on; Ctrl-C leaves the report marked incomplete.
+
+Started on several processes (torchrun or ``dslab launch``, ``WORLD_SIZE`` > 1), the runner
+joins the process group and every rank builds the ``dslab`` arm and steps it in lockstep: the
+engine runs data parallelism or ZeRO as the suite's engine config says
+(``zero_optimization.stage``, which ``zero_stage`` overrides). The plain arms are single-process
+loops and are recorded as skipped. After each trial the ranks' measurements are gathered
+(:func:`dslab.comm.all_gather_object`): the trial's step time is the slowest rank's median (its
+step times are the ones kept), throughput is global (``samples_per_s`` = micro-batch × world
+size / step time, likewise ``tokens_per_s``), ``model_tflops`` and MFU stay per GPU (one rank's
+flops over the step time), and each rank's peak memory is kept as ``peak_memory_bytes_rank<r>``
+(the CUDA allocator's peak over the trial; ``peak_memory_bytes`` is the largest) or, on a CPU,
+``peak_rss_bytes_rank<r>`` (the process's largest resident set so far, from ``getrusage``). The
+memory tracer's model states of every rank go into its records as ``model_states_per_rank``.
+Only rank 0 prints and writes the report; each rank's profiler files go to
+``profiles/<case>/rank<r>``. Every rank trains on the same synthetic batch.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
+import os
+import statistics
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
+from dslab import comm
 from dslab.bench.arms import PRECISION_DTYPES, ArmSkipped, build_arm, inject_sleep_ms
 from dslab.bench.measure import count_step_flops, measure_peaks, run_trial, trial_metrics
 from dslab.bench.suite import SuiteConfig, load_suite, select_arms
 from dslab.bench.workloads import Workload, workloads_for
 from dslab.report import Result, RunReport, Trial, new_run_id, run_dir, write_report
 from dslab.report.environment import collect_environment
-from dslab.report.store import utc_now
+from dslab.report.store import REPORT_FILE, utc_now
 from dslab.report.summary import describe, results_table
 
 
@@ -56,11 +76,83 @@ def _datasheet_bf16(environment: dict) -> float | None:
 
 
 class Progress:
-    def __init__(self, stream: TextIO):
+    def __init__(self, stream: TextIO, enabled: bool = True):
         self.stream = stream
+        self.enabled = enabled
 
     def line(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
+        if self.enabled:
+            print(text, file=self.stream, flush=True)
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's rank and the number of processes running the suite together."""
+
+    rank: int = 0
+    size: int = 1
+
+    def write(self, report: RunReport, out) -> Path:
+        """Write the report on rank 0; every rank gets the path of run.json."""
+        if self.rank == 0:
+            return write_report(report, out)
+        return run_dir(out, report.suite, report.run_id) / REPORT_FILE
+
+
+def join_world() -> World:
+    """Join the process group torchrun / ``dslab launch`` describe when ``WORLD_SIZE`` > 1."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        requested = int(raw)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={raw!r} is not a number of processes") from None
+    if requested > 1:
+        comm.init_distributed()
+    return World(comm.get_rank(), comm.get_world_size())
+
+
+def engine_config(engine: dict, zero_stage: int | None) -> dict:
+    """The suite's engine config, with ``zero_optimization.stage`` set to ``zero_stage`` if given."""
+    config = copy.deepcopy(engine)
+    if zero_stage is not None:
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        config["zero_optimization"] = {**(config.get("zero_optimization") or {}), "stage": zero_stage}
+    return config
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def gather_trial(measured: dict | None, error: str | None, world: World) -> tuple[dict | None, str | None]:
+    """Every rank's trial as one: the slowest rank's step times, the largest peak, each rank's
+    peak memory (``per_rank_memory``), or the first rank's error."""
+    if world.size == 1:
+        return measured, error
+    mine = {"measured": measured, "error": error, "rss": _peak_rss_bytes()}
+    outcomes = comm.all_gather_object(mine)
+    for rank, outcome in enumerate(outcomes):
+        if outcome["error"] is not None:
+            return None, f"rank {rank}: {outcome['error']}"
+    medians = [statistics.median(o["measured"]["step_times_ms"]) for o in outcomes]
+    slowest = outcomes[medians.index(max(medians))]["measured"]
+    peaks = [o["measured"]["peak_memory_bytes"] for o in outcomes]
+    if all(p is not None for p in peaks):
+        per_rank = {f"peak_memory_bytes_rank{r}": float(p) for r, p in enumerate(peaks)}
+        peak = max(peaks)
+    else:
+        per_rank = {f"peak_rss_bytes_rank{r}": float(o["rss"]) for r, o in enumerate(outcomes)
+                    if o["rss"] is not None}
+        peak = None
+    combined = {**slowest, "peak_memory_bytes": peak, "final_loss": outcomes[0]["measured"]["final_loss"],
+                "per_rank_memory": per_rank}
+    return combined, None
 
 
 def _count_flops(workload: Workload, suite: SuiteConfig, device: torch.device) -> int | None:
@@ -83,13 +175,18 @@ def run_suite(
     warmup_steps: int | None = None,
     out: str | Path = "reports",
     stream: TextIO | None = None,
+    zero_stage: int | None = None,
 ) -> tuple[RunReport, Path]:
     """Run the suite at ``suite_path``; returns the report and the path of its run.json.
 
-    Progress and the summary table go to ``stream`` (standard error by default)."""
+    Progress and the summary table go to ``stream`` (standard error by default; rank 0 only).
+    ``zero_stage`` overrides the suite engine's ``zero_optimization.stage``. Under torchrun
+    (``WORLD_SIZE`` > 1) every rank must call it (module docstring)."""
     suite, suite_file = load_suite(suite_path)
+    engine = engine_config(suite.engine, zero_stage)
+    world = join_world()
     device = _device()
-    progress = Progress(stream or sys.stderr)
+    progress = Progress(stream or sys.stderr, enabled=world.rank == 0)
     if scale is None:
         scale = "full" if device.type == "cuda" else "tiny"
         if device.type != "cuda":
@@ -108,7 +205,10 @@ def run_suite(
         progress.line(f"DSLAB_INJECT_STEP_SLEEP_MS={sleep_ms:g}: the dslab arm sleeps that long in every step "
                       f"(a deliberate slowdown for checking a gate)")
 
-    report = RunReport(run_id=new_run_id(), suite=suite.name, created=utc_now())
+    run_id = new_run_id()
+    if world.size > 1:  # one run, one id: rank 0's
+        run_id = comm.all_gather_object(run_id)[0]
+    report = RunReport(run_id=run_id, suite=suite.name, created=utc_now())
     report.environment = collect_environment()
     report.config = {
         "suite_file": str(suite_file),
@@ -121,23 +221,26 @@ def run_suite(
         "family": suite.family,
         "cases": [{**w.case.model_dump(), "preset": w.preset} for w in workloads],
         "model_options": suite.model_options,
-        "engine": suite.engine,
+        "engine": engine,
+        "zero_stage": int((engine.get("zero_optimization") or {}).get("stage", 0)),
+        "world_size": world.size,
         "device": str(device),
         "seed": suite.seed,
         "inject_step_sleep_ms": sleep_ms,
     }
     report.data = {"kind": "synthetic", "description": workloads[0].data_description}
-    path = write_report(report, out)
+    path = world.write(report, out)
+    ranks = f" x {world.size} ranks" if world.size > 1 else ""
     progress.line(f"run {report.run_id}: {len(workloads)} case(s) x {len(arm_names)} arm(s) x {n_trials} trial(s) "
-                  f"of {n_steps} steps on {device} -> {path.parent}")
+                  f"of {n_steps} steps on {device}{ranks} -> {path.parent}")
     try:
         report.peaks = measure_peaks(device)
         datasheet = _datasheet_bf16(report.environment)
         if datasheet:
             report.peaks["datasheet_bf16_tflops"] = datasheet
         for workload in workloads:
-            _run_case(report, suite, workload, arm_names, device, n_trials, n_steps, n_warmup,
-                      datasheet, out, progress)
+            _run_case(report, suite, engine, workload, arm_names, device, n_trials, n_steps, n_warmup,
+                      datasheet, out, progress, world)
         report.compute_ratios("dslab", "samples_per_s")
         report.status = "complete"
     except KeyboardInterrupt:
@@ -151,7 +254,7 @@ def run_suite(
         raise
     finally:
         report.finished = utc_now()
-        path = write_report(report, out)
+        path = world.write(report, out)
         progress.line("")
         progress.line(describe(report) + "\n" + results_table(report))
         progress.line(f"report: {path}")
@@ -171,20 +274,22 @@ def _needs_parking(workload: Workload, n_arms: int, device: torch.device) -> boo
     return params * 12 * n_arms > 0.75 * total
 
 
-def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_names: list[str],
+def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Workload, arm_names: list[str],
               device: torch.device, n_trials: int, n_steps: int, n_warmup: int,
-              datasheet: float | None, out, progress: Progress) -> None:
+              datasheet: float | None, out, progress: Progress, world: World) -> None:
     case = workload.case.name
     samples, tokens = workload.samples_and_tokens()
-    try:
-        flops = _count_flops(workload, suite, device)
-    except Exception as err:  # counting is informative; the timings still stand without it
-        flops = None
-        report.notes.append(f"{case}: flop count failed: {_error_text(err).splitlines()[0]}")
+    samples, tokens = samples * world.size, tokens * world.size  # every rank steps a micro-batch
+    flops = None
+    if world.rank == 0:  # only rank 0's report is written
+        try:
+            flops = _count_flops(workload, suite, device)
+        except Exception as err:  # counting is informative; the timings still stand without it
+            report.notes.append(f"{case}: flop count failed: {_error_text(err).splitlines()[0]}")
     if flops:
         report.config.setdefault("flops_per_step", {})[case] = flops
 
-    parking = _needs_parking(workload, len(arm_names), device)
+    parking = _needs_parking(workload, len(arm_names) if world.size == 1 else 1, device)
     if parking:
         report.notes.append(f"{case}: the arms do not all fit on the GPU at once; each waits in host memory "
                             f"between its trials (moved back and settled before it is timed)")
@@ -195,10 +300,12 @@ def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_nam
         report.results.append(result)
         try:
             profile_dir = run_dir(out, report.suite, report.run_id) / "profiles" / case
-            built[name] = build_arm(name, workload, device, suite.precision, suite.engine,
+            if world.size > 1:
+                profile_dir = profile_dir / f"rank{world.rank}"
+            built[name] = build_arm(name, workload, device, suite.precision, engine,
                                     **({"profile_dir": profile_dir,
                                         "measured_peak_tflops": report.peaks.get("bf16_matmul_tflops")}
-                                       if name == "dslab" else {}))
+                                       if name == "dslab" else {"world_size": world.size}))
             if parking:
                 built[name].park()
         except ArmSkipped as err:
@@ -208,7 +315,7 @@ def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_nam
             result.status, result.error = "failed", _error_text(err)
             progress.line(f"[{suite.name} {case}] {name}: failed to build: {result.error.splitlines()[0]}")
             _free(device)
-    write_report(report, out)
+    world.write(report, out)
 
     warmed: set[str] = set()
     for t in range(n_trials):
@@ -224,26 +331,34 @@ def _run_case(report: RunReport, suite: SuiteConfig, workload: Workload, arm_nam
                 warmup = n_warmup if name not in warmed else min(n_warmup, SETTLE_STEPS)
                 if parking:
                     built[name].unpark()
-                measured = run_trial(built[name].step, device, warmup, n_steps)
+                measured, error = run_trial(built[name].step, device, warmup, n_steps), None
                 warmed.add(name)
                 if parking:
                     built[name].park()
             except Exception as err:
-                result.status, result.error = "failed", _error_text(err)
+                measured, error = None, _error_text(err)
+            measured, error = gather_trial(measured, error, world)
+            if error is not None:
+                result.status, result.error = "failed", error
                 progress.line(f"[{suite.name} {case}] trial {t + 1}/{n_trials} {name}: failed: "
                               f"{result.error.splitlines()[0]}")
                 built.pop(name).close()
                 _free(device)
                 continue
             metrics = trial_metrics(measured, samples, tokens, flops, report.peaks, datasheet)
+            metrics.update(measured.get("per_rank_memory") or {})
             result.trials.append(Trial(trial=t, step_times_ms=measured["step_times_ms"], metrics=metrics))
             result.summarize()
             progress.line(f"[{suite.name} {case}] trial {t + 1}/{n_trials} {name:<13} "
                           f"{metrics['samples_per_s']:>10.1f} samples/s  {metrics['step_time_ms']:>9.2f} ms/step")
-        write_report(report, out)
+        world.write(report, out)
     if "dslab" in built:
         try:
-            for section, data in built["dslab"].records().items():
+            records = built["dslab"].records()
+            if world.size > 1 and records.get("memory") is not None:
+                per_rank = comm.all_gather_object(records["memory"].get("model_states"))
+                records["memory"] = {**records["memory"], "model_states_per_rank": per_rank}
+            for section, data in records.items():
                 if report.profilers.get(section) is None:
                     report.profilers[section] = {}
                 report.profilers[section][case] = data

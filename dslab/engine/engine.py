@@ -90,6 +90,9 @@ class DslabEngine(nn.Module):
 
         self.profilers = ProfilerHooks(build_profilers(config, self.device))
         self.profilers.call("attach", self.module, self.optimizer)
+        memory_tracer = self.profilers.find("memory")
+        if memory_tracer is not None:
+            memory_tracer.set_zero_stage(config.zero_optimization.stage, self.world_size, self.zero)
         self.monitor = Monitor(config.csv_monitor, config.tensorboard, rank=self.rank)
         self._pending_losses: list[torch.Tensor] = []
 

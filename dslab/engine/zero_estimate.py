@@ -9,6 +9,9 @@ Example: 1.3B parameters on one node of 8 GPUs, bf16 with Adam::
     >>> rows = dslab.estimate_zero_memory(1_300_000_000, num_gpus=8, stage=2)
     >>> rows[0].gpu_total / 2**30   # 2·Ψ + (2 + 12)·Ψ/8 bytes
     4.54...
+
+That is DeepSpeed's bf16 layout (2-byte parameters, fp32 master). dslab's engine keeps fp32
+parameters under autocast and no master: ``param_bytes=4, master_bytes=0`` (4·Ψ + 12·Ψ/8).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def estimate_zero_memory(
     optimizer_states: int = 2,
     largest_layer: int | None = None,
     additional_buffer_factor: float = 1.5,
+    param_bytes: int | None = None,
+    master_bytes: int | None = None,
     print_table: bool = False,
 ) -> list[ZeroMemoryRow]:
     """Model-state memory (bytes) per GPU and per node's CPU, one row per option asked for.
@@ -74,7 +79,11 @@ def estimate_zero_memory(
         num_nodes: nodes.
         offload_optimizer: ``"none"``, ``"cpu"`` (or False/True), or None for both (stages 1-3).
         precision: ``"bf16"``/``"fp16"`` (2 + 2 + 12 bytes per parameter with Adam, fp32 master
-            weights in the optimizer) or ``"fp32"`` (4 + 4 + 8).
+            weights in the optimizer: DeepSpeed's layout) or ``"fp32"`` (4 + 4 + 8).
+        param_bytes: bytes of a parameter and of its gradient (default: from ``precision``).
+        master_bytes: bytes of the optimizer's master copy of a parameter (default: 4 for
+            bf16/fp16, 0 for fp32). dslab's own engine trains bf16/fp16 by autocast over fp32
+            parameters without a master copy: ``param_bytes=4, master_bytes=0`` estimates it.
         optimizer_states: fp32 tensors per parameter the optimizer keeps (Adam 2, SGD+momentum 1).
         largest_layer: parameters of the largest layer, stage 3's gather buffer; default: found
             from the model, 0 for a count.
@@ -105,7 +114,8 @@ def estimate_zero_memory(
         model_state_row(num_params, num_gpus, s, num_nodes=num_nodes, offload_optimizer=offload,
                         precision=precision, optimizer_states=optimizer_states,
                         largest_layer_params=found_largest if largest_layer is None else largest_layer,
-                        additional_buffer_factor=additional_buffer_factor)
+                        additional_buffer_factor=additional_buffer_factor,
+                        param_bytes=param_bytes, master_bytes=master_bytes)
         for s, offload in _offload_options(offload_optimizer, stages)
     ]
     if print_table:

@@ -19,8 +19,9 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, with the differen
 * Dropout stays random: the ops draw their seeds with ``torch.randint`` on the device, which the
   CUDA generator re-draws on every replay.
 * Gradient accumulation stays exact: autograd may adopt a static gradient buffer as a
-  parameter's ``.grad``; before the next backward replay overwrites that buffer, such a ``.grad``
-  is copied out (only then, so a plain step with ``zero_grad(set_to_none=True)`` copies nothing).
+  parameter's ``.grad``. The forward graph reuses the backward's memory (one pool) and the
+  backward graph rewrites its buffers, so before either replays, such a ``.grad`` is copied out
+  (only then: a plain step with ``zero_grad(set_to_none=True)`` in between copies nothing).
 * Parameters moved to new storage (``p.data = ...``, as the benchmark runner's parking does)
   change the signature, so the stack is captured again; :meth:`LayerStackGraphs.release` frees
   every graph and its memory pool.
@@ -110,6 +111,9 @@ class _Replay(torch.autograd.Function):
             captured.static_x.copy_(x)
         if mask is not None:
             captured.static_mask.copy_(mask)
+        # The forward graph may write its activations where the backward graph leaves its
+        # gradients (one memory pool): a .grad adopted from those buffers must move out first.
+        captured.unalias_param_grads()
         captured.forward_graph.replay()
         ctx.owner, ctx.captured = owner, captured
         owner._awaiting_backward = True

@@ -28,24 +28,18 @@ On ``profile_step`` (the engine's ``global_steps``; its first micro-step):
   caller between the forward hooks) are charged to ``(outside modules)``, the model's own
   forward to ``(root)``. While the hooks are on (the profiled step's forward only), autograd does
   not check saved tensors for in-place modification; every other step it does.
-- **Model states** (CPU and CUDA, tensor sizes): parameters, gradients and optimizer states
-  (every tensor in ``optimizer.state``, plus optimizer parameters that are not model parameters,
-  such as fp32 master copies), next to the ZeRO stage-0 estimate (Rajbhandari et al. 2020, §3.1:
-  every rank holds all model states)::
-
-      estimate = sum over parameters p of numel(p) * bytes(dtype of p) * (1 + g(p) + k(p))
-
-  where ``g(p)`` is 1 if p requires grad (the gradient has p's dtype) and ``k(p)`` the number
-  of optimizer state tensors the optimizer keeps per parameter in p's dtype (Adam family: 2, 3
-  with amsgrad; SGD: 1 with momentum, else 0; RMSprop: 1 + momentum + centered; Adagrad: 1).
-  fp32 Adam: 4 + 4 + 8 = 16 bytes per parameter. Per-tensor step counters are in the measured
-  figure, not the estimate. Under ZeRO stage >= 1 the measured optimizer states are this rank's
-  shard, so they fall below the stage-0 estimate by the sharding factor. ``zero_estimate``
-  partitions the same three totals for ZeRO stages 0-3 over this run's world size
-  (:func:`dslab.profilers.zero_memory_model.partition_per_gpu`; stage 3 adds the largest
-  module's own parameters and gradients as its gather buffer), so the measured ``total`` of this
-  rank sits beside the per-GPU estimate of the stage the engine runs (``zero_estimate.stage``,
-  when the engine has called :meth:`MemoryTracer.set_zero_stage`).
+- **Model states** (CPU and CUDA): parameters, gradients and optimizer states this rank holds,
+  counted by unique storage so that nothing counts twice (ZeRO's masters share the shards'
+  storage; a released stage-3 parameter is empty and its shard is the parameter storage), next
+  to the stage-0 estimate and its ZeRO partitions over the world size
+  (:mod:`dslab.profilers.model_states`). They are measured after each backward of the profiled
+  step and before and after its optimizer step; ``grads`` is the most gradient bytes held at any
+  of those points (an engine frees gradients inside the step, and ZeRO stage 1 holds whole
+  gradients only between micro-steps of an accumulation window), parameters and optimizer states
+  are read after the step (the optimizer's states exist from the first step on). When the engine
+  has called :meth:`MemoryTracer.set_zero_stage` (its stage, world size and ZeRO runtime),
+  ``zero_estimate.compared`` puts this rank's measured ``total`` beside the per-GPU estimate of
+  that stage.
 - **Snapshot** (CUDA, ``snapshot: true``): the allocator's event history over the profiled step,
   ``torch.cuda.memory._record_memory_history(max_entries=snapshot_max_entries)`` from the
   profiled step's begin to its end (after the optimizer step), written with
@@ -67,11 +61,16 @@ import torch
 import torch.nn as nn
 from pydantic import Field
 
-from dslab import comm
 from dslab.config_base import ConfigSection
 from dslab.profilers.base import Profiler
+from dslab.profilers.model_states import (  # noqa: F401  (optimizer_states_per_param: re-exported)
+    model_state_bytes,
+    optimizer_states_per_param,
+    storage_key,
+    with_grads,
+)
 from dslab.profilers.telemetry import BoundedSeries
-from dslab.profilers.zero_memory_model import STAGES, partition_per_gpu
+from dslab.profilers.zero_memory_model import STAGES
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +87,6 @@ class MemoryTracerConfig(ConfigSection):
     profile_step: int = Field(1, ge=0, description="global step whose memory is broken down")
     snapshot: bool = Field(False, description="record the allocator history over profile_step")
     snapshot_max_entries: int = Field(100_000, ge=1, description="allocator events kept")
-
-
-def _storage_key(t: torch.Tensor) -> tuple[tuple, int]:
-    """(identity, bytes) of the storage behind ``t``; tensors without one count their own size."""
-    try:
-        storage = t.untyped_storage()
-        return (str(t.device), storage.data_ptr()), storage.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
-        return ("tensor", id(t)), t.numel() * t.element_size()
 
 
 class _Storage:
@@ -124,8 +114,8 @@ class SavedTensorTracker:
         self._counts: dict[str, dict] = {}
 
     def start(self) -> None:
-        self._model_storages = {_storage_key(t)[0] for t in self.model.parameters()}
-        self._model_storages |= {_storage_key(t)[0] for t in self.model.buffers()}
+        self._model_storages = {storage_key(t)[0] for t in self.model.parameters()}
+        self._model_storages |= {storage_key(t)[0] for t in self.model.buffers()}
         for name, module in self.model.named_modules():
             label = name or ROOT
             self._handles.append(module.register_forward_pre_hook(self._pusher(label)))
@@ -171,7 +161,7 @@ class SavedTensorTracker:
         if not isinstance(t, torch.Tensor):
             return t
         saved = t.detach()
-        key, nbytes = _storage_key(t)
+        key, nbytes = storage_key(t)
         if key in self._model_storages:
             return saved
         module = self._stack[-1] if self._stack else OUTSIDE
@@ -205,108 +195,6 @@ class SavedTensorTracker:
         return [rows[m] for m in self._order]
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def optimizer_states_per_param(group: dict) -> int | None:
-    """State tensors of a parameter's size that the optimizer of this param group keeps, from the
-    group's hyperparameter keys (torch's Adam/AdamW/Lamb/FusedAdam, SGD, RMSprop, Adagrad); None
-    for an optimizer not recognised."""
-    if "betas" in group:
-        return 3 if group.get("amsgrad") else 2
-    if "dampening" in group:
-        return 1 if group.get("momentum") else 0
-    if "alpha" in group and "centered" in group:
-        return 1 + bool(group.get("momentum")) + bool(group.get("centered"))
-    if "lr_decay" in group:
-        return 1
-    return None
-
-
-def _zero_estimate(model: nn.Module, moments: dict[int, int | None], world_size: int) -> dict:
-    """Per-GPU bytes of the stage-0 estimate's parameters, gradients and optimizer states when
-    ZeRO stages 0-3 partition them over ``world_size`` ranks (see the module docstring)."""
-    params = grads = states = 0
-    for p in model.parameters():
-        nbytes = _tensor_bytes(p)
-        params += nbytes
-        grads += nbytes * int(p.requires_grad)
-        states += nbytes * (moments.get(id(p)) or 0)
-    layer_buffer = max((sum(_tensor_bytes(p) * (1 + int(p.requires_grad)) for p in m.parameters(recurse=False))
-                        for m in model.modules()), default=0)
-    rows = [{"stage": stage, **partition_per_gpu(stage, world_size, params, grads, states, layer_buffer)}
-            for stage in STAGES]
-    return {"world_size": world_size, "per_gpu": rows}
-
-
-def model_state_bytes(model: nn.Module, optimizer=None, world_size: int | None = None) -> dict:
-    """Bytes of parameters, gradients and optimizer states now held, and the stage-0 estimate.
-
-    Returns ``{"num_params", "params", "grads", "optimizer_states", "optimizer_params", "total",
-    "bytes_per_param", "estimate", "estimate_bytes_per_param", "estimate_note",
-    "zero_estimate"}``; ``optimizer_params`` are parameters the optimizer updates that the model
-    does not hold (master copies), included in ``total``. ``zero_estimate`` is ``{"world_size",
-    "per_gpu": [{"stage", "params", "grads", "optimizer_states", "buffer", "total"}]}`` over
-    ``world_size`` ranks (default: the process group's), None where ``estimate`` is.
-    """
-    params = list(model.parameters())
-    model_ids = {id(p) for p in params}
-    num_params = sum(p.numel() for p in params)
-    param_bytes = sum(_tensor_bytes(p) for p in params)
-    grad_bytes = sum(_tensor_bytes(p.grad) for p in params if p.grad is not None)
-
-    state_bytes = 0
-    extra_param_bytes = 0
-    moments: dict[int, int | None] = {}
-    note = None
-    if optimizer is not None:
-        seen: set = set()
-        for state in optimizer.state.values():
-            for value in state.values() if isinstance(state, dict) else ():
-                if isinstance(value, torch.Tensor):
-                    key = (str(value.device), value.data_ptr(), value.numel(), value.dtype)
-                    if key not in seen:
-                        seen.add(key)
-                        state_bytes += _tensor_bytes(value)
-        for group in optimizer.param_groups:
-            k = optimizer_states_per_param(group)
-            if k is None:
-                note = (f"optimizer {type(optimizer).__name__} not recognised: "
-                        "its states per parameter are unknown, so there is no estimate")
-            for p in group["params"]:
-                moments[id(p)] = k
-                if id(p) not in model_ids:
-                    extra_param_bytes += _tensor_bytes(p)
-                    if p.grad is not None:
-                        grad_bytes += _tensor_bytes(p.grad)
-
-    estimate = None
-    if note is None:
-        estimate = 0
-        for p in params:
-            k = moments.get(id(p)) or 0
-            estimate += _tensor_bytes(p) * (1 + int(p.requires_grad) + k)
-    total = param_bytes + grad_bytes + state_bytes + extra_param_bytes
-    estimate_per_param = estimate / num_params if estimate is not None and num_params else None
-    return {
-        "num_params": num_params,
-        "params": param_bytes,
-        "grads": grad_bytes,
-        "optimizer_states": state_bytes,
-        "optimizer_params": extra_param_bytes,
-        "total": total,
-        "bytes_per_param": total / num_params if num_params else None,
-        "estimate": estimate,
-        "estimate_bytes_per_param": estimate_per_param,
-        "estimate_formula": "sum_p numel(p) * bytes(p.dtype) * (1 + requires_grad(p) + k), "
-                            "k = optimizer state tensors per parameter (ZeRO stage 0)",
-        "estimate_note": note,
-        "zero_estimate": None if estimate is None else _zero_estimate(
-            model, moments, comm.get_world_size() if world_size is None else world_size),
-    }
-
-
 class MemoryTracer(Profiler):
     """Peak memory per step; phases, activations by module, model states (and a snapshot) on
     ``profile_step``. See the module docstring."""
@@ -325,6 +213,9 @@ class MemoryTracer(Profiler):
         self.snapshot_max_entries = snapshot_max_entries
         self.output_dir = None if output_dir is None else Path(output_dir)
         self.zero_stage: int | None = None
+        self.world_size: int | None = None
+        self.zero_runtime = None
+        self._max_grads = 0
         self.model: nn.Module | None = None
         self.optimizer = None
         self.device: torch.device | None = None
@@ -354,11 +245,25 @@ class MemoryTracer(Profiler):
         """Where the snapshot file goes (the run's report directory); set before profile_step."""
         self.output_dir = Path(path)
 
-    def set_zero_stage(self, stage: int) -> None:
-        """The ZeRO stage the engine runs, recorded as ``model_states.zero_estimate.stage``."""
+    def set_zero_stage(self, stage: int, world_size: int | None = None, runtime=None) -> None:
+        """The ZeRO stage the engine runs (``model_states.zero_estimate.stage`` and
+        ``.compared``), its data-parallel world size (default: the process group's) and its ZeRO
+        runtime (stages 1-3: an object with ``units`` and ``masters``, whose flat buffers, shards
+        and gradient shards are counted as this rank's parameters and gradients)."""
         if stage not in STAGES:
             raise ValueError(f"zero_optimization.stage must be one of {STAGES}, got {stage!r}")
+        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                       or world_size < 1):
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         self.zero_stage = stage
+        self.world_size = world_size
+        self.zero_runtime = runtime
+
+    def _measure_states(self) -> dict:
+        states = model_state_bytes(self.model, self.optimizer, self.world_size,
+                                   runtime=self.zero_runtime, stage=self.zero_stage)
+        self._max_grads = max(self._max_grads, states["grads"])
+        return states
 
     def attach(self, model: nn.Module, optimizer=None) -> None:
         self.model, self.optimizer = model, optimizer
@@ -407,26 +312,22 @@ class MemoryTracer(Profiler):
     def on_backward_end(self) -> None:
         if self._profiling and "backward_end" not in self._allocated:
             self._mark("backward_end")
-        if self._profiling and self._model_states is None:
-            self._model_states = model_state_bytes(self.model, self.optimizer)
+        if self._profiling and not self._optimizer_stepped:
+            self._model_states = self._measure_states()
 
     def on_optimizer_step_begin(self) -> None:
         if self._profiling:
             self._mark("optimizer_begin")
-            self._model_states = model_state_bytes(self.model, self.optimizer)
+            self._model_states = self._measure_states()
 
     def on_optimizer_step_end(self) -> None:
         if not self._profiling:
             return
         self._mark("optimizer_end")
-        before = self._model_states
-        after = model_state_bytes(self.model, self.optimizer)
-        if before is not None:  # the gradients the step consumed: an engine may free them in it
-            after["total"] += before["grads"] - after["grads"]
-            after["grads"] = before["grads"]
-            n = after["num_params"]
-            after["bytes_per_param"] = after["total"] / n if n else None
-        self._model_states = after
+        # The gradients the step consumed: an engine frees them in it.
+        after = model_state_bytes(self.model, self.optimizer, self.world_size,
+                                  runtime=self.zero_runtime, stage=self.zero_stage)
+        self._model_states = with_grads(after, max(self._max_grads, after["grads"]))
         self._optimizer_stepped = True
 
     def on_step_end(self, step: int) -> None:
@@ -492,10 +393,8 @@ class MemoryTracer(Profiler):
             steps.append(dict(self._current))
         model_states = self._model_states
         if model_states is None and self.model is not None:
-            model_states = model_state_bytes(self.model, self.optimizer)
-        if model_states is not None and model_states.get("zero_estimate") is not None:
-            model_states = {**model_states,
-                            "zero_estimate": {**model_states["zero_estimate"], "stage": self.zero_stage}}
+            model_states = model_state_bytes(self.model, self.optimizer, self.world_size,
+                                             runtime=self.zero_runtime, stage=self.zero_stage)
         activations = self._activations or []
         return {
             "cuda": self.cuda,

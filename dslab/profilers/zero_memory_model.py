@@ -14,13 +14,19 @@ states, the bytes each GPU holds are::
 directly) gathered whole with its whole gradient before the reduce-scatter: ``(P + G)·L`` for
 ``L`` parameters. Mixed precision (fp16/bf16 parameters with fp32 master weights and Adam's two
 moments) is ``P, G, K = 2, 2, 12`` (16 bytes per parameter); fp32 training with Adam is
-``4, 4, 8``.
+``4, 4, 8``. In general ``P = G = param_bytes`` (a gradient has its parameter's dtype) and
+``K = master_bytes + 4·optimizer_states`` (optimizer states are fp32). dslab's engine trains
+bf16/fp16 by autocast over fp32 parameters with no master copy, so its layout is
+``param_bytes=4, master_bytes=0`` whatever the precision (:func:`bytes_per_param`): the same 16
+bytes per parameter as DeepSpeed's bf16 at stages 0 and 3, but not at stages 1 and 2, where
+DeepSpeed's replicated part (2-byte parameters and gradients) is smaller.
 
 Optimizer offload (ZeRO-Offload, stages 1-3, ``offload_optimizer: {"device": "cpu"}``) moves the
 optimizer states and each rank's gradient partition, as fp32, to the CPU, where the CPU optimizer
 updates them: the GPU keeps its parameters (partitioned at stage 3), and at stage 1 the whole
 gradient it all-reduces before copying its partition out. Each node's CPU holds its ranks'
-partitions, ``(4 + K)·Ψ/nodes``.
+partitions of the copy the optimizer steps and its gradient (``M`` bytes each, ``M`` the master's
+bytes, or the parameter's when there is no master) and the states: ``(2·M + 4·k)·Ψ/nodes``.
 
 Without offload the CPU figure is what building the model takes: every process of a node
 constructs the whole model in fp32 on the CPU before the engine moves or partitions it,
@@ -42,18 +48,26 @@ FP32_BYTES = 4
 GIB = 1024 ** 3
 
 
-def bytes_per_param(precision: str, optimizer_states: int = 2) -> tuple[int, int, int]:
+def bytes_per_param(precision: str, optimizer_states: int = 2, *, param_bytes: int | None = None,
+                    master_bytes: int | None = None) -> tuple[int, int, int]:
     """``(P, G, K)``: bytes per parameter of parameters, gradients and optimizer states.
 
     ``optimizer_states`` is the number of fp32 tensors of a parameter's size the optimizer keeps
-    (Adam/AdamW/Lamb: 2; SGD with momentum: 1). Half precisions add the fp32 master copy to K."""
+    (Adam/AdamW/Lamb: 2; SGD with momentum: 1). ``param_bytes`` (default: 2 for bf16/fp16, 4 for
+    fp32) is the parameters' and gradients' element size; ``master_bytes`` (default: 4 for
+    bf16/fp16, 0 for fp32) the fp32 master copy the optimizer keeps, added to K. dslab's engine
+    (autocast over fp32 parameters) is ``param_bytes=4, master_bytes=0`` in every precision."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
-    if precision == "fp32":
-        return FP32_BYTES, FP32_BYTES, FP32_BYTES * optimizer_states
-    return 2, 2, FP32_BYTES + FP32_BYTES * optimizer_states
+    half = precision != "fp32"
+    param_bytes = (2 if half else FP32_BYTES) if param_bytes is None else param_bytes
+    master_bytes = (FP32_BYTES if half else 0) if master_bytes is None else master_bytes
+    for name, value, low in (("param_bytes", param_bytes, 1), ("master_bytes", master_bytes, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return param_bytes, param_bytes, master_bytes + FP32_BYTES * optimizer_states
 
 
 def check_layout(stage: int, num_gpus: int, num_nodes: int = 1, offload_optimizer: str = "none") -> None:
@@ -105,6 +119,8 @@ class ZeroMemoryRow:
     precision: str
     num_params: int
     largest_layer_params: int
+    param_bytes: int
+    master_bytes: int
     gpu_params: int
     gpu_grads: int
     gpu_optimizer_states: int
@@ -120,8 +136,10 @@ class ZeroMemoryRow:
 
 def model_state_row(num_params: int, num_gpus: int, stage: int, *, num_nodes: int = 1,
                     offload_optimizer: str = "none", precision: str = "bf16", optimizer_states: int = 2,
-                    largest_layer_params: int = 0, additional_buffer_factor: float = 1.5) -> ZeroMemoryRow:
-    """The model-state memory of ``num_params`` parameters at one ZeRO option (module docstring)."""
+                    largest_layer_params: int = 0, additional_buffer_factor: float = 1.5,
+                    param_bytes: int | None = None, master_bytes: int | None = None) -> ZeroMemoryRow:
+    """The model-state memory of ``num_params`` parameters at one ZeRO option (module docstring;
+    ``param_bytes``/``master_bytes`` as in :func:`bytes_per_param`)."""
     check_layout(stage, num_gpus, num_nodes, offload_optimizer)
     for name, value in (("num_params", num_params), ("largest_layer_params", largest_layer_params)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -130,17 +148,20 @@ def model_state_row(num_params: int, num_gpus: int, stage: int, *, num_nodes: in
         raise ValueError(f"largest_layer_params ({largest_layer_params}) exceeds num_params ({num_params})")
     if not isinstance(additional_buffer_factor, (int, float)) or additional_buffer_factor < 1:
         raise ValueError(f"additional_buffer_factor must be a number >= 1, got {additional_buffer_factor!r}")
-    p, g, k = bytes_per_param(precision, optimizer_states)
+    p, g, k = bytes_per_param(precision, optimizer_states, param_bytes=param_bytes,
+                              master_bytes=master_bytes)
+    master = k - FP32_BYTES * optimizer_states
     world_size = num_gpus * num_nodes
     offload = offload_optimizer != "none"
     gpu = partition_per_gpu(stage, world_size, p * num_params, g * num_params, k * num_params,
                             layer_buffer=(p + g) * largest_layer_params, offload_optimizer=offload)
     cpu_init = FP32_BYTES * num_params * num_gpus
-    cpu_offload = -(-(FP32_BYTES + k) * num_params // num_nodes) if offload else 0
+    stepped = master or p  # the copy the CPU optimizer steps, and its gradient, in its dtype
+    cpu_offload = -(-(2 * stepped + k - master) * num_params // num_nodes) if offload else 0
     return ZeroMemoryRow(
         stage=stage, offload_optimizer=offload_optimizer, num_gpus=num_gpus, num_nodes=num_nodes,
         precision=precision, num_params=num_params, largest_layer_params=largest_layer_params,
-        gpu_params=gpu["params"], gpu_grads=gpu["grads"], gpu_optimizer_states=gpu["optimizer_states"],
+        param_bytes=p, master_bytes=master, gpu_params=gpu["params"], gpu_grads=gpu["grads"], gpu_optimizer_states=gpu["optimizer_states"],
         gpu_buffer=gpu["buffer"], gpu_total=gpu["total"], cpu_init=cpu_init, cpu_offload=cpu_offload,
         cpu_total=int(additional_buffer_factor * max(cpu_init, cpu_offload)),
     )
@@ -155,7 +176,8 @@ def format_table(rows: list[ZeroMemoryRow]) -> str:
         "Estimated memory for model states (parameters, gradients, optimizer states):",
         f"HW: {first.num_nodes} node(s) x {first.num_gpus} GPU(s) per node",
         f"SW: {first.num_params / 1e6:,.2f}M parameters, largest layer "
-        f"{first.largest_layer_params / 1e6:,.2f}M, {first.precision}",
+        f"{first.largest_layer_params / 1e6:,.2f}M, {first.precision} "
+        f"({first.param_bytes}-byte parameters and gradients, {first.master_bytes}-byte master copy)",
         f"{'stage':>5}  {'offload':<7}  {'per GPU':>9}  {'params':>9}  {'grads':>9}  {'optim':>9}  "
         f"{'buffer':>9}  {'per CPU':>9}",
     ]
