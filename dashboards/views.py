@@ -21,7 +21,7 @@ TELEMETRY_FIELDS = (
     ("util_gpu", "GPU utilisation (%)"),
     ("power_w", "power (W)"),
     ("sm_clock_mhz", "SM clock (MHz)"),
-    ("mem_used_bytes", "memory used (bytes)"),
+    ("mem_used_bytes", "memory used (GiB)"),
     ("temp_c", "temperature (C)"),
 )
 ROOFLINE_NOTE = (

@@ -1,0 +1,89 @@
+"""The dashboard, the trace and the plots on real suite reports: ``dslab bench suites/bert_large``
+and ``suites/gpt2`` (124m and 1.5b) at full scale on an H100, every profiler on, kept as fixtures
+under ``fixtures/gpu_reports``. Every page of every case renders in Chromium without console
+errors."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gpu_reports"
+RUNS = {"bert_large/20261123T195220Z-eb4df9": ("seq128", "seq512"),
+        "gpt2/20261123T200744Z-0aa422": ("124m", "1.5b")}
+TABS = [("flops", 2, "Top modules per depth"), ("memory", 1, "Memory"),
+        ("telemetry", 1, "Time series per GPU"), ("io", 0, "I/O")]
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu_screenshots")
+
+
+@pytest.fixture(scope="module")
+def gpu_reports(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("gpu_reports")
+    shutil.copytree(FIXTURES, root, dirs_exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def gpu_server(gpu_reports):
+    from werkzeug.serving import make_server
+
+    from dashboards.app import create_app
+
+    httpd = make_server("127.0.0.1", 0, create_app(gpu_reports).server, threaded=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    thread.join(timeout=10)
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_every_page_of_a_real_suite_report_renders(browser, gpu_server, shots, run):
+    from test_dashboard_browser import _check_page
+
+    suite = run.split("/")[0]
+    page = _check_page(browser, gpu_server, shots, f"gpu_{suite}", f"/run/{run}", 4, "Arms")
+    assert "H100" in page and all(case in page for case in RUNS[run])
+    for case in RUNS[run]:
+        for tab, graphs, text in TABS:
+            name = f"gpu_{suite}_{case}_{tab.strip('/')}"
+            _check_page(browser, gpu_server, shots, name, f"/run/{run}/{tab}?case={case}", graphs, text)
+        # One process: the comms logger saw no collective, and the page says so instead of
+        # drawing empty charts.
+        from test_dashboard_browser import _load, _severe
+
+        browser.get_log("browser")
+        _load(browser, f"{gpu_server}/run/{run}/comms?case={case}", shots, f"gpu_{suite}_{case}_comms")
+        text = browser.find_element("id", "page").text
+        assert "no timed collectives" in text and "could not be drawn" not in text
+        assert _severe(browser) == []
+
+
+@pytest.mark.browser
+def test_runs_page_lists_both_suites(browser, gpu_server, shots):
+    from test_dashboard_browser import _check_page
+
+    text = _check_page(browser, gpu_server, shots, "gpu_runs", "/", 1, "Runs (2)")
+    assert "bert_large" in text and "gpt2" in text
+
+
+def test_trace_and_plots_of_real_reports(gpu_reports, tmp_path):
+    from dashboards.plots import write_plots
+    from dslab.profilers.trace import write_trace
+    from dslab.report import read_report
+
+    for run, cases in RUNS.items():
+        trace = write_trace(gpu_reports / run)
+        assert trace.name == "trace.pftrace" and trace.stat().st_size > 1000
+        written, warnings = write_plots(read_report(gpu_reports / run / "run.json"), tmp_path / run)
+        assert warnings == []
+        names = " ".join(p.name for p in written)
+        assert all(case in names for case in cases), names
