@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from dslab.kernels.dispatch import backend, kernel_backend, planned_backend, set_backend, use_triton
 from dslab.kernels.attention import attention
+from dslab.kernels.attention_packed import attention_packed
 from dslab.kernels.bias_dropout_residual import bias_dropout_residual
 from dslab.kernels.bias_gelu import bias_gelu
 from dslab.kernels.cross_entropy import softmax_cross_entropy
 from dslab.kernels.fused_adam import FusedAdam
 from dslab.kernels.layer_norm import layer_norm
 
-OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "softmax_cross_entropy", "FusedAdam")
+OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "attention_packed", "softmax_cross_entropy",
+       "FusedAdam")
 
 __all__ = [*OPS, "OPS", "backend", "kernel_backend", "planned_backend", "set_backend", "use_triton"]

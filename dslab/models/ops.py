@@ -145,7 +145,8 @@ def draw_seed(x: torch.Tensor) -> torch.Tensor:
 def _dslab_ops() -> OpSet:
     # Imported from the op modules, not the package: ``dslab.kernels.layer_norm`` names the module
     # once that module has been imported.
-    from dslab.kernels.attention import HEAD_DIMS, attention, attention_packed
+    from dslab.kernels.attention import HEAD_DIMS, attention
+    from dslab.kernels.attention_packed import attention_packed
     from dslab.kernels.bias_dropout_residual import bias_dropout_residual
     from dslab.kernels.bias_gelu import bias_gelu
     from dslab.kernels.cross_entropy import softmax_cross_entropy

@@ -35,13 +35,11 @@ first telemetry sample, else the report's creation time.
 from __future__ import annotations
 
 import datetime
-import os
-import tempfile
 from pathlib import Path
 
 from dslab.profilers.comms_analysis import bandwidth
 from dslab.report import RunReport, read_report
-from dslab.report.store import REPORT_FILE
+from dslab.report.store import REPORT_FILE, atomic_write_bytes
 
 TRACE_FILE = "trace.pftrace"
 SEQUENCE_ID = 1
@@ -342,20 +340,6 @@ def build_trace(report: RunReport) -> bytes:
     return w.serialize()
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_trace(run: str | Path, force: bool = False) -> Path:
     """``trace.pftrace`` in the run directory ``run`` (or beside its ``run.json``), written
     atomically unless it is there already (``force`` rewrites it); returns its path."""
@@ -364,5 +348,5 @@ def write_trace(run: str | Path, force: bool = False) -> Path:
     path = folder / TRACE_FILE
     if path.is_file() and not force:
         return path
-    _atomic_write_bytes(path, build_trace(read_report(folder)))
+    atomic_write_bytes(path, build_trace(read_report(folder)))
     return path

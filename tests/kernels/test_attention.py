@@ -23,8 +23,6 @@ import dslab.kernels
 from dslab.kernels import attention_triton_bwd
 from dslab.kernels.attention import (
     attention,
-    attention_packed,
-    attention_packed_reference,
     attention_reference,
     draw_dropout_seed,
     triton_dropout_keep_mask,
@@ -360,129 +358,6 @@ def test_bad_input_raises_value_error_naming_the_argument(change, argument):
         attention(**args)
 
 
-# --- attention_packed: q, k, v read from one [batch, seq, 3 * hidden] projection ---------------
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _packed_inputs(batch, heads, seq, head_dim, dtype, device="cpu", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(batch, seq, 3 * heads * head_dim, generator=gen)
-    grad = torch.randn(batch, seq, heads * head_dim, generator=gen)
-    return qkv.to(device=device, dtype=dtype), grad.to(device=device, dtype=dtype)
-
-
-def _packed_forward_backward(fn, qkv, grad, heads, **kwargs):
-    qkv = qkv.detach().requires_grad_()
-    out = fn(qkv, heads, **kwargs)
-    return out, *torch.autograd.grad(out, (qkv,), grad)
-
-
-def _check_packed_against_reference(got, qkv, grad, heads, floor, **kwargs):
-    """got = (out, dqkv) of attention_packed in qkv's dtype, against the packed reference in float64
-    and in that dtype (STYLE.md #4, as ``_check_against_reference``)."""
-    exact = _packed_forward_backward(attention_packed_reference, qkv.double(), grad.double(), heads, **kwargs)
-    low = _packed_forward_backward(attention_packed_reference, qkv, grad, heads, **kwargs)
-    factor = 4 if interpreting() and qkv.dtype == torch.bfloat16 else 2
-    for name, g, e, lo in zip(("out", "dqkv"), got, exact, low):
-        assert g.dtype == qkv.dtype and g.shape == e.shape and g.is_contiguous(), name
-        assert torch.isfinite(g).all(), name
-        err = (g.double() - e).abs().max().item()
-        torch_err = (lo.double() - e).abs().max().item()
-        assert err <= factor * torch_err + floor, f"{name}: dslab err {err:.3g} vs torch err {torch_err:.3g}"
-
-
-# (seq, head_dim, dtype, causal, padding, dropout_p); heads 3, batch 2. seq 37 takes the BOTH
-# backward under the interpreter, seq 29 the FUSED one. fp32 runs the reference path.
-PACKED_CASES = [
-    (37, 32, "bf16", False, None, 0.0),
-    (37, 64, "bf16", True, "first", 0.0),
-    (37, 32, "bf16", True, "full", 0.25),
-    (29, 64, "bf16", False, "first", 0.25),
-    (37, 64, "fp32", True, "first", 0.0),
-    (37, 32, "fp32", False, "full", 0.25),
-]
-
-
-@pytest.mark.parametrize("seq,head_dim,dtype,causal,padding,dropout_p", PACKED_CASES)
-def test_attention_packed_matches_reference(seq, head_dim, dtype, causal, padding, dropout_p):
-    """Output and qkv gradient against the packed reference; with dropout both use the Triton
-    kernels' mask of one seed (fp32: the reference's generator mask of that seed, both ways)."""
-    batch, heads = 2, 3
-    qkv, grad = _packed_inputs(batch, heads, seq, head_dim, DTYPES[dtype], seed=seq + head_dim)
-    mask = _padding(padding, batch, seq)
-    kwargs = dict(causal=causal, key_padding_mask=mask, dropout_p=dropout_p)
-    seed = torch.tensor([2**33 + seq])
-    with kernel_backend("triton"):
-        got = _packed_forward_backward(attention_packed, qkv, grad, heads, seed=seed, **kwargs)
-        if dropout_p > 0 and dtype != "fp32":
-            kwargs["dropout_mask"] = triton_dropout_keep_mask(seed, batch, heads, seq, seq, dropout_p, "cpu")
-        elif dropout_p > 0:
-            kwargs["seed"] = seed
-    _check_packed_against_reference(got, qkv, grad, heads, floor=1e-3, **kwargs)
-    if padding == "full":  # every key of the last batch element is padding: zeros, no NaN
-        assert torch.equal(got[0][-1], torch.zeros_like(got[0][-1]))
-        assert torch.equal(got[1][-1], torch.zeros_like(got[1][-1]))
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_attention_packed_equals_attention_on_split_heads(split, monkeypatch):
-    """The Triton kernels on the packed layouts give bit for bit what they give on the split heads
-    (same tiles, same seed, only strides differ); ``split`` forces the DQ_ONLY + DKDV_ONLY backward."""
-    if split:
-        monkeypatch.setattr(attention_triton_bwd, "BOTH_MAX_WORK", -1)
-    batch, heads, seq, head_dim = 2, 3, 37, 32
-    qkv, grad = _packed_inputs(batch, heads, seq, head_dim, torch.bfloat16, seed=5)
-    mask = _padding("first", batch, seq)
-    kwargs = dict(causal=True, key_padding_mask=mask, dropout_p=0.2, seed=torch.tensor([77]))
-    with kernel_backend("triton"):
-        out, dqkv = _packed_forward_backward(attention_packed, qkv, grad, heads, **kwargs)
-        q, k, v = qkv.view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-        grad_heads = grad.view(batch, seq, heads, head_dim).transpose(1, 2)
-        split_out, dq, dk, dv = _forward_backward(q, k, v, grad_heads, **kwargs)
-    assert out.stride() == (seq * heads * head_dim, heads * head_dim, 1)
-    assert torch.equal(out, split_out.transpose(1, 2).reshape(batch, seq, heads * head_dim))
-    expected = torch.stack([dq, dk, dv], dim=2).transpose(1, 3).reshape(batch, seq, 3 * heads * head_dim)
-    assert torch.equal(dqkv, expected)
-
-
-def test_attention_packed_custom_ops_and_compile():
-    qkv, grad = _packed_inputs(1, 2, 19, 32, torch.bfloat16, seed=16)
-    seed = torch.tensor([3])
-    with kernel_backend("triton"):
-        for args in ((qkv, None, None, 2, True, 0.0, 0.2), (qkv, _padding("first", 1, 19), seed, 2, False, 0.3, 0.2)):
-            torch.library.opcheck(
-                torch.ops.dslab.attention_packed_forward.default, args, test_utils=("test_schema", "test_faketensor")
-            )
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda t: attention_packed(t, 2, causal=True, dropout_p=0.3, seed=seed),
-                                 backend="aot_eager", fullgraph=True)
-        eager = _packed_forward_backward(attention_packed, qkv, grad, 2, causal=True, dropout_p=0.3, seed=seed)
-        qkv_leaf = qkv.detach().requires_grad_()
-        out = compiled(qkv_leaf)
-        (dqkv,) = torch.autograd.grad(out, (qkv_leaf,), grad)
-        torch._dynamo.reset()
-    assert torch.equal(out, eager[0]) and torch.equal(dqkv, eager[1])
-
-
-@pytest.mark.parametrize("change,argument", [
-    (lambda a: {**a, "qkv": a["qkv"][0]}, "qkv"),
-    (lambda a: {**a, "qkv": a["qkv"].int()}, "qkv"),
-    (lambda a: {**a, "heads": 5}, "heads"),
-    (lambda a: {**a, "heads": 0}, "heads"),
-    (lambda a: {**a, "qkv": torch.zeros(2, 5, 3 * 2 * 48)}, "head_dim"),
-    (lambda a: {**a, "key_padding_mask": torch.zeros(2, 6, dtype=torch.bool)}, "key_padding_mask"),
-    (lambda a: {**a, "dropout_p": 1.0}, "dropout_p"),
-    (lambda a: {**a, "seed": 2.5, "dropout_p": 0.1}, "seed"),
-])
-def test_attention_packed_bad_input_raises_value_error(change, argument):
-    args = change(dict(qkv=torch.zeros(2, 5, 3 * 2 * 32), heads=2))
-    with pytest.raises(ValueError, match=argument):
-        attention_packed(**args)
-
-
-# --- GPU, real sizes -------------------------------------------------------------------------
-
 BENCH_SHAPES = [  # (batch, heads, seq, head_dim, causal): benchmarks/kernels/bench_attention.py
     (64, 16, 128, 64, False),
     (16, 16, 512, 64, False),
@@ -492,7 +367,7 @@ BENCH_SHAPES = [  # (batch, heads, seq, head_dim, causal): benchmarks/kernels/be
 
 
 def _sdpa_forward_backward(q, k, v, grad, causal, backend):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(backend):
@@ -606,29 +481,3 @@ def test_gpu_dropout_without_host_sync_and_new_masks_on_cuda_graph_replays():
             outs.append(captured.clone())
     assert not torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,heads,seq,head_dim,causal,padding,dropout_p", [
-    (8, 16, 128, 64, False, "first", 0.1),  # BERT-large, FUSED backward
-    (4, 16, 512, 64, False, None, 0.1),  # BERT-large seq 512
-    (2, 12, 1024, 64, True, None, 0.0),  # GPT-2, DQ_ONLY + DKDV_ONLY
-])
-def test_gpu_attention_packed_matches_split_heads_without_copies(batch, heads, seq, head_dim, causal, padding,
-                                                                 dropout_p):
-    """On the GPU the packed op equals the split-heads op bit for bit (one seed), and its forward
-    and backward launch no copy, fill or contiguous kernel around the attention kernels."""
-    qkv, grad = _packed_inputs(batch, heads, seq, head_dim, torch.bfloat16, device="cuda", seed=41)
-    mask = _padding(padding, batch, seq, device="cuda")
-    kwargs = dict(causal=causal, key_padding_mask=mask, dropout_p=dropout_p, seed=draw_dropout_seed("cuda"))
-    out, dqkv = _packed_forward_backward(attention_packed, qkv, grad, heads, **kwargs)
-    q, k, v = qkv.view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-    grad_heads = grad.view(batch, seq, heads, head_dim).transpose(1, 2)
-    split_out, dq, dk, dv = _forward_backward(q, k, v, grad_heads, **kwargs)
-    assert torch.equal(out, split_out.transpose(1, 2).reshape(out.shape))
-    assert torch.equal(dqkv, torch.stack([dq, dk, dv], dim=2).transpose(1, 3).reshape(dqkv.shape))
-    leaf = qkv.detach().requires_grad_()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        torch.autograd.grad(attention_packed(leaf, heads, **kwargs), (leaf,), grad)
-    names = {event.key for event in prof.key_averages()}
-    assert not names & {"aten::copy_", "aten::clone", "aten::contiguous", "aten::fill_", "aten::zero_"}, names

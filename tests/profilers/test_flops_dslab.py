@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import dslab.kernels.attention  # noqa: F401  (registers dslab::attention_*)
+import dslab.kernels.attention_packed  # noqa: F401  (registers dslab::attention_packed_*)
 import dslab.kernels.bias_dropout_residual  # noqa: F401
 import dslab.kernels.bias_gelu  # noqa: F401
 import dslab.kernels.cross_entropy  # noqa: F401
@@ -64,7 +65,7 @@ def test_attention_packed_custom_ops(causal):
     """dslab::attention_packed_forward on qkv [B, S, 3*H*D] is priced like dslab::attention_forward on
     its [B, H, S, D] heads (4*B*H*S*S*D, halved when causal); its backward 2.5x. Also through the
     public op, which takes the custom op under the profiler's dispatch mode."""
-    from dslab.kernels.attention import attention_packed
+    from dslab.kernels.attention_packed import attention_packed
 
     torch.manual_seed(0)
     b, h, s, d = 2, 3, 17, 32
