@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -74,7 +75,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     report, _ = run_suite(args.suite, scale=args.scale, arms=arms, cases=cases, trials=args.trials, steps=args.steps,
                           warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage)
     failed = [f"{r.case}/{r.arm}" for r in report.results if r.status == "failed"]
-    if failed:
+    if failed and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
         print(f"dslab: {len(failed)} arm(s) failed: {', '.join(failed)} (errors are in the report)",
               file=sys.stderr)
     return 0

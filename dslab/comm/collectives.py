@@ -113,6 +113,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     )
 
 
+# torch 2.13 renamed the flat-tensor collectives (*_single) and deprecates the old names; older
+# releases (the GPU machines run 2.11) have only the old ones.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False):
     """Reduce ``input`` across ranks and leave this rank's equal slice in ``output``.
@@ -124,7 +130,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         return None
     return _issue(
         "reduce_scatter", input, group, async_op,
-        lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op),
+        lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
     )
 
 
@@ -138,7 +144,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         return None
     return _issue(
         "all_gather", output, group, async_op,
-        lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+        lambda: _all_gather_single(output, input, group=group, async_op=async_op),
     )
 
 

@@ -80,6 +80,8 @@ def describe(report: RunReport) -> str:
         f"  scale {cfg.get('scale', '?')}  precision {cfg.get('precision', '?')}  trials {cfg.get('trials', '?')}  "
         f"steps {cfg.get('steps', '?')} (+{cfg.get('warmup_steps', '?')} warm-up)",
     ]
+    if (cfg.get("world_size") or 1) > 1 or cfg.get("zero_stage"):
+        lines.append(f"  processes {cfg.get('world_size') or 1}  ZeRO stage {cfg.get('zero_stage') or 0}")
     peaks = report.peaks or {}
     if peaks.get("bf16_matmul_tflops"):
         lines.append(f"  measured peaks: bf16 matmul {peaks['bf16_matmul_tflops']:.0f} TFLOP/s, "

@@ -31,6 +31,7 @@ def test_two_ranks_write_one_report_with_global_throughput(tmp_path):
     # only rank 0 prints progress: each trial's line once
     assert proc.stderr.count("trial 1/2 dslab") == 1 and proc.stderr.count("trial 2/2 dslab") == 1
     assert proc.stderr.count("x 2 ranks") == 1
+    assert (proc.stdout + proc.stderr).count("processes 2  ZeRO stage 2") == 1  # the summary, rank 0 only
 
     (run,) = list_runs(out)
     report = read_report(run)
