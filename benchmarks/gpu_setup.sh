@@ -7,5 +7,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
+if ! python3 -c "import pydantic" 2>/dev/null; then
+  echo "gpu_setup: pydantic is missing on this machine: carry its wheels in .whl/ (see the device README's" \
+       "pip download recipe: pydantic, pydantic_core, annotated_types, typing_inspection for cp312)" >&2
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
