@@ -101,7 +101,10 @@ def _run_report_plot(args: argparse.Namespace) -> int:
     from dslab.report import find_run, read_report
 
     run = find_run(args.reports, args.run)
-    written, warnings = write_plots(read_report(run), args.out or run / "plots")
+    try:
+        written, warnings = write_plots(read_report(run), args.out or run / "plots")
+    except ImportError as err:
+        raise _missing_extra(err, "dashboard") from None
     for warning in warnings:
         print(f"dslab: warning: {warning}", file=sys.stderr)
     for path in written:
@@ -160,8 +163,16 @@ def _dashboard_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8050, help="port (default: 8050)")
 
 
+def _missing_extra(err: ImportError, extra: str) -> ValueError:
+    return ValueError(f"{err.name or err} is not installed: the dashboard, traces and plots need "
+                      f"dslab's '{extra}' extra (pip install -e '.[{extra}]', or run bin/dslab)")
+
+
 def _run_dashboard(args: argparse.Namespace) -> int:
-    from dashboards.app import run
+    try:
+        from dashboards.app import run
+    except ImportError as err:
+        raise _missing_extra(err, "dashboard") from None
 
     run(args.reports, host=args.host, port=args.port)
     return 0
@@ -177,7 +188,11 @@ def _run_trace(args: argparse.Namespace) -> int:
     from dslab.profilers.trace import write_trace
     from dslab.report import find_run
 
-    print(write_trace(find_run(args.reports, args.run), force=args.force))
+    run = find_run(args.reports, args.run)
+    try:
+        print(write_trace(run, force=args.force))
+    except ImportError as err:
+        raise _missing_extra(err, "dashboard") from None
     return 0
 
 

@@ -154,3 +154,20 @@ def test_console_script_version():
     done = _run([str(script), "--version"])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"dslab {dslab.__version__}"
+
+
+def test_dashboard_commands_name_the_missing_extra(monkeypatch, capsys, tmp_path):
+    """Without the dashboard extra installed, the commands that need it say which extra to add."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_dash(name, *args, **kwargs):
+        if name.startswith(("dashboards", "dash", "perfetto")):
+            raise ImportError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_dash)
+    assert cli.main(["dashboard", "--reports", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "dashboards" in err and "'dashboard' extra" in err
