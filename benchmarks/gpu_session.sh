@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_session.sh tests kernels     # gpu tests, kernel table
 #   bash benchmarks/gpu_session.sh bert              # dslab bench suites/bert_large (5 trials)
 #   bash benchmarks/gpu_session.sh gpt2 overhead     # gpt2 124m + 1.5b, profiler + engine overhead
+#   bash benchmarks/gpu_session.sh zero              # ZeRO stages 0-3 on 1, 2 (4) GPUs: memory, scaling
 # Logs and reports go under $OUT (or ./gpu-out); the last lines of each stage are its table.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,6 +26,9 @@ for stage in "$@"; do
       python3 -m dslab.cli bench suites/gpt2 --cases "${GPT2_CASES:-124m,1.5b}" --trials "$trials" \
         --out "$out" > "$out/gpt2.log" 2>&1
       grep -A 30 "^run " "$out/gpt2.log" | tail -25 ;;
+    zero)
+      ZERO_SCALING_OUT="$out/zero" bash benchmarks/zero_scaling.sh > "$out/zero.log" 2>&1
+      tail -20 "$out/zero.log" ;;
     overhead)
       python3 benchmarks/profiler_overhead.py --suite suites/gpt2 --case 124m > "$out/overhead.log" 2>&1
       tail -4 "$out/overhead.log"
