@@ -3,7 +3,9 @@
 #   bash benchmarks/gpu_session.sh tests kernels     # gpu tests, kernel table
 #   bash benchmarks/gpu_session.sh bert              # dslab bench suites/bert_large (5 trials)
 #   bash benchmarks/gpu_session.sh gpt2 overhead     # gpt2 124m + 1.5b, profiler + engine overhead
-#   bash benchmarks/gpu_session.sh zero              # ZeRO stages 0-3 on 1, 2 (4) GPUs: memory, scaling
+#   bash benchmarks/gpu_session.sh zero              # ZeRO stages 0-3 (and 1-3 with optimizer offload)
+#                                                    # on 1, 2 (4) GPUs: memory, scaling
+# GPU_TESTS picks the test folders of the tests stage; ZERO_STAGES the zero stage's --stages.
 # Logs and reports go under $OUT (or ./gpu-out); the last lines of each stage are its table.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,7 +17,7 @@ for stage in "$@"; do
   echo "=== $stage"
   case "$stage" in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/models tests/profilers 2>&1 | tail -15 | tee "$out/gpu_tests.txt" ;;
+      python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/models tests/profilers tests/engine} 2>&1 | tail -15 | tee "$out/gpu_tests.txt" ;;
     kernels)
       python3 benchmarks/kernels/run.py --rounds 3 --json "$out/kernels.json" > "$out/kernels.log" 2>&1
       tail -18 "$out/kernels.log" ;;
@@ -27,8 +29,9 @@ for stage in "$@"; do
         --out "$out" > "$out/gpt2.log" 2>&1
       grep -A 30 "^run " "$out/gpt2.log" | tail -25 ;;
     zero)
-      ZERO_SCALING_OUT="$out/zero" bash benchmarks/zero_scaling.sh > "$out/zero.log" 2>&1
-      tail -20 "$out/zero.log" ;;
+      ZERO_SCALING_OUT="$out/zero" bash benchmarks/zero_scaling.sh \
+        --stages "${ZERO_STAGES:-0,1,2,3,1o,2o,3o}" --offload-one-chunk > "$out/zero.log" 2>&1
+      tail -40 "$out/zero.log" ;;
     overhead)
       python3 benchmarks/profiler_overhead.py --suite suites/gpt2 --case 124m > "$out/overhead.log" 2>&1
       tail -4 "$out/overhead.log"

@@ -3,8 +3,9 @@
 Run under torchrun (one process per GPU); ``benchmarks/zero_scaling.sh`` runs it on 1, 2 and 4
 GPUs and prints the weak-scaling table::
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py [--stages 0,1,2,3]
-        [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--json OUT.json]
+    torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py [--stages 0,1,2,3,2o]
+        [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--offload-one-chunk]
+        [--json OUT.json]
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py --tiny   # CPU, gloo
 
 For each stage in turn, in one process group: build GPT-2 355M (``dslab.models.gpt2_355m``,
@@ -30,6 +31,14 @@ seq`` tokens. Then the engine is destroyed and memory freed before the next stag
   ``stage3_param_persistence_threshold`` elements (``--persistence-threshold``; the engine's
   default 100,000 keeps GPT-2 355M's LayerNorms gathered, 0 with ``--tiny``, whose layers are all
   below the default) stay whole on every rank, above the estimate's ``Ψ/N``.
+
+A stage written with an ``o`` (``1o``, ``2o``, ``3o``) runs with ``offload_optimizer: {device:
+cpu, pin_memory: true}``: ``measured`` is then what stays on the GPU beside the offload layout's
+per-GPU estimate, and the row adds the CPU side (``cpu GiB``: the offload's masters, gradient
+buffers and Adam moments, beside the rank's share of the CPU estimate). With
+``--offload-one-chunk`` each offloaded stage runs a second time with the CPU step in one chunk
+(``engine.zero.offload.chunks`` set to all units: nothing is copied back until every master has
+stepped), the arm the pipelined step is compared with.
 
 Rank 0 prints one line per stage and, with ``--json``, writes the rows (with the world size,
 model size and settings) for the wrapper.
@@ -58,7 +67,10 @@ GIB = 1024 ** 3
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
+    parser.add_argument("--stages", default="0,1,2,3",
+                        help="comma-separated ZeRO stages; 1o, 2o, 3o offload the optimizer to CPU")
+    parser.add_argument("--offload-one-chunk", action="store_true",
+                        help="also run each offloaded stage with its CPU step in one chunk")
     parser.add_argument("--micro-batch", type=int, default=None, help="per GPU (default 8; 2 with --tiny)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; 64 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5; 2 with --tiny)")
@@ -76,12 +88,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, full, small in (("micro_batch", 8, 2), ("seq", 1024, 64), ("warmup", 5, 2), ("steps", 20, 3)):
         if getattr(args, name) is None:
             setattr(args, name, small if tiny else full)
-    try:
-        args.stages = [int(s) for s in args.stages.split(",") if s.strip()]
-    except ValueError:
-        parser.error(f"--stages must be comma-separated integers, got {args.stages!r}")
-    if not args.stages or any(s not in (0, 1, 2, 3) for s in args.stages):
-        parser.error(f"--stages must name ZeRO stages 0-3, got {args.stages}")
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    valid = {"0", "1", "2", "3", "1o", "2o", "3o"}
+    if not stages or any(s not in valid for s in stages):
+        parser.error(f"--stages must name ZeRO stages 0-3, or 1o-3o with optimizer offload, "
+                     f"got {args.stages!r}")
+    args.stages = []
+    for token in stages:
+        offload = token.endswith("o")
+        args.stages.append((int(token.rstrip("o")), offload, False))
+        if offload and args.offload_one_chunk:
+            args.stages.append((int(token.rstrip("o")), offload, True))
     for name in ("micro_batch", "seq", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -101,7 +118,12 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_stage(stage: int, args, device: torch.device, world: int, rank: int) -> dict:
+def label(stage: int, offload: bool, one_chunk: bool) -> str:
+    return f"{stage}" + ("+off" if offload else "") + ("/1chunk" if one_chunk else "")
+
+
+def run_stage(stage: int, offload: bool, one_chunk: bool, args, device: torch.device, world: int,
+              rank: int) -> dict:
     """One stage's row on this rank: step times, peak memory, model states and the estimate."""
     config_of = gpt2_tiny if args.tiny else gpt2_355m
     model_config = config_of(n_positions=max(args.seq, 128) if args.tiny else 1024)
@@ -111,7 +133,8 @@ def run_stage(stage: int, args, device: torch.device, world: int, rank: int) -> 
     with torch.device(device):
         model = GPT2LMHeadModel(model_config, kernels=args.kernels)
     (estimate,) = dslab.estimate_zero_memory(model, world, stage, precision="bf16",
-                                             param_bytes=4, master_bytes=0)
+                                             param_bytes=4, master_bytes=0,
+                                             offload_optimizer="cpu" if offload else "none")
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -120,13 +143,16 @@ def run_stage(stage: int, args, device: torch.device, world: int, rank: int) -> 
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, **(
             {} if args.persistence_threshold is None
-            else {"stage3_param_persistence_threshold": args.persistence_threshold})},
+            else {"stage3_param_persistence_threshold": args.persistence_threshold}), **(
+            {"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {})},
         "steps_per_print": 10 ** 9,
     }
     if device.type == "cuda":
         _free(device)
         torch.cuda.reset_peak_memory_stats(device)
     engine, _, _, _ = dslab.initialize(model=model, config=config)
+    if one_chunk:
+        engine.zero.offload.chunks = [list(engine.zero.units)]
     g = torch.Generator(device=device).manual_seed(1000 + rank)
     ids = torch.randint(0, model_config.vocab_size, (args.micro_batch, args.seq), generator=g, device=device)
 
@@ -159,11 +185,16 @@ def run_stage(stage: int, args, device: torch.device, world: int, rank: int) -> 
             engine.step()
             times.append((time.perf_counter() - t0) * 1e3)
         peak = None
+    compared = states["zero_estimate"]["compared"]
     row = {
         "stage": stage,
+        "label": label(stage, offload, one_chunk),
+        "offload": offload,
         "step_time_ms": statistics.median(times),
         "peak_allocated_bytes": peak,
-        "measured_model_states": states["total"],
+        "measured_model_states": compared["measured"],
+        "cpu_measured": compared.get("cpu_measured"),
+        "cpu_estimate": compared.get("cpu_estimate"),
         "measured": {k: states[k] for k in ("params", "grads", "optimizer_params", "optimizer_states")},
         "estimate_total": estimate.gpu_total,
         "estimate_buffer": estimate.gpu_buffer,
@@ -182,8 +213,11 @@ def combine(rows: list[dict], args, world: int) -> dict:
     peaks = [r["peak_allocated_bytes"] for r in rows]
     measured = max(r["measured_model_states"] for r in rows)
     estimate = rows[0]["estimate_total"] - rows[0]["estimate_buffer"]
+    cpu = [r["cpu_measured"] for r in rows]
     return {
         "stage": rows[0]["stage"],
+        "label": rows[0]["label"],
+        "offload": rows[0]["offload"],
         "world_size": world,
         "step_time_ms": step_ms,
         "tokens_per_s": args.micro_batch * args.seq * world / (step_ms / 1e3),
@@ -193,6 +227,8 @@ def combine(rows: list[dict], args, world: int) -> dict:
         "estimate_model_states": estimate,
         "estimate_total": rows[0]["estimate_total"],
         "ratio": measured / estimate if estimate else None,
+        "cpu_measured": None if any(c is None for c in cpu) else max(cpu),
+        "cpu_estimate": rows[0]["cpu_estimate"],
         "num_params": rows[0]["num_params"],
     }
 
@@ -212,16 +248,20 @@ def main(argv=None) -> int:
               f"{world} rank(s) on {device.type}, micro-batch {args.micro_batch}, seq {args.seq}, "
               f"bf16 autocast over fp32 params, AdamW; {args.warmup} warm-up + {args.steps} measured steps",
               flush=True)
-        print(f"{'stage':>5} {'tokens/s':>12} {'step ms':>9} {'peak GiB':>9} {'measured GiB':>13} "
-              f"{'estimate GiB':>13} {'ratio':>6}", flush=True)
-    for stage in args.stages:
-        row = run_stage(stage, args, device, world, rank)
+        print(f"{'stage':>13} {'tokens/s':>12} {'step ms':>9} {'peak GiB':>9} {'measured GiB':>13} "
+              f"{'estimate GiB':>13} {'ratio':>6} {'cpu GiB (est)':>16}", flush=True)
+    for stage, offload, one_chunk in args.stages:
+        row = run_stage(stage, offload, one_chunk, args, device, world, rank)
         stage_row = combine(comm.all_gather_object(row), args, world)
         out.append(stage_row)
         if rank == 0:
-            print(f"{stage:>5} {stage_row['tokens_per_s']:>12,.0f} {stage_row['step_time_ms']:>9.2f} "
-                  f"{_gib(stage_row['peak_allocated_bytes']):>9} {_gib(stage_row['measured_model_states']):>13} "
-                  f"{_gib(stage_row['estimate_model_states']):>13} {stage_row['ratio']:>6.3f}", flush=True)
+            cpu = "-" if stage_row["cpu_measured"] is None else (
+                f"{_gib(stage_row['cpu_measured'])} ({_gib(stage_row['cpu_estimate'])})")
+            print(f"{stage_row['label']:>13} {stage_row['tokens_per_s']:>12,.0f} "
+                  f"{stage_row['step_time_ms']:>9.2f} {_gib(stage_row['peak_allocated_bytes']):>9} "
+                  f"{_gib(stage_row['measured_model_states']):>13} "
+                  f"{_gib(stage_row['estimate_model_states']):>13} {stage_row['ratio']:>6.3f} {cpu:>16}",
+                  flush=True)
     if rank == 0 and args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

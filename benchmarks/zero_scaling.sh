@@ -42,19 +42,19 @@ from pathlib import Path
 
 out, counts = Path(sys.argv[1]), [int(n) for n in sys.argv[2:]]
 runs = {n: json.loads((out / f"world{n}.json").read_text()) for n in counts}
-by = {n: {row["stage"]: row for row in run["rows"]} for n, run in runs.items()}
-stages = sorted({s for rows in by.values() for s in rows})
+by = {n: {row.get("label", str(row["stage"])): row for row in run["rows"]} for n, run in runs.items()}
+stages = list(dict.fromkeys(s for n in counts for s in by[n]))
 gib = 1024 ** 3
 first = runs[counts[0]]
 print(f"\nweak scaling, {'gpt2_tiny' if first['tiny'] else 'gpt2_355m'}, micro-batch {first['micro_batch']} "
       f"x seq {first['seq']} per rank, on {first['device']}")
 print("efficiency = tokens/s(N) / (N x tokens/s(1)); memory per GPU in GiB (peak allocated, "
       "model states measured / estimated)")
-header = f"{'stage':>5}" + "".join(f"  {'N=' + str(n) + ' tok/s':>14} {'eff':>5} {'peak':>7} {'states':>13}" for n in counts)
+header = f"{'stage':>13}" + "".join(f"  {'N=' + str(n) + ' tok/s':>14} {'eff':>5} {'peak':>7} {'states':>13}" for n in counts)
 print(header)
 for stage in stages:
     base = by.get(1, {}).get(stage)
-    line = f"{stage:>5}"
+    line = f"{stage:>13}"
     for n in counts:
         row = by[n].get(stage)
         if row is None:

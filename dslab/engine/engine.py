@@ -28,7 +28,7 @@ from dslab.engine import checkpointing
 from dslab.engine.config import DslabConfig
 from dslab.engine.data_parallel import GradientAllReducer
 from dslab.engine.monitor import Monitor
-from dslab.engine.optimizers import build_optimizer
+from dslab.engine.optimizers import build_optimizer, fused_kernels_supported
 from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
 from dslab.engine.profiling import ProfilerHooks, build_profilers
 from dslab.engine.schedulers import build_scheduler
@@ -36,6 +36,27 @@ from dslab.engine.zero import build_zero
 from dslab.kernels import dispatch
 
 log = logging.getLogger(__name__)
+
+
+def _move_to_device(model: nn.Module, device: torch.device, keep_trainable: bool) -> nn.Module:
+    """``model.to(device)``, or with ``keep_trainable`` everything but the parameters that
+    require a gradient (ZeRO stage 3 moves those itself, shard by shard)."""
+    if not keep_trainable:
+        return model.to(device)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+            for name, p in module._parameters.items():
+                if p is None or p.requires_grad:
+                    continue
+                moved = p.data.to(device)
+                if torch._has_compatible_shallow_copy_type(p, moved):
+                    p.data = moved
+                else:  # e.g. to the meta device: a new Parameter, as nn.Module.to makes
+                    module._parameters[name] = nn.Parameter(moved, requires_grad=False)
+    return model
 
 
 def _default_device() -> torch.device:
@@ -65,13 +86,17 @@ class DslabEngine(nn.Module):
         dispatch.set_backend(None if config.kernels == "auto" else config.kernels)
 
         self.device = _default_device()
-        self.module = model.to(self.device)
+        # ZeRO stage 3 shards the trainable parameters from wherever the model was built, one
+        # unit at a time (zero/partition.py), so the whole model never has to fit on the device;
+        # everything else moves now.
+        shard_in_place = config.zero_optimization.stage == 3
+        self.module = _move_to_device(model, self.device, keep_trainable=shard_in_place)
         # Kept out of nn.Module's registry: it is self.module or its compiled wrapper, and must
         # not show up a second time in the engine's modules or state dict.
         config.cuda_graphs.apply(self.module)
         object.__setattr__(self, "_run_module", config.compile.wrap(self.module))
         if self.world_size > 1:
-            self._broadcast_parameters()
+            self._broadcast_parameters(trainable=not shard_in_place)
 
         self.autocast_dtype = autocast_dtype(config.fp16, config.bf16)
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
@@ -80,6 +105,8 @@ class DslabEngine(nn.Module):
         # ZeRO (stage > 0) owns the gradient reduction and the optimizer's view of the parameters.
         self.zero = None
         self.optimizer = self._configure_optimizer(optimizer, params)
+        if shard_in_place:
+            self._place_unsharded_parameters()
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
 
         self.grad_reducer = self.zero
@@ -105,11 +132,23 @@ class DslabEngine(nn.Module):
 
     # -- set-up -------------------------------------------------------------------------------
 
-    def _broadcast_parameters(self) -> None:
-        """Start every rank from rank 0's weights and buffers."""
+    def _broadcast_parameters(self, trainable: bool = True) -> None:
+        """Start every rank from rank 0's weights and buffers (``trainable=False``: not the
+        parameters that require a gradient; stage 3 broadcasts those unit by unit)."""
+        params = [p for p in self.module.parameters() if trainable or not p.requires_grad]
         with torch.no_grad():
-            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            for tensor in params + list(self.module.buffers()):
                 comm.broadcast(tensor.data, src=0)
+
+    def _place_unsharded_parameters(self) -> None:
+        """After stage 3 sharded the optimizer's parameters: move (and broadcast) any trainable
+        parameter it did not take, which is still where the model was built."""
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.device != self.device:
+                    p.data = p.data.to(self.device)
+                    if self.world_size > 1:
+                        comm.broadcast(p.data, src=0)
 
     def _configure_optimizer(self, optimizer, params):
         if optimizer is not None and self.config.optimizer is not None:
@@ -120,7 +159,8 @@ class DslabEngine(nn.Module):
         if self.config.zero_optimization.stage > 0:
             self.zero, built = build_zero(
                 self.module, self.config, optimizer, params,
-                lambda groups, fused_ok: build_optimizer(self.config.optimizer, groups, fused_ok=fused_ok))
+                lambda groups, fused_ok: build_optimizer(self.config.optimizer, groups, fused_ok=fused_ok),
+                device=self.device, broadcast=self.config.zero_optimization.stage == 3)
             return built
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
@@ -135,8 +175,8 @@ class DslabEngine(nn.Module):
             )
         if self.config.optimizer is None:
             return None
-        fused_ok = all(p.is_cuda for p in params)
-        return build_optimizer(self.config.optimizer, params, fused_ok=fused_ok)
+        return build_optimizer(self.config.optimizer, params,
+                               fused_ok=fused_kernels_supported(params))
 
     def _configure_scheduler(self, lr_scheduler):
         if lr_scheduler is not None and self.config.scheduler is not None:

@@ -10,7 +10,8 @@ full (``nbytes``, padding included), under the first category that reaches it, i
    (``unit.shard``: at stage 3 the only storage a released parameter has; a released parameter
    itself is an empty tensor).
 2. ``grads``: the parameters' ``.grad``, the runtime's reduced gradient shards
-   (``unit.grad_shard``) and the gradients of the optimizer's own parameters.
+   (``unit.grad_shard``), the CPU gradient buffers of optimizer offload (``runtime.offload``'s
+   ``buffers()``) and the gradients of the optimizer's own parameters.
 3. ``optimizer_params``: parameters the optimizer updates whose storage no model parameter or
    shard holds (fp32 master copies, offloaded masters in CPU memory). ZeRO's masters without
    offload share the shards' storage, so they land in ``params`` and are not counted again.
@@ -18,6 +19,8 @@ full (``nbytes``, padding included), under the first category that reaches it, i
 
 ``shared`` says, per category, how many bytes of storages it reached that an earlier category
 had already counted (the deduplication: ``total`` is exactly the sum of the distinct storages).
+With optimizer offload, ``offloaded`` is the part of ``total`` that the offload holds in CPU
+memory (the optimizer's masters, their gradient buffers and the optimizer states).
 
 The estimate beside it is the stage-0 arithmetic over the *full* parameters (a ZeRO runtime's
 units give the element counts of released stage-3 parameters)::
@@ -76,10 +79,12 @@ class StorageCounter:
         self.bytes = dict.fromkeys(CATEGORIES, 0)
         self.shared = dict.fromkeys(CATEGORIES, 0)
         self.devices: dict[str, int] = {}
+        self.offloaded = 0
+        self.staging = 0
         self._owner: dict[tuple, str] = {}
         self._shared_seen: set = set()
 
-    def add(self, t, category: str) -> None:
+    def add(self, t, category: str, offloaded: bool = False) -> None:
         if not isinstance(t, torch.Tensor):
             return
         key, nbytes = storage_key(t)
@@ -89,6 +94,8 @@ class StorageCounter:
         if owner is None:
             self._owner[key] = category
             self.bytes[category] += nbytes
+            if offloaded:
+                self.offloaded += nbytes
             device = str(t.device)
             self.devices[device] = self.devices.get(device, 0) + nbytes
         elif owner != category and (key, category) not in self._shared_seen:
@@ -104,10 +111,16 @@ def _units(runtime) -> list:
     return list(getattr(runtime, "units", None) or []) if runtime is not None else []
 
 
+def _offload(runtime):
+    return getattr(runtime, "offload", None) if runtime is not None else None
+
+
 def count_storages(model: nn.Module, optimizer=None, runtime=None) -> StorageCounter:
     """Count the rank's model states by storage (module docstring). ``runtime`` is a ZeRO runtime:
-    an object with ``units`` (each with ``full``, ``shard``, ``grad_shard``) and ``masters``."""
+    an object with ``units`` (each with ``full``, ``shard``, ``grad_shard``) and ``masters``, and
+    ``offload`` (None, or an object whose ``buffers()`` are CPU gradient buffers)."""
     counter = StorageCounter()
+    offload = _offload(runtime)
     params = list(model.parameters())
     units = _units(runtime)
     for p in params:
@@ -119,14 +132,19 @@ def count_storages(model: nn.Module, optimizer=None, runtime=None) -> StorageCou
         counter.add(p.grad, "grads")
     for unit in units:
         counter.add(getattr(unit, "grad_shard", None), "grads")
+    offloaded = offload is not None
+    if offloaded:
+        for buffer in offload.buffers():
+            counter.add(buffer, "grads", offloaded=True)
+        counter.staging = sum(storage_key(b)[1] for b in offload.staging_buffers())
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                counter.add(p, "optimizer_params")
-                counter.add(p.grad, "grads")
+                counter.add(p, "optimizer_params", offloaded=offloaded)
+                counter.add(p.grad, "grads", offloaded=offloaded)
         for state in optimizer.state.values():
             for value in state.values() if isinstance(state, dict) else ():
-                counter.add(value, "optimizer_states")
+                counter.add(value, "optimizer_states", offloaded=offloaded)
     return counter
 
 
@@ -191,13 +209,21 @@ def model_state_bytes(model: nn.Module, optimizer=None, world_size: int | None =
     (when ``stage`` is given) = ``{"stage", "measured", "estimate_total", "estimate_buffer",
     "estimate_model_states", "ratio"}``: this rank's ``total`` beside the estimate for that stage
     without its transient gather buffer, ``ratio = measured / estimate_model_states``. None where
-    ``estimate`` is.
+    ``estimate`` is. With optimizer offload (``runtime.offload`` set) ``compared`` also has
+    ``"offload": true``: ``measured`` is then what stays on the device (``total - offloaded``)
+    beside the offload layout's per-GPU estimate, and ``cpu_measured`` (``offloaded``) sits
+    beside ``cpu_estimate``, this rank's share of the node's CPU estimate (its shard of the
+    stepped fp32 copy, of that copy's gradient and of the optimizer states). ``cpu_staging`` is
+    the part of ``cpu_measured`` in offload's staging buffers (one more gradient shard, only with
+    gradient accumulation at stages 2 and 3), which the estimate does not have:
+    ``cpu_ratio = (cpu_measured - cpu_staging) / cpu_estimate``.
     """
     counter = count_storages(model, optimizer, runtime)
     totals, note = _estimate_totals(model, optimizer, runtime)
     n = totals["num_params"]
     estimate = None if note is not None else totals["params"] + totals["grads"] + totals["optimizer_states"]
     zero_estimate = None
+    offload = _offload(runtime) is not None
     if estimate is not None:
         ranks = comm.get_world_size() if world_size is None else world_size
         rows = [{"stage": s, **partition_per_gpu(s, ranks, totals["params"], totals["grads"],
@@ -205,18 +231,13 @@ def model_state_bytes(model: nn.Module, optimizer=None, world_size: int | None =
                 for s in STAGES]
         zero_estimate = {"world_size": ranks, "stage": stage, "per_gpu": rows, "compared": None}
         if stage is not None:
-            row = rows[STAGES.index(stage)]
-            expected = row["total"] - row["buffer"]
-            zero_estimate["compared"] = {
-                "stage": stage, "measured": counter.total, "estimate_total": row["total"],
-                "estimate_buffer": row["buffer"], "estimate_model_states": expected,
-                "ratio": counter.total / expected if expected else None,
-            }
+            zero_estimate["compared"] = _compared(counter, totals, stage, ranks, offload)
     return {
         "num_params": n,
         **counter.bytes,
         "total": counter.total,
         "shared": dict(counter.shared),
+        "offloaded": counter.offloaded,
         "devices": dict(counter.devices),
         "bytes_per_param": counter.total / n if n else None,
         "estimate": estimate,
@@ -228,9 +249,35 @@ def model_state_bytes(model: nn.Module, optimizer=None, world_size: int | None =
     }
 
 
+def _compared(counter: StorageCounter, totals: dict, stage: int, ranks: int, offload: bool) -> dict:
+    """This rank's measured model states beside the estimate of ``stage`` (see
+    :func:`model_state_bytes`)."""
+    row = partition_per_gpu(stage, ranks, totals["params"], totals["grads"],
+                            totals["optimizer_states"], totals["layer_buffer"],
+                            offload_optimizer=offload and stage > 0)
+    expected = row["total"] - row["buffer"]
+    measured = counter.total - counter.offloaded
+    compared = {
+        "stage": stage, "measured": measured, "estimate_total": row["total"],
+        "estimate_buffer": row["buffer"], "estimate_model_states": expected,
+        "ratio": measured / expected if expected else None,
+    }
+    if offload:
+        def shard(total: int) -> int:
+            return -(-int(total) // ranks)
+
+        cpu_expected = 2 * shard(totals["grads"]) + shard(totals["optimizer_states"])
+        cpu_steady = counter.offloaded - counter.staging
+        compared.update(offload=True, cpu_measured=counter.offloaded, cpu_staging=counter.staging,
+                        cpu_estimate=cpu_expected,
+                        cpu_ratio=cpu_steady / cpu_expected if cpu_expected else None)
+    return compared
+
+
 def with_grads(states: dict, grads: int) -> dict:
     """``states`` with its ``grads`` replaced by ``grads`` bytes and ``total`` (and the ZeRO
-    comparison) following."""
+    comparison) following. The difference is taken to be on the device: offload's CPU gradient
+    buffers are allocated once and are in every measurement."""
     delta = grads - states["grads"]
     out = {**states, "grads": grads, "total": states["total"] + delta}
     n = out["num_params"]
@@ -238,8 +285,9 @@ def with_grads(states: dict, grads: int) -> dict:
     zero = out.get("zero_estimate")
     if zero is not None and zero.get("compared") is not None:
         compared = dict(zero["compared"])
-        compared["measured"] = out["total"]
+        measured = out["total"] - out.get("offloaded", 0)
+        compared["measured"] = measured
         expected = compared["estimate_model_states"]
-        compared["ratio"] = out["total"] / expected if expected else None
+        compared["ratio"] = measured / expected if expected else None
         out["zero_estimate"] = {**zero, "compared": compared}
     return out

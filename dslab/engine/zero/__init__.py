@@ -9,7 +9,7 @@
   forward and backward, prefetched, and released after (:mod:`.stage3`).
 
 ``offload_optimizer.device: cpu`` keeps the optimizer's masters, gradients and states in CPU
-memory and steps there (:mod:`.runtime`). Checkpoints are sharded per rank
+memory and steps there, pipelined with the copies to and from the GPU (:mod:`.offload`). Checkpoints are sharded per rank
 (:mod:`.checkpoint`); ``dslab zero-to-fp32`` consolidates them (:mod:`.consolidate`).
 
 Every collective goes through :mod:`dslab.comm` (``reduce_scatter`` and ``all_gather``, sized as
@@ -27,9 +27,13 @@ from dslab.engine.zero.runtime import ZeroRuntime, refuse_lamb
 __all__ = ["ZeroRuntime", "build_zero", "consolidated_state_dict", "zero_to_fp32"]
 
 
-def build_zero(module: nn.Module, config, optimizer, params: list, build_from_config
+def build_zero(module: nn.Module, config, optimizer, params: list, build_from_config, *,
+               device: torch.device | None = None, broadcast: bool = False
                ) -> tuple[ZeroRuntime, torch.optim.Optimizer]:
     """The ZeRO runtime for ``module`` and the optimizer over its masters.
+
+    ``device`` and ``broadcast`` go to :class:`ZeroRuntime` (where the units live; whether each
+    unit starts from rank 0's values).
 
     ``optimizer`` is what was passed to ``initialize()``: a torch optimizer built on the model's
     parameters (re-pointed at the masters), a callable (called with the masters' param groups),
@@ -39,7 +43,8 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
     zero = config.zero_optimization
     if isinstance(optimizer, torch.optim.Optimizer):
         refuse_lamb(optimizer, zero.stage)
-        runtime = ZeroRuntime(module, zero, optimizer.param_groups)
+        runtime = ZeroRuntime(module, zero, optimizer.param_groups, device=device,
+                              broadcast=broadcast)
         return runtime, runtime.adopt(optimizer)
     if optimizer is not None and not callable(optimizer):
         raise ValueError(
@@ -48,11 +53,11 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
         raise ValueError(
             f"ZeRO stage {zero.stage} ('zero_optimization.stage') shards an optimizer's states: "
             "pass an optimizer to initialize() or add an 'optimizer' section to the config")
-    runtime = ZeroRuntime(module, zero, params)
+    runtime = ZeroRuntime(module, zero, params, device=device, broadcast=broadcast)
     if callable(optimizer):
         built = optimizer(runtime.optimizer_param_groups())
         if not isinstance(built, torch.optim.Optimizer):
             raise ValueError("the optimizer callable must return a torch.optim.Optimizer")
         refuse_lamb(built, zero.stage)
         return runtime, built
-    return runtime, build_from_config(runtime.optimizer_param_groups(), runtime.masters_on_cuda)
+    return runtime, build_from_config(runtime.optimizer_param_groups(), runtime.fused_ok)

@@ -9,7 +9,8 @@ its ``S``-element shard of the average. The parameters' ``.grad`` are freed as s
 copied, so a full gradient lives only between its accumulation and its unit's issue.
 
 The shards are added into ``unit.grad_shard`` (the accumulation across micro-steps happens on
-the shards: stage 2 and 3 reduce every backward) once the collective completes. At most
+the shards: stage 2 and 3 reduce every backward) once the collective completes, or handed to
+``deliver`` (optimizer offload: copied to CPU memory) instead. At most
 ``max_in_flight`` elements of flat gradient buffers wait on collectives at a time; beyond that the
 oldest is completed first. Memory traffic per unit and reduction: read the grads once, write the
 flat buffer once, plus the collective's own.
@@ -34,12 +35,14 @@ class GradientReduceScatter:
     """Reduce-scatters the gradients of ``units`` into their ``grad_shard`` during backward."""
 
     def __init__(self, units: list[FlatUnit], reduce_every_backward: bool, max_in_flight: int,
-                 on_issued: Callable[[FlatUnit], None] | None = None, group=None):
+                 on_issued: Callable[[FlatUnit], None] | None = None,
+                 deliver: Callable[[FlatUnit, torch.Tensor], None] | None = None, group=None):
         self.units = units
         self.issue_order: list[FlatUnit] = list(units)
         self.reduce_every_backward = reduce_every_backward
         self.max_in_flight = max_in_flight
         self.on_issued = on_issued
+        self.deliver = deliver
         self.group = group
         self.world_size = comm.get_world_size(group)
         self.active = False
@@ -104,7 +107,9 @@ class GradientReduceScatter:
         self._in_flight_numel -= flat.numel()
         if work is not None:
             work.wait()
-        if unit.grad_shard is None:
+        if self.deliver is not None:
+            self.deliver(unit, shard)
+        elif unit.grad_shard is None:
             unit.grad_shard = shard
         else:
             unit.grad_shard.add_(shard)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -140,10 +141,16 @@ class FlatUnit:
     (stage 3) points them at empty tensors and frees ``full``. ``shard`` (``S`` elements) is this
     rank's slice: a view into ``full`` for a resident unit, its own buffer otherwise.
     ``grad_shard`` (``S`` elements) accumulates this rank's reduced gradient until the step.
+
+    The unit lives on ``device`` (default: its parameters'). Parameters built elsewhere (a stage 3
+    model constructed on the CPU) are flattened where they are and moved one unit at a time, so
+    the whole model is never on ``device`` at once; ``sync(full)``, when given, runs on the moved
+    flat buffer before the shard is cut (the engine broadcasts it from rank 0 there).
     """
 
     def __init__(self, index: int, layout: UnitLayout, params: list[nn.Parameter],
-                 world_size: int, rank: int):
+                 world_size: int, rank: int, device: torch.device | None = None,
+                 sync: Callable[[torch.Tensor], None] | None = None):
         self.index = index
         self.layout = layout
         self.params = params
@@ -154,12 +161,15 @@ class FlatUnit:
         self.shard_numel = self.padded // world_size
         self.resident = layout.resident
         self.dtype = params[0].dtype
-        self.device = params[0].device
+        self.device = params[0].device if device is None else torch.device(device)
         self.grad_shard: torch.Tensor | None = None
         self.pending = None
         self.held = False
         with torch.no_grad():
-            self.full: torch.Tensor | None = flatten([p.detach() for p in params], self.padded)
+            full = flatten([p.detach() for p in params], self.padded).to(self.device)
+            if sync is not None:
+                sync(full)
+        self.full: torch.Tensor | None = full
         lo = rank * self.shard_numel
         shard = self.full[lo: lo + self.shard_numel]
         self.shard = shard if self.resident else shard.clone()

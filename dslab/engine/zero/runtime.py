@@ -3,20 +3,20 @@
 The optimizer never sees the model's parameters. For each unit it sees one *master*: a 1-D
 ``nn.Parameter`` of the unit's shard (``S`` elements). Without offload the master shares storage
 with the shard, so the optimizer updates the shard in place; with ``offload_optimizer.device:
-cpu`` the master (and its gradient and optimizer states) live in CPU memory (pinned when CUDA is
-in use and ``pin_memory`` is set) and the shard is copied back after the CPU step. The update is
-elementwise per master, which is exact for Adam/AdamW/SGD-style optimizers; LAMB's per-parameter
-trust ratio is not, so LAMB is refused.
+cpu`` the masters, their gradients and the optimizer states live in CPU memory
+(:mod:`.offload`): gradient shards are copied out during backward and the CPU step is pipelined
+with copying the new shards back. The update is elementwise per master, which is exact for
+Adam/AdamW/SGD-style optimizers; LAMB's per-parameter trust ratio is not, so LAMB is refused.
 
 One optimizer step (on the accumulation boundary, after backward left each rank's averaged
-gradient shard in ``unit.grad_shard``):
+gradient shard in ``unit.grad_shard``, or in CPU memory with offload):
 
 1. fp16: unscale the shards and check them for inf/NaN; the verdict is all-reduced (MAX) so every
    rank skips or steps together.
 2. Clipping: the global norm is ``sqrt(all_reduce(sum of squared shard norms))`` (padding is
    zero and adds nothing); the shards are scaled by ``min(1, clip / (norm + 1e-6))`` as
    ``torch.nn.utils.clip_grad_norm_`` does.
-3. The optimizer steps on the masters (offload: gradients copied to CPU first).
+3. The optimizer steps on the masters (offload: chunk by chunk on the CPU).
 4. Publish: resident units all-gather their shards into the full buffers that the parameters
    view; stage 3 releases every gathered unit (its full copy is stale).
 """
@@ -28,7 +28,9 @@ import torch.nn as nn
 
 from dslab import comm
 from dslab.engine.lamb import Lamb
+from dslab.engine.optimizers import fused_kernels_supported
 from dslab.engine.zero.grads import GradientReduceScatter
+from dslab.engine.zero.offload import CpuOptimizerOffload
 from dslab.engine.zero.partition import FlatUnit, plan_buckets, plan_module_units
 from dslab.engine.zero.stage3 import ParameterGatherer
 from dslab.engine.zero_config import ZeroConfig
@@ -40,6 +42,14 @@ def refuse_lamb(optimizer, stage: int) -> None:
             f"optimizer Lamb cannot run with ZeRO stage {stage} ('zero_optimization.stage'): its "
             "trust ratio needs each parameter's whole norm, and ZeRO splits parameters across "
             "ranks; use stage 0 or an Adam/AdamW/SGD optimizer")
+
+
+def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    for (device, dtype), group in by_key.items():
+        torch._foreach_mul_(group, factor.to(device=device, dtype=dtype))
 
 
 def _as_groups(params) -> list[dict]:
@@ -54,9 +64,13 @@ class ZeroRuntime:
 
     ``param_groups`` are the optimizer's groups over the model's parameters (dicts with
     ``params`` and per-group options); only parameters that require a gradient are sharded.
+    The units are placed on ``device`` (default: where the parameters are); with
+    ``broadcast=True`` each unit's flat buffer is broadcast from rank 0 as it is built (the
+    engine's start from rank 0's weights, one unit at a time).
     """
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, param_groups, group=None):
+    def __init__(self, module: nn.Module, config: ZeroConfig, param_groups, group=None,
+                 device: torch.device | None = None, broadcast: bool = False):
         self.module = module
         self.config = config
         self.stage = config.stage
@@ -72,30 +86,32 @@ class ZeroRuntime:
             planned = [(layout, params) for layout, params, _ in planned]
         else:
             planned = plan_buckets(named_groups, config.reduce_bucket_size)
-        self.units = [FlatUnit(i, layout, params, self.world_size, self.rank)
+        sync = None
+        if broadcast and self.world_size > 1:
+            def sync(full: torch.Tensor) -> None:
+                comm.broadcast(full, src=0, group=group)
+        self.units = [FlatUnit(i, layout, params, self.world_size, self.rank, device, sync)
                       for i, (layout, params) in enumerate(planned)]
         self.gatherer = None
         if self.stage == 3:
             self.gatherer = ParameterGatherer(
                 module, list(zip(self.units, owners)), config.stage3_prefetch_bucket_size,
                 config.stage3_max_live_parameters, group)
+        self.offload: CpuOptimizerOffload | None = None
+        if config.offload_optimizer.device == "cpu":
+            # One chunk of the pipelined CPU step is about one reduce bucket's shard.
+            self.offload = CpuOptimizerOffload(
+                self.units, pin_memory=config.offload_optimizer.pin_memory,
+                chunk_numel=max(1, config.reduce_bucket_size // self.world_size))
+            self.masters: list[nn.Parameter] = self.offload.masters
+        else:
+            self.masters = [nn.Parameter(unit.shard) for unit in self.units]
         max_in_flight = 2 * config.reduce_bucket_size if config.overlap_comm else -1
         self.reducer = GradientReduceScatter(
             self.units, reduce_every_backward=self.stage >= 2, max_in_flight=max_in_flight,
-            on_issued=self.gatherer.release if self.gatherer is not None else None, group=group)
-        self.offload = config.offload_optimizer.device == "cpu"
-        pin = self.offload and config.offload_optimizer.pin_memory and torch.cuda.is_available()
-        self.masters: list[nn.Parameter] = []
-        self._cpu_grads: list[torch.Tensor] = []
-        for unit in self.units:
-            if self.offload:
-                master = torch.empty(unit.shard_numel, dtype=unit.dtype, pin_memory=pin)
-                master.copy_(unit.shard)
-                self.masters.append(nn.Parameter(master))
-                self._cpu_grads.append(torch.zeros(unit.shard_numel, dtype=unit.dtype,
-                                                   pin_memory=pin))
-            else:
-                self.masters.append(nn.Parameter(unit.shard))
+            on_issued=self.gatherer.release if self.gatherer is not None else None,
+            deliver=self.offload.receive if self.offload is not None else None, group=group)
+        self.comm_device = self.units[0].device if self.units else torch.device("cpu")
 
     def _named_groups(self, groups: list[dict]) -> list[list[tuple[str, nn.Parameter]]]:
         name_of = {id(p): name for name, p in self.module.named_parameters()}
@@ -141,8 +157,10 @@ class ZeroRuntime:
         return optimizer
 
     @property
-    def masters_on_cuda(self) -> bool:
-        return bool(self.masters) and all(m.is_cuda for m in self.masters)
+    def fused_ok(self) -> bool:
+        """True when torch's fused optimizer kernels can step the masters: all on CUDA, or all in
+        CPU memory (offload; torch's fused Adam, AdamW and SGD have CPU kernels)."""
+        return fused_kernels_supported(self.masters)
 
     # -- backward and step --------------------------------------------------------------------
 
@@ -151,6 +169,8 @@ class ZeroRuntime:
         if self.gatherer is not None and self.gatherer.order:
             resident = [u for u in self.units if u.resident]
             self.reducer.set_issue_order(self.gatherer.backward_issue_order() + resident)
+        if self.offload is not None:
+            self.offload.settle()
         self.reducer.begin(is_boundary)
 
     def finish(self) -> None:
@@ -160,63 +180,68 @@ class ZeroRuntime:
     def step(self, optimizer: torch.optim.Optimizer, loss_scaler, clip: float) -> bool:
         """Unscale/check, clip, step the masters and publish the new shards; False when an fp16
         overflow skipped the update. Gradients are cleared either way."""
-        for unit in self.units:
-            if unit.grad_shard is None:
-                unit.grad_shard = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-        grads = [unit.grad_shard for unit in self.units]
+        if self.offload is not None:
+            grads = self.offload.gradients()
+        else:
+            for unit in self.units:
+                if unit.grad_shard is None:
+                    unit.grad_shard = torch.zeros(unit.shard_numel, dtype=unit.dtype,
+                                                  device=unit.device)
+            grads = [unit.grad_shard for unit in self.units]
         overflow = False
         if loss_scaler is not None and grads:
-            found = loss_scaler.unscale_and_find_inf(grads)
+            found = loss_scaler.unscale_and_find_inf(grads).to(self.comm_device)
             comm.all_reduce(found, op=comm.ReduceOp.MAX, group=self.group)
             overflow = bool(found.item() > 0)
             loss_scaler.update_scale(overflow)
         if not overflow:
-            if clip > 0 and grads:
-                self._clip(grads, clip)
-            self._attach_grads()
-            optimizer.step()
-            self._publish()
+            coefficient = self.clip_coefficient(grads, clip) if clip > 0 and grads else None
+            if self.offload is not None:
+                factor = None if coefficient is None else float(coefficient.item())
+                self._wait(self.offload.step_in_chunks(optimizer, factor, self._publish_unit))
+            else:
+                if coefficient is not None:
+                    _scale(grads, coefficient)
+                for unit, master in zip(self.units, self.masters):
+                    master.grad = unit.grad_shard
+                optimizer.step()
+                self._publish()
         self.zero_grad()
         return not overflow
 
     def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The L2 norm of the whole model's gradient from every rank's shards (a collective)."""
-        device = grads[0].device
-        squares = torch.stack([n.float().to(device) for n in torch._foreach_norm(grads)]).square()
+        """The L2 norm of the whole model's gradient from every rank's shards (a collective; a
+        0-dim tensor on the collective's device)."""
+        squares = torch.stack([n.float().to(self.comm_device)
+                               for n in torch._foreach_norm(grads)]).square()
         total = squares.sum()
         comm.all_reduce(total, group=self.group)
         return total.sqrt()
 
-    def _clip(self, grads: list[torch.Tensor], clip: float) -> None:
-        coef = (clip / (self.global_grad_norm(grads) + 1e-6)).clamp(max=1.0)
-        by_key: dict[tuple, list[torch.Tensor]] = {}
-        for g in grads:
-            by_key.setdefault((g.device, g.dtype), []).append(g)
-        for (device, dtype), group in by_key.items():
-            torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
+    def clip_coefficient(self, grads: list[torch.Tensor], clip: float) -> torch.Tensor:
+        """``min(1, clip / (norm + 1e-6))`` for the global gradient norm (a collective)."""
+        return (clip / (self.global_grad_norm(grads) + 1e-6)).clamp(max=1.0)
 
-    def _attach_grads(self) -> None:
-        for unit, master, index in zip(self.units, self.masters, range(len(self.units))):
-            if self.offload:
-                self._cpu_grads[index].copy_(unit.grad_shard, non_blocking=True)
-                master.grad = self._cpu_grads[index]
-            else:
-                master.grad = unit.grad_shard
-        if self.offload and any(u.device.type == "cuda" for u in self.units):
-            torch.cuda.current_stream().synchronize()
+    def _publish_unit(self, unit: FlatUnit, master: torch.Tensor | None = None):
+        """Start making ``unit``'s new shard visible: copy it from its offloaded master, and
+        all-gather it into the full buffer of a resident unit. Returns the collective's handle
+        (or None)."""
+        with torch.no_grad():
+            if master is not None:
+                unit.shard.copy_(master, non_blocking=True)
+        if unit.resident:
+            return comm.all_gather_into_tensor(unit.full, unit.shard, group=self.group,
+                                               async_op=True)
+        return None
 
     def _publish(self) -> None:
-        works = []
-        with torch.no_grad():
-            for unit, master in zip(self.units, self.masters):
-                if self.offload:
-                    unit.shard.copy_(master, non_blocking=True)
-                if unit.resident:
-                    works.append(comm.all_gather_into_tensor(unit.full, unit.shard,
-                                                             group=self.group, async_op=True))
-        for work in works:
-            if work is not None:
-                work.wait()
+        masters = self.masters if self.offload is not None else [None] * len(self.units)
+        self._wait([self._publish_unit(u, m) for u, m in zip(self.units, masters)])
+
+    def _wait(self, handles: list) -> None:
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
         if self.gatherer is not None:
             self.gatherer.release_all()
 
@@ -224,6 +249,8 @@ class ZeroRuntime:
         for unit, master in zip(self.units, self.masters):
             unit.grad_shard = None
             master.grad = None
+        if self.offload is not None:
+            self.offload.zero_grad()
 
     def reload_shards(self, shards: list[torch.Tensor]) -> None:
         """Set every unit's shard (and master) from ``shards`` and rebuild the resident units'
@@ -231,7 +258,7 @@ class ZeroRuntime:
         with torch.no_grad():
             for unit, master, shard in zip(self.units, self.masters, shards):
                 unit.shard.copy_(shard)
-                if self.offload:
+                if self.offload is not None:
                     master.copy_(shard)
         self._publish()
 

@@ -3,7 +3,8 @@
 ``memory_worker.py OUT``: 2 ranks. For fp32 and bf16 autocast and ZeRO stages 0-3, trains a
 12-layer MLP for 3 steps (2 micro-steps each) with the memory tracer on and saves rank 0's and
 rank 1's measured model states, ``estimate_zero_memory``'s rows for dslab's layout and
-DeepSpeed's, and an independent count of the rank's distinct storages at one instant.
+DeepSpeed's, and an independent count of the rank's distinct storages at one instant; then the
+same under bf16 with the optimizer offloaded to the CPU at stages 1-3.
 """
 
 import sys
@@ -40,6 +41,8 @@ def distinct_storage_bytes(engine) -> int:
         for unit in engine.zero.units:
             tensors += [unit.full, unit.shard, unit.grad_shard]
         tensors += list(engine.zero.masters)
+        if engine.zero.offload is not None:
+            tensors += engine.zero.offload.buffers()
     for state in engine.optimizer.state.values():
         tensors += [v for v in state.values() if torch.is_tensor(v)]
     storages = {}
@@ -49,10 +52,11 @@ def distinct_storage_bytes(engine) -> int:
     return sum(storages.values())
 
 
-def run(precision, stage):
+def run(precision, stage, offload=False):
     torch.manual_seed(0)
     model = DeepNet()
-    layout = {"precision": "bf16" if precision == "bf16" else "fp32"}
+    layout = {"precision": "bf16" if precision == "bf16" else "fp32",
+              "offload_optimizer": "cpu" if offload else "none"}
     rows = {
         "dslab": dslab.estimate_zero_memory(model, 2, stage, param_bytes=4, master_bytes=0, **layout)[0],
         "deepspeed": dslab.estimate_zero_memory(model, 2, stage, **layout)[0],
@@ -66,6 +70,8 @@ def run(precision, stage):
     }
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, _ = dslab.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(comm.get_rank())
     instant = None
@@ -89,6 +95,8 @@ def main(out):
     for precision in ("fp32", "bf16"):
         for stage in (0, 1, 2, 3):
             results[f"{precision}/stage{stage}"] = run(precision, stage)
+    for stage in (1, 2, 3):
+        results[f"offload/stage{stage}"] = run("bf16", stage, offload=True)
     gathered = comm.all_gather_object(results)
     if comm.get_rank() == 0:
         torch.save(gathered, out)

@@ -70,8 +70,18 @@ def test_every_stage_ends_where_stage0_ends(two_ranks, scenario):
         _assert_states_close(result["state"], reference["state"])
         assert result["ranks_agree"], f"stage {stage}: ranks hold different parameters"
         assert result["skipped"] == reference["skipped"]
-    if scenario == "fp16":
+    if scenario in ("fp16", "offload_fp16"):
         assert 0 < reference["skipped"] < 3  # overflow skipped some steps, not all
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_rank_starts_from_rank0_weights(two_ranks, stage):
+    result = two_ranks[f"init/stage{stage}"]
+    assert result["ranks_agree"]
+    fresh = build(0, seed=10)  # rank 0's seed
+    expected = fresh.module.state_dict()
+    fresh.destroy()
+    assert all(torch.equal(result["state"][k], v) for k, v in expected.items())
 
 
 def test_comms_logger_sees_reduce_scatter_and_all_gather_with_their_bytes(two_ranks):

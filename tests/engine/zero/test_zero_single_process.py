@@ -132,3 +132,18 @@ def test_unit_layout_pads_to_the_world_size():
     assert [layout.padded(w) for w in (1, 2, 3, 4)] == [13, 14, 15, 16]
     assert layout.shard_numel(3) == 5
     assert UnitLayout.from_dict(layout.to_dict()) == layout
+
+
+def test_stage3_leaves_trainable_parameters_where_the_model_was_built():
+    from dslab.engine.engine import _move_to_device
+
+    model = TinyNet()
+    model.fc2.bias.requires_grad_(False)
+    model.register_buffer("counter", torch.zeros(3))
+    moved = _move_to_device(model, torch.device("meta"), keep_trainable=True)
+    assert moved is model
+    assert {n: p.device.type for n, p in model.named_parameters()} == {
+        "fc1.weight": "cpu", "fc1.bias": "cpu", "fc2.weight": "cpu", "fc2.bias": "meta"}
+    assert model.counter.device.type == "meta"
+    _move_to_device(model, torch.device("meta"), keep_trainable=False)
+    assert all(p.device.type == "meta" for p in model.parameters())

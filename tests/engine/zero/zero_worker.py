@@ -99,6 +99,14 @@ SCENARIOS = {
     "fp32": {},
     "accum_clip": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05},
     "offload": {"zero": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+    # Offload with several micro-steps (stages 2-3 accumulate the shards in CPU memory) and a
+    # clip that binds; with fp16 the overflow check and unscaling run on the CPU gradients.
+    "offload_accum_clip": {"gradient_accumulation_steps": 3, "gradient_clipping": 0.05,
+                           "zero": {"offload_optimizer": {"device": "cpu"}}},
+    "offload_fp16": {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1},
+                     "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False,
+                                                              "weight_decay": 0.01}},
+                     "zero": {"offload_optimizer": {"device": "cpu"}}},
     "bf16": {"bf16": {"enabled": True}},
     "fp16": {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1},
              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False,
@@ -168,8 +176,19 @@ def run_checkpoints(results, ckpt_root):
         resumed.destroy()
 
 
+def run_start_from_rank0(results):
+    """Every rank builds its model from a different seed: the engine starts all of them from rank
+    0's weights (stage 3 broadcasts each unit as it shards it)."""
+    for stage in (0, 1, 2, 3):
+        engine = build(stage, seed=10 + comm.get_rank())
+        sd = state(engine)
+        results[f"init/stage{stage}"] = {"state": sd, "ranks_agree": same_on_all_ranks(sd)}
+        engine.destroy()
+
+
 def main_mode(out, ckpt_root):
     results = {}
+    run_start_from_rank0(results)
     run_matrix(results)
     run_comms(results)
     run_checkpoints(results, ckpt_root)

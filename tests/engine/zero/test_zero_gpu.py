@@ -1,0 +1,86 @@
+"""ZeRO on one CUDA GPU (no process group): optimizer offload with its pinned buffers, side-stream
+gradient copies and chunked CPU step, and stage 3 sharding a model built on the CPU, each against
+stage 0 on the same GPU."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dslab
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import base_config  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+WIDTH, LAYERS, CLASSES = 96, 6, 7
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return nn.functional.cross_entropy(self.head(self.norm(x)).float(), y)
+
+
+def _train(stage, zero=None, steps=4, accumulation=2, device_model=True):
+    torch.manual_seed(0)
+    model = Stack()
+    if device_model:
+        model = model.cuda()
+    config = base_config(
+        train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=accumulation,
+        gradient_clipping=0.5, bf16={"enabled": True},
+        zero_optimization={"stage": stage, "reduce_bucket_size": 5_000,
+                           "stage3_param_persistence_threshold": 0, **(zero or {})})
+    engine, _, _, _ = dslab.initialize(model=model, config=config)
+    g = torch.Generator().manual_seed(1)
+    observed = []
+    for _ in range(steps * accumulation):
+        x = torch.randn(8, WIDTH, generator=g).cuda()
+        y = torch.randint(0, CLASSES, (8,), generator=g).cuda()
+        engine.backward(engine(x, y))
+        if engine.zero is not None:
+            observed.append([u.grad_shard is None for u in engine.zero.units])
+        engine.step()
+    state = {k: v.detach().float().cpu() for k, v in engine.module_state_dict().items()}
+    return engine, state, observed
+
+
+@pytest.mark.parametrize("pin", [True, False])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_on_cuda_ends_where_stage0_ends(stage, pin):
+    reference, expected, _ = _train(0)
+    reference.destroy()
+    engine, state, observed = _train(stage, {"offload_optimizer": {"device": "cpu", "pin_memory": pin}})
+    offload = engine.zero.offload
+    assert len(offload.chunks) > 1  # the CPU step really ran chunk by chunk
+    assert all(m.device.type == "cpu" and m.is_pinned() == pin for m in offload.masters)
+    assert all(g.is_pinned() for g in offload.buffers())  # device-to-host copy targets
+    if stage >= 2:  # every reduced shard went to CPU memory; none stayed on the GPU
+        assert all(all(flags) for flags in observed)
+        assert len(offload.staging_buffers()) == len(engine.zero.units)
+    engine.destroy()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_stage3_shards_a_model_built_on_the_cpu():
+    reference, expected, _ = _train(0)
+    reference.destroy()
+    engine, state, _ = _train(3, device_model=False)
+    assert all(p.device.type == "cuda" for p in engine.module.parameters())
+    assert all(b.device.type == "cuda" for b in engine.module.buffers())
+    assert all(u.shard.device.type == "cuda" for u in engine.zero.units)
+    engine.destroy()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
