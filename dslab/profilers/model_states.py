@@ -80,7 +80,6 @@ class StorageCounter:
         self.shared = dict.fromkeys(CATEGORIES, 0)
         self.devices: dict[str, int] = {}
         self.offloaded = 0
-        self.staging = 0
         self._owner: dict[tuple, str] = {}
         self._shared_seen: set = set()
 
@@ -136,7 +135,6 @@ def count_storages(model: nn.Module, optimizer=None, runtime=None) -> StorageCou
     if offloaded:
         for buffer in offload.buffers():
             counter.add(buffer, "grads", offloaded=True)
-        counter.staging = sum(storage_key(b)[1] for b in offload.staging_buffers())
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -213,10 +211,8 @@ def model_state_bytes(model: nn.Module, optimizer=None, world_size: int | None =
     ``"offload": true``: ``measured`` is then what stays on the device (``total - offloaded``)
     beside the offload layout's per-GPU estimate, and ``cpu_measured`` (``offloaded``) sits
     beside ``cpu_estimate``, this rank's share of the node's CPU estimate (its shard of the
-    stepped fp32 copy, of that copy's gradient and of the optimizer states). ``cpu_staging`` is
-    the part of ``cpu_measured`` in offload's staging buffers (one more gradient shard, only with
-    gradient accumulation at stages 2 and 3), which the estimate does not have:
-    ``cpu_ratio = (cpu_measured - cpu_staging) / cpu_estimate``.
+    stepped fp32 copy, of that copy's gradient and of the optimizer states), ``cpu_ratio`` their
+    ratio.
     """
     counter = count_storages(model, optimizer, runtime)
     totals, note = _estimate_totals(model, optimizer, runtime)
@@ -267,10 +263,8 @@ def _compared(counter: StorageCounter, totals: dict, stage: int, ranks: int, off
             return -(-int(total) // ranks)
 
         cpu_expected = 2 * shard(totals["grads"]) + shard(totals["optimizer_states"])
-        cpu_steady = counter.offloaded - counter.staging
-        compared.update(offload=True, cpu_measured=counter.offloaded, cpu_staging=counter.staging,
-                        cpu_estimate=cpu_expected,
-                        cpu_ratio=cpu_steady / cpu_expected if cpu_expected else None)
+        compared.update(offload=True, cpu_measured=counter.offloaded, cpu_estimate=cpu_expected,
+                        cpu_ratio=counter.offloaded / cpu_expected if cpu_expected else None)
     return compared
 
 

@@ -6,31 +6,34 @@ Per unit (:mod:`.partition`) this rank keeps in CPU memory:
 - ``masters[i]``: the fp32 copy of the unit's shard that the optimizer updates (``S`` elements,
   pinned with ``offload_optimizer.pin_memory`` when CUDA is in use, so that copying it back to
   the GPU is asynchronous);
-- ``grads[i]``: the shard's averaged gradient for the current accumulation window. On CUDA it is
+- ``grads[i]``: the shard's averaged gradient, summed over the accumulation window. On CUDA it is
   always pinned: it is the target of device-to-host copies issued during backward, which must not
   block the host;
-- ``staging[i]`` (only with gradient accumulation at stages 2 and 3, which reduce every
-  backward): where later micro-steps' shards land before they are added into ``grads[i]``;
 - the optimizer's states, created by the optimizer next to the masters.
 
-How one optimizer step flows, and what overlaps what:
+How one optimizer step flows, and what overlaps what (on CUDA; without it the same steps run
+synchronously on the CPU):
 
-1. Backward: as each unit's reduce-scatter completes, :meth:`CpuOptimizerOffload.receive` copies
-   the shard to CPU on a side stream (the copy overlaps the rest of backward) and drops the GPU
-   shard, so no gradient partition stays on the GPU (the allocator keeps the memory until the
-   copy has read it: ``record_stream``). A later micro-step's copy goes to ``staging`` and is
-   added on the CPU before the next backward or the step (:meth:`settle`).
-2. Step: wait for the copies, then fp16 unscale, the overflow verdict and the clipping norm over
-   the CPU gradients (:meth:`gradients`; the runtime all-reduces the scalars).
+1. Backward: as each unit's reduce-scatter completes, :meth:`CpuOptimizerOffload.receive` works on
+   a side stream, overlapping the rest of backward: the first shard of a window is copied to
+   ``grads[i]``; a later micro-step's shard is added to ``grads[i]`` on the GPU (copied in,
+   added, copied back), so no CPU work and no second CPU buffer is needed; on the window's last
+   backward the squared norm of the unit's final gradient is taken on the GPU, before it leaves.
+   The GPU shard is then dropped (the allocator keeps the memory until the side stream has read
+   it: ``record_stream``), so no gradient partition stays on the GPU.
+2. Step: wait for the copies; the squared norms (one GPU tensor, all-reduced by the runtime) give
+   the clipping norm and the fp16 overflow verdict (a non-finite norm), without reading the CPU
+   gradients.
 3. The optimizer steps in *chunks* of units of about ``chunk_numel`` elements
-   (:meth:`step_in_chunks`): the masters of one chunk get their gradients (scaled by the clip
-   coefficient), ``optimizer.step()`` updates them (torch optimizers skip parameters whose
-   ``.grad`` is None), and the new shards are copied to the GPU and published (all-gathered)
-   asynchronously while the CPU steps the next chunk.
+   (:meth:`step_in_chunks`): one CPU pass scales a chunk's gradients (fp16 unscale and clipping
+   in one factor), ``optimizer.step()`` updates its masters (torch optimizers skip parameters
+   whose ``.grad`` is None), and the new shards are copied to the GPU and published
+   (all-gathered) asynchronously while the CPU steps the next chunk.
 
-Memory traffic per step on the host: read the gradients once for the norm (twice with fp16:
-unscale, then norm) plus the optimizer's own (Adam: read master, grad and two moments, write
-master and moments); over PCIe: ``4·S`` bytes per unit each way.
+Traffic per unit and window of ``G`` micro-steps: over PCIe ``4·S·(2G - 1)`` bytes to the host
+side and ``4·S·(G - 1)`` back for accumulation, then ``4·S`` for the new shard; on the host one
+pass over the gradients (the scale) plus the optimizer's own (Adam: read master, gradient and two
+moments, write master and moments).
 """
 
 from __future__ import annotations
@@ -57,11 +60,11 @@ class CpuOptimizerOffload:
             master.copy_(unit.shard)
             self.masters.append(nn.Parameter(master))
             self.grads.append(torch.zeros(unit.shard_numel, dtype=unit.dtype, pin_memory=self.cuda))
-        self.staging: list[torch.Tensor | None] = [None] * len(units)
         self.chunks = plan_chunks(units, chunk_numel)
+        self.last_backward = True
         self._filled = [False] * len(units)
+        self._squares: list[torch.Tensor | None] = [None] * len(units)
         self._copied: list[torch.cuda.Event | None] = [None] * len(units)
-        self._to_add: list[tuple[int, torch.cuda.Event | None]] = []
         self._published: torch.cuda.Event | None = None
         self._copy_stream = None
         if self.cuda:
@@ -70,49 +73,38 @@ class CpuOptimizerOffload:
 
     # -- gradients in -------------------------------------------------------------------------
 
-    def receive(self, unit: FlatUnit, shard: torch.Tensor) -> None:
-        """Take ``unit``'s reduced gradient shard (on the unit's device) into CPU memory; the
-        caller drops its reference to ``shard`` afterwards."""
-        i = unit.index
-        if self._filled[i]:
-            if self.staging[i] is None:
-                self.staging[i] = torch.empty_like(self.grads[i], pin_memory=self.cuda)
-            target = self.staging[i]
-        else:
-            target = self.grads[i]
-        event = self._copy_to_host(target, shard)
-        if self._filled[i]:
-            self._to_add.append((i, event))
-        else:
-            self._copied[i] = event
-            self._filled[i] = True
+    def begin(self, last_backward: bool) -> None:
+        """Before each reducing backward: whether it is the window's last (its shards are final,
+        so their norms are taken)."""
+        self.last_backward = last_backward
 
-    def _copy_to_host(self, target: torch.Tensor, source: torch.Tensor):
-        if not source.is_cuda:
-            target.copy_(source)
-            return None
+    def receive(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+        """Take ``unit``'s reduced gradient shard (on the unit's device) into ``grads`` (module
+        docstring, step 1); the caller drops its reference to ``shard`` afterwards."""
+        i = unit.index
+        accumulate, self._filled[i] = self._filled[i], True
+        if not shard.is_cuda:
+            total = self.grads[i].add_(shard) if accumulate else self.grads[i].copy_(shard)
+            self._squares[i] = _square_norm(total) if self.last_backward else None
+            return
         stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(source.device))
+        stream.wait_stream(torch.cuda.current_stream(shard.device))
         with torch.cuda.stream(stream):
-            target.copy_(source, non_blocking=True)
+            total = shard
+            if accumulate:
+                total = torch.empty_like(shard)
+                total.copy_(self.grads[i], non_blocking=True)
+                total.add_(shard)
+            self._squares[i] = _square_norm(total) if self.last_backward else None
+            self.grads[i].copy_(total, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        source.record_stream(stream)
-        return event
-
-    def settle(self) -> None:
-        """Add the gradients of finished later micro-steps into ``grads`` (waits for their
-        copies). Called before each backward and at the step, so ``staging`` is free again."""
-        for i, event in self._to_add:
-            if event is not None:
-                event.synchronize()
-            self.grads[i].add_(self.staging[i])
-        self._to_add = []
+        shard.record_stream(stream)
+        self._copied[i] = event
 
     def gradients(self) -> list[torch.Tensor]:
         """Every unit's CPU gradient for this window, complete: waits for the copies; a unit
         that received nothing (a step without a reducing backward) holds zeros."""
-        self.settle()
         for i, event in enumerate(self._copied):
             if event is not None:
                 event.synchronize()
@@ -121,14 +113,26 @@ class CpuOptimizerOffload:
                 self.grads[i].zero_()
         return self.grads
 
+    def squared_norm(self, device: torch.device) -> torch.Tensor:
+        """The sum of the squared norms of this rank's gradient shards for the window, a 0-dim
+        float32 tensor on ``device`` (call after :meth:`gradients`). Units whose last shard
+        arrived before the window's last backward, or that received nothing, are measured from
+        their CPU gradients."""
+        parts = []
+        for i, square in enumerate(self._squares):
+            parts.append(square if square is not None else _square_norm(self.grads[i]))
+        if not parts:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([p.to(device) for p in parts]).sum()
+
     # -- the step -----------------------------------------------------------------------------
 
-    def step_in_chunks(self, optimizer: torch.optim.Optimizer, coefficient: float | None,
+    def step_in_chunks(self, optimizer: torch.optim.Optimizer, factor: float | None,
                        publish: Callable[[FlatUnit, torch.Tensor], object]) -> list:
-        """Step the masters chunk by chunk, each chunk's gradients scaled by ``coefficient``
-        (clipping; None leaves them), and after each chunk call ``publish(unit, master)`` for its
-        units (which starts copying the master to the GPU and gathering it). Returns what the
-        publish calls returned (collective handles to wait on)."""
+        """Step the masters chunk by chunk, each chunk's gradients first multiplied by
+        ``factor`` (fp16 unscale and clipping; None leaves them), and after each chunk call
+        ``publish(unit, master)`` for its units (which starts copying the master to the GPU and
+        gathering it). Returns what the publish calls returned (collective handles to wait on)."""
         if self._published is not None:  # last step's copies to the GPU read the masters
             self._published.synchronize()
             self._published = None
@@ -136,8 +140,8 @@ class CpuOptimizerOffload:
         try:
             for chunk in self.chunks:
                 grads = [self.grads[u.index] for u in chunk]
-                if coefficient is not None:
-                    torch._foreach_mul_(grads, coefficient)
+                if factor is not None:
+                    torch._foreach_mul_(grads, factor)
                 for unit, grad in zip(chunk, grads):
                     self.masters[unit.index].grad = grad
                 optimizer.step()
@@ -154,16 +158,16 @@ class CpuOptimizerOffload:
 
     def zero_grad(self) -> None:
         """Start a new accumulation window: the next received shard overwrites ``grads``."""
-        self.settle()
         self._filled = [False] * len(self.units)
+        self._squares = [None] * len(self.units)
 
     def buffers(self) -> list[torch.Tensor]:
-        """The CPU gradient buffers (accumulators and staging): model-state memory."""
-        return self.grads + self.staging_buffers()
+        """The CPU gradient buffers: model-state memory."""
+        return list(self.grads)
 
-    def staging_buffers(self) -> list[torch.Tensor]:
-        """The staging buffers allocated so far (gradient accumulation at stages 2 and 3)."""
-        return [s for s in self.staging if s is not None]
+
+def _square_norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
 
 
 def plan_chunks(units: list[FlatUnit], chunk_numel: int) -> list[list[FlatUnit]]:

@@ -23,6 +23,8 @@ gradient shard in ``unit.grad_shard``, or in CPU memory with offload):
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -170,7 +172,7 @@ class ZeroRuntime:
             resident = [u for u in self.units if u.resident]
             self.reducer.set_issue_order(self.gatherer.backward_issue_order() + resident)
         if self.offload is not None:
-            self.offload.settle()
+            self.offload.begin(last_backward=is_boundary)
         self.reducer.begin(is_boundary)
 
     def finish(self) -> None:
@@ -181,33 +183,51 @@ class ZeroRuntime:
         """Unscale/check, clip, step the masters and publish the new shards; False when an fp16
         overflow skipped the update. Gradients are cleared either way."""
         if self.offload is not None:
-            grads = self.offload.gradients()
-        else:
-            for unit in self.units:
-                if unit.grad_shard is None:
-                    unit.grad_shard = torch.zeros(unit.shard_numel, dtype=unit.dtype,
-                                                  device=unit.device)
-            grads = [unit.grad_shard for unit in self.units]
+            applied = self._step_offloaded(optimizer, loss_scaler, clip)
+            self.zero_grad()
+            return applied
+        for unit in self.units:
+            if unit.grad_shard is None:
+                unit.grad_shard = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        grads = [unit.grad_shard for unit in self.units]
         overflow = False
         if loss_scaler is not None and grads:
-            found = loss_scaler.unscale_and_find_inf(grads).to(self.comm_device)
+            found = loss_scaler.unscale_and_find_inf(grads)
             comm.all_reduce(found, op=comm.ReduceOp.MAX, group=self.group)
             overflow = bool(found.item() > 0)
             loss_scaler.update_scale(overflow)
         if not overflow:
-            coefficient = self.clip_coefficient(grads, clip) if clip > 0 and grads else None
-            if self.offload is not None:
-                factor = None if coefficient is None else float(coefficient.item())
-                self._wait(self.offload.step_in_chunks(optimizer, factor, self._publish_unit))
-            else:
-                if coefficient is not None:
-                    _scale(grads, coefficient)
-                for unit, master in zip(self.units, self.masters):
-                    master.grad = unit.grad_shard
-                optimizer.step()
-                self._publish()
+            if clip > 0 and grads:
+                _scale(grads, self.clip_coefficient(grads, clip))
+            for unit, master in zip(self.units, self.masters):
+                master.grad = unit.grad_shard
+            optimizer.step()
+            self._publish()
         self.zero_grad()
         return not overflow
+
+    def _step_offloaded(self, optimizer: torch.optim.Optimizer, loss_scaler, clip: float) -> bool:
+        """The step with the optimizer in CPU memory (:mod:`.offload`): the global norm of the
+        (still loss-scaled) gradients comes from the squared norms taken on the GPU; a
+        non-finite one is an fp16 overflow; unscaling and clipping are one factor applied chunk
+        by chunk on the CPU."""
+        self.offload.gradients()
+        factor = None
+        if loss_scaler is not None or clip > 0:
+            total = self.offload.squared_norm(self.comm_device)
+            comm.all_reduce(total, group=self.group)
+            squared = float(total.item())
+            scale = loss_scaler.loss_scale if loss_scaler is not None else 1.0
+            if loss_scaler is not None:
+                overflow = not math.isfinite(squared)
+                loss_scaler.update_scale(overflow)
+                if overflow:
+                    return False
+            factor = 1.0 / scale
+            if clip > 0:
+                factor *= min(1.0, clip / (math.sqrt(squared) / scale + 1e-6))
+        self._wait(self.offload.step_in_chunks(optimizer, factor, self._publish_unit))
+        return True
 
     def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The L2 norm of the whole model's gradient from every rank's shards (a collective; a

@@ -108,7 +108,7 @@ def test_offload_splits_measured_states_between_device_and_cpu(ranks, stage):
     """With the optimizer offloaded, what stays on the device is compared with the offload
     layout's per-GPU estimate, and what the offload holds in CPU memory with the rank's share of
     the node's CPU estimate (stepped copy, its gradient and the moments: 16 bytes per parameter
-    over 2 ranks). Accumulating over 2 micro-steps, stages 2 and 3 also hold a staging shard."""
+    over 2 ranks), also while accumulating over 2 micro-steps."""
     for rank, results in enumerate(ranks):
         result = results[f"offload/stage{stage}"]
         states, row = result["states"], result["estimate"]["dslab"]
@@ -119,8 +119,6 @@ def test_offload_splits_measured_states_between_device_and_cpu(ranks, stage):
         assert 0.9 <= compared["ratio"] <= 1.1, (rank, compared)
         assert compared["cpu_estimate"] == pytest.approx(row["cpu_offload"] / 2, rel=0.01)
         assert 0.9 <= compared["cpu_ratio"] <= 1.1, (rank, compared)
-        shard = 4 * PSI / 2
-        assert compared["cpu_staging"] == (pytest.approx(shard, rel=0.05) if stage >= 2 else 0)
         # the moments live on the CPU, and no gradient partition stays on the device at stage 2+
         assert states["optimizer_states"] <= states["offloaded"]
         if stage >= 2:
