@@ -30,8 +30,10 @@ warnings.simplefilter("default", DslabDeprecationWarning)
 
 
 class OffloadOptimizerConfig(ConfigSection):
-    """``offload_optimizer``: ``device: cpu`` keeps the optimizer states in CPU memory and steps
-    there (pinned buffers with ``pin_memory`` when CUDA is in use)."""
+    """``offload_optimizer``: ``device: cpu`` keeps each rank's masters, gradient shards and
+    optimizer states in CPU memory and steps there (:mod:`dslab.engine.zero.offload`).
+    ``pin_memory`` pins the masters when CUDA is in use; the gradient buffers are pinned on CUDA
+    regardless, since they receive copies issued during backward."""
 
     device: str = "none"
     pin_memory: bool = False
