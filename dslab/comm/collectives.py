@@ -103,6 +103,14 @@ def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, **extra):
     return work
 
 
+def averaging_op(group=None):
+    """``ReduceOp.AVG`` when ``group``'s backend averages inside the collective (nccl), else None
+    (gloo has no AVG: divide by the group's size before a SUM)."""
+    if not is_initialized():
+        return None
+    return ReduceOp.AVG if dist.get_backend(group) == "nccl" else None
+
+
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """In-place all-reduce of ``tensor`` across ``group``."""
     if not is_initialized():

@@ -2,8 +2,10 @@
 
 Parameters are grouped into buckets of at most ``bucket_size`` elements, in reverse registration
 order (roughly the order backward produces their gradients). A post-accumulate-grad hook marks a
-parameter ready; when a bucket is complete its gradients are copied into one flat buffer, divided
-by the world size, and all-reduced asynchronously through :mod:`dslab.comm` while backward goes on.
+parameter ready; when a bucket is complete its gradients are copied into one flat buffer (one
+concatenation kernel) and averaged by an asynchronous all-reduce through :mod:`dslab.comm` while
+backward goes on (AVG in the collective on nccl; on gloo the buffer is divided by the world size
+first).
 Buckets are issued strictly in index order so every rank issues the same sequence of collectives.
 :meth:`finish` issues any bucket still open (a parameter that got no gradient contributes zeros),
 waits for the reductions and copies the averages back into ``param.grad``.
@@ -18,6 +20,30 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
+
+
+def pack_gradients(params: list[nn.Parameter], flat: torch.Tensor, release: bool = False) -> None:
+    """The parameters' gradients end to end at the start of ``flat`` (zeros for a parameter with
+    no gradient and after the last one): one concatenation when every gradient is there.
+    ``release`` drops each ``.grad`` once copied."""
+    grads = [p.grad for p in params]
+    numel = sum(p.numel() for p in params)
+    if all(g is not None for g in grads):
+        torch.cat([g.reshape(-1) for g in grads], out=flat[:numel])
+    else:
+        offset = 0
+        for p, g in zip(params, grads):
+            view = flat[offset: offset + p.numel()]
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g.reshape(-1))
+            offset += p.numel()
+    if flat.numel() > numel:
+        flat[numel:].zero_()
+    if release:
+        for p in params:
+            p.grad = None
 
 
 class _Bucket:
@@ -41,6 +67,7 @@ class GradientAllReducer:
     def __init__(self, params: list[nn.Parameter], bucket_size: int, group=None):
         self.group = group
         self.world_size = comm.get_world_size(group)
+        self.average_op = comm.averaging_op(group)
         self.active = False
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, int] = {}
@@ -91,16 +118,11 @@ class GradientAllReducer:
         first = bucket.params[0]
         if bucket.buffer is None:
             bucket.buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
-        offset = 0
-        for p in bucket.params:
-            view = bucket.buffer[offset: offset + p.numel()]
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1))
-            offset += p.numel()
-        bucket.buffer.div_(self.world_size)
-        bucket.work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        pack_gradients(bucket.params, bucket.buffer)
+        if self.average_op is None:
+            bucket.buffer.div_(self.world_size)
+        bucket.work = comm.all_reduce(bucket.buffer, op=self.average_op or comm.ReduceOp.SUM,
+                                      group=self.group, async_op=True)
         bucket.issued = True
 
     def finish(self) -> None:

@@ -41,3 +41,36 @@ def test_two_gloo_ranks_match_one_process_on_full_batch(tmp_path):
     sizes = sorted(4 * n for n in set(double["all_reduces"]))
     assert sorted(int(s) for s in double["logged_all_reduces"]) == sizes
     assert sum(double["logged_all_reduces"].values()) == 16
+
+
+def test_pack_gradients_concatenates_and_zero_fills():
+    from dslab.engine.data_parallel import pack_gradients
+
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4)),
+              torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    flat = torch.full((17,), float("nan"))
+    pack_gradients(params, flat)
+    expected = torch.cat([p.grad.reshape(-1) for p in params] + [torch.zeros(2)])
+    assert torch.equal(flat, expected)
+    params[1].grad = None  # a parameter without a gradient contributes zeros
+    flat.fill_(float("nan"))
+    pack_gradients(params, flat, release=True)
+    assert torch.equal(flat[6:10], torch.zeros(4)) and torch.equal(flat[:6], expected[:6])
+    assert torch.equal(flat[10:15], expected[10:15]) and torch.equal(flat[15:], torch.zeros(2))
+    assert all(p.grad is None for p in params)
+
+
+def test_averaging_op_is_none_without_a_group_and_on_gloo(tmp_path):
+    import torch.distributed as dist
+
+    from dslab import comm
+
+    assert comm.averaging_op() is None
+    comm.init_distributed(dist_backend="gloo", init_method=f"file://{tmp_path / 'store'}",
+                          rank=0, world_size=1)
+    try:
+        assert comm.averaging_op() is None  # gloo has no AVG: callers divide first
+    finally:
+        dist.destroy_process_group()

@@ -4,8 +4,8 @@ A post-accumulate-grad hook counts the parameters of a unit whose gradient is re
 issued strictly in ``issue_order`` (the same on every rank, so every rank issues the same
 sequence of collectives): a unit whose gradients are all ready, and all units before it, are
 copied into a flat buffer of ``padded`` elements (zeros for padding and for parameters that got
-no gradient), divided by the world size and reduce-scattered asynchronously; each rank receives
-its ``S``-element shard of the average. The parameters' ``.grad`` are freed as soon as they are
+no gradient) and reduce-scattered asynchronously, averaging in the collective on nccl (divided
+by the world size first on gloo); each rank receives its ``S``-element shard of the average. The parameters' ``.grad`` are freed as soon as they are
 copied, so a full gradient lives only between its accumulation and its unit's issue.
 
 The shards are added into ``unit.grad_shard`` (the accumulation across micro-steps happens on
@@ -13,7 +13,7 @@ the shards: stage 2 and 3 reduce every backward) once the collective completes, 
 ``deliver`` (optimizer offload: copied to CPU memory) instead. At most
 ``max_in_flight`` elements of flat gradient buffers wait on collectives at a time; beyond that the
 oldest is completed first. Memory traffic per unit and reduction: read the grads once, write the
-flat buffer once, plus the collective's own.
+flat buffer once (plus a read and a write to divide on gloo), plus the collective's own.
 
 Stage 1 reduces only on the accumulation boundary (gradients accumulate in full ``.grad`` until
 then); stages 2 and 3 reduce every backward.
@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
+from dslab.engine.data_parallel import pack_gradients
 from dslab.engine.zero.partition import FlatUnit
 
 
@@ -45,6 +46,7 @@ class GradientReduceScatter:
         self.deliver = deliver
         self.group = group
         self.world_size = comm.get_world_size(group)
+        self.average_op = comm.averaging_op(group)
         self.active = False
         self._ready: dict[int, int] = {}
         self._next = 0
@@ -84,14 +86,13 @@ class GradientReduceScatter:
             self._next += 1
 
     def _issue(self, unit: FlatUnit) -> None:
-        flat = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
-        for p, offset, size in zip(unit.params, unit.layout.offsets, unit.layout.sizes):
-            if p.grad is not None:
-                flat[offset: offset + size].copy_(p.grad.reshape(-1))
-                p.grad = None
-        flat.div_(self.world_size)
+        flat = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+        pack_gradients(unit.params, flat, release=True)
+        if self.world_size > 1 and self.average_op is None:
+            flat.div_(self.world_size)
         shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-        work = comm.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
+        work = comm.reduce_scatter_tensor(shard, flat, op=self.average_op or comm.ReduceOp.SUM,
+                                          group=self.group, async_op=True)
         if self.on_issued is not None:
             self.on_issued(unit)
         self._in_flight.append((unit, flat, shard, work))

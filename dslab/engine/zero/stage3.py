@@ -65,6 +65,7 @@ class ParameterGatherer:
             for p in unit.params:
                 self._unit_of_param[id(p)] = unit
         self.order: list[FlatUnit] = []
+        self._position: dict[int, int] = {}  # unit index -> place in the forward order
         self._recorded: set[int] = set()
         self._order_done = False
         self._root_depth = 0
@@ -116,13 +117,12 @@ class ParameterGatherer:
     def _prefetch_after(self, unit: FlatUnit, reverse: bool) -> None:
         if not self._order_done or self.prefetch_numel <= 0:
             return
-        order = self.order[::-1] if reverse else self.order
-        try:
-            position = next(i for i, u in enumerate(order) if u is unit)
-        except StopIteration:
+        index = self._position.get(unit.index)
+        if index is None:
             return
+        following = reversed(self.order[:index]) if reverse else self.order[index + 1:]
         budget = self.prefetch_numel
-        for candidate in order[position + 1:]:
+        for candidate in following:
             if budget <= 0:
                 break
             if candidate.full is not None:
@@ -151,6 +151,7 @@ class ParameterGatherer:
         for unit in units:
             if not self._order_done and unit.index not in self._recorded:
                 self._recorded.add(unit.index)
+                self._position[unit.index] = len(self.order)
                 self.order.append(unit)
             self.gather(unit)
         self._prefetch_after(units[-1], reverse=False)

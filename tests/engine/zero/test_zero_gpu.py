@@ -113,3 +113,30 @@ def test_stage3_shards_a_model_built_on_the_cpu():
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
                                    msg=lambda m, key=key: f"{key}: {m}")
+
+
+
+@pytest.mark.parametrize("stage, offload", [(1, False), (2, False), (3, False), (2, True)])
+def test_nccl_averaging_collectives_match_the_run_without_a_group(tmp_path, stage, offload):
+    """Through a one-rank NCCL group the reductions average inside the collective (AVG), the
+    stage-3 units are broadcast as they are built, and the clipping norm is all-reduced: the
+    result is the same as with no process group at all (where collectives are copies)."""
+    import torch.distributed as dist
+
+    from dslab import comm
+
+    zero = {"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else None
+    without, expected, _ = _train(stage, zero, device_model=stage != 3)
+    assert without.zero.reducer.average_op is None
+    without.destroy()
+    comm.init_distributed(dist_backend="nccl", init_method=f"file://{tmp_path / 'store'}",
+                          rank=0, world_size=1)
+    try:
+        engine, state, _ = _train(stage, zero, device_model=stage != 3)
+        assert engine.zero.reducer.average_op == comm.ReduceOp.AVG
+        engine.destroy()
+    finally:
+        dist.destroy_process_group()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, key=key: f"{key}: {m}")

@@ -147,3 +147,27 @@ def test_stage3_leaves_trainable_parameters_where_the_model_was_built():
     assert model.counter.device.type == "meta"
     _move_to_device(model, torch.device("meta"), keep_trainable=False)
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("budget", [10_000, 0])
+def test_stage3_prefetches_the_next_unit_in_forward_and_backward_order(budget):
+    cfg = base_config(zero_optimization=_zero(3, stage3_prefetch_bucket_size=budget))
+    engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
+    gatherer = engine.zero.gatherer
+    _train(engine, 1)  # the first forward records the order: fc1's unit, then fc2's
+    assert [u.index for u in gatherer.order] == [0, 1]
+    calls = []
+    start_gather = gatherer._start_gather
+
+    def spy(unit, async_op):
+        calls.append((unit.index, async_op))
+        start_gather(unit, async_op)
+
+    gatherer._start_gather = spy
+    _train(engine, 1)
+    if budget:
+        # forward: fc1 gathered, fc2 fetched ahead; backward: fc2 gathered, fc1 fetched ahead
+        assert calls == [(0, False), (1, True), (1, False), (0, True)]
+    else:
+        assert calls == [(0, False), (1, False), (1, False), (0, False)]
+    engine.destroy()
