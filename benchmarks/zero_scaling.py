@@ -4,7 +4,7 @@ Run under torchrun (one process per GPU); ``benchmarks/zero_scaling.sh`` runs it
 GPUs and prints the weak-scaling table::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py [--stages 0,1,2,3,2o]
-        [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--offload-one-chunk]
+        [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--offload-sub-group N]
         [--json OUT.json]
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py --tiny   # CPU, gloo
 
@@ -36,9 +36,9 @@ A stage written with an ``o`` (``1o``, ``2o``, ``3o``) runs with ``offload_optim
 cpu, pin_memory: true}``: ``measured`` is then what stays on the GPU beside the offload layout's
 per-GPU estimate, and the row adds the CPU side (``cpu GiB``: the offload's masters, gradient
 buffers and Adam moments, beside the rank's share of the CPU estimate). With
-``--offload-one-chunk`` each offloaded stage runs a second time with the CPU step in one chunk
-(``engine.zero.offload.chunks`` set to all units: nothing is copied back until every master has
-stepped), the arm the pipelined step is compared with.
+``--offload-sub-group N`` each offloaded stage runs a second time with
+``zero_optimization.sub_group_size`` N: the CPU step in chunks of about N shard elements, each
+chunk's new shards copied back while the next one steps (the default, 1e9, is one chunk here).
 
 Rank 0 prints one line per stage and, with ``--json``, writes the rows (with the world size,
 model size and settings) for the wrapper.
@@ -69,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", default="0,1,2,3",
                         help="comma-separated ZeRO stages; 1o, 2o, 3o offload the optimizer to CPU")
-    parser.add_argument("--offload-one-chunk", action="store_true",
-                        help="also run each offloaded stage with its CPU step in one chunk")
+    parser.add_argument("--offload-sub-group", type=int, default=None, metavar="N",
+                        help="also run each offloaded stage with sub_group_size N (a chunked CPU step)")
     parser.add_argument("--micro-batch", type=int, default=None, help="per GPU (default 8; 2 with --tiny)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; 64 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5; 2 with --tiny)")
@@ -96,9 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.stages = []
     for token in stages:
         offload = token.endswith("o")
-        args.stages.append((int(token.rstrip("o")), offload, False))
-        if offload and args.offload_one_chunk:
-            args.stages.append((int(token.rstrip("o")), offload, True))
+        args.stages.append((int(token.rstrip("o")), offload, None))
+        if offload and args.offload_sub_group:
+            args.stages.append((int(token.rstrip("o")), offload, args.offload_sub_group))
     for name in ("micro_batch", "seq", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -118,11 +118,11 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def label(stage: int, offload: bool, one_chunk: bool) -> str:
-    return f"{stage}" + ("+off" if offload else "") + ("/1chunk" if one_chunk else "")
+def label(stage: int, offload: bool, sub_group: int | None) -> str:
+    return f"{stage}" + ("+off" if offload else "") + (f"/sg{sub_group:.0e}" if sub_group else "")
 
 
-def run_stage(stage: int, offload: bool, one_chunk: bool, args, device: torch.device, world: int,
+def run_stage(stage: int, offload: bool, sub_group: int | None, args, device: torch.device, world: int,
               rank: int) -> dict:
     """One stage's row on this rank: step times, peak memory, model states and the estimate."""
     config_of = gpt2_tiny if args.tiny else gpt2_355m
@@ -144,15 +144,14 @@ def run_stage(stage: int, offload: bool, one_chunk: bool, args, device: torch.de
         "zero_optimization": {"stage": stage, **(
             {} if args.persistence_threshold is None
             else {"stage3_param_persistence_threshold": args.persistence_threshold}), **(
-            {"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {})},
+            {"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}), **(
+            {"sub_group_size": sub_group} if sub_group else {})},
         "steps_per_print": 10 ** 9,
     }
     if device.type == "cuda":
         _free(device)
         torch.cuda.reset_peak_memory_stats(device)
     engine, _, _, _ = dslab.initialize(model=model, config=config)
-    if one_chunk:
-        engine.zero.offload.chunks = [list(engine.zero.units)]
     g = torch.Generator(device=device).manual_seed(1000 + rank)
     ids = torch.randint(0, model_config.vocab_size, (args.micro_batch, args.seq), generator=g, device=device)
 
@@ -188,7 +187,7 @@ def run_stage(stage: int, offload: bool, one_chunk: bool, args, device: torch.de
     compared = states["zero_estimate"]["compared"]
     row = {
         "stage": stage,
-        "label": label(stage, offload, one_chunk),
+        "label": label(stage, offload, sub_group),
         "offload": offload,
         "step_time_ms": statistics.median(times),
         "peak_allocated_bytes": peak,
@@ -250,8 +249,8 @@ def main(argv=None) -> int:
               flush=True)
         print(f"{'stage':>13} {'tokens/s':>12} {'step ms':>9} {'peak GiB':>9} {'measured GiB':>13} "
               f"{'estimate GiB':>13} {'ratio':>6} {'cpu GiB (est)':>16}", flush=True)
-    for stage, offload, one_chunk in args.stages:
-        row = run_stage(stage, offload, one_chunk, args, device, world, rank)
+    for stage, offload, sub_group in args.stages:
+        row = run_stage(stage, offload, sub_group, args, device, world, rank)
         stage_row = combine(comm.all_gather_object(row), args, world)
         out.append(stage_row)
         if rank == 0:

@@ -24,11 +24,16 @@ synchronously on the CPU):
 2. Step: wait for the copies; the squared norms (one GPU tensor, all-reduced by the runtime) give
    the clipping norm and the fp16 overflow verdict (a non-finite norm), without reading the CPU
    gradients.
-3. The optimizer steps in *chunks* of units of about ``chunk_numel`` elements
-   (:meth:`step_in_chunks`): one CPU pass scales a chunk's gradients (fp16 unscale and clipping
-   in one factor), ``optimizer.step()`` updates its masters (torch optimizers skip parameters
-   whose ``.grad`` is None), and the new shards are copied to the GPU and published
-   (all-gathered) asynchronously while the CPU steps the next chunk.
+3. The optimizer steps in *chunks* of units of at least ``chunk_numel`` shard elements
+   (``zero_optimization.sub_group_size``, :meth:`step_in_chunks`): one CPU pass scales a chunk's
+   gradients (fp16 unscale and clipping in one factor), ``optimizer.step()`` updates its masters
+   (torch optimizers skip parameters whose ``.grad`` is None), and the new shards are copied to
+   the GPU and published (all-gathered) asynchronously while the CPU steps the next chunk.
+   DeepSpeed's default of 1e9 elements makes one chunk of any model below a billion parameters
+   per rank, and that is also what measured best on an H100 host (GPT-2 355M at stage 2: one
+   chunk 264 ms per step, chunks of 25M elements 292 ms): both the CPU step and the copies back
+   read host memory, and the step is bound by its bandwidth, so overlapping them gains nothing
+   there.
 
 Traffic per unit and window of ``G`` micro-steps: over PCIe ``4·S·(2G - 1)`` bytes to the host
 side and ``4·S·(G - 1)`` back for accumulation, then ``4·S`` for the new shard; on the host one

@@ -101,10 +101,9 @@ class ZeroRuntime:
                 config.stage3_max_live_parameters, group)
         self.offload: CpuOptimizerOffload | None = None
         if config.offload_optimizer.device == "cpu":
-            # One chunk of the pipelined CPU step is about one reduce bucket's shard.
             self.offload = CpuOptimizerOffload(
                 self.units, pin_memory=config.offload_optimizer.pin_memory,
-                chunk_numel=max(1, config.reduce_bucket_size // self.world_size))
+                chunk_numel=config.sub_group_size)
             self.masters: list[nn.Parameter] = self.offload.masters
         else:
             self.masters = [nn.Parameter(unit.shard) for unit in self.units]

@@ -99,10 +99,11 @@ SCENARIOS = {
     "fp32": {},
     "accum_clip": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05},
     "offload": {"zero": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}},
-    # Offload with several micro-steps (stages 2-3 accumulate the shards in CPU memory) and a
-    # clip that binds; with fp16 the overflow check and unscaling run on the CPU gradients.
+    # Offload with several micro-steps (stages 2-3 accumulate every backward's shards), a clip
+    # that binds and the CPU step in chunks of 40 shard elements; with fp16 the overflow check
+    # and the unscaling come from the gradient norms.
     "offload_accum_clip": {"gradient_accumulation_steps": 3, "gradient_clipping": 0.05,
-                           "zero": {"offload_optimizer": {"device": "cpu"}}},
+                           "zero": {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 40}},
     "offload_fp16": {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1},
                      "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False,
                                                               "weight_decay": 0.01}},
