@@ -4,8 +4,8 @@ Run under torchrun (one process per GPU); ``benchmarks/zero_scaling.sh`` runs it
 GPUs and prints the weak-scaling table::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py [--stages 0,1,2,3,2o]
-        [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--offload-sub-group N]
-        [--json OUT.json]
+        [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--trials 1]
+        [--offload-sub-group N] [--json OUT.json]
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py --tiny   # CPU, gloo
 
 For each stage in turn, in one process group: build GPT-2 355M (``dslab.models.gpt2_355m``,
@@ -40,6 +40,10 @@ buffers and Adam moments, beside the rank's share of the CPU estimate). With
 ``zero_optimization.sub_group_size`` N: the CPU step in chunks of about N shard elements, each
 chunk's new shards copied back while the next one steps (the default, 1e9, is one chunk here).
 
+With ``--trials N`` the stages run N rounds, interleaved (stage 0, 1, ..., then again), and each
+row reports the median step time with every trial's beside it (``trials_ms``): the step is
+partly host-bound with eager kernels, and a lent machine's host is noisy.
+
 Rank 0 prints one line per stage and, with ``--json``, writes the rows (with the world size,
 model size and settings) for the wrapper.
 """
@@ -69,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", default="0,1,2,3",
                         help="comma-separated ZeRO stages; 1o, 2o, 3o offload the optimizer to CPU")
+    parser.add_argument("--trials", type=int, default=1,
+                        help="rounds over the stages, interleaved; rows report the median step time")
     parser.add_argument("--offload-sub-group", type=int, default=None, metavar="N",
                         help="also run each offloaded stage with sub_group_size N (a chunked CPU step)")
     parser.add_argument("--micro-batch", type=int, default=None, help="per GPU (default 8; 2 with --tiny)")
@@ -99,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.stages.append((int(token.rstrip("o")), offload, None))
         if offload and args.offload_sub_group:
             args.stages.append((int(token.rstrip("o")), offload, args.offload_sub_group))
-    for name in ("micro_batch", "seq", "steps"):
+    for name in ("micro_batch", "seq", "steps", "trials"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 1:
@@ -232,6 +238,22 @@ def combine(rows: list[dict], args, world: int) -> dict:
     }
 
 
+def median_row(rows: list[dict], args, world: int) -> dict:
+    """One label's trials as one row: the median step time (and its tokens/s), every trial's
+    step time, and the memory figures (the same in every trial) of the last."""
+    step_ms = statistics.median(r["step_time_ms"] for r in rows)
+    return {**rows[-1], "step_time_ms": step_ms, "trials_ms": [r["step_time_ms"] for r in rows],
+            "tokens_per_s": args.micro_batch * args.seq * world / (step_ms / 1e3)}
+
+
+def print_row(row: dict, prefix: str) -> None:
+    cpu = "-" if row["cpu_measured"] is None else (
+        f"{_gib(row['cpu_measured'])} ({_gib(row['cpu_estimate'])})")
+    print(f"{prefix}{row['label']:>13} {row['tokens_per_s']:>12,.0f} {row['step_time_ms']:>9.2f} "
+          f"{_gib(row['peak_allocated_bytes']):>9} {_gib(row['measured_model_states']):>13} "
+          f"{_gib(row['estimate_model_states']):>13} {row['ratio']:>6.3f} {cpu:>16}", flush=True)
+
+
 def _gib(value) -> str:
     return "-" if value is None else f"{value / GIB:.3f}"
 
@@ -249,18 +271,20 @@ def main(argv=None) -> int:
               flush=True)
         print(f"{'stage':>13} {'tokens/s':>12} {'step ms':>9} {'peak GiB':>9} {'measured GiB':>13} "
               f"{'estimate GiB':>13} {'ratio':>6} {'cpu GiB (est)':>16}", flush=True)
-    for stage, offload, sub_group in args.stages:
-        row = run_stage(stage, offload, sub_group, args, device, world, rank)
-        stage_row = combine(comm.all_gather_object(row), args, world)
-        out.append(stage_row)
-        if rank == 0:
-            cpu = "-" if stage_row["cpu_measured"] is None else (
-                f"{_gib(stage_row['cpu_measured'])} ({_gib(stage_row['cpu_estimate'])})")
-            print(f"{stage_row['label']:>13} {stage_row['tokens_per_s']:>12,.0f} "
-                  f"{stage_row['step_time_ms']:>9.2f} {_gib(stage_row['peak_allocated_bytes']):>9} "
-                  f"{_gib(stage_row['measured_model_states']):>13} "
-                  f"{_gib(stage_row['estimate_model_states']):>13} {stage_row['ratio']:>6.3f} {cpu:>16}",
-                  flush=True)
+    trials: dict[str, list[dict]] = {}
+    for trial in range(args.trials):
+        for stage, offload, sub_group in args.stages:
+            row = run_stage(stage, offload, sub_group, args, device, world, rank)
+            stage_row = combine(comm.all_gather_object(row), args, world)
+            trials.setdefault(stage_row["label"], []).append(stage_row)
+            if rank == 0:
+                print_row(stage_row, f"[{trial + 1}/{args.trials}]" if args.trials > 1 else "")
+    for label, rows in trials.items():
+        out.append(median_row(rows, args, world))
+    if rank == 0 and args.trials > 1:
+        print(f"median of {args.trials} trials (stages interleaved trial by trial):", flush=True)
+        for stage_row in out:
+            print_row(stage_row, "")
     if rank == 0 and args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,10 +30,9 @@ synchronously on the CPU):
    (torch optimizers skip parameters whose ``.grad`` is None), and the new shards are copied to
    the GPU and published (all-gathered) asynchronously while the CPU steps the next chunk.
    DeepSpeed's default of 1e9 elements makes one chunk of any model below a billion parameters
-   per rank, and that is also what measured best on an H100 host (GPT-2 355M at stage 2: one
-   chunk 264 ms per step, chunks of 25M elements 292 ms): both the CPU step and the copies back
-   read host memory, and the step is bound by its bandwidth, so overlapping them gains nothing
-   there.
+   per rank. On an H100 host, chunks gained nothing (GPT-2 355M at stage 2, median of 3 trials:
+   one chunk 258 ms per step, chunks of 25M elements 260 ms): the CPU step is bound by host
+   memory bandwidth, which the copies back draw on too.
 
 Traffic per unit and window of ``G`` micro-steps: over PCIe ``4·S·(2G - 1)`` bytes to the host
 side and ``4·S·(G - 1)`` back for accumulation, then ``4·S`` for the new shard; on the host one
