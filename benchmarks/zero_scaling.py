@@ -4,7 +4,7 @@ Run under torchrun (one process per GPU); ``benchmarks/zero_scaling.sh`` runs it
 GPUs and prints the weak-scaling table::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py [--stages 0,1,2,3,2o]
-        [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--trials 1]
+        [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--trials 1] [--cuda-graphs]
         [--offload-sub-group N] [--json OUT.json]
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py --tiny   # CPU, gloo
 
@@ -42,7 +42,8 @@ chunk's new shards copied back while the next one steps (the default, 1e9, is on
 
 With ``--trials N`` the stages run N rounds, interleaved (stage 0, 1, ..., then again), and each
 row reports the median step time with every trial's beside it (``trials_ms``): the step is
-partly host-bound with eager kernels, and a lent machine's host is noisy.
+partly host-bound with eager kernels, and a lent machine's host is noisy. ``--cuda-graphs``
+replays the layer stack from CUDA graphs (stages 0-2), which takes most of the host out.
 
 Rank 0 prints one line per stage and, with ``--json``, writes the rows (with the world size,
 model size and settings) for the wrapper.
@@ -73,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", default="0,1,2,3",
                         help="comma-separated ZeRO stages; 1o, 2o, 3o offload the optimizer to CPU")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the engine's cuda_graphs section on (the layer stack replayed from "
+                             "CUDA graphs at stages 0-2; stage 3 runs it eagerly)")
     parser.add_argument("--trials", type=int, default=1,
                         help="rounds over the stages, interleaved; rows report the median step time")
     parser.add_argument("--offload-sub-group", type=int, default=None, metavar="N",
@@ -154,6 +158,8 @@ def run_stage(stage: int, offload: bool, sub_group: int | None, args, device: to
             {"sub_group_size": sub_group} if sub_group else {})},
         "steps_per_print": 10 ** 9,
     }
+    if args.cuda_graphs:
+        config["cuda_graphs"] = {"enabled": True}
     if device.type == "cuda":
         _free(device)
         torch.cuda.reset_peak_memory_stats(device)
