@@ -30,7 +30,7 @@ for stage in "$@"; do
       grep -A 30 "^run " "$out/gpt2.log" | tail -25 ;;
     zero)
       ZERO_SCALING_OUT="$out/zero" bash benchmarks/zero_scaling.sh \
-        --stages "${ZERO_STAGES:-0,1,2,3,1o,2o,3o}" --offload-sub-group 25000000 --trials "${ZERO_TRIALS:-3}" > "$out/zero.log" 2>&1
+        --stages "${ZERO_STAGES:-0,1,2,3,1o,2o,3o}" --offload-sub-group 25000000 --trials "${ZERO_TRIALS:-3}" --cuda-graphs > "$out/zero.log" 2>&1
       tail -40 "$out/zero.log" ;;
     overhead)
       python3 benchmarks/profiler_overhead.py --suite suites/gpt2 --case 124m > "$out/overhead.log" 2>&1
