@@ -22,16 +22,31 @@ PAGES = [
 ]
 
 
-def _load(browser, url: str, shots, name: str):
-    from selenium.webdriver.common.by import By
+def _wait(browser):
+    """A wait that polls again when Dash re-rendered an element between finding and reading it."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
+    return WebDriverWait(browser, 30, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+
+
+def _text(browser, element_id: str = "page") -> str:
+    """The element's visible text, read again if the element was replaced while being read."""
+    from selenium.webdriver.common.by import By
+
+    return _wait(browser).until(lambda d: d.find_element(By.ID, element_id).text)
+
+
+def _load(browser, url: str, shots, name: str):
+    from selenium.webdriver.common.by import By
+
     browser.get(url)
-    wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+    wait = _wait(browser)
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#page h2"))
     wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, "[data-dash-is-loading='true']"))
-    wait.until(lambda d: all(g.find_elements(By.CSS_SELECTOR, ".main-svg")
-                             for g in d.find_elements(By.CSS_SELECTOR, ".dash-graph")))
+    # one script, so a graph re-rendered mid-check cannot leave a stale handle behind
+    wait.until(lambda d: d.execute_script(
+        "return Array.from(document.querySelectorAll('.dash-graph')).every(g => g.querySelector('.main-svg'))"))
     wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, ".ag-overlay-loading-center"))
     height = browser.execute_script("return document.body.scrollHeight")
     browser.set_window_size(1400, min(max(height + 80, 800), 8000))
@@ -57,7 +72,7 @@ def _check_page(browser, server, shots, name: str, path: str, graphs: int, text:
 
     browser.get_log("browser")  # drop what earlier pages logged
     shot = _load(browser, server + path, shots, name)
-    page = browser.find_element(By.ID, "page").text
+    page = _text(browser)
     assert text in page
     assert "could not be drawn" not in page
     assert len(browser.find_elements(By.CSS_SELECTOR, ".dash-graph .main-svg")) >= graphs
@@ -81,9 +96,10 @@ def test_runs_page(browser, server, shots):
     assert "2 run(s) could not be read" in text
     for run_id in RUN_IDS[-3:]:
         assert run_id in text
-    assert "gate: regression" in browser.find_element(By.ID, f"history-{SUITE}").text
-    assert "baseline seq128/dslab" in browser.find_element(By.ID, f"history-{SUITE}").text
-    href = browser.find_element(By.ID, "compare-link").get_attribute("href").replace("%2F", "/")
+    assert "gate: regression" in _text(browser, f"history-{SUITE}")
+    assert "baseline seq128/dslab" in _text(browser, f"history-{SUITE}")
+    href = _wait(browser).until(
+        lambda d: d.find_element(By.ID, "compare-link").get_attribute("href")).replace("%2F", "/")
     assert f"a={SUITE}/{RUN_IDS[4]}" in href and f"b={SUITE}/{PARTIAL}" in href
 
 
@@ -95,7 +111,7 @@ def test_partial_report_shows_warnings_and_what_it_can(browser, server, shots):
     for tab, problem in (("flops", "flops.modules should be a list"),
                          ("memory", "memory.steps[0] should be an object")):
         _load(browser, f"{server}{run}/{tab}", shots, f"partial_{tab}")
-        assert problem in browser.find_element("id", "page").text, tab
+        assert problem in _text(browser), tab
     assert "6.1" in _check_page(browser, server, shots, "partial_io", f"{run}/io", 0, "I/O tuner")
     assert _severe(browser) == []
 
@@ -103,9 +119,7 @@ def test_partial_report_shows_warnings_and_what_it_can(browser, server, shots):
 @pytest.mark.parametrize("path", ["/run/..%2F..%2Fetc/passwd", "/run/%2E%2E%2F%2E%2E/etc", f"/run/{SUITE}/..%2F..%2F..%2Fetc",
                                   "/compare?a=../../etc&b=x/y"])
 def test_path_traversal_is_refused(browser, server, shots, path):
-    from selenium.webdriver.common.by import By
-
     _load(browser, server + path, shots, "traversal")
-    text = browser.find_element(By.ID, "page").text
+    text = _text(browser)
     assert "Cannot show this" in text or "Not found" in text
     assert "root:" not in text
