@@ -9,9 +9,11 @@ ahead of use, ``stage3_max_live_parameters`` the gathered elements alive at once
 ``sub_group_size`` is how many elements of its shards an offloaded optimizer steps at a time
 before their new values start back to the GPU (DeepSpeed's tile for the CPU step; dslab applies
 it at stages 1-3 with ``offload_optimizer``).
-``allgather_bucket_size``, ``contiguous_gradients`` and ``reduce_scatter`` are accepted for
-DeepSpeed configs and have no effect: dslab always reduce-scatters whole units through contiguous
-buffers.
+``allgather_bucket_size`` caps the elements of one all-gather of updated parameters after the
+step (a larger unit is gathered in pieces through a staging buffer of that size);
+``reduce_scatter: false`` all-reduces each gradient unit instead of reduce-scattering it (each
+rank keeps its slice). ``contiguous_gradients`` is accepted for DeepSpeed configs and has no
+effect: dslab always packs a unit's gradients into one contiguous buffer for its collective.
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ issued strictly in ``issue_order`` (the same on every rank, so every rank issues
 sequence of collectives): a unit whose gradients are all ready, and all units before it, are
 copied into a flat buffer of ``padded`` elements (zeros for padding and for parameters that got
 no gradient) and reduce-scattered asynchronously, averaging in the collective on nccl (divided
-by the world size first on gloo); each rank receives its ``S``-element shard of the average. The parameters' ``.grad`` are freed as soon as they are
-copied, so a full gradient lives only between its accumulation and its unit's issue.
+by the world size first on gloo); each rank receives its ``S``-element shard of the average.
+With ``reduce_scatter: false`` (DeepSpeed's option) the buffer is all-reduced instead and each
+rank keeps its slice: the same shards for twice the traffic. The parameters' ``.grad`` are freed
+as soon as they are copied, so a full gradient lives only between its accumulation and its
+unit's issue.
 
 The shards are added into ``unit.grad_shard`` (the accumulation across micro-steps happens on
 the shards: stage 2 and 3 reduce every backward) once the collective completes, or handed to
@@ -37,8 +40,10 @@ class GradientReduceScatter:
 
     def __init__(self, units: list[FlatUnit], reduce_every_backward: bool, max_in_flight: int,
                  on_issued: Callable[[FlatUnit], None] | None = None,
-                 deliver: Callable[[FlatUnit, torch.Tensor], None] | None = None, group=None):
+                 deliver: Callable[[FlatUnit, torch.Tensor], None] | None = None, group=None,
+                 reduce_scatter: bool = True):
         self.units = units
+        self.reduce_scatter = reduce_scatter
         self.issue_order: list[FlatUnit] = list(units)
         self.reduce_every_backward = reduce_every_backward
         self.max_in_flight = max_in_flight
@@ -90,9 +95,14 @@ class GradientReduceScatter:
         pack_gradients(unit.params, flat, release=True)
         if self.world_size > 1 and self.average_op is None:
             flat.div_(self.world_size)
-        shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-        work = comm.reduce_scatter_tensor(shard, flat, op=self.average_op or comm.ReduceOp.SUM,
-                                          group=self.group, async_op=True)
+        op = self.average_op or comm.ReduceOp.SUM
+        if self.reduce_scatter:
+            shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            work = comm.reduce_scatter_tensor(shard, flat, op=op, group=self.group, async_op=True)
+        else:  # ``reduce_scatter: false``: every rank receives the whole average, keeps its shard
+            lo = unit.rank * unit.shard_numel
+            shard = flat[lo: lo + unit.shard_numel]
+            work = comm.all_reduce(flat, op=op, group=self.group, async_op=True)
         if self.on_issued is not None:
             self.on_issued(unit)
         self._in_flight.append((unit, flat, shard, work))
@@ -111,7 +121,8 @@ class GradientReduceScatter:
         if self.deliver is not None:
             self.deliver(unit, shard)
         elif unit.grad_shard is None:
-            unit.grad_shard = shard
+            # a shard cut from an all-reduced buffer is copied so that the buffer can be freed
+            unit.grad_shard = shard if self.reduce_scatter else shard.clone()
         else:
             unit.grad_shard.add_(shard)
 

@@ -18,7 +18,8 @@ gradient shard in ``unit.grad_shard``, or in CPU memory with offload):
    ``torch.nn.utils.clip_grad_norm_`` does.
 3. The optimizer steps on the masters (offload: chunk by chunk on the CPU).
 4. Publish: resident units all-gather their shards into the full buffers that the parameters
-   view; stage 3 releases every gathered unit (its full copy is stale).
+   view, in collectives of at most ``allgather_bucket_size`` elements; stage 3 releases every
+   gathered unit (its full copy is stale).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class ZeroRuntime:
         self.reducer = GradientReduceScatter(
             self.units, reduce_every_backward=self.stage >= 2, max_in_flight=max_in_flight,
             on_issued=self.gatherer.release if self.gatherer is not None else None,
-            deliver=self.offload.receive if self.offload is not None else None, group=group)
+            deliver=self.offload.receive if self.offload is not None else None, group=group,
+            reduce_scatter=config.reduce_scatter)
         self.comm_device = self.units[0].device if self.units else torch.device("cpu")
 
     def _named_groups(self, groups: list[dict]) -> list[list[tuple[str, nn.Parameter]]]:
@@ -248,10 +250,26 @@ class ZeroRuntime:
         with torch.no_grad():
             if master is not None:
                 unit.shard.copy_(master, non_blocking=True)
-        if unit.resident:
+        if not unit.resident:
+            return None
+        per_rank = max(1, self.config.allgather_bucket_size // self.world_size)
+        if unit.shard_numel <= per_rank:
             return comm.all_gather_into_tensor(unit.full, unit.shard, group=self.group,
                                                async_op=True)
+        self._gather_in_pieces(unit, per_rank)
         return None
+
+    def _gather_in_pieces(self, unit: FlatUnit, per_rank: int) -> None:
+        """All-gather a unit larger than ``allgather_bucket_size`` in collectives of at most that
+        many elements: piece ``j`` gathers elements ``[j * per_rank, (j + 1) * per_rank)`` of
+        every rank's shard through one staging buffer, then lands in each rank's slice of
+        ``full``. Each piece completes before the next starts, so the extra memory is one piece."""
+        slices = unit.full.view(self.world_size, unit.shard_numel)
+        for lo in range(0, unit.shard_numel, per_rank):
+            hi = min(lo + per_rank, unit.shard_numel)
+            staged = torch.empty(self.world_size * (hi - lo), dtype=unit.dtype, device=unit.device)
+            comm.all_gather_into_tensor(staged, unit.shard[lo:hi].contiguous(), group=self.group)
+            slices[:, lo:hi].copy_(staged.view(self.world_size, hi - lo))
 
     def _publish(self) -> None:
         masters = self.masters if self.offload is not None else [None] * len(self.units)

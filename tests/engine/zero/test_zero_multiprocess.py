@@ -96,12 +96,23 @@ def test_comms_logger_sees_reduce_scatter_and_all_gather_with_their_bytes(two_ra
     assert sorted(units) == [120, 504]  # one unit per Linear
     assert stage3["logged"]["reduce_scatter"] == {b: 4 for b in units}
     assert stage3["logged"]["all_gather"] == {b: 8 for b in units}  # forward and backward
-    for result in (stage2, stage3):
+    assert stage2["logged"]["all_reduce"] == stage3["logged"]["all_reduce"] == {}
+    for result in (stage2, stage3, two_ranks["comms/stage2_allreduce_pieces"]):
         observed = {}
         for op, nbytes in result["calls"]:
             observed.setdefault(op, {}).setdefault(nbytes, 0)
             observed[op][nbytes] += 1
-        assert observed == result["logged"]
+        assert observed == {op: sizes for op, sizes in result["logged"].items() if sizes}
+
+
+def test_reduce_scatter_false_all_reduces_and_allgather_bucket_caps_each_gather(two_ranks):
+    result = two_ranks["comms/stage2_allreduce_pieces"]
+    assert sorted(result["padded_bytes"]) == [160, 472]
+    assert result["logged"]["reduce_scatter"] == {}
+    assert result["logged"]["all_reduce"] == {160: 4, 472: 4}  # whole units, every backward
+    # allgather_bucket_size 40 over 2 ranks: the 40-element unit in one gather; the 118-element
+    # unit's 59-element shards in pieces of 20, 20 and 19 per rank; after each of the 2 steps
+    assert result["logged"]["all_gather"] == {160: 2 + 2 * 2, 152: 2}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

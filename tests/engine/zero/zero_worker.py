@@ -108,6 +108,13 @@ SCENARIOS = {
                      "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False,
                                                               "weight_decay": 0.01}},
                      "zero": {"offload_optimizer": {"device": "cpu"}}},
+    # gradients all-reduced instead of reduce-scattered, and the updated parameters all-gathered
+    # in pieces of at most 7 elements (units hold up to 100)
+    "allreduce_pieces": {"gradient_accumulation_steps": 2,
+                         "zero": {"reduce_scatter": False, "allgather_bucket_size": 7}},
+    "offload_allreduce_pieces": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+                                 "zero": {"reduce_scatter": False, "allgather_bucket_size": 7,
+                                          "offload_optimizer": {"device": "cpu"}}},
     "bf16": {"bf16": {"enabled": True}},
     "fp16": {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1},
              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False,
@@ -131,18 +138,26 @@ def run_matrix(results):
             engine.destroy()
 
 
+COMMS_RUNS = {"stage2": (2, {}), "stage3": (3, {}),
+              # all-reduced gradients and all-gathers of at most 40 elements (20 per rank)
+              "stage2_allreduce_pieces": (2, {"reduce_scatter": False,
+                                              "allgather_bucket_size": 40})}
+
+
 def run_comms(results):
-    for stage in (2, 3):
+    ops = ("reduce_scatter", "all_gather", "all_reduce")
+    for name, (stage, zero) in COMMS_RUNS.items():
         observed = Observed()
         comm.add_observer(observed)
-        engine = build(stage, gradient_accumulation_steps=2, comms_logger={"enabled": True})
+        engine = build(stage, gradient_accumulation_steps=2, comms_logger={"enabled": True},
+                       zero=zero)
         train(engine, 2)
         summary = comm.log_summary(return_dict=True)
         comm.remove_observer(observed)
-        results[f"comms/stage{stage}"] = {
-            "calls": [c for c in observed.calls if c[0] in ("reduce_scatter", "all_gather")],
+        results[f"comms/{name}"] = {
+            "calls": [c for c in observed.calls if c[0] in ops],
             "logged": {op: {int(size): row["count"] for size, row in summary.get(op, {}).items()}
-                       for op in ("reduce_scatter", "all_gather")},
+                       for op in ops},
             "padded_bytes": [u.padded * 4 for u in engine.zero.units],
         }
         engine.destroy()
