@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session.sh gpt2 overhead     # gpt2 124m + 1.5b, profiler + engine overhead
 #   bash benchmarks/gpu_session.sh zero              # ZeRO stages 0-3 (and 1-3 with optimizer offload)
 #                                                    # on 1, 2 (4) GPUs: memory, scaling
-# GPU_TESTS picks the test folders of the tests stage; ZERO_STAGES the zero stage's --stages.
+# GPU_TESTS picks the test folders of the tests stage; ZERO_STAGES the zero stage's --stages,
+# ZERO_GRANULARITY its stage 3 arm's stage3_module_granularity_threshold, ZERO_TRIALS its trials.
 # Logs and reports go under $OUT (or ./gpu-out); the last lines of each stage are its table.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,7 +31,8 @@ for stage in "$@"; do
       grep -A 30 "^run " "$out/gpt2.log" | tail -25 ;;
     zero)
       ZERO_SCALING_OUT="$out/zero" bash benchmarks/zero_scaling.sh \
-        --stages "${ZERO_STAGES:-0,1,2,3,1o,2o,3o}" --offload-sub-group 25000000 --trials "${ZERO_TRIALS:-3}" --cuda-graphs > "$out/zero.log" 2>&1
+        --stages "${ZERO_STAGES:-0,1,2,3,1o,2o,3o}" --offload-sub-group 25000000 \
+        --granularity "${ZERO_GRANULARITY:-1500000}" --trials "${ZERO_TRIALS:-3}" --cuda-graphs > "$out/zero.log" 2>&1
       tail -40 "$out/zero.log" ;;
     overhead)
       python3 benchmarks/profiler_overhead.py --suite suites/gpt2 --case 124m > "$out/overhead.log" 2>&1

@@ -5,7 +5,7 @@ GPUs and prints the weak-scaling table::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py [--stages 0,1,2,3,2o]
         [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--trials 1] [--cuda-graphs]
-        [--offload-sub-group N] [--json OUT.json]
+        [--offload-sub-group N] [--granularity N] [--json OUT.json]
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py --tiny   # CPU, gloo
 
 For each stage in turn, in one process group: build GPT-2 355M (``dslab.models.gpt2_355m``,
@@ -39,6 +39,10 @@ buffers and Adam moments, beside the rank's share of the CPU estimate). With
 ``--offload-sub-group N`` each offloaded stage runs a second time with
 ``zero_optimization.sub_group_size`` N: the CPU step in chunks of about N shard elements, each
 chunk's new shards copied back while the next one steps (the default, 1e9, is one chunk here).
+With ``--granularity N`` each stage 3 runs a second time with
+``zero_optimization.stage3_module_granularity_threshold`` N: modules whose parameters per
+module in their subtree fall below N are gathered whole (1.5e6 makes each GPT-2 355M layer one
+gather instead of four), fewer collectives and hooks per step.
 
 With ``--trials N`` the stages run N rounds, interleaved (stage 0, 1, ..., then again), and each
 row reports the median step time with every trial's beside it (``trials_ms``): the step is
@@ -58,6 +62,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="rounds over the stages, interleaved; rows report the median step time")
     parser.add_argument("--offload-sub-group", type=int, default=None, metavar="N",
                         help="also run each offloaded stage with sub_group_size N (a chunked CPU step)")
+    parser.add_argument("--granularity", type=int, default=None, metavar="N",
+                        help="also run each stage 3 with stage3_module_granularity_threshold N "
+                             "(modules gathered whole; 1500000 gathers GPT-2 355M layer by layer)")
     parser.add_argument("--micro-batch", type=int, default=None, help="per GPU (default 8; 2 with --tiny)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; 64 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5; 2 with --tiny)")
@@ -105,10 +113,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"got {args.stages!r}")
     args.stages = []
     for token in stages:
-        offload = token.endswith("o")
-        args.stages.append((int(token.rstrip("o")), offload, None))
+        stage, offload = int(token.rstrip("o")), token.endswith("o")
+        args.stages.append(Arm(stage, offload))
         if offload and args.offload_sub_group:
-            args.stages.append((int(token.rstrip("o")), offload, args.offload_sub_group))
+            args.stages.append(Arm(stage, offload, sub_group=args.offload_sub_group))
+        if stage == 3 and args.granularity:
+            args.stages.append(Arm(stage, offload, granularity=args.granularity))
     for name in ("micro_batch", "seq", "steps", "trials"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -128,13 +138,37 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def label(stage: int, offload: bool, sub_group: int | None) -> str:
-    return f"{stage}" + ("+off" if offload else "") + (f"/sg{sub_group:.0e}" if sub_group else "")
+@dataclass(frozen=True)
+class Arm:
+    """One row: a ZeRO stage, with or without optimizer offload, and the optional settings."""
+
+    stage: int
+    offload: bool
+    sub_group: int | None = None
+    granularity: int | None = None
+
+    @property
+    def label(self) -> str:
+        return (f"{self.stage}" + ("+off" if self.offload else "")
+                + (f"/sg{self.sub_group:.0e}" if self.sub_group else "")
+                + (f"/g{self.granularity:.0e}" if self.granularity else ""))
+
+    def zero_section(self, persistence_threshold: int | None) -> dict:
+        section = {"stage": self.stage}
+        if persistence_threshold is not None:
+            section["stage3_param_persistence_threshold"] = persistence_threshold
+        if self.offload:
+            section["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if self.sub_group:
+            section["sub_group_size"] = self.sub_group
+        if self.granularity:
+            section["stage3_module_granularity_threshold"] = self.granularity
+        return section
 
 
-def run_stage(stage: int, offload: bool, sub_group: int | None, args, device: torch.device, world: int,
-              rank: int) -> dict:
-    """One stage's row on this rank: step times, peak memory, model states and the estimate."""
+def run_stage(arm: Arm, args, device: torch.device, world: int, rank: int) -> dict:
+    """One arm's row on this rank: step times, peak memory, model states and the estimate."""
+    stage, offload = arm.stage, arm.offload
     config_of = gpt2_tiny if args.tiny else gpt2_355m
     model_config = config_of(n_positions=max(args.seq, 128) if args.tiny else 1024)
     if args.seq > model_config.n_positions:
@@ -151,11 +185,7 @@ def run_stage(stage: int, offload: bool, sub_group: int | None, args, device: to
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage, **(
-            {} if args.persistence_threshold is None
-            else {"stage3_param_persistence_threshold": args.persistence_threshold}), **(
-            {"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}), **(
-            {"sub_group_size": sub_group} if sub_group else {})},
+        "zero_optimization": arm.zero_section(args.persistence_threshold),
         "steps_per_print": 10 ** 9,
     }
     if args.cuda_graphs:
@@ -199,7 +229,7 @@ def run_stage(stage: int, offload: bool, sub_group: int | None, args, device: to
     compared = states["zero_estimate"]["compared"]
     row = {
         "stage": stage,
-        "label": label(stage, offload, sub_group),
+        "label": arm.label,
         "offload": offload,
         "step_time_ms": statistics.median(times),
         "peak_allocated_bytes": peak,
@@ -279,8 +309,8 @@ def main(argv=None) -> int:
               f"{'estimate GiB':>13} {'ratio':>6} {'cpu GiB (est)':>16}", flush=True)
     trials: dict[str, list[dict]] = {}
     for trial in range(args.trials):
-        for stage, offload, sub_group in args.stages:
-            row = run_stage(stage, offload, sub_group, args, device, world, rank)
+        for arm in args.stages:
+            row = run_stage(arm, args, device, world, rank)
             stage_row = combine(comm.all_gather_object(row), args, world)
             trials.setdefault(stage_row["label"], []).append(stage_row)
             if rank == 0:

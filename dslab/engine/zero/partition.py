@@ -102,19 +102,29 @@ def plan_buckets(named_groups: list[list[tuple[str, nn.Parameter]]], bucket_size
 
 
 def plan_module_units(module: nn.Module, named_groups: list[list[tuple[str, nn.Parameter]]],
-                      persistence_threshold: int
+                      persistence_threshold: int, granularity_threshold: int = 0
                       ) -> list[tuple[UnitLayout, list[nn.Parameter], nn.Module]]:
     """Stage 3 units: the parameters each module registers itself (not its children's), split by
     param group, dtype and device, in ``module.modules()`` order. A unit of at most
     ``persistence_threshold`` elements stays resident (gathered once, never released). Returns
-    ``(layout, params, owning module)`` triples."""
+    ``(layout, params, owning module)`` triples.
+
+    A module whose granularity, its subtree's parameter elements over ``1 +`` its number of
+    descendant modules, is below ``granularity_threshold`` (DeepSpeed's
+    ``stage3_module_granularity_threshold``; 0 turns it off) is gathered whole: its own and all
+    its descendants' parameters form its units, so a transformer block of small modules costs
+    one gather instead of one per module. Containers without a forward of their own
+    (``nn.ModuleList``, ``nn.ModuleDict``) are never gathered whole: no hook would run for them.
+    """
     group_of = {id(p): g for g, named in enumerate(named_groups) for _, p in named}
     name_of = {id(p): name for named in named_groups for name, p in named}
+    whole = _gathered_whole(module, granularity_threshold)
     assigned: set[int] = set()
     units = []
-    for owner in module.modules():
+    for owner in _modules_outside(module, whole):
+        params = owner.parameters() if id(owner) in whole else owner._parameters.values()
         by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
-        for p in owner._parameters.values():
+        for p in params:
             if p is None or id(p) not in group_of or id(p) in assigned:
                 continue
             assigned.add(id(p))
@@ -125,6 +135,38 @@ def plan_module_units(module: nn.Module, named_groups: list[list[tuple[str, nn.P
             layout, params = _unit(named, group_index, resident=numel <= persistence_threshold)
             units.append((layout, params, owner))
     return units
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _gathered_whole(root: nn.Module, threshold: int) -> set[int]:
+    """Ids of the modules whose granularity is below ``threshold`` (see
+    :func:`plan_module_units`)."""
+    if threshold <= 0:
+        return set()
+    whole = set()
+    for m in root.modules():
+        elements = sum(p.numel() for p in m.parameters())
+        descendants = sum(1 for _ in m.modules()) - 1
+        if elements and _has_forward(m) and elements / (1 + descendants) < threshold:
+            whole.add(id(m))
+    return whole
+
+
+def _modules_outside(root: nn.Module, whole: set[int]) -> list[nn.Module]:
+    """``root.modules()`` in order, without the descendants of a module in ``whole``."""
+    order, seen, stack = [], set(), [root]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        order.append(m)
+        if id(m) not in whole:
+            stack.extend(reversed(list(m.children())))
+    return order
 
 
 def _unit(named: list[tuple[str, nn.Parameter]], group: int, resident: bool

@@ -84,7 +84,8 @@ class ZeroRuntime:
         named_groups = self._named_groups(_as_groups(param_groups))
         if self.stage == 3:
             planned = plan_module_units(module, named_groups,
-                                        config.stage3_param_persistence_threshold)
+                                        config.stage3_param_persistence_threshold,
+                                        config.stage3_module_granularity_threshold)
             owners = [owner for _, _, owner in planned]
             planned = [(layout, params) for layout, params, _ in planned]
         else:

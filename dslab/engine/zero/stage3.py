@@ -1,6 +1,7 @@
 """ZeRO stage 3: parameters gathered per module just before use and released after.
 
-Each module that registers parameters of a released (non-resident) unit gets:
+Each module that owns a released (non-resident) unit (the module that registers its parameters,
+or the ancestor gathered whole under ``stage3_module_granularity_threshold``) gets:
 
 - a forward pre-hook that all-gathers its units (waiting for a prefetch already in flight) and
   then prefetches the units that the recorded forward order says come next, up to
@@ -74,11 +75,16 @@ class ParameterGatherer:
             root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
             root.register_forward_hook(self._root_post_forward),
         ]
-        self._owners = list(owners.values())
-        for owner in self._owners:
+        for owner in owners.values():
             self._hooks.append(owner.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(owner.register_forward_hook(self._post_forward))
-            owner._parameters = _GatheringParameters(owner._parameters, self._on_access)
+        # every module that registers a released parameter (the owner, or a descendant of an
+        # owner gathered whole) reports reads of it
+        self._holders = [m for m in root.modules()
+                         if any(p is not None and id(p) in self._unit_of_param
+                                for p in m._parameters.values())]
+        for holder in self._holders:
+            holder._parameters = _GatheringParameters(holder._parameters, self._on_access)
 
     # -- gather and release -------------------------------------------------------------------
 
@@ -203,6 +209,6 @@ class ParameterGatherer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        for owner in self._owners:
-            owner._parameters = dict(owner._parameters)
-        self._owners = []
+        for holder in self._holders:
+            holder._parameters = dict(holder._parameters)
+        self._holders = []

@@ -143,7 +143,11 @@ def test_nccl_averaging_collectives_match_the_run_without_a_group(tmp_path, stag
                                    msg=lambda m, key=key: f"{key}: {m}")
 
 
-def _train_gpt2_graphed(stage, steps=3, accumulation=2):
+def _granularity(module: nn.Module) -> float:
+    return sum(p.numel() for p in module.parameters()) / sum(1 for _ in module.modules())
+
+
+def _train_gpt2_graphed(stage, steps=3, accumulation=2, graphs=True, zero=None):
     from dslab.models import GPT2LMHeadModel, gpt2_tiny
 
     torch.manual_seed(0)
@@ -151,10 +155,11 @@ def _train_gpt2_graphed(stage, steps=3, accumulation=2):
     config = base_config(
         train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=accumulation,
         gradient_clipping=0.5, optimizer=OPTIMIZERS["sgd"], bf16={"enabled": True},
-        cuda_graphs={"enabled": True},
+        cuda_graphs={"enabled": graphs},
         zero_optimization={"stage": stage, "reduce_bucket_size": 20_000,
-                           "stage3_param_persistence_threshold": 0})
+                           "stage3_param_persistence_threshold": 0, **(zero or {})})
     engine, _, _, _ = dslab.initialize(model=model, config=config)
+    units = [sorted(u.layout.names) for u in engine.zero.units] if engine.zero else []
     g = torch.Generator().manual_seed(3)
     for _ in range(steps * accumulation):
         ids = torch.randint(0, 1000, (2, 32), generator=g).cuda()
@@ -163,7 +168,7 @@ def _train_gpt2_graphed(stage, steps=3, accumulation=2):
     state = {k: v.detach().float().cpu() for k, v in engine.module_state_dict().items()}
     stats = model.cuda_graph_stats
     engine.destroy()
-    return state, stats
+    return state, stats, units
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -171,13 +176,31 @@ def test_cuda_graphs_under_zero_match_graphed_stage0(stage):
     """What ``dslab bench --zero-stage`` runs: the suites' CUDA-graphed layer stack under ZeRO.
     At stages 1 and 2 the graphs replay and ZeRO's gradient hooks fire on the replay's
     gradients; at stage 3 the gather hooks on the layers make the stack run eagerly."""
-    expected, reference_stats = _train_gpt2_graphed(0)
+    expected, reference_stats, _ = _train_gpt2_graphed(0)
     assert reference_stats.get("replays", 0) > 0
-    state, stats = _train_gpt2_graphed(stage)
+    state, stats, _ = _train_gpt2_graphed(stage)
     if stage < 3:
         assert stats.get("replays", 0) > 0 and not any(k.startswith("eager") for k in stats), stats
     else:
         assert stats.get("eager_hooks", 0) > 0 and "replays" not in stats, stats
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_stage3_gathers_whole_layers_under_a_granularity_threshold():
+    """``stage3_module_granularity_threshold`` between a layer's granularity and the model's: one
+    unit per transformer layer (attention, MLP and norms together), the same result as stage 0."""
+    from dslab.models import GPT2LMHeadModel, gpt2_tiny
+
+    model = GPT2LMHeadModel(gpt2_tiny(dropout=0.0), kernels="dslab")
+    layer, root = _granularity(model.layers[0]), _granularity(model)
+    assert layer < root
+    expected, _, _ = _train_gpt2_graphed(0, graphs=False)
+    state, _, units = _train_gpt2_graphed(
+        3, graphs=False, zero={"stage3_module_granularity_threshold": int(layer + root) // 2})
+    for i in range(len(model.layers)):
+        assert sorted(n for n, _ in model.layers[i].named_parameters(prefix=f"layers.{i}")) in units
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5,
                                    msg=lambda m, key=key: f"{key}: {m}")

@@ -61,7 +61,7 @@ def _assert_states_close(actual, expected, **tol):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_every_stage_ends_where_stage0_ends(two_ranks, scenario):
     reference = two_ranks[f"{scenario}/stage0"]
-    fresh = build(0, tied=scenario == "tied")
+    fresh = build(0, tied=SCENARIOS[scenario].get("tied", False))
     initial = fresh.module.state_dict()
     fresh.destroy()
     assert any(not torch.equal(initial[k], v) for k, v in reference["state"].items())
@@ -72,6 +72,12 @@ def test_every_stage_ends_where_stage0_ends(two_ranks, scenario):
         assert result["skipped"] == reference["skipped"]
     if scenario in ("fp16", "offload_fp16"):
         assert 0 < reference["skipped"] < 3  # overflow skipped some steps, not all
+
+
+def test_granularity_threshold_gathers_the_block_whole(two_ranks):
+    units = two_ranks["nested_granularity/stage3"]["units"]
+    assert sorted(map(sorted, units)) == [["block.emb.weight", "block.fc.bias", "block.fc.weight"],
+                                          ["out_bias"], ["proj.bias", "proj.weight"]]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -10,7 +10,7 @@ import torch
 import dslab
 from dslab.engine.config import load_config
 from dslab.engine.lamb import Lamb
-from dslab.engine.zero.partition import UnitLayout
+from dslab.engine.zero.partition import UnitLayout, plan_module_units
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import TinyNet, base_config, make_data  # noqa: E402
@@ -124,6 +124,50 @@ def test_persistent_units_stay_gathered():
     # fc1 (16x32 + 32 = 544 elements) is above the threshold, fc2 (32x4 + 4 = 132) below
     assert sizes == {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 128, "fc2.bias": 4}
     engine.destroy()
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.fc_in = torch.nn.Linear(dim, 4 * dim)
+        self.fc_out = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc_out(torch.relu(self.fc_in(self.norm(x))))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, dim=8, layers=3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, dim)
+        self.layers = torch.nn.ModuleList(_Layer(dim) for _ in range(layers))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def _planned_names(model, granularity):
+    named = [list(model.named_parameters())]
+    return [sorted(layout.names) for layout, _, _ in
+            plan_module_units(model, named, persistence_threshold=0, granularity_threshold=granularity)]
+
+
+def test_granularity_threshold_gathers_whole_layers_but_never_a_module_list():
+    model = _Stack()
+    # a layer: 16 + 288 + 264 = 568 elements over 1 + 3 modules = 142; the ModuleList 1704 / 13
+    # = 131 (below 150, but it has no forward of its own); the root 2504 / 15 = 167; emb 800
+    per_module = _planned_names(model, 0)
+    assert len(per_module) == 1 + 3 * 3  # every module that registers parameters
+    per_layer = _planned_names(model, 150)
+    assert per_layer == [["emb.weight"]] + [
+        sorted(f"layers.{i}.{n}" for n in ("norm.weight", "norm.bias", "fc_in.weight", "fc_in.bias",
+                                           "fc_out.weight", "fc_out.bias")) for i in range(3)]
+    assert _planned_names(model, 170) == [sorted(n for n, _ in model.named_parameters())]  # root
+    assert sorted(sum(per_layer, [])) == sorted(sum(per_module, []))
 
 
 def test_unit_layout_pads_to_the_world_size():

@@ -36,6 +36,35 @@ class TiedNet(nn.Module):
         return F.cross_entropy(F.linear(h, self.emb.weight).float(), y)
 
 
+class Block(nn.Module):
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, ids):
+        return torch.relu(self.fc(self.emb(ids)))
+
+
+class NestedTiedNet(nn.Module):
+    """A block of two modules and a head tied to the block's embedding, read by the root outside
+    the block's forward. Granularities (elements / (1 + descendants)): block 108 / 3 = 36,
+    proj 42, root 261 / 5 = 52, so a threshold of 40 gathers the block whole and nothing else."""
+
+    GRANULARITY = 40
+
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.block = Block(vocab, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.out_bias = nn.Parameter(torch.zeros(111))
+
+    def forward(self, ids, y):
+        h = self.proj(self.block(ids)).mean(1)
+        logits = F.linear(h, self.block.emb.weight) + self.out_bias[:11]
+        return F.cross_entropy(logits.float(), y)
+
+
 class Observed:
     def __init__(self):
         self.calls = []
@@ -53,7 +82,10 @@ def build(stage, tied=False, dropout=0.0, seed=0, **overrides):
     zero.update(overrides.pop("zero", {}))
     cfg = base_config(zero_optimization=zero, **overrides)
     torch.manual_seed(seed)
-    model = TiedNet() if tied else TinyNet(DIM, HIDDEN, CLASSES, dropout=dropout)
+    if tied == "nested":
+        model = NestedTiedNet()
+    else:
+        model = TiedNet() if tied else TinyNet(DIM, HIDDEN, CLASSES, dropout=dropout)
     engine, _, _, _ = dslab.initialize(model=model, config=cfg)
     return engine
 
@@ -120,6 +152,10 @@ SCENARIOS = {
              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False,
                                                       "weight_decay": 0.01}}},
     "tied": {"tied": True},
+    # stage 3 gathers the block (embedding and layer) as one unit; the root reads the embedding
+    # outside the block's forward
+    "nested_granularity": {"tied": "nested", "gradient_accumulation_steps": 2, "zero": {
+        "stage3_module_granularity_threshold": NestedTiedNet.GRANULARITY}},
 }
 
 
@@ -133,8 +169,9 @@ def run_matrix(results):
             engine = build(stage, tied=tied, **kwargs)
             train(engine, 3, tied)
             sd = state(engine)
-            results[f"{name}/stage{stage}"] = {"state": sd, "skipped": engine.skipped_steps,
-                                               "ranks_agree": same_on_all_ranks(sd)}
+            results[f"{name}/stage{stage}"] = {
+                "state": sd, "skipped": engine.skipped_steps, "ranks_agree": same_on_all_ranks(sd),
+                "units": [list(u.layout.names) for u in engine.zero.units] if stage else []}
             engine.destroy()
 
 
