@@ -151,7 +151,7 @@ class Arm:
     def label(self) -> str:
         return (f"{self.stage}" + ("+off" if self.offload else "")
                 + (f"/sg{self.sub_group:.0e}" if self.sub_group else "")
-                + (f"/g{self.granularity:.0e}" if self.granularity else ""))
+                + (f"/g{self.granularity:.2g}" if self.granularity else ""))
 
     def zero_section(self, persistence_threshold: int | None) -> dict:
         section = {"stage": self.stage}
