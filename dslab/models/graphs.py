@@ -96,6 +96,10 @@ class _Captured:
             grads = torch.autograd.grad(self.static_out, grad_inputs, self.static_grad_out, allow_unused=True)
         self.static_grad_x = grads[0] if self.x_needs_grad else None
         self.static_grad_params = list(grads[1:] if self.x_needs_grad else grads)
+        # The captured output's autograd graph is spent; holding it would keep the parameters'
+        # AccumulateGrad nodes that the capture stream created alive, and every later
+        # accumulation on the default stream would then sync with (and warn about) that stream.
+        self.static_out = self.static_out.detach()
 
     def unalias_param_grads(self) -> None:
         """Copy out any ``.grad`` that is one of the static gradient buffers (see the module doc)."""

@@ -82,6 +82,36 @@ def test_graphed_training_matches_eager(kernels, autocast_dtype):
     assert stats["captures"] == 1 and stats["replays"] == 4, stats
 
 
+_STREAM_CHECK = """
+import torch
+from dslab.models import GPT2LMHeadModel, gpt2_tiny
+torch.manual_seed(0)
+model = GPT2LMHeadModel(gpt2_tiny(dropout=0.0), kernels="dslab").cuda()
+model.enable_cuda_graphs()
+ids = torch.randint(0, 1000, (3, 40), device="cuda")
+for _ in range(3):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+torch.cuda.synchronize()
+assert model.cuda_graph_stats["replays"] == 3, model.cuda_graph_stats
+"""
+
+
+@cuda
+def test_replayed_gradients_accumulate_on_the_default_stream():
+    """The capture's side stream must not stay attached to the parameters' AccumulateGrad nodes:
+    torch warns (once per process, so in a fresh one) when later accumulations cross streams."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", _STREAM_CHECK],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "AccumulateGrad node's stream does not match" not in proc.stderr, proc.stderr[-3000:]
+
+
 @cuda
 def test_gradient_accumulation_is_exact_under_graphs():
     graphed, eager = _pair("dslab", dropout=0.0)
