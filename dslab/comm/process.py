@@ -70,14 +70,18 @@ def init_distributed(
         env_rank = int(os.environ.get("RANK", rank))
         env_world = int(os.environ.get("WORLD_SIZE", world_size))
     backend = dist_backend or default_backend()
+    device_id = None
     if backend == "nccl" and torch.cuda.is_available():
-        torch.cuda.set_device(get_local_rank() % torch.cuda.device_count())
+        device_id = torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
     dist.init_process_group(
         backend=backend,
         init_method=init_method or "env://",
         rank=env_rank,
         world_size=env_world,
         timeout=timeout,
+        # binds the group to this GPU: collectives (barrier included) need not guess the device
+        device_id=device_id,
     )
     log.info("rank %d of %d joined the %s process group", env_rank, env_world, backend)
     _register_exit_handler()
