@@ -61,7 +61,7 @@ def _train(model, steps, autocast_dtype, accumulate=1, seed=0):
             with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 loss = model(**batch)
             loss.backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses
