@@ -86,7 +86,8 @@ def estimate_zero_memory(
             parameters without a master copy: ``param_bytes=4, master_bytes=0`` estimates it.
         optimizer_states: fp32 tensors per parameter the optimizer keeps (Adam 2, SGD+momentum 1).
         largest_layer: parameters of the largest layer, stage 3's gather buffer; default: found
-            from the model, 0 for a count.
+            from the model, 0 for a count. Under ``stage3_module_granularity_threshold`` pass
+            the largest subtree gathered whole.
         additional_buffer_factor: multiplies the CPU figures (staging buffers, slack), >= 1.
         print_table: also print the rows as a table (GiB).
 

@@ -163,7 +163,8 @@ def _full_numels(model: nn.Module, runtime) -> tuple[dict[int, int], dict[int, o
 
 def _estimate_totals(model: nn.Module, optimizer, runtime) -> tuple[dict, str | None]:
     """Whole-model bytes of params, grads and optimizer states by the stage-0 formula, the largest
-    layer's params + grads (stage 3's gather buffer), and a note when the optimizer is unknown."""
+    layer's params + grads (stage 3's gather buffer: with a stage 3 ``runtime``, its largest
+    released unit), and a note when the optimizer is unknown."""
     moments: dict[int, int | None] = {}
     note = None
     if optimizer is not None:
@@ -187,9 +188,15 @@ def _estimate_totals(model: nn.Module, optimizer, runtime) -> tuple[dict, str | 
         totals["params"] += nbytes
         totals["grads"] += nbytes * int(p.requires_grad)
         totals["optimizer_states"] += nbytes * k
-    totals["layer_buffer"] = max(
-        (sum(numel(p) * p.element_size() * (1 + int(p.requires_grad)) for p in m.parameters(recurse=False))
-         for m in model.modules()), default=0)
+    gathered = [u for u in getattr(runtime, "units", []) if not u.resident]
+    if getattr(runtime, "stage", 0) == 3 and gathered:
+        # what stage 3 gathers at once is its largest unit (a whole subtree under
+        # stage3_module_granularity_threshold), parameters and their gradients
+        totals["layer_buffer"] = max(2 * u.numel * u.dtype.itemsize for u in gathered)
+    else:
+        totals["layer_buffer"] = max(
+            (sum(numel(p) * p.element_size() * (1 + int(p.requires_grad))
+                 for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return totals, note
 
 

@@ -138,9 +138,9 @@ class _Layer(torch.nn.Module):
 
 
 class _Stack(torch.nn.Module):
-    def __init__(self, dim=8, layers=3):
+    def __init__(self, dim=8, layers=3, vocab=100):
         super().__init__()
-        self.emb = torch.nn.Embedding(100, dim)
+        self.emb = torch.nn.Embedding(vocab, dim)
         self.layers = torch.nn.ModuleList(_Layer(dim) for _ in range(layers))
 
     def forward(self, ids):
@@ -168,6 +168,21 @@ def test_granularity_threshold_gathers_whole_layers_but_never_a_module_list():
                                            "fc_out.weight", "fc_out.bias")) for i in range(3)]
     assert _planned_names(model, 170) == [sorted(n for n, _ in model.named_parameters())]  # root
     assert sorted(sum(per_layer, [])) == sorted(sum(per_module, []))
+
+
+@pytest.mark.parametrize("granularity, largest", [(0, 480), (145, 568)])
+def test_memory_tracer_sizes_stage3_buffer_from_the_largest_unit(granularity, largest):
+    """The estimate's transient stage 3 buffer is the largest unit gathered at once: the
+    embedding (480 elements) per module, the whole layer (568) when it is gathered whole
+    (granularities: layer 568 / 4 = 142, root 1048 / 7 = 150)."""
+    from dslab.profilers.model_states import model_state_bytes
+
+    cfg = base_config(zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0,
+                                         "stage3_module_granularity_threshold": granularity})
+    engine, _, _, _ = dslab.initialize(model=_Stack(layers=1, vocab=60), config=cfg)
+    states = model_state_bytes(engine.module, engine.optimizer, 1, runtime=engine.zero, stage=3)
+    assert states["zero_estimate"]["compared"]["estimate_buffer"] == largest * 4 * 2
+    engine.destroy()
 
 
 def test_unit_layout_pads_to_the_world_size():
