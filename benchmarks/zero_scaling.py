@@ -5,7 +5,7 @@ GPUs and prints the weak-scaling table::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py [--stages 0,1,2,3,2o]
         [--micro-batch 8] [--seq 1024] [--warmup 5] [--steps 20] [--trials 1] [--cuda-graphs]
-        [--offload-sub-group N] [--granularity N] [--json OUT.json]
+        [--offload-sub-group N] [--granularity N] [--reuse N] [--json OUT.json]
     torchrun --standalone --nproc_per_node 2 benchmarks/zero_scaling.py --tiny   # CPU, gloo
 
 For each stage in turn, in one process group: build GPT-2 355M (``dslab.models.gpt2_355m``,
@@ -42,7 +42,10 @@ chunk's new shards copied back while the next one steps (the default, 1e9, is on
 With ``--granularity N`` each stage 3 runs a second time with
 ``zero_optimization.stage3_module_granularity_threshold`` N: modules whose parameters per
 module in their subtree fall below N are gathered whole (1.5e6 makes each GPT-2 355M layer one
-gather instead of four), fewer collectives and hooks per step.
+gather instead of four), fewer collectives and hooks per step. With ``--reuse N`` each stage 3
+arm also runs with ``zero_optimization.stage3_max_reuse_distance`` N (0 releases every module
+after its forward and gathers it again in backward; the engine's default, DeepSpeed's 1e9,
+keeps GPT-2 355M gathered from each module's forward to its backward).
 
 With ``--trials N`` the stages run N rounds, interleaved (stage 0, 1, ..., then again), and each
 row reports the median step time with every trial's beside it (``trials_ms``): the step is
@@ -89,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--granularity", type=int, default=None, metavar="N",
                         help="also run each stage 3 with stage3_module_granularity_threshold N "
                              "(modules gathered whole; 1500000 gathers GPT-2 355M layer by layer)")
+    parser.add_argument("--reuse", type=int, default=None, metavar="N",
+                        help="also run each stage 3 arm with stage3_max_reuse_distance N (0: "
+                             "release every module after its forward; the default is 1e9)")
     parser.add_argument("--micro-batch", type=int, default=None, help="per GPU (default 8; 2 with --tiny)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; 64 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5; 2 with --tiny)")
@@ -117,8 +123,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.stages.append(Arm(stage, offload))
         if offload and args.offload_sub_group:
             args.stages.append(Arm(stage, offload, sub_group=args.offload_sub_group))
-        if stage == 3 and args.granularity:
-            args.stages.append(Arm(stage, offload, granularity=args.granularity))
+        if stage == 3:
+            arms = [Arm(stage, offload)] + (
+                [Arm(stage, offload, granularity=args.granularity)] if args.granularity else [])
+            if args.reuse is not None:
+                args.stages += [Arm(a.stage, a.offload, granularity=a.granularity, reuse=args.reuse)
+                                for a in arms]
+            args.stages += arms[1:]
     for name in ("micro_batch", "seq", "steps", "trials"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -146,12 +157,14 @@ class Arm:
     offload: bool
     sub_group: int | None = None
     granularity: int | None = None
+    reuse: int | None = None
 
     @property
     def label(self) -> str:
         return (f"{self.stage}" + ("+off" if self.offload else "")
                 + (f"/sg{self.sub_group:.0e}" if self.sub_group else "")
-                + (f"/g{self.granularity:.2g}" if self.granularity else ""))
+                + (f"/g{self.granularity:.2g}" if self.granularity else "")
+                + (f"/r{self.reuse:.2g}" if self.reuse is not None else ""))
 
     def zero_section(self, persistence_threshold: int | None) -> dict:
         section = {"stage": self.stage}
@@ -163,6 +176,8 @@ class Arm:
             section["sub_group_size"] = self.sub_group
         if self.granularity:
             section["stage3_module_granularity_threshold"] = self.granularity
+        if self.reuse is not None:
+            section["stage3_max_reuse_distance"] = self.reuse
         return section
 
 

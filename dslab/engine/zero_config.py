@@ -6,6 +6,9 @@ DeepSpeed's meaning: ``reduce_bucket_size`` caps a stage 1/2 unit (elements), ``
 lets reductions run during backward, ``stage3_prefetch_bucket_size`` caps the elements gathered
 ahead of use, ``stage3_max_live_parameters`` the gathered elements alive at once,
 ``stage3_param_persistence_threshold`` keeps modules with at most that many elements gathered,
+``stage3_max_reuse_distance`` keeps a module gathered after its forward when its backward comes
+within that many gathered elements (DeepSpeed's default 1e9 keeps every module of a model under
+~0.5e9 parameters gathered from its forward to its backward; 0 releases each after its forward),
 ``stage3_module_granularity_threshold`` gathers a module whole, with its descendants, when its
 parameter elements over ``1 +`` its descendant modules fall below it (fewer, larger gathers;
 0, the default, is off),
@@ -69,6 +72,7 @@ class ZeroConfig(ConfigSection):
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
     stage3_module_granularity_threshold: int = Field(0, ge=0)
     sub_group_size: int = Field(1_000_000_000, ge=1)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()

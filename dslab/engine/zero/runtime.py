@@ -100,7 +100,8 @@ class ZeroRuntime:
         if self.stage == 3:
             self.gatherer = ParameterGatherer(
                 module, list(zip(self.units, owners)), config.stage3_prefetch_bucket_size,
-                config.stage3_max_live_parameters, group)
+                config.stage3_max_live_parameters, group,
+                max_reuse_numel=config.stage3_max_reuse_distance)
         self.offload: CpuOptimizerOffload | None = None
         if config.offload_optimizer.device == "cpu":
             self.offload = CpuOptimizerOffload(

@@ -6,8 +6,10 @@ or the ancestor gathered whole under ``stage3_module_granularity_threshold``) ge
 - a forward pre-hook that all-gathers its units (waiting for a prefetch already in flight) and
   then prefetches the units that the recorded forward order says come next, up to
   ``prefetch_numel`` elements, while fewer than ``max_live_numel`` gathered elements are live;
-- a forward hook that releases its units again and registers a hook on each output tensor that
-  needs a gradient: when backward reaches the module's output, the units are gathered again
+- a forward hook that releases its units again, unless backward will reuse them within
+  ``stage3_max_reuse_distance`` gathered elements (the last modules of the forward are the first
+  of the backward), and registers a hook on each output tensor that needs a gradient: when
+  backward reaches the module's output, the units are gathered again if they were released
   (with a prefetch of the next ones in reverse forward order);
 - after backward, :class:`~dslab.engine.zero.grads.GradientReduceScatter` releases a unit as soon
   as its gradients are copied out for the reduce-scatter.
@@ -49,11 +51,12 @@ class ParameterGatherer:
     """Gathers and releases stage 3 units around their modules' forward and backward."""
 
     def __init__(self, root: nn.Module, units: list[tuple[FlatUnit, nn.Module]],
-                 prefetch_numel: int, max_live_numel: int, group=None):
+                 prefetch_numel: int, max_live_numel: int, group=None, max_reuse_numel: int = 0):
         self.root = root
         self.group = group
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
         self.units = [u for u, _ in units if not u.resident]
         self._units_of: dict[int, list[FlatUnit]] = {}
         self._unit_of_param: dict[int, FlatUnit] = {}
@@ -68,6 +71,7 @@ class ParameterGatherer:
         self.order: list[FlatUnit] = []
         self._position: dict[int, int] = {}  # unit index -> place in the forward order
         self._recorded: set[int] = set()
+        self._reuse_distance: dict[int, int] = {}  # unit index -> elements gathered until reuse
         self._order_done = False
         self._root_depth = 0
         self.live_numel = 0
@@ -146,7 +150,9 @@ class ParameterGatherer:
     def _root_post_forward(self, module, args, output):
         self._root_depth -= 1
         if self._root_depth == 0:
-            self._order_done = self._order_done or bool(self.order)
+            if not self._order_done and self.order:
+                self._order_done = True
+                self._measure_reuse_distances()
             if not torch.is_grad_enabled():
                 for unit in self.units:
                     if unit.held:
@@ -165,7 +171,7 @@ class ParameterGatherer:
     def _post_forward(self, module, args, output):
         units = self._units_of[id(module)]
         for unit in units:
-            if not unit.held:
+            if not unit.held and not self._reused_soon(unit):
                 self.release(unit)
         if torch.is_grad_enabled():
             for leaf in tree_leaves(output):
@@ -186,6 +192,26 @@ class ParameterGatherer:
         if unit is not None and not unit.gathered:
             self.gather(unit)
             unit.held = True
+
+    def _measure_reuse_distances(self) -> None:
+        """Each unit's reuse distance: the elements gathered between its forward and its
+        backward, the units after it in the forward order, once in forward and once again as
+        backward comes back to it (the last unit's is 0)."""
+        after = 0
+        for unit in reversed(self.order):
+            self._reuse_distance[unit.index] = 2 * after
+            after += unit.padded
+
+    def _reused_soon(self, unit: FlatUnit) -> bool:
+        """Keep ``unit`` gathered after its forward (``stage3_max_reuse_distance``): a backward
+        will follow (autograd is on), the forward order is known and its backward comes within
+        ``max_reuse_numel`` gathered elements, while the gathered elements stay within
+        ``max_live_numel``."""
+        if self.max_reuse_numel <= 0 or not torch.is_grad_enabled():
+            return False
+        distance = self._reuse_distance.get(unit.index)
+        return (distance is not None and distance <= self.max_reuse_numel
+                and self.live_numel <= self.max_live_numel)
 
     def backward_issue_order(self) -> list[FlatUnit]:
         """The order gradients become ready in, roughly: the reverse of the forward order."""

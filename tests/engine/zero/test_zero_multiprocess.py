@@ -103,7 +103,12 @@ def test_comms_logger_sees_reduce_scatter_and_all_gather_with_their_bytes(two_ra
     assert stage3["logged"]["reduce_scatter"] == {b: 4 for b in units}
     assert stage3["logged"]["all_gather"] == {b: 8 for b in units}  # forward and backward
     assert stage2["logged"]["all_reduce"] == stage3["logged"]["all_reduce"] == {}
-    for result in (stage2, stage3, two_ranks["comms/stage2_allreduce_pieces"]):
+    reuse = two_ranks["comms/stage3_reuse"]
+    assert reuse["logged"]["reduce_scatter"] == {b: 4 for b in units}
+    # 4 forwards, and 1 backward: only the first, whose forward was still recording the order,
+    # released its units; later backwards find them kept
+    assert reuse["logged"]["all_gather"] == {b: 5 for b in units}
+    for result in (stage2, stage3, reuse, two_ranks["comms/stage2_allreduce_pieces"]):
         observed = {}
         for op, nbytes in result["calls"]:
             observed.setdefault(op, {}).setdefault(nbytes, 0)

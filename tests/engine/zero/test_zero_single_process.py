@@ -185,6 +185,36 @@ def test_memory_tracer_sizes_stage3_buffer_from_the_largest_unit(granularity, la
     engine.destroy()
 
 
+@pytest.mark.parametrize("reuse, kept", [
+    (0, set()),
+    # distances: layers.2.fc_out 0, layers.2.fc_in 2 x 264 = 528, layers.2.norm 2 x 552 = 1104
+    (600, {"layers.2.fc_in", "layers.2.fc_out"}),
+    (1_000_000_000, None),  # DeepSpeed's default: every unit stays until its backward
+])
+def test_stage3_keeps_units_that_backward_reuses_soon(reuse, kept):
+    model = _Stack()
+    cfg = base_config(zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0,
+                                         "stage3_max_reuse_distance": reuse})
+    engine, _, _, _ = dslab.initialize(model=model, config=cfg)
+    ids = torch.randint(0, 100, (2, 5))
+
+    def gathered():
+        return {name.rsplit(".", 1)[0] for name, p in model.named_parameters() if p.numel()}
+
+    for step in range(2):  # the first forward records the order
+        out = engine(ids)
+        if step == 1:
+            assert gathered() == (kept if kept is not None else
+                                  {name.rsplit(".", 1)[0] for name, _ in model.named_parameters()})
+        engine.backward(out.float().square().mean())
+        assert gathered() == set()  # every unit released once its gradients are reduced
+        engine.step()
+    with torch.no_grad():  # no backward follows: nothing is kept
+        engine(ids)
+    assert gathered() == set()
+    engine.destroy()
+
+
 def test_unit_layout_pads_to_the_world_size():
     layout = UnitLayout(("a", "b"), ((3, 3), (4,)), group=0, resident=True)
     assert layout.numel == 13 and layout.offsets == [0, 9]
@@ -210,7 +240,8 @@ def test_stage3_leaves_trainable_parameters_where_the_model_was_built():
 
 @pytest.mark.parametrize("budget", [10_000, 0])
 def test_stage3_prefetches_the_next_unit_in_forward_and_backward_order(budget):
-    cfg = base_config(zero_optimization=_zero(3, stage3_prefetch_bucket_size=budget))
+    cfg = base_config(zero_optimization=_zero(3, stage3_prefetch_bucket_size=budget,
+                                              stage3_max_reuse_distance=0))
     engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
     gatherer = engine.zero.gatherer
     _train(engine, 1)  # the first forward records the order: fc1's unit, then fc2's

@@ -77,8 +77,9 @@ class Observed:
 
 
 def build(stage, tied=False, dropout=0.0, seed=0, **overrides):
+    # stage 3 releases every unit after its forward unless a scenario sets a reuse distance
     zero = {"stage": stage, "reduce_bucket_size": 100, "stage3_param_persistence_threshold": 0,
-            "stage3_prefetch_bucket_size": 200}
+            "stage3_prefetch_bucket_size": 200, "stage3_max_reuse_distance": 0}
     zero.update(overrides.pop("zero", {}))
     cfg = base_config(zero_optimization=zero, **overrides)
     torch.manual_seed(seed)
@@ -156,6 +157,9 @@ SCENARIOS = {
     # outside the block's forward
     "nested_granularity": {"tied": "nested", "gradient_accumulation_steps": 2, "zero": {
         "stage3_module_granularity_threshold": NestedTiedNet.GRANULARITY}},
+    # DeepSpeed's default reuse distance: stage 3 keeps units gathered from forward to backward
+    "tied_reuse": {"tied": True, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+                   "zero": {"stage3_max_reuse_distance": 1_000_000_000}},
 }
 
 
@@ -176,6 +180,8 @@ def run_matrix(results):
 
 
 COMMS_RUNS = {"stage2": (2, {}), "stage3": (3, {}),
+              # units kept from forward to backward: gathered once per micro-step
+              "stage3_reuse": (3, {"stage3_max_reuse_distance": 1_000_000_000}),
               # all-reduced gradients and all-gathers of at most 40 elements (20 per rank)
               "stage2_allreduce_pieces": (2, {"reduce_scatter": False,
                                               "allgather_bucket_size": 40})}
