@@ -125,22 +125,26 @@ class ParameterGatherer:
             self.release(unit)
 
     def _prefetch_after(self, unit: FlatUnit, reverse: bool) -> None:
+        """Start gathering the units that follow ``unit`` in the forward order (or precede it,
+        in backward) within the next ``prefetch_numel`` elements of that order; units already
+        gathered count toward the window, so a pass over kept units stays short."""
         if not self._order_done or self.prefetch_numel <= 0:
             return
         index = self._position.get(unit.index)
         if index is None:
             return
-        following = reversed(self.order[:index]) if reverse else self.order[index + 1:]
+        step = -1 if reverse else 1
         budget = self.prefetch_numel
-        for candidate in following:
-            if budget <= 0:
-                break
+        index += step
+        while 0 <= index < len(self.order) and budget > 0:
+            candidate = self.order[index]
+            index += step
+            budget -= candidate.padded
             if candidate.full is not None:
                 continue
             if self.live_numel + candidate.padded > self.max_live_numel:
                 break
             self._start_gather(candidate, async_op=True)
-            budget -= candidate.padded
 
     # -- hooks --------------------------------------------------------------------------------
 
