@@ -18,6 +18,8 @@ optimizer state partition and the parameter shards) into the same checkpoint, an
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from pathlib import Path
 
 import torch
@@ -155,3 +157,58 @@ def load(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_s
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     return path, files.get("client_state", {})
+
+
+def save_16bit(engine, save_dir, save_filename: str, exclude_frozen_parameters: bool) -> bool:
+    """``engine.save_16bit_model``: the module's full state dict in the training precision
+    (floating-point tensors cast to bf16 or fp16 when that is on; as they are otherwise) in one
+    ``torch.save`` file, written by rank 0 (temp file, fsync, rename). With ZeRO stage 3 the
+    weights are gathered from every rank (a collective) only when
+    ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true; otherwise nothing is
+    written and False is returned, as in DeepSpeed."""
+    if not save_filename or os.sep in save_filename or save_filename in (".", ".."):
+        raise ValueError(f"save_filename must be a file name, got {save_filename!r}")
+    zero = engine.config.zero_optimization
+    if zero.stage == 3 and not zero.gather_16bit_weights_on_model_save:
+        log.warning("save_16bit_model wrote nothing: ZeRO stage 3 shards the weights and "
+                    "'zero_optimization.stage3_gather_16bit_weights_on_model_save' is false")
+        return False
+    state = engine.module_state_dict()
+    if exclude_frozen_parameters:
+        frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
+    dtype = (torch.bfloat16 if engine.config.bf16.enabled
+             else torch.float16 if engine.config.fp16.enabled else None)
+    error = None
+    if engine.rank == 0:
+        try:
+            _write_state(state, dtype, Path(save_dir), save_filename)
+        except Exception as err:  # every rank must hear of it, or the others would wait
+            error = f"rank 0: {err}"
+    errors = [e for e in comm.all_gather_object(error) if e]
+    if errors:
+        raise CheckpointError(f"save_16bit_model to {Path(save_dir) / save_filename} failed: "
+                              + "; ".join(errors))
+    return True
+
+
+def _write_state(state: dict, dtype, directory: Path, name: str) -> None:
+    cast: dict[tuple, torch.Tensor] = {}  # tied tensors stay one tensor
+    out = {}
+    for key, value in state.items():
+        ident = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
+        if ident not in cast:
+            moved = value.detach().cpu()
+            cast[ident] = moved.to(dtype) if dtype is not None and moved.is_floating_point() else moved
+        out[key] = cast[ident]
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{name}.tmp-{secrets.token_hex(8)}"
+    try:
+        torch.save(out, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    log.info("saved the 16-bit model %s", directory / name)

@@ -391,6 +391,14 @@ class DslabEngine(nn.Module):
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict
         )
 
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the model's full weights in the training precision (bf16/fp16, else as they are)
+        as ``save_dir/save_filename`` on rank 0; call it on every rank. Under ZeRO stage 3 it
+        gathers the weights only with ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
+        and otherwise saves nothing and returns False (DeepSpeed's behaviour)."""
+        return checkpointing.save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
+
     def set_measured_peak(self, bf16_matmul_tflops: float) -> None:
         """The bf16 matmul peak measured on this device: the flops profiler's MFU divides by it
         (beside the datasheet peak). Set it before the profiled step."""

@@ -12,6 +12,8 @@ within that many gathered elements (DeepSpeed's default 1e9 keeps every module o
 ``stage3_module_granularity_threshold`` gathers a module whole, with its descendants, when its
 parameter elements over ``1 +`` its descendant modules fall below it (fewer, larger gathers;
 0, the default, is off),
+``stage3_gather_16bit_weights_on_model_save`` (or its earlier name with ``fp16``) lets
+``engine.save_16bit_model`` gather stage 3's weights,
 ``sub_group_size`` is how many elements of its shards an offloaded optimizer steps at a time
 before their new values start back to the GPU (DeepSpeed's tile for the CPU step; dslab applies
 it at stages 1-3 with ``offload_optimizer``).
@@ -73,9 +75,16 @@ class ZeroConfig(ConfigSection):
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_gather_fp16_weights_on_model_save: bool = False  # DeepSpeed's earlier name
     stage3_module_granularity_threshold: int = Field(0, ge=0)
     sub_group_size: int = Field(1_000_000_000, ge=1)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+
+    @property
+    def gather_16bit_weights_on_model_save(self) -> bool:
+        return (self.stage3_gather_16bit_weights_on_model_save
+                or self.stage3_gather_fp16_weights_on_model_save)
 
     @model_validator(mode="before")
     @classmethod

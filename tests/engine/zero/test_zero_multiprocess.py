@@ -80,6 +80,16 @@ def test_granularity_threshold_gathers_the_block_whole(two_ranks):
                                           ["out_bias"], ["proj.bias", "proj.weight"]]
 
 
+def test_save_16bit_model_gathers_stage3_weights_on_rank0(two_ranks, ckpt_root):
+    assert two_ranks["16bit/saved"] is True
+    saved = torch.load(ckpt_root / "16bit" / "pytorch_model.bin", weights_only=True)
+    full = two_ranks["16bit/state"]
+    assert saved.keys() == full.keys() and saved["fc1.weight"].shape == full["fc1.weight"].shape
+    for key, value in full.items():
+        assert saved[key].dtype == torch.bfloat16
+        assert torch.equal(saved[key], value.to(torch.bfloat16)), key
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_rank_starts_from_rank0_weights(two_ranks, stage):
     result = two_ranks[f"init/stage{stage}"]

@@ -245,8 +245,19 @@ def run_start_from_rank0(results):
         engine.destroy()
 
 
+def run_16bit(results, ckpt_root):
+    """Stage 3 gathers the weights and rank 0 writes them in bf16."""
+    engine = build(3, bf16={"enabled": True},
+                   zero={"stage3_gather_16bit_weights_on_model_save": True})
+    train(engine, 2)
+    results["16bit/saved"] = engine.save_16bit_model(ckpt_root / "16bit")
+    results["16bit/state"] = state(engine)
+    engine.destroy()
+
+
 def main_mode(out, ckpt_root):
     results = {}
+    run_16bit(results, ckpt_root)
     run_start_from_rank0(results)
     run_matrix(results)
     run_comms(results)
