@@ -62,6 +62,27 @@ class OffloadOptimizerConfig(ConfigSection):
         return value
 
 
+class OffloadParamConfig(ConfigSection):
+    """``offload_param`` (DeepSpeed's stage 3 parameter offload): read so that DeepSpeed configs
+    that switch it off load; dslab keeps parameter shards on the GPU, so any device but
+    ``none`` is refused by name."""
+
+    device: str = "none"
+    pin_memory: bool = False
+    buffer_count: int = Field(5, ge=0)
+    buffer_size: int = Field(100_000_000, ge=0)
+    max_in_cpu: int = Field(1_000_000_000, ge=0)
+
+    @field_validator("device")
+    @classmethod
+    def _only_none(cls, value: str) -> str:
+        if value != "none":
+            raise ValueError(f"offload_param.device {value!r} (parameter offload) is a DeepSpeed "
+                             "feature that dslab does not support; use 'none', or "
+                             "offload_optimizer.device 'cpu' to move the optimizer states")
+        return value
+
+
 class ZeroConfig(ConfigSection):
     stage: int = Field(0, ge=0, le=3)
     # dslab's default bucket is 25M elements rather than DeepSpeed's 5e8: a 5e8-element bucket
@@ -80,6 +101,7 @@ class ZeroConfig(ConfigSection):
     stage3_module_granularity_threshold: int = Field(0, ge=0)
     sub_group_size: int = Field(1_000_000_000, ge=1)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
+    offload_param: OffloadParamConfig = OffloadParamConfig()
 
     @property
     def gather_16bit_weights_on_model_save(self) -> bool:

@@ -51,6 +51,14 @@ def test_bad_offload_configs_are_refused():
         load_config(base_config(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}))
     with pytest.raises(ValueError, match="pin_mem"):
         load_config(base_config(zero_optimization={"stage": 1, "offload_optimizer": {"pin_mem": True}}))
+    for device in ("cpu", "nvme"):
+        with pytest.raises(ValueError, match=f"offload_param.device '{device}' .*does not support"):
+            load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": device}}))
+    # a DeepSpeed ZeRO-3 config with parameter offload switched off loads
+    config = load_config(base_config(zero_optimization={
+        "stage": 3, "offload_param": {"device": "none", "pin_memory": True},
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}))
+    assert config.zero_optimization.offload_param.device == "none"
 
 
 def test_compile_with_stage3_is_refused():
