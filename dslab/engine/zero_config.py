@@ -102,6 +102,26 @@ class ZeroConfig(ConfigSection):
     sub_group_size: int = Field(1_000_000_000, ge=1)
     offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
     offload_param: OffloadParamConfig = OffloadParamConfig()
+    # ZeRO++ (quantized weights and gradients, hierarchical partitioning): read so that configs
+    # with them off load; switched on, they are refused by name (_refuse_zeropp)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _refuse_zeropp(self):
+        on = [f"{key} = {getattr(self, key)}" for key in (
+            "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients") if getattr(self, key)]
+        if self.zero_hpz_partition_size != 1:
+            on.append(f"zero_hpz_partition_size = {self.zero_hpz_partition_size}")
+        if on:
+            raise ValueError(
+                f"ZeRO++ is not supported by dslab: 'zero_optimization.{on[0]}'"
+                f"{' (and ' + ', '.join(on[1:]) + ')' if on[1:] else ''}; remove it, or set the "
+                "zero_quantized_* keys to false and zero_hpz_partition_size to 1")
+        return self
 
     @property
     def gather_16bit_weights_on_model_save(self) -> bool:

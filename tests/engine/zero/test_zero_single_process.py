@@ -61,6 +61,18 @@ def test_bad_offload_configs_are_refused():
     assert config.zero_optimization.offload_param.device == "none"
 
 
+@pytest.mark.parametrize("key, value", [("zero_quantized_weights", True),
+                                        ("zero_quantized_gradients", True),
+                                        ("zero_quantized_nontrainable_weights", True),
+                                        ("zero_hpz_partition_size", 8)])
+def test_zeropp_switched_on_is_refused_by_name(key, value):
+    with pytest.raises(ValueError, match=f"ZeRO\\+\\+ is not supported.*'zero_optimization.{key} = {value}'"):
+        load_config(base_config(zero_optimization={"stage": 3, key: value}))
+    off = {"zero_quantized_weights": False, "zero_quantized_gradients": False,
+           "zero_quantized_nontrainable_weights": False, "zero_hpz_partition_size": 1}
+    assert load_config(base_config(zero_optimization={"stage": 3, **off})).zero_optimization.stage == 3
+
+
 def test_compile_with_stage3_is_refused():
     with pytest.raises(ValueError, match="'compile.enabled' cannot be combined with 'zero_optimization.stage' = 3"):
         load_config(base_config(zero_optimization={"stage": 3}, compile={"enabled": True}))
