@@ -5,8 +5,10 @@
 #   bash benchmarks/gpu_session.sh gpt2 overhead     # gpt2 124m + 1.5b, profiler + engine overhead
 #   bash benchmarks/gpu_session.sh zero              # ZeRO stages 0-3 (and 1-3 with optimizer offload)
 #                                                    # on 1, 2 (4) GPUs: memory, scaling
-# GPU_TESTS picks the test folders of the tests stage; ZERO_STAGES the zero stage's --stages,
-# ZERO_GRANULARITY its stage 3 arm's stage3_module_granularity_threshold, ZERO_TRIALS its trials.
+# GPU_TESTS picks the test folders of the tests stage; for the zero stage: ZERO_STAGES its
+# --stages (default 0,1,2,3; 1o-3o offload), ZERO_TRIALS, ZERO_GRANULARITY (stage 3's
+# granularity arm, default 1500000, empty for none), ZERO_SUB_GROUP and ZERO_REUSE (extra arms),
+# ZERO_SCALING_NPROCS (the process counts, default 1, 2 and 4 where there are GPUs).
 # Logs and reports go under $OUT (or ./gpu-out); the last lines of each stage are its table.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,9 +32,13 @@ for stage in "$@"; do
         --out "$out" > "$out/gpt2.log" 2>&1
       grep -A 30 "^run " "$out/gpt2.log" | tail -25 ;;
     zero)
-      ZERO_SCALING_OUT="$out/zero" bash benchmarks/zero_scaling.sh \
-        --stages "${ZERO_STAGES:-0,1,2,3,1o,2o,3o}" --offload-sub-group 25000000 \
-        --granularity "${ZERO_GRANULARITY:-1500000}" --trials "${ZERO_TRIALS:-3}" --cuda-graphs > "$out/zero.log" 2>&1
+      # about 10-20 s per arm, trial and process count: ZERO_STAGES=0,1,2,3 (5 arms with the
+      # granularity one) x 3 trials on 1 and 2 GPUs fits one 10-minute call; run offload apart
+      zero_args=(--stages "${ZERO_STAGES:-0,1,2,3}" --trials "${ZERO_TRIALS:-3}" --cuda-graphs)
+      [ -n "${ZERO_GRANULARITY-1500000}" ] && zero_args+=(--granularity "${ZERO_GRANULARITY-1500000}")
+      [ -n "${ZERO_SUB_GROUP:-}" ] && zero_args+=(--offload-sub-group "$ZERO_SUB_GROUP")
+      [ -n "${ZERO_REUSE:-}" ] && zero_args+=(--reuse "$ZERO_REUSE")
+      ZERO_SCALING_OUT="$out/zero" bash benchmarks/zero_scaling.sh "${zero_args[@]}" > "$out/zero.log" 2>&1
       tail -40 "$out/zero.log" ;;
     overhead)
       python3 benchmarks/profiler_overhead.py --suite suites/gpt2 --case 124m > "$out/overhead.log" 2>&1
