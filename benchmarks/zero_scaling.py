@@ -133,8 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("micro_batch", "seq", "steps", "trials"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 1:
-        parser.error("--warmup must be >= 1 (model states are measured in the last warm-up step)")
+    if args.warmup < 2:
+        parser.error("--warmup must be >= 2: model states are measured at the last warm-up "
+                     "backward, after an earlier step has built the optimizer states")
     return args
 
 
