@@ -6,7 +6,8 @@
 - Stage 2 also shards the gradients: every backward reduce-scatters them in buckets while it runs
   and keeps only this rank's shard (:mod:`.grads`).
 - Stage 3 also shards the parameters: each module's parameters are all-gathered just before its
-  forward and backward, prefetched, and released after (:mod:`.stage3`).
+  forward and backward, prefetched, and released after use, or kept from forward to backward
+  when the backward comes soon enough (``stage3_max_reuse_distance``; :mod:`.stage3`).
 
 ``offload_optimizer.device: cpu`` keeps the optimizer's masters, gradients and states in CPU
 memory and steps there, pipelined with the copies to and from the GPU (:mod:`.offload`). Checkpoints are sharded per rank
