@@ -30,8 +30,9 @@ ROOFLINE_NOTE = (
     "forward and backward and their gradients written (3 x params x bytes per element of the "
     "suite's precision) plus the activations it saved for backward, written once and read once "
     "(2 x the memory tracer's bytes of its subtree). Achieved TFLOP/s = flops / (forward + backward "
-    "latency). Ceilings: the matmul peak and copy bandwidth measured on the device (solid), the "
-    "datasheet's (dashed)."
+    "time: the device time of the module's kernels where the profile has it, else the counted "
+    "step's latency). Ceilings: the matmul peak and copy bandwidth measured on the device (solid), "
+    "the datasheet's (dashed)."
 )
 
 
@@ -144,8 +145,10 @@ def flops_tree(data: dict) -> list[dict]:
     Each node: ``id`` (the module's dotted name, ``(root)`` for the model), ``parent`` (``""`` at
     the top), ``label``, ``type``, ``depth``, ``params``, ``flops`` (forward + backward, raised to
     the sum of its children where a record is below it, so a treemap's sizes add up),
-    ``own_flops`` (as recorded), ``latency_ms`` (forward + backward) and ``tflops`` (achieved:
-    own flops / latency; None without a latency)."""
+    ``own_flops`` (as recorded), ``latency_ms`` (forward + backward: the device time of the
+    module's kernels where the profile has it, else the CUDA-event spans of the counted step),
+    ``timing`` (``"device"`` or ``"events"``) and ``tflops`` (achieved: own flops / latency; None
+    without a latency)."""
     modules = _list(_dict(data, "flops").get("modules"), "flops.modules")
     records = {}
     for i, m in enumerate(modules):
@@ -158,14 +161,17 @@ def flops_tree(data: dict) -> list[dict]:
     nodes = {}
     for name, m in records.items():
         fwd, bwd = _number(m.get("forward_flops")) or 0.0, _number(m.get("backward_flops")) or 0.0
-        latency = (_number(m.get("forward_latency_ms")) or 0.0) + (_number(m.get("backward_latency_ms")) or 0.0)
+        timing = "device" if _number(m.get("forward_device_ms")) is not None else "events"
+        prefix = "device" if timing == "device" else "latency"
+        latency = (_number(m.get(f"forward_{prefix}_ms")) or 0.0) + (_number(m.get(f"backward_{prefix}_ms")) or 0.0)
         parent = _parent(name, names)
         nodes[name] = {
             "id": name or ROOT_ID, "name": name, "parent": "" if parent is None else (parent or ROOT_ID),
             "label": name.rsplit(".", 1)[-1] if name else ROOT_ID, "type": str(m.get("type", "?")),
             "depth": int(m.get("depth", name.count(".") + 1 if name else 0)),
             "params": _number(m.get("params")) or 0.0, "own_flops": fwd + bwd, "flops": fwd + bwd,
-            "latency_ms": latency, "tflops": (fwd + bwd) / (latency * 1e-3) / 1e12 if latency > 0 else None,
+            "latency_ms": latency, "timing": timing,
+            "tflops": (fwd + bwd) / (latency * 1e-3) / 1e12 if latency > 0 else None,
         }
     children: dict[str, list[str]] = defaultdict(list)
     for name, node in nodes.items():
@@ -196,10 +202,16 @@ def top_modules(nodes: list[dict], per_depth: int = 5) -> list[dict]:
 
 
 def mfu_rows(data: dict) -> list[tuple[str, str]]:
-    """The flops profile's headline figures, with the peaks MFU divides by."""
+    """The flops profile's headline figures, with the peaks MFU divides by. The model's achieved
+    TFLOP/s and MFU are the steady state's (counted flops over the run's step time) where the
+    profile has one; the counted step's own figure is shown apart and labelled: its time includes
+    the counting's host work."""
     data = _dict(data, "flops")
     mfu = data.get("mfu") if isinstance(data.get("mfu"), dict) else {}
     peaks = data.get("peaks") if isinstance(data.get("peaks"), dict) else {}
+    steady = data.get("steady_state") if isinstance(data.get("steady_state"), dict) else {}
+    steady_mfu = steady.get("mfu") if isinstance(steady.get("mfu"), dict) else {}
+    device = data.get("device_time") if isinstance(data.get("device_time"), dict) else {}
 
     def pct(value):
         return "n/a" if _number(value) is None else f"{100 * value:.2f}%"
@@ -207,11 +219,34 @@ def mfu_rows(data: dict) -> list[tuple[str, str]]:
     def num(value, spec):
         return "n/a" if _number(value) is None else format(value, spec)
 
-    return [
-        ("total flops per GPU (counted)", num(data.get("total_flops"), ",.0f")),
-        ("achieved TFLOP/s", num(data.get("achieved_tflops"), ".4g")),
-        ("MFU (measured peak)", pct(mfu.get("measured"))),
-        ("MFU (datasheet peak)", pct(mfu.get("datasheet"))),
+    rows = [("total flops per GPU (counted)", num(data.get("total_flops"), ",.0f"))]
+    if steady:
+        rows += [
+            ("achieved TFLOP/s (steady state)", num(steady.get("achieved_tflops"), ".4g")),
+            ("MFU (measured peak)", pct(steady_mfu.get("measured"))),
+            ("MFU (datasheet peak)", pct(steady_mfu.get("datasheet"))),
+            ("steady-state step (ms)", num(steady.get("step_ms"), ".2f") + f" ({steady.get('source', '?')})"),
+        ]
+    else:
+        rows.append(("steady state", "not in this report: the figures below are the counted step's"))
+    if device.get("error"):
+        rows.append(("module times", f"CUDA-event spans on the counted step: the device timing of step "
+                                     f"{device.get('step', '?')} failed ({device['error']})"))
+    elif device:
+        rows += [
+            ("module times", f"device time of the kernels each module ran on step {device.get('step', '?')}"),
+            ("device-timed step ran", str(device.get("mode", "-"))),
+            ("device busy time of that step (ms)", num(device.get("busy_ms"), ".2f")),
+        ]
+        if _number(steady.get("device_busy_over_step")) is not None:
+            rows.append(("busy time / steady-state step", f"{steady['device_busy_over_step']:.3f}"))
+    else:
+        rows.append(("module times", "CUDA-event spans on the counted step (host gaps included)"))
+    rows += [
+        ("counted step: TFLOP/s (with counting)" if steady else "achieved TFLOP/s",
+         num(data.get("achieved_tflops"), ".4g")),
+        ("counted step: MFU (measured peak)" if steady else "MFU (measured peak)", pct(mfu.get("measured"))),
+        ("counted step: MFU (datasheet peak)" if steady else "MFU (datasheet peak)", pct(mfu.get("datasheet"))),
         ("peak measured on the device (TFLOP/s)", num(peaks.get("measured_tflops"), ".1f")),
         ("datasheet peak (TFLOP/s)", num(peaks.get("datasheet_tflops"), ".1f")
          + (f" ({peaks['datasheet_gpu']})" if peaks.get("datasheet_gpu") else "")),
@@ -219,6 +254,16 @@ def mfu_rows(data: dict) -> list[tuple[str, str]]:
         ("timing", str(data.get("timing", "-"))),
         ("counting", str(data.get("counting", "-"))),
     ]
+    return rows
+
+
+def model_tflops(data: dict) -> float | None:
+    """The whole model's achieved TFLOP/s the Flops page shows: the steady state's where the
+    profile has one, else the counted step's."""
+    data = _dict(data, "flops")
+    steady = data.get("steady_state") if isinstance(data.get("steady_state"), dict) else {}
+    value = _number(steady.get("achieved_tflops"))
+    return value if value is not None else _number(data.get("achieved_tflops"))
 
 
 def ceilings(report: RunReport, flops_data: dict | None) -> dict:

@@ -6,7 +6,7 @@ import torch
 
 from dslab.profilers.base import Profiler
 from dslab.profilers.comms import CommsLogger
-from dslab.profilers.flops import FlopsStepProfiler
+from dslab.profilers.flops_step import FlopsStepProfiler
 from dslab.profilers.memory import MemoryTracer
 from dslab.profilers.telemetry import TelemetrySampler
 from dslab.profilers.timers import WallClockBreakdown

@@ -21,9 +21,11 @@ Timing never synchronises per module: forward latency is a pair of CUDA events p
 first op of each module's backward work (one event per segment), and all events are read at
 :meth:`FlopsProfiler.stop_profile` after one ``torch.cuda.synchronize``. The dispatch mode and the
 hooks exist only between ``start_profile`` and ``stop_profile``: the engine driver
-(:class:`FlopsStepProfiler`) installs them for the one step it profiles. That step's latencies
-include the counting's host work (a Python call per op), which shows where the host, not the
-device, bounds the step (small models); ``wall_clock_breakdown`` times the undisturbed steps.
+(:class:`dslab.profilers.flops_step.FlopsStepProfiler`) installs them for the one step it
+profiles. That step's latencies include the counting's host work (a Python call per op): they say
+where the host bounds the step, not where the device spends its time. The engine driver therefore
+times the next step's modules by the kernels they ran (:mod:`dslab.profilers.device_time`) and the
+steps after it as the steady state; the counting never runs on a timed step.
 
 Blind spot: work launched outside the dispatcher (a Triton kernel called from a Python
 ``autograd.Function``) is invisible to any dispatch mode, ``FlopCounterMode`` included. Such a
@@ -42,10 +44,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dslab.comm import get_rank
-from dslab.config_base import ConfigSection, parse_section
+from dslab.config_base import ConfigSection
 from dslab.profilers import flops_formulas, flops_output
-from dslab.profilers.base import Profiler
 from dslab.profilers.flops_formulas import CPU_ATTENTION, ELEMENTWISE, MATMUL
 
 PHASES = ("forward", "backward", "optimizer")
@@ -57,7 +57,9 @@ class FlopsProfilerConfig(ConfigSection):
 
     ``profile_step`` is the engine's global step (optimizer steps, 0-based) whose first micro-step
     is profiled; ``module_depth`` -1 prints every depth; ``top_modules`` is how many modules per
-    depth the aggregated profile lists; ``output_file`` None prints to stdout.
+    depth the aggregated profile lists; ``output_file`` None prints to stdout. ``device_time``
+    (dslab's own key) times the next step's modules by device activity
+    (:mod:`dslab.profilers.device_time`) and the steps after it as the steady state.
     """
 
     enabled: bool = False
@@ -66,6 +68,7 @@ class FlopsProfilerConfig(ConfigSection):
     top_modules: int = pydantic.Field(1, ge=1)
     detailed: bool = True
     output_file: str | None = None
+    device_time: bool = True
 
 
 # Ops that answer questions about a tensor's layout; FlopCounterMode lets subclasses handle them.
@@ -521,76 +524,3 @@ def get_model_profile(model: nn.Module, input_shape=None, args=None, kwargs=None
         return (flops_output.number_to_string(flops), flops_output.number_to_string(macs, "MACs"),
                 flops_output.number_to_string(params))
     return flops, macs, params
-
-
-class FlopsStepProfiler(Profiler):
-    """The engine's ``flops_profiler``: profiles the first micro-step of global step
-    ``profile_step`` (forward, backward and, on an accumulation boundary, the optimizer step),
-    prints DeepSpeed's profile with the section's settings (rank 0 only) and keeps its records.
-    Every other step runs without the dispatch mode or hooks."""
-
-    section = "flops"
-
-    def __init__(self, config: FlopsProfilerConfig, measured_peak_tflops: float | None = None):
-        self.config = config
-        self.measured_peak_tflops = measured_peak_tflops
-        self.profiler: FlopsProfiler | None = None
-        self._records: dict | None = None
-        self._profiling_step: int | None = None
-
-    @classmethod
-    def from_config(cls, cfg: FlopsProfilerConfig | dict | None, measured_peak_tflops: float | None = None
-                    ) -> FlopsStepProfiler | None:
-        """The driver for a ``flops_profiler`` section (a model or its dict), None when disabled."""
-        if cfg is None:
-            return None
-        if not isinstance(cfg, FlopsProfilerConfig):
-            cfg = parse_section(FlopsProfilerConfig, cfg, prefix="flops_profiler")
-        return cls(cfg, measured_peak_tflops) if cfg.enabled else None
-
-    def attach(self, model: nn.Module, optimizer=None) -> None:
-        self.profiler = FlopsProfiler(model, measured_peak_tflops=self.measured_peak_tflops)
-
-    def on_step_begin(self, step: int) -> None:
-        if self.profiler is None or self._records is not None or step != self.config.profile_step:
-            return
-        self._profiling_step = step
-        self.profiler.start_profile()
-
-    def on_optimizer_step_begin(self) -> None:
-        if self._profiling_step is not None:
-            self.profiler.set_phase("optimizer")
-
-    def on_optimizer_step_end(self) -> None:
-        if self._profiling_step is not None:
-            self.profiler.set_phase(None)
-
-    def on_step_end(self, step: int) -> None:
-        if self._profiling_step is None:
-            return
-        self.profiler.stop_profile()
-        self._records = self.profiler.records(self._profiling_step)
-        if get_rank() == 0:
-            self.profiler.print_model_profile(
-                profile_step=self._profiling_step, module_depth=self.config.module_depth,
-                top_modules=self.config.top_modules, detailed=self.config.detailed,
-                output_file=self.config.output_file,
-            )
-        self.profiler.end_profile()
-        self._profiling_step = None
-
-    def records(self) -> dict:
-        if self._records is None:
-            return {"profiled": False, "profile_step": self.config.profile_step}
-        return {"profiled": True, **self._records}
-
-    def close(self) -> None:
-        if self.profiler is not None:
-            self.profiler.end_profile()
-        self._profiling_step = None
-
-
-def from_config(cfg: FlopsProfilerConfig | dict | None, measured_peak_tflops: float | None = None
-                ) -> FlopsStepProfiler | None:
-    """:meth:`FlopsStepProfiler.from_config`: the engine driver, or None when disabled."""
-    return FlopsStepProfiler.from_config(cfg, measured_peak_tflops)

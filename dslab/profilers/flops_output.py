@@ -178,6 +178,14 @@ def build_records(profiler, profile_step: int | None) -> dict:
 
 # -- text ---------------------------------------------------------------------------------------
 
+
+def module_times_ms(m: dict) -> tuple[float, float]:
+    """A module's forward and backward time: its kernels' device time when the profile has it,
+    else the CUDA-event latency of the counted step."""
+    if m.get("forward_device_ms") is not None:
+        return m["forward_device_ms"], m.get("backward_device_ms") or 0.0
+    return m["forward_latency_ms"], m["backward_latency_ms"]
+
 _RULE = "-" * 78
 
 
@@ -248,6 +256,37 @@ def _summary(r: dict) -> list[str]:
         value = mfu[key]
         lines.append(f"MFU ({label}): {'n/a' if value is None else f'{100 * value:.2f}%'}")
     lines.append(f"timing: {r['timing']}")
+    lines += _device_and_steady(r)
+    return lines
+
+
+def _device_and_steady(r: dict) -> list[str]:
+    lines = []
+    device = r.get("device_time")
+    if device and device.get("error"):
+        lines.append(f"device time of step {device['step']}: not measured ({device['error']})")
+    elif device:
+        lines += [
+            f"device time of step {device['step']} (module figures below): fwd "
+            f"{duration_to_string(_ms_to_s(device['forward_ms']))}, bwd "
+            f"{duration_to_string(_ms_to_s(device['backward_ms']))}, step "
+            f"{duration_to_string(_ms_to_s(device['optimizer_ms']))}, busy "
+            f"{duration_to_string(_ms_to_s(device['busy_ms']))} of a "
+            f"{duration_to_string(_ms_to_s(device['span_ms']))} span",
+            f"device-timed step ran: {device['mode']}",
+        ]
+    steady = r.get("steady_state")
+    if steady:
+        seconds = _ms_to_s(steady["step_ms"])
+        mfu = steady.get("mfu") or {}
+        parts = [f"{key} peak {100 * mfu[key]:.2f}%" for key in ("measured", "datasheet") if mfu.get(key) is not None]
+        lines += [
+            f"steady-state step: {duration_to_string(seconds)} ({steady['source']})",
+            f"FLOPS per GPU at the steady state: {rate_to_string(r['total_flops'], seconds)}"
+            + (f", MFU {', '.join(parts)}" if parts else ""),
+        ]
+        if steady.get("device_busy_over_step") is not None:
+            lines.append(f"device-timed step's busy time / steady-state step: {steady['device_busy_over_step']:.3f}")
     return lines
 
 
@@ -262,8 +301,9 @@ def _aggregated(r: dict, module_depth: int, top_modules: int) -> list[str]:
             m["type"], {"params": 0, "macs": 0, "fwd": 0.0, "bwd": 0.0})
         agg["params"] += m["params"]
         agg["macs"] += m["forward_flops"] // 2
-        agg["fwd"] += m["forward_latency_ms"]
-        agg["bwd"] += m["backward_latency_ms"]
+        fwd_ms, bwd_ms = module_times_ms(m)
+        agg["fwd"] += fwd_ms
+        agg["bwd"] += bwd_ms
     for depth in sorted(by_depth):
         types = by_depth[depth]
 
@@ -282,11 +322,12 @@ def _aggregated(r: dict, module_depth: int, top_modules: int) -> list[str]:
 
 
 def _module_line(m: dict, r: dict, root_fwd_ms: float, root_bwd_ms: float) -> str:
-    fwd_s, bwd_s = m["forward_latency_ms"] / 1e3, m["backward_latency_ms"] / 1e3
+    fwd_ms, bwd_ms = module_times_ms(m)
+    fwd_s, bwd_s = fwd_ms / 1e3, bwd_ms / 1e3
     return ", ".join([
         number_to_string(m["params"]), f"{_percent(m['params'], r['params'])} Params",
         number_to_string(m["forward_flops"] // 2, "MACs"), f"{_percent(m['forward_flops'], r['forward_flops'])} MACs",
-        duration_to_string(fwd_s), f"{_percent(m['forward_latency_ms'], root_fwd_ms)} latency",
+        duration_to_string(fwd_s), f"{_percent(fwd_ms, root_fwd_ms)} latency",
         rate_to_string(m["forward_flops"], fwd_s),
         f"{number_to_string(m['backward_flops'])} bwd flops", f"{duration_to_string(bwd_s)} bwd latency",
         f"{rate_to_string(m['backward_flops'], bwd_s)} bwd",
@@ -295,6 +336,7 @@ def _module_line(m: dict, r: dict, root_fwd_ms: float, root_bwd_ms: float) -> st
 
 
 def _detailed(r: dict, module_depth: int) -> list[str]:
+    device = r.get("device_time") if (r.get("device_time") or {}).get("forward_ms") is not None else None
     lines = [
         "------------------------------ Detailed Profile per GPU ------------------------------",
         "Each module profile is listed after its name in the following order:",
@@ -305,11 +347,16 @@ def _detailed(r: dict, module_depth: int) -> list[str]:
         "flops can exceed the sum of its submodules'. A module called more than once sums its calls.",
         "2. bwd flops are the backward ops that ran for the module's forward work, not a multiple of fwd.",
         f"3. {flops_formulas.describe_constants()}.",
+        "4. latencies are " + (f"the device time of the kernels each module ran on step {device['step']}."
+                               if device else "CUDA-event spans on the counted step (host gaps included)."),
         "",
     ]
     shown = [m for m in r["modules"] if module_depth == -1 or m["depth"] <= module_depth]
-    root_fwd = r["forward_latency_ms"] or max((m["forward_latency_ms"] for m in shown), default=0.0)
-    root_bwd = r["backward_latency_ms"] or 0.0
+    if device:
+        root_fwd, root_bwd = device["forward_ms"], device["backward_ms"]
+    else:
+        root_fwd = r["forward_latency_ms"] or max((m["forward_latency_ms"] for m in shown), default=0.0)
+        root_bwd = r["backward_latency_ms"] or 0.0
     open_depths: list[int] = []
     for i, m in enumerate(shown):
         while open_depths and open_depths[-1] >= m["depth"]:

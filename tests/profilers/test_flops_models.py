@@ -13,9 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from dslab.config_base import parse_section
-from dslab.profilers.flops import (
-    FlopsProfiler, FlopsProfilerConfig, FlopsStepProfiler, from_config, get_model_profile,
-)
+from dslab.profilers.flops import FlopsProfiler, FlopsProfilerConfig, get_model_profile
+from dslab.profilers.flops_step import FlopsStepProfiler, from_config
 from dslab.profilers.flops_output import peaks_and_mfu
 
 
@@ -324,9 +323,11 @@ def test_config_defaults_and_errors():
 
 
 def test_engine_driver_profiles_only_its_step(tmp_path):
-    """Hooks called by hand in the engine's order over global steps 0..2 with two micro-steps
-    each: only the first micro-step of step 1 is counted (forward, backward, optimizer), the file
-    gets the profile, and the other steps run without the dispatch mode or hooks."""
+    """Hooks called by hand in the engine's order over global steps 0..5 with two micro-steps
+    each: only the first micro-step of step 1 is counted (forward, backward, optimizer), the first
+    micro-step of step 2 is timed by device activity (hooks, no dispatch mode), steps 3..5 are the
+    steady state, the file gets the profile once, and the other steps run without the dispatch
+    mode or hooks."""
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
@@ -336,12 +337,13 @@ def test_engine_driver_profiles_only_its_step(tmp_path):
     driver.attach(model, optimizer)
     assert driver.records() == {"profiled": False, "profile_step": 1}
     x = torch.randn(6, 12)
-    for step in range(3):
+    for step in range(6):
         for micro in range(2):
             driver.on_step_begin(step)
-            profiling = step == 1 and micro == 0
-            assert (torch._C._len_torch_dispatch_stack() == 1) == profiling
-            assert bool(model._forward_hooks) == profiling
+            counting = step == 1 and micro == 0
+            timing = step == 2 and micro == 0
+            assert (torch._C._len_torch_dispatch_stack() == 1) == counting
+            assert bool(model._forward_hooks) == (counting or timing)
             driver.on_forward_begin()
             loss = model(x).pow(2).mean()
             driver.on_forward_end()
@@ -361,7 +363,15 @@ def test_engine_driver_profiles_only_its_step(tmp_path):
     assert records["backward_flops"] == forward + 2 * 6 * (32 * 32 + 32 * 4)
     assert records["optimizer_flops"] == 0 and records["elementwise_flops"]["optimizer"] > 0
     assert records["optimizer_latency_ms"] > 0
+    device = records["device_time"]
+    assert device["step"] == 2 and device["optimizer_ms"] > 0 and device["forward_ms"] > 0
+    layers = [m for m in records["modules"] if m["name"].startswith("layers.")]
+    assert len(layers) == 3 and all(m["forward_device_ms"] > 0 and m["backward_device_ms"] > 0 for m in layers)
+    steady = records["steady_state"]
+    assert steady["steps"] == 2 and steady["step_ms"] > 0  # steps 3->4 and 4->5
+    assert steady["achieved_tflops"] == pytest.approx(records["total_flops"] / (steady["step_ms"] * 1e-3) / 1e12)
     text = out.read_text()
     assert text.count("Profile Summary at step 1") == 1 and "step latency:" in text
+    assert "device time of step 2" in text
     driver.close()
     assert torch._C._len_torch_dispatch_stack() == 0 and not model._forward_hooks

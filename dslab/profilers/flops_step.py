@@ -1,0 +1,257 @@
+"""The engine's ``flops_profiler``: three stretches of a training run, each measured the way it can
+be measured truthfully.
+
+1. Step ``profile_step`` (its first micro-step) is **counted**: every op under the flops
+   profiler's dispatch mode, attributed to modules (:class:`dslab.profilers.flops.FlopsProfiler`).
+   The counting costs the host a Python call per op, so this step is never timed for the report.
+2. Step ``profile_step + 1`` is **timed by device activity** (``device_time``, on by default):
+   each module's forward and backward time is the time of the kernels it ran
+   (:class:`dslab.profilers.device_time.ModuleDeviceTimer`), and a module's achieved TFLOP/s is
+   its counted flops over that time.
+3. The steps after it, up to :data:`STEADY_STEPS` of them, are the **steady state**: one CUDA
+   event at the begin of each (no synchronisation), read at :meth:`FlopsStepProfiler.records`; the whole model's achieved
+   TFLOP/s and MFU are its counted flops over their median step time. A benchmark that timed the
+   run itself replaces this figure with its own (``steady_state.source`` says whose it is).
+
+The profile text is printed (rank 0) once the timed step is done, or after the counted step when
+``device_time`` is off.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+from dslab.comm import get_rank
+from dslab.config_base import parse_section
+from dslab.profilers import flops_output
+from dslab.profilers.base import Profiler
+from dslab.profilers.device_time import ModuleDeviceTimer
+from dslab.profilers.flops import FlopsProfiler, FlopsProfilerConfig
+
+STEADY_STEPS = 8
+
+
+def timed_step_mode(model: nn.Module, cuda: bool) -> str:
+    """How the device-timed step ran, in words for the report."""
+    if cuda and getattr(model, "_layer_graphs", None) is not None:
+        return ("eager: the module hooks keep the CUDA-graphed layer stack eager for this step, so "
+                "its kernels are the graphs' kernels launched one by one")
+    if any(hasattr(m, "_orig_mod") for m in model.modules()):
+        return "under torch.compile, with module hooks (the compiled graphs may differ from the hook-free run)"
+    return "eager, as every step of this model"
+
+
+def merge_device_time(records: dict, timed: dict, step: int, mode: str) -> dict:
+    """``records`` (from :func:`dslab.profilers.flops_output.build_records`) with each module's
+    ``forward_device_ms``, ``backward_device_ms`` and ``device_tflops`` (counted forward + backward
+    flops over that time), and a ``device_time`` section with the timed step's totals."""
+    modules = dict(timed["modules"])
+    # A container that is never called (ModuleList) has no range of its own: its submodules' sum.
+    names = {m["name"] for m in records["modules"]}
+    for name in sorted(names - set(modules), key=lambda n: -n.count(".")):
+        prefix = f"{name}." if name else ""
+        children = [modules[c] for c in modules if c != name and c.startswith(prefix)
+                    and "." not in c[len(prefix):]]
+        if children:
+            modules[name] = {key: sum(c[key] for c in children) for key in ("forward_ms", "backward_ms")}
+    for m in records["modules"]:
+        figures = modules.get(m["name"])
+        if figures is None:
+            continue
+        m["forward_device_ms"] = figures["forward_ms"]
+        m["backward_device_ms"] = figures["backward_ms"]
+        ms = figures["forward_ms"] + figures["backward_ms"]
+        flops = m["forward_flops"] + m["backward_flops"]
+        m["device_tflops"] = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
+    root = modules.get("", {"forward_ms": 0.0, "backward_ms": 0.0})
+    records["device_time"] = {
+        "step": step,
+        "mode": mode,
+        "method": "kernel durations from torch.profiler (CUPTI on CUDA; host ops' self time on a CPU), "
+                  "attributed to module ranges through the profiler's correlation ids and autograd "
+                  "sequence numbers",
+        "forward_ms": root["forward_ms"],
+        "backward_ms": root["backward_ms"],
+        "optimizer_ms": timed["optimizer_ms"],
+        "unattributed_ms": timed["unattributed_ms"],
+        "busy_ms": timed["busy_ms"],
+        "work_ms": timed["work_ms"],
+        "span_ms": timed["span_ms"],
+        "records": timed["records"],
+    }
+    return records
+
+
+def steady_state(records: dict, step_times_ms: list[float], source: str) -> dict:
+    """The whole model's figures at the median of ``step_times_ms``: ``{"step_ms", "steps",
+    "source", "achieved_tflops", "mfu": {"measured", "datasheet"}}``, with the timed step's device
+    busy time beside it (``device_busy_over_step``) when the records have one."""
+    step_ms = statistics.median(step_times_ms)
+    peaks = records.get("peaks") or {}
+    total = records["total_flops"]
+    tflops = total / (step_ms * 1e-3) / 1e12 if step_ms > 0 else None
+    mfu = {"measured": None, "datasheet": None}
+    if tflops is not None and peaks.get("measured_tflops"):
+        mfu["measured"] = tflops / peaks["measured_tflops"]
+    if tflops is not None and peaks.get("datasheet_tflops"):
+        mfu["datasheet"] = tflops / peaks["datasheet_tflops"]
+    out = {"step_ms": step_ms, "steps": len(step_times_ms), "source": source, "achieved_tflops": tflops,
+           "mfu": mfu}
+    busy = (records.get("device_time") or {}).get("busy_ms")
+    if busy is not None and step_ms > 0:
+        out["device_busy_over_step"] = busy / step_ms
+    return out
+
+
+class FlopsStepProfiler(Profiler):
+    """The engine driver of the ``flops_profiler`` section (module docstring). Every step other
+    than the counted and the timed one runs without dispatch modes, hooks or synchronisation."""
+
+    section = "flops"
+
+    def __init__(self, config: FlopsProfilerConfig, measured_peak_tflops: float | None = None):
+        self.config = config
+        self.measured_peak_tflops = measured_peak_tflops
+        self.profiler: FlopsProfiler | None = None
+        self.model: nn.Module | None = None
+        self._records: dict | None = None
+        self._profiling_step: int | None = None
+        self._timer: ModuleDeviceTimer | None = None
+        self._timing_step: int | None = None
+        self._printed = False
+        self._steady_marks: list[tuple] = []  # (global step, mark at its first micro-step's begin)
+        self._cuda = False
+
+    @classmethod
+    def from_config(cls, cfg: FlopsProfilerConfig | dict | None, measured_peak_tflops: float | None = None
+                    ) -> FlopsStepProfiler | None:
+        """The driver for a ``flops_profiler`` section (a model or its dict), None when disabled."""
+        if cfg is None:
+            return None
+        if not isinstance(cfg, FlopsProfilerConfig):
+            cfg = parse_section(FlopsProfilerConfig, cfg, prefix="flops_profiler")
+        return cls(cfg, measured_peak_tflops) if cfg.enabled else None
+
+    def attach(self, model: nn.Module, optimizer=None) -> None:
+        self.model = model
+        self.profiler = FlopsProfiler(model, measured_peak_tflops=self.measured_peak_tflops)
+        first = next((t for t in (*model.parameters(), *model.buffers())), None)
+        self._cuda = first is not None and first.device.type == "cuda"
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def on_step_begin(self, step: int) -> None:
+        if self.profiler is None:
+            return
+        if self._records is None and step == self.config.profile_step:
+            self._profiling_step = step
+            self.profiler.start_profile()
+        elif self._records is not None and self._timing_step is None and self._timer is None \
+                and self.config.device_time and step == self.config.profile_step + 1:
+            self._timing_step = step
+            self._timer = ModuleDeviceTimer(self.model)
+            self._timer.start()
+        elif self._records is not None and step > self.config.profile_step + int(self.config.device_time) \
+                and len(self._steady_marks) <= STEADY_STEPS \
+                and (not self._steady_marks or self._steady_marks[-1][0] != step):
+            self._steady_marks.append((step, self._mark()))
+
+    def on_optimizer_step_begin(self) -> None:
+        if self._profiling_step is not None:
+            self.profiler.set_phase("optimizer")
+        if self._timer is not None:
+            self._timer.phase("optimizer")
+
+    def on_optimizer_step_end(self) -> None:
+        if self._profiling_step is not None:
+            self.profiler.set_phase(None)
+        if self._timer is not None:
+            self._timer.phase(None)
+
+    def on_step_end(self, step: int) -> None:
+        if self._profiling_step is not None:
+            self.profiler.stop_profile()
+            self._records = self.profiler.records(self._profiling_step)
+            self.profiler.end_profile()
+            self._profiling_step = None
+            if not self.config.device_time:
+                self._print()
+        elif self._timer is not None:
+            timer, self._timer = self._timer, None
+            try:
+                timed = timer.stop()
+            except Exception as err:  # the profile must not stop training; the report says why
+                self._records["device_time"] = {"step": self._timing_step,
+                                                "error": f"{type(err).__name__}: {err}"}
+            else:
+                merge_device_time(self._records, timed, self._timing_step, timed_step_mode(self.model, self._cuda))
+            self._print()
+
+    # -- results --------------------------------------------------------------------------------
+
+    def _mark(self):
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def steady_step_times_ms(self) -> list[float]:
+        """The steady-state step times so far: from the begin of one global step to the begin of
+        the next (every micro-step of it and the optimizer step), read from their CUDA events."""
+        pairs = [(a, b) for (s, a), (t, b) in zip(self._steady_marks, self._steady_marks[1:]) if t == s + 1]
+        if self._cuda:
+            if pairs:
+                pairs[-1][1].synchronize()
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1e3 for a, b in pairs]
+
+    def _print(self) -> None:
+        if self._printed or get_rank() != 0:
+            return
+        self._printed = True
+        text = flops_output.render_text(self.records_now(), self.config.module_depth, self.config.top_modules,
+                                        self.config.detailed)
+        if self.config.output_file:
+            with open(self.config.output_file, "a", encoding="utf-8") as f:
+                f.write(text + "\n")
+        else:
+            print(text)
+
+    def records_now(self) -> dict:
+        records = dict(self._records)
+        times = self.steady_step_times_ms()
+        if times:
+            records["steady_state"] = steady_state(records, times, f"the engine: CUDA events around {len(times)} "
+                                                   f"unprofiled step(s) after the timed one, median"
+                                                   if self._cuda else f"the engine: host clock around "
+                                                   f"{len(times)} unprofiled step(s), median")
+        return records
+
+    def records(self) -> dict:
+        if self._records is None:
+            return {"profiled": False, "profile_step": self.config.profile_step}
+        return {"profiled": True, **self.records_now()}
+
+    def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.end_profile()
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.running:
+            try:
+                timer.stop()
+            except Exception:  # closing must release the hooks even when the profile failed
+                pass
+        self._profiling_step = None
+        if self._records is not None:
+            self._print()
+
+
+def from_config(cfg: FlopsProfilerConfig | dict | None, measured_peak_tflops: float | None = None
+                ) -> FlopsStepProfiler | None:
+    """:meth:`FlopsStepProfiler.from_config`: the engine driver, or None when disabled."""
+    return FlopsStepProfiler.from_config(cfg, measured_peak_tflops)
