@@ -25,6 +25,15 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, with the differen
 * Parameters moved to new storage (``p.data = ...``, as the benchmark runner's parking does)
   change the signature, so the stack is captured again; :meth:`LayerStackGraphs.release` frees
   every graph and its memory pool.
+* cuBLAS's workspace belongs to the graphs that use it. A captured matmul writes into the
+  workspace torch keeps for its (cuBLAS handle, stream) pair, a caching-allocator block that
+  torch frees whenever anyone calls ``torch._C._cuda_clearCublasWorkspaces()`` (torch.compile's
+  CUDA-graph trees do, around every warm-up and recording). A graph whose workspace was inherited
+  from an earlier capture's pool then writes into memory the allocator has handed back: after a
+  recapture, the first pool's segment is returned to the driver once its last block (the
+  workspace) is freed, and the replay faults. So the workspaces are cleared before each capture
+  (the capture allocates its own inside its pool, which lives as long as its graphs) and after it
+  (no later capture inherits a block of this pool).
 
 The stack runs eagerly, and is never captured, when graphs cannot be right: outside training or
 without autograd, off CUDA, inside another capture or under ``torch.compile``, while a
@@ -60,6 +69,13 @@ def _dispatch_mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
+def _clear_cublas_workspaces() -> None:
+    """Drop torch's cached cuBLAS workspaces (see the module docstring)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 class _Captured:
     """The graphs of one input signature and their static buffers."""
 
@@ -87,6 +103,7 @@ class _Captured:
         torch.cuda.current_stream().wait_stream(side)
 
         pool = torch.cuda.graph_pool_handle()
+        _clear_cublas_workspaces()
         self.forward_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward_graph, pool=pool):
             self.static_out = forward()
@@ -94,6 +111,7 @@ class _Captured:
         self.backward_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.backward_graph, pool=pool):
             grads = torch.autograd.grad(self.static_out, grad_inputs, self.static_grad_out, allow_unused=True)
+        _clear_cublas_workspaces()
         self.static_grad_x = grads[0] if self.x_needs_grad else None
         self.static_grad_params = list(grads[1:] if self.x_needs_grad else grads)
         # The captured output's autograd graph is spent; holding it would keep the parameters'
