@@ -12,6 +12,7 @@ from dashboards.data import RunSummary
 
 TEMPLATE = "plotly_white"
 MARGIN = {"l": 60, "r": 20, "t": 50, "b": 50}
+ARM_COLOURS = {"dslab": "#1f77b4", "best_plain": "#ff7f0e", "other": "#9ca3af"}
 VERDICT_STYLE = {"regression": ("triangle-down", "#d62728"), "improvement": ("triangle-up", "#2ca02c")}
 
 
@@ -97,19 +98,28 @@ def throughput_history(suite: str, runs: list[RunSummary], arms: set[str] | None
 
 
 def arms_bar(report, case: str) -> go.Figure:
-    """Median samples/s of each arm of ``case``, the whiskers spanning the trials' min to max."""
+    """Median samples/s of each arm of ``case``, the whiskers spanning the trials' min to max;
+    dslab and the case's best plain-PyTorch arm in their own colours, dslab's ratio to that arm in
+    the title."""
     spread = views.trial_spread(report).get(case, {})
     arms = [r for r in report.results if r.case == case and "samples_per_s" in r.metrics]
     if not arms:
         return empty(f"{case}: arms", "no arm measured samples/s")
+    best = report.best_plain_ratio(case)
     medians = [r.metrics["samples_per_s"] for r in arms]
     lows = [m - min(spread.get(r.arm, [m])) for r, m in zip(arms, medians)]
     highs = [max(spread.get(r.arm, [m])) - m for r, m in zip(arms, medians)]
-    fig = go.Figure(go.Bar(x=[r.arm for r in arms], y=medians,
+    colours = [ARM_COLOURS["dslab"] if r.arm == "dslab" else
+               ARM_COLOURS["best_plain"] if best is not None and r.arm == best[0] else ARM_COLOURS["other"]
+               for r in arms]
+    fig = go.Figure(go.Bar(x=[r.arm for r in arms], y=medians, marker_color=colours,
                            error_y={"type": "data", "array": highs, "arrayminus": lows},
                            text=[f"{m:.4g}" for m in medians], textposition="outside"))
     fig.update_yaxes(title="samples/s (median of trials)")
-    return _layout(fig, f"{case}: arms (whiskers: trial min-max)", height=340)
+    title = f"{case}: arms (whiskers: trial min-max)"
+    if best is not None:
+        title += f"<br><sup>dslab/best plain arm ({best[0]}): {best[1]:.3f}</sup>"
+    return _layout(fig, title, height=360)
 
 
 def trials_strip(report, case: str) -> go.Figure:

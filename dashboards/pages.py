@@ -22,6 +22,9 @@ TABS = (("", "Run"), ("flops", "Flops"), ("comms", "Comms"), ("memory", "Memory"
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 HEADLINE_METRIC = "samples_per_s"
 PAGE_SIZE = 25
+BEST_PLAIN_NOTE = ("The best plain-PyTorch arm of a case is its fastest arm other than dslab (torch, torch-compile, "
+                   "torch-compile-ro, hf) that finished all its trials; dslab/best plain is dslab's samples/s over "
+                   "that arm's, both medians of trials interleaved in the same run.")
 
 
 def warning(text: str) -> html.Div:
@@ -207,14 +210,25 @@ def _run_tab(report, suite, run_id, case) -> list:
     columns = [("case", "case"), ("arm", "arm"), ("status", "status"), ("trials", "trials"),
                ("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"), ("step_time_ms", "step ms"),
                ("spread_pct", "spread %"), ("model_tflops", "TFLOP/s"), ("mfu_pct", "MFU %"), ("peak_gib", "peak GiB"),
-               ("dslab_over_arm", "dslab/arm"), ("error", "error")]
-    out = guarded("Arms", lambda: table("arms-table", views.arm_rows(report), columns))
+               ("dslab_over_arm", "dslab/arm"), ("best_plain", "best plain"), ("error", "error")]
+    out = guarded("dslab against the best plain-PyTorch arm", lambda: _best_plain_section(report))
+    out += guarded("Arms", lambda: table("arms-table", views.arm_rows(report), columns))
     for c in report.cases():
         out += guarded(f"Case {c}", lambda c=c: html.Div([graph(f"arms-{c}", figures.arms_bar(report, c)),
                                                           graph(f"trials-{c}", figures.trials_strip(report, c))],
                                                          className="pair"))
     out += guarded("Environment", lambda: key_value(views.environment_rows(report)))
     return out
+
+
+def _best_plain_section(report) -> list:
+    rows = views.best_plain_rows(report)
+    if not rows:
+        return [html.P("no case has both a dslab result and an ok plain-PyTorch arm to compare", id="best-plain-empty")]
+    return [table("best-plain-table", rows, [
+                ("case", "case"), ("best_plain_arm", "best plain arm"), ("dslab_samples_per_s", "dslab samples/s"),
+                ("best_plain_samples_per_s", "best plain samples/s"), ("dslab_over_best_plain", "dslab/best plain")]),
+            html.P(BEST_PLAIN_NOTE, className="note")]
 
 
 def _flops_tab(report, suite, run_id, case) -> list:
@@ -321,6 +335,10 @@ def compare_page(store: RunStore, a: tuple[str, str], b: tuple[str, str]) -> lis
     return [
         html.H2("Compare two runs"),
         html.Table([html.Tr([html.Th(k), html.Td(x), html.Td(y)]) for k, x, y in env], className="kv"),
+        *guarded("dslab against the best plain-PyTorch arm", lambda: table(
+            "compare-best-plain", views.best_plain_compare_rows(ra, rb), [
+                ("case", "case"), ("A_arm", "A: best plain arm"), ("A", "A: dslab/best plain"),
+                ("B_arm", "B: best plain arm"), ("B", "B: dslab/best plain"), ("B_over_A", "B/A")])),
         *guarded("Metrics", lambda: table("compare-table", rows, [
             ("case", "case"), ("arm", "arm"), ("metric", "metric"), ("A", "A"), ("B", "B"), ("B_over_A", "B/A")])),
         *guarded("Side by side", lambda: graph("compare-bar", figures.compare_bar(ra, rb))),

@@ -49,7 +49,11 @@ def _arms(plt, report: RunReport, case: str):
     for i, arm in enumerate(arms, start=1):
         ax.scatter([i] * len(spread[arm]), spread[arm], s=12, color="tab:blue", zorder=3)
     ax.set_ylabel("samples/s per trial")
-    ax.set_title(f"{report.suite} / {case}: arms and the spread of trials")
+    title = f"{report.suite} / {case}: arms and the spread of trials"
+    best = report.best_plain_ratio(case)
+    if best is not None:
+        title += f"\ndslab/best plain arm ({best[0]}): {best[1]:.3f}"
+    ax.set_title(title)
     return fig
 
 

@@ -75,7 +75,8 @@ def section(report: RunReport, name: str, case: str | None = None) -> tuple[list
 
 def arm_rows(report: RunReport) -> list[dict]:
     """One row per (case, arm): medians over trials, the spread of step time over trials (half
-    the range, % of the median), and ``dslab/arm`` from the report's ratios."""
+    the range, % of the median), ``dslab/arm`` from the report's ratios, and ``best_plain``
+    (True on the case's best plain-PyTorch arm, see :func:`best_plain_rows`)."""
     rows = []
     for r in report.results:
         m = r.metrics
@@ -84,6 +85,7 @@ def arm_rows(report: RunReport) -> list[dict]:
         if len(steps) > 1 and m.get("step_time_ms"):
             spread = (max(steps) - min(steps)) / 2 / m["step_time_ms"] * 100
         ratios = report.ratios.get(r.case) if isinstance(report.ratios.get(r.case), dict) else {}
+        best = report.best_plain_ratio(r.case)
         rows.append({
             "case": r.case, "arm": r.arm, "status": r.status, "trials": len(r.trials),
             "samples_per_s": m.get("samples_per_s"), "tokens_per_s": m.get("tokens_per_s"),
@@ -92,8 +94,44 @@ def arm_rows(report: RunReport) -> list[dict]:
             "mfu_pct": 100 * mfu if (mfu := m.get("mfu_measured", m.get("mfu_datasheet"))) is not None else None,
             "peak_gib": m["peak_memory_bytes"] / 2**30 if m.get("peak_memory_bytes") is not None else None,
             "dslab_over_arm": _number(ratios.get(f"dslab/{r.arm}")),
+            "best_plain": best is not None and best[0] == r.arm,
             "error": (r.error or "").splitlines()[0][:200] if r.error else None,
         })
+    return rows
+
+
+def best_plain_rows(report: RunReport) -> list[dict]:
+    """Per case, dslab against the case's best plain-PyTorch arm (the fastest ok arm other than
+    dslab, as the report stores it; a schema-1 report gets it derived on reading):
+    ``{"case", "best_plain_arm", "dslab_samples_per_s", "best_plain_samples_per_s",
+    "dslab_over_best_plain"}``. Cases without one (no dslab result, no ok plain arm, a run cut
+    short before its ratios) are left out."""
+    rows = []
+    for case in report.cases():
+        best = report.best_plain_ratio(case)
+        if best is None:
+            continue
+        arm, ratio = best
+        dslab, plain = report.result(case, "dslab"), report.result(case, arm)
+        rows.append({"case": case, "best_plain_arm": arm,
+                     "dslab_samples_per_s": dslab.metrics.get("samples_per_s") if dslab else None,
+                     "best_plain_samples_per_s": plain.metrics.get("samples_per_s") if plain else None,
+                     "dslab_over_best_plain": ratio})
+    return rows
+
+
+def best_plain_compare_rows(a: RunReport, b: RunReport) -> list[dict]:
+    """Per case of either run, dslab over its best plain arm in run A and in run B:
+    ``{"case", "A_arm", "A", "B_arm", "B", "B_over_A"}`` (None where a run has no such ratio)."""
+    rows = []
+    for case in dict.fromkeys(a.cases() + b.cases()):
+        best_a, best_b = a.best_plain_ratio(case), b.best_plain_ratio(case)
+        if best_a is None and best_b is None:
+            continue
+        rows.append({"case": case,
+                     "A_arm": best_a[0] if best_a else None, "A": best_a[1] if best_a else None,
+                     "B_arm": best_b[0] if best_b else None, "B": best_b[1] if best_b else None,
+                     "B_over_A": best_b[1] / best_a[1] if best_a and best_b and best_a[1] else None})
     return rows
 
 

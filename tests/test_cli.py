@@ -71,6 +71,13 @@ def test_frozen_commands_and_options():
     assert all(command.help for command in cli.COMMANDS)
 
 
+def test_frozen_bench_arms():
+    """The arms ``--arms`` and a suite's ``arms`` accept are typed by users too (STYLE.md #12)."""
+    from dslab.bench.suite import ARMS
+
+    assert ARMS == ("dslab", "torch", "torch-compile", "torch-compile-ro", "hf")
+
+
 def test_env_text(capsys):
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out

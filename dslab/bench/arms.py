@@ -1,11 +1,19 @@
-"""The arms of a benchmark: the same workload trained four ways.
+"""The arms of a benchmark: the same workload trained five ways.
 
 - ``dslab``: the model on dslab's kernels inside :func:`dslab.initialize`'s engine, configured by
   the suite's engine config (DeepSpeed keys) plus the case's micro-batch and the precision.
 - ``torch``: the same model on PyTorch's own ops, a plain loop: autocast, backward,
   ``torch.optim.AdamW`` (fused on CUDA), clipping when the suite clips.
-- ``torch-compile``: the ``torch`` arm with the model under ``torch.compile``.
+- ``torch-compile``: the ``torch`` arm with the model under ``torch.compile`` (default mode).
+- ``torch-compile-ro``: the ``torch`` arm with the model under
+  ``torch.compile(mode="reduce-overhead")``: Inductor's kernels replayed from CUDA graphs
+  (cudagraph trees) for the forward and the backward; the optimizer stays eager. The strongest
+  plain-PyTorch configuration a user would pick (``PlainArm`` says how parking and the loss work
+  with the graphs).
 - ``hf``: transformers' model of the same shape in the ``torch`` arm's loop.
+
+``torch``, ``torch-compile``, ``torch-compile-ro`` and ``hf`` are the plain-PyTorch arms
+(:data:`PLAIN_ARMS`); the summary compares ``dslab`` against the fastest of them in each case.
 
 Every arm exposes ``step()`` (one optimizer step) and ``close()``; building an arm may raise, and
 the runner records that arm as failed and goes on.
@@ -23,6 +31,10 @@ from dslab.bench.workloads import Workload
 INJECT_SLEEP_ENV = "DSLAB_INJECT_STEP_SLEEP_MS"
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+# The plain loops' arms and, for the compiled ones, torch.compile's mode (None: the default).
+PLAIN_ARMS = ("torch", "torch-compile", "torch-compile-ro", "hf")
+COMPILE_MODES = {"torch-compile": None, "torch-compile-ro": "reduce-overhead"}
 
 
 def _optimizer_settings(engine_cfg: dict) -> dict:
@@ -139,9 +151,40 @@ class EngineArm:
 
 
 class PlainArm:
-    """A hand-written loop: autocast forward, backward, AdamW (fused on CUDA), optional clipping."""
+    """A hand-written loop: autocast forward, backward, AdamW (fused on CUDA), optional clipping.
+
+    ``torch-compile-ro`` runs the model under ``torch.compile(mode="reduce-overhead")``, whose
+    cudagraph trees replay the compiled forward and backward from CUDA graphs that write their
+    outputs (the loss, the activations saved for backward, the gradients) into one private memory
+    pool. Inductor partitions the graph around ops it cannot capture (BERT's ``nonzero``) and
+    captures the rest.
+
+    - Each step begins with ``torch.compiler.cudagraph_mark_step_begin()``: the previous step's
+      outputs are dead, and the next replay may overwrite them.
+    - ``step()`` returns a clone of the loss: the loss the graph returned lives in the pool and is
+      overwritten by the next step's replay (reading it after that raises). The gradients live
+      there too; clipping and AdamW consume them and they are set to None within the step.
+    - Parking (``park``/``unpark``) moves the parameters to the host and back into new storage.
+      The parameters are static inputs of the recorded graphs, so on the first call after
+      ``unpark`` the trees see their addresses changed and record the forward and backward again
+      (the old recordings stay in the tree; a replay never reads a stale address). That happens in
+      the settling steps before a trial is timed. torch 2.11 counted each such re-record towards
+      ``cudagraph_unexpected_rerecord_limit`` (128 per function, far above a suite's trials;
+      past it the function would run without graphs); torch 2.13 no longer counts re-records
+      for changed parameter addresses.
+    - The pool stays on the GPU between the arm's trials, parked or not: the trees free it only
+      with ``torch._dynamo.reset()``, which would also discard the ``torch-compile`` arm's code.
+      On an H100 it held 7.4 GiB for GPT-2 124M (micro-batch 16) and 16.4 GiB for 774M
+      (micro-batch 8). This arm's ``peak_memory_bytes`` under-counts: replays allocate nothing
+      (at 774M it read 27.7 GiB while the four arms' resident states alone took about 37 GiB).
+
+    On a CPU ``reduce-overhead`` compiles as usual and runs without graphs (Inductor captures
+    CUDA graphs on CUDA devices only); marking the step is then a no-op.
+    """
 
     def __init__(self, name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict):
+        if name not in PLAIN_ARMS:
+            raise ValueError(f"arm {name!r} is not a plain-PyTorch arm; choose from {', '.join(PLAIN_ARMS)}")
         self.name = name
         self.device = device
         self.dtype = PRECISION_DTYPES[precision]
@@ -154,22 +197,27 @@ class PlainArm:
         )
         self.clip = float(engine_cfg.get("gradient_clipping", 0.0))
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-        if name == "torch-compile":
+        self.cudagraph_trees = COMPILE_MODES.get(name) == "reduce-overhead"
+        if name in COMPILE_MODES:
             # Let the graph hold data-dependent shapes (BERT's sparse MLM gathers the masked rows
             # with nonzero); without it Dynamo breaks the graph there and recompiles every step.
             torch._dynamo.config.capture_dynamic_output_shape_ops = True
-            self.forward = torch.compile(self.model)
+            mode = COMPILE_MODES[name]
+            self.forward = torch.compile(self.model, **({"mode": mode} if mode else {}))
         else:
             self.forward = self.model
         self.loss_fn = workload.loss_fn(hf=hf)
         self.batch = workload.make_batch(device)
 
     def step(self) -> torch.Tensor:
+        if self.cudagraph_trees:
+            torch.compiler.cudagraph_mark_step_begin()
         if self.dtype is not None:
             with torch.autocast(self.device.type, dtype=self.dtype):
                 loss = self.loss_fn(self.forward, self.batch)
         else:
             loss = self.loss_fn(self.forward, self.batch)
+        reported = loss.detach().clone() if self.cudagraph_trees else loss
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.optimizer)
@@ -183,7 +231,7 @@ class PlainArm:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return reported
 
     def park(self) -> None:
         move_training_state(self.model, self.optimizer, torch.device("cpu"))

@@ -10,7 +10,7 @@ arms. A scale may override any of the run settings and every case's fields::
       "family": "bert",
       "precision": "bf16",
       "engine": {"optimizer": {...}, "gradient_clipping": 1.0},
-      "arms": ["dslab", "torch", "torch-compile", "hf"],
+      "arms": ["dslab", "torch", "torch-compile", "torch-compile-ro", "hf"],
       "scales": {
         "full": {"preset": "bert_large", "warmup_steps": 10, "steps": 30, "trials": 5,
                  "cases": [{"name": "seq128", "seq_len": 128, "micro_batch": 64}]},
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
 from dslab.config_base import ConfigSection, parse_section
 
-ARMS = ("dslab", "torch", "torch-compile", "hf")
+ArmName = Literal["dslab", "torch", "torch-compile", "torch-compile-ro", "hf"]
+ARMS: tuple[str, ...] = get_args(ArmName)  # dslab/bench/arms.py says what each arm runs
 FAMILIES = ("bert", "gpt2")
 SCALES = ("full", "tiny")
 SUITE_FILE = "suite.json"
@@ -46,7 +47,7 @@ class CaseConfig(ConfigSection):
 class ScaleConfig(ConfigSection):
     preset: str
     cases: list[CaseConfig] = Field(min_length=1)
-    arms: list[Literal["dslab", "torch", "torch-compile", "hf"]] | None = None
+    arms: list[ArmName] | None = None
     warmup_steps: int = Field(10, ge=0)
     steps: int = Field(30, ge=1)
     trials: int = Field(5, ge=1)
@@ -66,7 +67,7 @@ class SuiteConfig(ConfigSection):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     model_options: dict = Field(default_factory=dict)
     engine: dict = Field(default_factory=dict)
-    arms: list[Literal["dslab", "torch", "torch-compile", "hf"]] = Field(default_factory=lambda: list(ARMS))
+    arms: list[ArmName] = Field(default_factory=lambda: list(ARMS))
     scales: dict[Literal["full", "tiny"], ScaleConfig]
     seed: int = 1234
 

@@ -1,10 +1,10 @@
 """The run report: what one ``dslab bench`` run measured, as versioned JSON.
 
 A report is the contract between producers (bench, engine, profilers, I/O tuner) and consumers
-(dashboard, gate, ``dslab report``). Layout of ``run.json`` (schema version 1)::
+(dashboard, gate, ``dslab report``). Layout of ``run.json`` (schema version 2)::
 
     {
-      "schema": "dslab.run", "schema_version": 1,
+      "schema": "dslab.run", "schema_version": 2,
       "run_id": "20261122T031500Z-3fa9c1", "suite": "bert_large", "status": "complete",
       "created": ISO-8601, "finished": ISO-8601 or null,
       "environment": {...},          # dslab.report.environment.collect_environment()
@@ -16,14 +16,22 @@ A report is the contract between producers (bench, engine, profilers, I/O tuner)
          "error": null, "metrics": {"samples_per_s": ..., ...},   # medians over trials
          "trials": [{"trial": 0, "step_times_ms": [...], "metrics": {...}}]}
       ],
-      "ratios": {"seq128": {"dslab/torch": 1.31, ...}},
+      "ratios": {"seq128": {"dslab/torch": 1.31, ..., "dslab/best_plain": 0.97}},
+      "best_plain": {"seq128": "torch-compile-ro"},
       "profilers": {"flops": null, "memory": null, "comms": null, "telemetry": null,
                     "wall_clock": null},    # each filled by its profiler, per case
       "notes": []
     }
 
+``ratios[case]["dslab/<arm>"]`` is the dslab arm's samples/s over that arm's. The best plain arm
+of a case is the fastest arm other than dslab (every other arm runs plain PyTorch: ``torch``,
+``torch-compile``, ``torch-compile-ro``, and transformers' model in ``hf``) among those whose
+result is ``ok``; ``best_plain[case]`` names it and ``ratios[case]["dslab/best_plain"]`` is
+dslab's samples/s over its. Version 2 added those two; version 1 had the rest.
+
 Readers are tolerant: a report of an older version, or one cut short (Ctrl-C, a crash), loads
-with defaults for what is missing, and :attr:`RunReport.missing` lists those keys.
+with defaults for what is missing, and :attr:`RunReport.missing` lists those keys. A version-1
+report gets its best plain arms derived on reading, from its results by the same rule.
 """
 
 from __future__ import annotations
@@ -34,7 +42,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA = "dslab.run"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# The arm the ratios are taken against, the metric they compare, and the key of the best plain arm.
+RATIO_ARM = "dslab"
+RATIO_METRIC = "samples_per_s"
+BEST_PLAIN = "best_plain"
 
 STATUS_COMPLETE = "complete"
 STATUS_INCOMPLETE = "incomplete"
@@ -98,6 +110,7 @@ class RunReport:
     peaks: dict = field(default_factory=dict)
     results: list[Result] = field(default_factory=list)
     ratios: dict = field(default_factory=dict)
+    best_plain: dict = field(default_factory=dict)
     profilers: dict = field(default_factory=lambda: {name: None for name in PROFILER_SECTIONS})
     notes: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
@@ -117,9 +130,12 @@ class RunReport:
     def arms(self) -> list[str]:
         return list(dict.fromkeys(r.arm for r in self.results))
 
-    def compute_ratios(self, numerator_arm: str, metric: str) -> None:
-        """``ratios[case]["<numerator>/<arm>"]`` = numerator's metric over each other arm's."""
+    def compute_ratios(self, numerator_arm: str = RATIO_ARM, metric: str = RATIO_METRIC) -> None:
+        """``ratios[case]["<numerator>/<arm>"]`` = numerator's metric over each other arm's, and
+        over the best of them (``"<numerator>/best_plain"``, that arm in ``best_plain[case]``;
+        see :meth:`fastest_other`)."""
         self.ratios = {}
+        self.best_plain = {}
         for case in self.cases():
             mine = self.result(case, numerator_arm)
             if mine is None or metric not in mine.metrics:
@@ -130,6 +146,37 @@ class RunReport:
                 if other.metrics[metric] > 0:
                     key = f"{numerator_arm}/{other.arm}"
                     self.ratios.setdefault(case, {})[key] = mine.metrics[metric] / other.metrics[metric]
+            self._set_best_plain(case, numerator_arm, metric)
+
+    def fastest_other(self, case: str, numerator_arm: str = RATIO_ARM, metric: str = RATIO_METRIC) -> Result | None:
+        """The result of ``case`` with the highest ``metric`` among the arms other than
+        ``numerator_arm`` whose status is ``ok`` (a failed arm's partial trials do not count)."""
+        best = None
+        for other in self.results:
+            if other.case != case or other.arm == numerator_arm or other.status != "ok":
+                continue
+            value = other.metrics.get(metric)
+            if value is not None and value > 0 and (best is None or value > best.metrics[metric]):
+                best = other
+        return best
+
+    def _set_best_plain(self, case: str, numerator_arm: str, metric: str) -> None:
+        mine = self.result(case, numerator_arm)
+        best = self.fastest_other(case, numerator_arm, metric)
+        if mine is None or metric not in mine.metrics or best is None:
+            return
+        self.ratios.setdefault(case, {})[f"{numerator_arm}/{BEST_PLAIN}"] = mine.metrics[metric] / best.metrics[metric]
+        self.best_plain[case] = best.arm
+
+    def best_plain_ratio(self, case: str, numerator_arm: str = RATIO_ARM) -> tuple[str, float] | None:
+        """``(best plain arm, numerator's metric over its)`` of ``case``, or None when the report
+        has none for it (no ok plain arm, or a report cut short before the ratios)."""
+        arm = self.best_plain.get(case) if isinstance(self.best_plain, dict) else None
+        ratios = self.ratios.get(case) if isinstance(self.ratios, dict) else None
+        value = ratios.get(f"{numerator_arm}/{BEST_PLAIN}") if isinstance(ratios, dict) else None
+        if not isinstance(arm, str) or not _is_number(value):
+            return None
+        return arm, float(value)
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -193,6 +240,7 @@ def report_from_dict(data: dict) -> RunReport:
         version = SCHEMA_VERSION
     elif not isinstance(version, int) or version > SCHEMA_VERSION:
         warnings.append(f"schema_version {version!r} is newer than this reader ({SCHEMA_VERSION}); reading what it can")
+    layout = version if isinstance(version, int) and not isinstance(version, bool) else SCHEMA_VERSION
 
     def take(key, default, kind):
         if key not in data:
@@ -211,7 +259,7 @@ def report_from_dict(data: dict) -> RunReport:
             results.append(r)
     profilers = {name: None for name in PROFILER_SECTIONS}
     profilers.update(take("profilers", {}, dict))
-    return RunReport(
+    report = RunReport(
         run_id=str(take("run_id", "unknown", str)),
         suite=str(take("suite", "unknown", str)),
         status=str(take("status", STATUS_INCOMPLETE, str)),
@@ -223,9 +271,17 @@ def report_from_dict(data: dict) -> RunReport:
         peaks=take("peaks", {}, dict),
         results=results,
         ratios=take("ratios", {}, dict),
+        best_plain=take(BEST_PLAIN, {}, dict) if layout >= 2 else {},
         profilers=profilers,
         notes=[str(n) for n in take("notes", [], list)],
         schema_version=int(version) if isinstance(version, int) else SCHEMA_VERSION,
         missing=missing,
         warnings=warnings,
     )
+    if layout < 2:
+        # Version 1 stored the per-arm ratios only (always dslab's samples/s over each arm's, at
+        # the end of the run): derive the best plain arm of each case that has ratios.
+        for case, case_ratios in list(report.ratios.items()):
+            if isinstance(case_ratios, dict):
+                report._set_best_plain(case, RATIO_ARM, RATIO_METRIC)
+    return report

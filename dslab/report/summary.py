@@ -20,7 +20,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def results_table(report: RunReport) -> str:
-    """One block per case: each arm's medians over trials, its spread, and dslab's ratio to it."""
+    """One block per case: each arm's medians over trials, its spread, and dslab's ratio to it
+    (``dslab/arm``, samples/s over samples/s); under it, dslab against the case's best plain arm
+    (the fastest ok arm other than dslab, :meth:`RunReport.fastest_other`)."""
     lines = []
     for case in report.cases():
         lines.append(f"{report.suite} / {case}")
@@ -57,6 +59,10 @@ def results_table(report: RunReport) -> str:
             ])
         header = ["arm", "samples/s", "tokens/s", "step ms", "spread", "TFLOP/s", "MFU", "peak GiB", "dslab/arm"]
         lines.extend("  " + line for line in _table(header, rows))
+        best = report.fastest_other(case, "dslab", "samples_per_s")
+        if best is not None and base is not None and base.metrics.get("samples_per_s"):
+            ratio = base.metrics["samples_per_s"] / best.metrics["samples_per_s"]
+            lines.append(f"  dslab/best plain arm ({best.arm}): {ratio:.3f}")
         lines.extend(problems)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

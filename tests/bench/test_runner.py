@@ -137,8 +137,10 @@ def test_suite_validation_names_the_problem(tmp_path):
         load_suite(tmp_path / "missing")
     with pytest.raises(ValueError, match="unknown case"):
         run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["zzz"])
-    with pytest.raises(ValueError, match="unknown arm"):
+    with pytest.raises(ValueError, match="unknown arm.*torch-compile-ro"):
         run_suite(tiny_suite(tmp_path), out=tmp_path / "r", arms=["jax"])
+    with pytest.raises(ValueError, match="arms"):
+        load_suite(tiny_suite(tmp_path, arms=["dslab", "torch-compile-max"]))
 
 
 def test_cli_bench_and_report_commands(tmp_path, capsys):
@@ -163,7 +165,8 @@ def test_readme_suite_bert_large_tiny_runs_all_arms(tmp_path):
     """The README's main job: suites/bert_large at the tiny scale, every arm, on the CPU."""
     report, _ = run_suite(REPO / "suites" / "bert_large", out=tmp_path / "r")
     assert report.status == "complete"
-    assert {r.arm for r in report.results} == {"dslab", "torch", "torch-compile", "hf"}
+    assert {r.arm for r in report.results} == {"dslab", "torch", "torch-compile", "torch-compile-ro", "hf"}
+    assert set(report.best_plain) == {"seq128", "seq512"}
     assert all(r.status == "ok" for r in report.results), [(r.arm, r.error) for r in report.results]
     # The suite turns CUDA graphs on for the dslab arm; on a CPU the stack runs eagerly, and the
     # report says how each case's stack ran.
@@ -191,3 +194,60 @@ def test_parked_arm_trains_on_after_a_round_trip_through_host_memory(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(states, after))
     loss = arm.step()
     assert torch.isfinite(loss)
+
+
+def test_reduce_overhead_arm_is_interleaved_and_parks(tmp_path, monkeypatch):
+    """torch-compile-ro at the smallest config: the runner builds it and interleaves it with dslab
+    trial by trial; every step marks a new cudagraph-trees step and returns a detached loss; it is
+    the best plain arm when it is the only one; and it trains on after parking (on a CPU the
+    compiled model runs without CUDA graphs)."""
+    import torch
+
+    from dslab.bench.workloads import workloads_for
+
+    order, marks = [], []
+    real_build = arms_module.build_arm
+
+    def build(name, *args, **kwargs):
+        arm = real_build(name, *args, **kwargs)
+        step = arm.step
+
+        def recorded():
+            order.append(name)
+            loss = step()
+            assert name == "dslab" or not loss.requires_grad  # the ro arm returns a detached copy
+            return loss
+
+        arm.step = recorded
+        return arm
+
+    real_mark = torch.compiler.cudagraph_mark_step_begin
+
+    def mark():
+        marks.append(len(order))
+        real_mark()
+
+    monkeypatch.setattr("dslab.bench.runner.build_arm", build)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", mark)
+    path = tiny_suite(tmp_path, arms=["dslab", "torch-compile-ro"])
+    report, _ = run_suite(path, out=tmp_path / "r", cases=["b"], trials=2, steps=2)
+    ro = report.result("b", "torch-compile-ro")
+    assert ro.status == "ok" and len(ro.trials) == 2 and ro.metrics["final_loss"] == ro.metrics["final_loss"]
+    # trial 0: dslab then ro (1 warm-up + 2 steps each); trial 1 rotated: ro settles 1 step, then dslab
+    assert order == ["dslab"] * 3 + ["torch-compile-ro"] * 6 + ["dslab"] * 3
+    assert marks == [4, 5, 6, 7, 8, 9]  # once in each of the ro arm's steps, before its forward
+    assert report.best_plain == {"b": "torch-compile-ro"}
+    assert report.ratios["b"]["dslab/best_plain"] == report.ratios["b"]["dslab/torch-compile-ro"]
+
+    suite, _ = load_suite(path)
+    arm = real_build("torch-compile-ro", workloads_for(suite, "tiny", ["b"])[0], torch.device("cpu"), "bf16",
+                     suite.engine)
+    before = arm.step()
+    params = [p.detach().clone() for p in arm.model.parameters()]
+    arm.park()
+    arm.unpark()
+    assert all(torch.equal(a, b) for a, b in zip(params, arm.model.parameters()))
+    after = arm.step()
+    assert torch.isfinite(after) and not torch.equal(before, after)
+    assert any(not torch.equal(a, b) for a, b in zip(params, arm.model.parameters()))
+    arm.close()

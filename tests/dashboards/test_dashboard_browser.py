@@ -11,14 +11,14 @@ pytestmark = pytest.mark.browser
 RUN = f"/run/{SUITE}/{RUN_IDS[0]}"
 # (name, path, graphs at least, text the page must show)
 PAGES = [
-    ("run", RUN, 4, "Arms"),
+    ("run", RUN, 4, "best plain samples/s"),
     ("flops", f"{RUN}/flops", 2, "Top modules per depth"),
     ("flops_seq512", f"{RUN}/flops?case=seq512", 2, "seq512: roofline"),
     ("comms", f"{RUN}/comms", 2, "stragglers named: rank 3"),
     ("memory", f"{RUN}/memory", 3, "Activation memory per module"),
     ("telemetry", f"{RUN}/telemetry", 1, "Time series per GPU"),
     ("io", f"{RUN}/io", 0, "no I/O tuner results in this run"),
-    ("compare", f"/compare?a={SUITE}/{RUN_IDS[0]}&b={SUITE}/{RUN_IDS[4]}", 1, "Compare two runs"),
+    ("compare", f"/compare?a={SUITE}/{RUN_IDS[0]}&b={SUITE}/{RUN_IDS[4]}", 1, "B: dslab/best plain"),
 ]
 
 

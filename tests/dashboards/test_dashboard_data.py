@@ -10,7 +10,7 @@ import pytest
 from report_factory import (NOT_JSON, PARTIAL, RUN_IDS, STRAGGLER_RANK, SUITE, make_report, make_small_report,
                             write_run)
 
-from dashboards import pages, views
+from dashboards import figures, pages, views
 from dashboards.app import DEFAULT_HOST, create_app, render
 from dashboards.data import RunStore, parse_ref, resolve_run
 from dslab.report import report_from_dict
@@ -191,3 +191,40 @@ def test_500_runs_load_in_under_3_seconds(tmp_path):
     assert "Runs (500)" in _text(components)
     assert sum(1 for s in store.summaries() if s.error is None) == 500
     assert elapsed < 3.0, f"the Runs page over 500 runs took {elapsed:.2f} s"
+
+
+def test_best_plain_rows_of_an_old_and_a_current_report():
+    old = report_from_dict(make_report(RUN_IDS[0]))  # schema 1: derived on reading
+    assert old.schema_version == 1 and not old.missing
+    current = report_from_dict(old.to_dict() | {"schema_version": 2})
+    for report in (old, current):
+        rows = {r["case"]: r for r in views.best_plain_rows(report)}
+        assert set(rows) == {"seq128", "seq512"}
+        for case, row in rows.items():
+            assert row["best_plain_arm"] == "torch-compile"  # 0.95x dslab; torch is 0.8x, hf failed
+            assert row["dslab_over_best_plain"] == pytest.approx(report.ratios[case]["dslab/torch-compile"])
+            speeds = row["dslab_samples_per_s"] / row["best_plain_samples_per_s"]
+            assert row["dslab_over_best_plain"] == pytest.approx(speeds)
+        flagged = {(r["case"], r["arm"]) for r in views.arm_rows(report) if r["best_plain"]}
+        assert flagged == {("seq128", "torch-compile"), ("seq512", "torch-compile")}
+    text = _text(pages._run_tab(current, SUITE, RUN_IDS[0], None))
+    assert "best-plain-table" in text and "dslab against the best plain-PyTorch arm" in text
+    assert "dslab/best plain arm (torch-compile)" in str(figures.arms_bar(current, "seq128").layout.title.text)
+
+
+def test_best_plain_compare_rows_and_page(reports_root):
+    a = report_from_dict(make_report(RUN_IDS[0], throughput=400))
+    b = report_from_dict(make_report(RUN_IDS[1], throughput=400, seed=1))
+    b.results = [r for r in b.results if not (r.case == "seq512" and r.arm != "dslab")]
+    b.compute_ratios()
+    rows = {r["case"]: r for r in views.best_plain_compare_rows(a, b)}
+    assert rows["seq128"]["A_arm"] == rows["seq128"]["B_arm"] == "torch-compile"
+    assert rows["seq128"]["B_over_A"] == pytest.approx(rows["seq128"]["B"] / rows["seq128"]["A"])
+    assert rows["seq512"]["B_arm"] is None and rows["seq512"]["B_over_A"] is None
+    text = _text(render(RunStore(reports_root), "/compare", f"?a={SUITE}/{RUN_IDS[0]}&b={SUITE}/{RUN_IDS[4]}"))
+    assert "compare-best-plain" in text and "could not be drawn" not in text
+
+
+def test_run_page_without_ratios_says_there_is_no_best_plain_arm(reports_root):
+    text = _text(render(RunStore(reports_root), f"/run/{SUITE}/{PARTIAL}"))
+    assert "no case has both a dslab result and an ok plain-PyTorch arm" in text

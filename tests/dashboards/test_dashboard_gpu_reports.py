@@ -87,3 +87,24 @@ def test_trace_and_plots_of_real_reports(gpu_reports, tmp_path):
         assert warnings == []
         names = " ".join(p.name for p in written)
         assert all(case in names for case in cases), names
+
+
+def test_real_reports_of_schema_1_show_their_best_plain_arm(gpu_reports):
+    """Written before reports stored the best plain arm: it is derived on reading, and the Run page
+    shows it."""
+    from dashboards import views
+    from dashboards.app import render
+    from dashboards.data import RunStore
+    from dslab.report import read_report
+
+    for run, cases in RUNS.items():
+        report = read_report(gpu_reports / run / "run.json")
+        assert report.schema_version == 1 and not report.missing
+        rows = {r["case"]: r for r in views.best_plain_rows(report)}
+        assert set(rows) == set(cases)
+        for case, row in rows.items():
+            # torch-compile was the fastest plain arm of every case of these runs
+            assert row["best_plain_arm"] == "torch-compile"
+            assert row["dslab_over_best_plain"] == report.ratios[case]["dslab/torch-compile"]
+        text = str(render(RunStore(gpu_reports), f"/run/{run}"))
+        assert "best-plain-table" in text and "could not be drawn" not in text

@@ -103,3 +103,70 @@ def test_results_table_shows_arms_ratios_and_failures():
     hf_row = next(line for line in lines if line.strip().startswith("hf"))
     assert "failed" in hf_row
     assert "    hf: failed: out of memory: tried to allocate" in lines
+
+
+def five_arm_report() -> RunReport:
+    """dslab beside the four plain arms on one case; the fastest plain arm by samples/s (hf) failed
+    in its last trial, so the best plain arm is the fastest one that finished: torch-compile-ro."""
+    r = RunReport(run_id="20261122T040000Z-5a5a5a", suite="gpt2", status="complete")
+    for arm, sps, status in (("dslab", 120.0, "ok"), ("torch", 90.0, "ok"), ("torch-compile", 110.0, "ok"),
+                             ("torch-compile-ro", 115.0, "ok"), ("hf", 130.0, "failed")):
+        res = Result(case="124m", arm=arm, status=status, error="out of memory" if status == "failed" else None)
+        res.trials.append(Trial(trial=0, step_times_ms=[4 / sps * 1e3], metrics={"samples_per_s": sps,
+                                                                              "step_time_ms": 4 / sps * 1e3}))
+        res.summarize()
+        r.results.append(res)
+    r.compute_ratios("dslab", "samples_per_s")
+    return r
+
+
+def test_best_plain_ratio_is_against_the_fastest_arm_that_finished(tmp_path):
+    r = five_arm_report()
+    assert r.best_plain == {"124m": "torch-compile-ro"}
+    assert r.ratios["124m"]["dslab/best_plain"] == pytest.approx(120 / 115)
+    assert r.ratios["124m"]["dslab/torch-compile-ro"] == pytest.approx(120 / 115)
+    assert r.ratios["124m"]["dslab/hf"] == pytest.approx(120 / 130)  # per-arm ratios keep every arm
+    assert r.best_plain_ratio("124m") == ("torch-compile-ro", pytest.approx(120 / 115))
+    assert r.best_plain_ratio("nope") is None
+    back = read_report(write_report(r, tmp_path).parent)
+    assert back.schema_version == SCHEMA_VERSION == 2 and back.missing == [] and back.warnings == []
+    assert back.best_plain_ratio("124m") == r.best_plain_ratio("124m")
+    text = results_table(r)
+    assert "  dslab/best plain arm (torch-compile-ro): 1.043" in text.splitlines()
+    assert next(line for line in text.splitlines() if line.strip().startswith("hf ")).split()[1] == "failed"
+
+
+def test_no_best_plain_without_a_finished_plain_arm():
+    r = sample_report()
+    r.results = [x for x in r.results if x.arm != "torch"]  # only dslab and the failed hf arm
+    r.compute_ratios("dslab", "samples_per_s")
+    assert r.best_plain == {} and r.best_plain_ratio("seq128") is None
+    assert "best plain" not in results_table(r)
+
+
+def test_version_1_report_reads_with_its_best_plain_arm_derived():
+    data = five_arm_report().to_dict()
+    data["schema_version"] = 1
+    del data["best_plain"]
+    for ratios in data["ratios"].values():
+        del ratios["dslab/best_plain"]
+    stored = dict(data["ratios"]["124m"])
+    back = report_from_dict(data)
+    assert back.missing == [] and back.warnings == [] and back.schema_version == 1
+    assert back.best_plain_ratio("124m") == ("torch-compile-ro", pytest.approx(120 / 115))
+    assert {k: v for k, v in back.ratios["124m"].items() if k != "dslab/best_plain"} == stored
+    assert "dslab/best plain arm (torch-compile-ro)" in results_table(back)
+    assert "lacks" not in describe(back)
+    # cut short before the ratios were taken: nothing derived, still readable
+    data["ratios"] = {}
+    assert report_from_dict(data).best_plain_ratio("124m") is None
+
+
+def test_malformed_best_plain_is_ignored_with_a_warning():
+    data = five_arm_report().to_dict()
+    data["best_plain"] = ["torch"]
+    back = report_from_dict(data)
+    assert any("'best_plain' should be dict" in w for w in back.warnings)
+    assert back.best_plain_ratio("124m") is None
+    data["best_plain"] = {"124m": 7}
+    assert report_from_dict(data).best_plain_ratio("124m") is None
