@@ -280,6 +280,13 @@ def mfu_rows(data: dict) -> list[tuple[str, str]]:
             rows.append(("busy time / steady-state step", f"{steady['device_busy_over_step']:.3f}"))
     else:
         rows.append(("module times", "CUDA-event spans on the counted step (host gaps included)"))
+    if _number(device.get("steady_busy_ms")) is not None:
+        how = {True: "another profiler's hooks: eager", False: "no hooks"}.get(device.get("steady_busy_hooked"),
+                                                                               "hooks not recorded")
+        rows.append((f"device busy in step {device.get('steady_busy_step', '?')} ({how}) (ms)",
+                     num(device["steady_busy_ms"], ".2f")))
+        if _number(steady.get("steady_busy_over_step")) is not None:
+            rows.append(("busy share of a steady-state step", f"{steady['steady_busy_over_step']:.3f}"))
     rows += [
         ("counted step: TFLOP/s (with counting)" if steady else "achieved TFLOP/s",
          num(data.get("achieved_tflops"), ".4g")),

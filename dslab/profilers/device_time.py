@@ -257,9 +257,12 @@ class ModuleDeviceTimer:
 
     ``start()`` hooks every module and starts ``torch.profiler``; ``phase("optimizer")`` /
     ``phase(None)`` bracket the optimizer step; ``stop()`` stops both and returns
-    :func:`attribute`'s figures (module names as in ``named_modules``, the root ``""``)."""
+    :func:`attribute`'s figures (module names as in ``named_modules``, the root ``""``).
+    ``hooks=False`` adds no hooks: the step runs as every unprofiled step does (CUDA graphs
+    replayed), and only the totals (``busy_ms``, ``work_ms``, ``span_ms``) mean anything."""
 
     model: nn.Module
+    hooks: bool = True
     _handles: list = field(default_factory=list)
     _open: list = field(default_factory=list)
     _phase = None
@@ -270,7 +273,7 @@ class ModuleDeviceTimer:
             raise RuntimeError("ModuleDeviceTimer.start called twice without stop")
         device = next((t.device for t in (*self.model.parameters(), *self.model.buffers())), torch.device("cpu"))
         self.device_type = "cuda" if device.type == "cuda" else "cpu"
-        for name, module in self.model.named_modules():
+        for name, module in self.model.named_modules() if self.hooks else ():
             self._handles.append(module.register_forward_pre_hook(self._enter(MODULE_RANGE + name)))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
         activities = [torch.profiler.ProfilerActivity.CPU]

@@ -275,6 +275,12 @@ def _device_and_steady(r: dict) -> list[str]:
             f"{duration_to_string(_ms_to_s(device['span_ms']))} span",
             f"device-timed step ran: {device['mode']}",
         ]
+    if device and device.get("steady_busy_ms") is not None:
+        how = {True: "another profiler's hooks ran on it, so it ran eagerly",
+               False: "no hooks, as the steady state runs"}.get(device.get("steady_busy_hooked"), "hooks not recorded")
+        lines.append(f"device busy in step {device['steady_busy_step']} ({how}): "
+                     f"{duration_to_string(_ms_to_s(device['steady_busy_ms']))} of a "
+                     f"{duration_to_string(_ms_to_s(device['steady_span_ms']))} span")
     steady = r.get("steady_state")
     if steady:
         seconds = _ms_to_s(steady["step_ms"])
@@ -287,6 +293,8 @@ def _device_and_steady(r: dict) -> list[str]:
         ]
         if steady.get("device_busy_over_step") is not None:
             lines.append(f"device-timed step's busy time / steady-state step: {steady['device_busy_over_step']:.3f}")
+        if steady.get("steady_busy_over_step") is not None:
+            lines.append(f"busy time of a step without hooks / steady-state step: {steady['steady_busy_over_step']:.3f}")
     return lines
 
 

@@ -8,7 +8,11 @@ be measured truthfully.
    each module's forward and backward time is the time of the kernels it ran
    (:class:`dslab.profilers.device_time.ModuleDeviceTimer`), and a module's achieved TFLOP/s is
    its counted flops over that time.
-3. The steps after it, up to :data:`STEADY_STEPS` of them, are the **steady state**: one CUDA
+3. Step ``profile_step + 2`` runs as every unprofiled step does (no hooks: CUDA graphs replay)
+   under ``torch.profiler`` alone: its device busy time (``device_time.steady_busy_ms``) says how
+   far the module-timed step's kernels are from the steady state's, and how long the device idles
+   in a steady step.
+4. The steps after it, up to :data:`STEADY_STEPS` of them, are the **steady state**: one CUDA
    event at the begin of each (no synchronisation), read at :meth:`FlopsStepProfiler.records`; the whole model's achieved
    TFLOP/s and MFU are its counted flops over their median step time. A benchmark that timed the
    run itself replaces this figure with its own (``steady_state.source`` says whose it is).
@@ -33,6 +37,16 @@ from dslab.profilers.device_time import ModuleDeviceTimer
 from dslab.profilers.flops import FlopsProfiler, FlopsProfilerConfig
 
 STEADY_STEPS = 8
+
+
+def _module_hooks_present(model: nn.Module) -> bool:
+    """Whether any forward hook is on the model now (another profiler instrumenting this step, which
+    makes a CUDA-graphed layer stack run eagerly)."""
+    from torch.nn.modules import module as module_globals
+
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def timed_step_mode(model: nn.Module, cuda: bool) -> str:
@@ -89,7 +103,8 @@ def merge_device_time(records: dict, timed: dict, step: int, mode: str) -> dict:
 def steady_state(records: dict, step_times_ms: list[float], source: str) -> dict:
     """The whole model's figures at the median of ``step_times_ms``: ``{"step_ms", "steps",
     "source", "achieved_tflops", "mfu": {"measured", "datasheet"}}``, with the timed step's device
-    busy time beside it (``device_busy_over_step``) when the records have one."""
+    busy time beside it (``device_busy_over_step``) and an unhooked step's (``steady_busy_over_step``: the share of a
+    steady step the device is busy) when the records have them."""
     step_ms = statistics.median(step_times_ms)
     peaks = records.get("peaks") or {}
     total = records["total_flops"]
@@ -101,9 +116,11 @@ def steady_state(records: dict, step_times_ms: list[float], source: str) -> dict
         mfu["datasheet"] = tflops / peaks["datasheet_tflops"]
     out = {"step_ms": step_ms, "steps": len(step_times_ms), "source": source, "achieved_tflops": tflops,
            "mfu": mfu}
-    busy = (records.get("device_time") or {}).get("busy_ms")
-    if busy is not None and step_ms > 0:
-        out["device_busy_over_step"] = busy / step_ms
+    device = records.get("device_time") or {}
+    if device.get("busy_ms") is not None and step_ms > 0:
+        out["device_busy_over_step"] = device["busy_ms"] / step_ms
+    if device.get("steady_busy_ms") is not None and step_ms > 0:
+        out["steady_busy_over_step"] = device["steady_busy_ms"] / step_ms
     return out
 
 
@@ -122,6 +139,7 @@ class FlopsStepProfiler(Profiler):
         self._profiling_step: int | None = None
         self._timer: ModuleDeviceTimer | None = None
         self._timing_step: int | None = None
+        self._busy_timer: ModuleDeviceTimer | None = None
         self._printed = False
         self._steady_marks: list[tuple] = []  # (global step, mark at its first micro-step's begin)
         self._cuda = False
@@ -155,7 +173,11 @@ class FlopsStepProfiler(Profiler):
             self._timing_step = step
             self._timer = ModuleDeviceTimer(self.model)
             self._timer.start()
-        elif self._records is not None and step > self.config.profile_step + int(self.config.device_time) \
+        elif self._records is not None and self.config.device_time and step == self.config.profile_step + 2 \
+                and self._busy_timer is None and "steady_busy_ms" not in (self._records.get("device_time") or {}):
+            self._busy_timer = ModuleDeviceTimer(self.model, hooks=False)
+            self._busy_timer.start()
+        elif self._records is not None and step > self.config.profile_step + 2 * int(self.config.device_time) \
                 and len(self._steady_marks) <= STEADY_STEPS \
                 and (not self._steady_marks or self._steady_marks[-1][0] != step):
             self._steady_marks.append((step, self._mark()))
@@ -189,6 +211,18 @@ class FlopsStepProfiler(Profiler):
                                                 "error": f"{type(err).__name__}: {err}"}
             else:
                 merge_device_time(self._records, timed, self._timing_step, timed_step_mode(self.model, self._cuda))
+        elif self._busy_timer is not None:
+            timer, self._busy_timer = self._busy_timer, None
+            device = self._records.setdefault("device_time", {})
+            device["steady_busy_hooked"] = _module_hooks_present(self.model)
+            try:
+                busy = timer.stop()
+            except Exception as err:
+                device["steady_busy_error"] = f"{type(err).__name__}: {err}"
+            else:
+                device["steady_busy_step"] = step
+                device["steady_busy_ms"] = busy["busy_ms"]
+                device["steady_span_ms"] = busy["span_ms"]
             self._print()
 
     # -- results --------------------------------------------------------------------------------
@@ -240,12 +274,13 @@ class FlopsStepProfiler(Profiler):
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.end_profile()
-        timer, self._timer = self._timer, None
-        if timer is not None and timer.running:
-            try:
-                timer.stop()
-            except Exception:  # closing must release the hooks even when the profile failed
-                pass
+        for timer in (self._timer, self._busy_timer):
+            if timer is not None and timer.running:
+                try:
+                    timer.stop()
+                except Exception:  # closing must release the hooks even when the profile failed
+                    pass
+        self._timer = self._busy_timer = None
         self._profiling_step = None
         if self._records is not None:
             self._print()

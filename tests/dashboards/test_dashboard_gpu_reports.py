@@ -14,6 +14,8 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu_reports"
 RUNS = {"bert_large/20261123T195220Z-eb4df9": ("seq128", "seq512"),
         "gpt2/20261123T200744Z-0aa422": ("124m", "1.5b")}
+# Five arms (torch-compile-ro too), flops profiles with per-module device time and the steady state.
+RUNS_V2 = {"bert_large/20261125T002038Z-fe42e8": ("seq128", "seq512")}
 TABS = [("flops", 2, "Top modules per depth"), ("memory", 1, "Memory"),
         ("telemetry", 1, "Time series per GPU"), ("io", 0, "I/O")]
 
@@ -45,14 +47,15 @@ def gpu_server(gpu_reports):
 
 
 @pytest.mark.browser
-@pytest.mark.parametrize("run", sorted(RUNS))
+@pytest.mark.parametrize("run", sorted({**RUNS, **RUNS_V2}))
 def test_every_page_of_a_real_suite_report_renders(browser, gpu_server, shots, run):
     from test_dashboard_browser import _check_page
 
     suite = run.split("/")[0]
     page = _check_page(browser, gpu_server, shots, f"gpu_{suite}", f"/run/{run}", 4, "Arms")
-    assert "H100" in page and all(case in page for case in RUNS[run])
-    for case in RUNS[run]:
+    cases = {**RUNS, **RUNS_V2}[run]
+    assert "H100" in page and all(case in page for case in cases)
+    for case in cases:
         for tab, graphs, text in TABS:
             name = f"gpu_{suite}_{case}_{tab.strip('/')}"
             _check_page(browser, gpu_server, shots, name, f"/run/{run}/{tab}?case={case}", graphs, text)
@@ -71,7 +74,7 @@ def test_every_page_of_a_real_suite_report_renders(browser, gpu_server, shots, r
 def test_runs_page_lists_both_suites(browser, gpu_server, shots):
     from test_dashboard_browser import _check_page
 
-    text = _check_page(browser, gpu_server, shots, "gpu_runs", "/", 1, "Runs (2)")
+    text = _check_page(browser, gpu_server, shots, "gpu_runs", "/", 1, "Runs (3)")
     assert "bert_large" in text and "gpt2" in text
 
 
@@ -80,7 +83,7 @@ def test_trace_and_plots_of_real_reports(gpu_reports, tmp_path):
     from dslab.profilers.trace import write_trace
     from dslab.report import read_report
 
-    for run, cases in RUNS.items():
+    for run, cases in {**RUNS, **RUNS_V2}.items():
         trace = write_trace(gpu_reports / run)
         assert trace.name == "trace.pftrace" and trace.stat().st_size > 1000
         written, warnings = write_plots(read_report(gpu_reports / run / "run.json"), tmp_path / run)

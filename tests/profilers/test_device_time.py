@@ -178,11 +178,38 @@ def test_a_failed_device_timing_is_recorded_and_training_goes_on(monkeypatch, tm
         driver.on_step_end(step)
         assert not model._forward_hooks and not model[0]._forward_pre_hooks
     records = driver.records()
-    assert records["device_time"] == {"step": 1, "error": "ValueError: no activity records"}
+    device = records["device_time"]
+    assert (device["step"], device["error"]) == (1, "ValueError: no activity records")
+    assert device["steady_busy_error"] == "ValueError: no activity records"  # step 2's, likewise
     assert "forward_device_ms" not in records["modules"][1]
     assert "device time of step 1: not measured (ValueError: no activity records)" in out.read_text()
     from dashboards import views
     rows = dict(views.mfu_rows(records))
     assert "failed (ValueError: no activity records)" in rows["module times"]
     assert all(n["timing"] == "events" for n in views.flops_tree(records))
+    driver.close()
+
+
+def test_the_unhooked_step_says_when_another_profiler_hooked_it(tmp_path):
+    """Step profile_step + 2 is meant to run as the steady state does; when another profiler's
+    hooks are on the model during it (the memory tracer on the same step), the records say so."""
+    from dashboards import views
+    from dslab.profilers.flops_step import from_config
+
+    model = nn.Sequential(Block(16), Block(16))
+    out = tmp_path / "flops.txt"
+    driver = from_config({"enabled": True, "profile_step": 0, "output_file": str(out)})
+    driver.attach(model)
+    for step in range(3):
+        driver.on_step_begin(step)
+        handle = model[0].register_forward_hook(lambda *args: None) if step == 2 else None
+        model(torch.randn(4, 16)).sum().backward()
+        driver.on_step_end(step)
+        if handle is not None:
+            handle.remove()
+    device = driver.records()["device_time"]
+    assert device["steady_busy_step"] == 2 and device["steady_busy_hooked"] is True
+    assert "device busy in step 2 (another profiler's hooks ran on it, so it ran eagerly)" in out.read_text()
+    rows = dict(views.mfu_rows(driver.records()))
+    assert any(key.startswith("device busy in step 2 (another profiler's hooks: eager)") for key in rows)
     driver.close()

@@ -325,9 +325,9 @@ def test_config_defaults_and_errors():
 def test_engine_driver_profiles_only_its_step(tmp_path):
     """Hooks called by hand in the engine's order over global steps 0..5 with two micro-steps
     each: only the first micro-step of step 1 is counted (forward, backward, optimizer), the first
-    micro-step of step 2 is timed by device activity (hooks, no dispatch mode), steps 3..5 are the
-    steady state, the file gets the profile once, and the other steps run without the dispatch
-    mode or hooks."""
+    micro-step of step 2 is timed by device activity (hooks, no dispatch mode), step 3 runs under the
+    profiler alone, steps 4..6 are the steady state, the file gets the profile once, and the other
+    steps run without the dispatch mode or hooks."""
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
@@ -337,7 +337,7 @@ def test_engine_driver_profiles_only_its_step(tmp_path):
     driver.attach(model, optimizer)
     assert driver.records() == {"profiled": False, "profile_step": 1}
     x = torch.randn(6, 12)
-    for step in range(6):
+    for step in range(7):
         for micro in range(2):
             driver.on_step_begin(step)
             counting = step == 1 and micro == 0
@@ -368,10 +368,12 @@ def test_engine_driver_profiles_only_its_step(tmp_path):
     layers = [m for m in records["modules"] if m["name"].startswith("layers.")]
     assert len(layers) == 3 and all(m["forward_device_ms"] > 0 and m["backward_device_ms"] > 0 for m in layers)
     steady = records["steady_state"]
-    assert steady["steps"] == 2 and steady["step_ms"] > 0  # steps 3->4 and 4->5
+    assert device["steady_busy_step"] == 3 and 0 < device["steady_busy_ms"] <= device["steady_span_ms"]
+    assert device["steady_busy_hooked"] is False
+    assert steady["steps"] == 2 and steady["step_ms"] > 0  # steps 4->5 and 5->6
     assert steady["achieved_tflops"] == pytest.approx(records["total_flops"] / (steady["step_ms"] * 1e-3) / 1e12)
     text = out.read_text()
     assert text.count("Profile Summary at step 1") == 1 and "step latency:" in text
-    assert "device time of step 2" in text
+    assert "device time of step 2" in text and "device busy in step 3 (no hooks" in text
     driver.close()
     assert torch._C._len_torch_dispatch_stack() == 0 and not model._forward_hooks

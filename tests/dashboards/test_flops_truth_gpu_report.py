@@ -1,0 +1,65 @@
+"""The Flops page on a real GPU run (``dslab bench suites/bert_large``, five arms, 3 trials, one
+H100, kept under ``fixtures/gpu_reports``): the model's achieved TFLOP/s is the steady state's,
+within 10% of the run's own figure, and the 24 identical encoder layers read device times within
+10% of their median. The run before device timing (kept beside it) read 58.9 TFLOP/s for a model
+running at 325, and 5.0 ms and 10.2 ms for layers of the same shape."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from dashboards import views
+from dslab.report import read_report
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gpu_reports" / "bert_large"
+RUN = FIXTURES / "20261125T002038Z-fe42e8" / "run.json"
+BEFORE = FIXTURES / "20261123T195220Z-eb4df9" / "run.json"
+CASES = ("seq128", "seq512")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return read_report(RUN)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_model_tflops_on_the_page_is_the_runs(report, case):
+    flops = report.profilers["flops"][case]
+    run = report.result(case, "dslab").metrics["model_tflops"]
+    page = views.model_tflops(flops)
+    assert page == pytest.approx(run, rel=0.10)
+    rows = dict(views.mfu_rows(flops))
+    assert rows["achieved TFLOP/s (steady state)"] == format(page, ".4g")
+    assert "device time of the kernels" in rows["module times"]
+    # the counted step's own figure stays visible, labelled, and is far from the run's
+    assert float(rows["counted step: TFLOP/s (with counting)"]) < 0.5 * run
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_identical_layers_read_the_same_time(report, case):
+    nodes = {n["name"]: n for n in views.flops_tree(report.profilers["flops"][case])}
+    layers = [nodes[f"layers.{i}"] for i in range(24)]
+    assert all(n["timing"] == "device" for n in layers)
+    times = [n["latency_ms"] for n in layers]
+    middle = statistics.median(times)
+    assert max(times) <= 1.10 * middle and min(times) >= 0.90 * middle, times
+    # and every layer's achieved rate is the same story
+    rates = [n["tflops"] for n in layers]
+    assert max(rates) <= 1.10 * statistics.median(rates) and min(rates) >= 0.90 * statistics.median(rates)
+
+
+def test_the_report_before_device_timing_shows_what_it_measured():
+    """The older report has no device times: the page falls back to the counted step's spans and
+    says so, instead of passing them off as the run's speed."""
+    before = read_report(BEFORE)
+    flops = before.profilers["flops"]["seq128"]
+    rows = dict(views.mfu_rows(flops))
+    assert rows["steady state"].startswith("not in this report")
+    assert rows["module times"] == "CUDA-event spans on the counted step (host gaps included)"
+    nodes = {n["name"]: n for n in views.flops_tree(flops)}
+    spans = [nodes[f"layers.{i}"]["latency_ms"] for i in range(24)]
+    assert max(spans) > 1.5 * min(spans)  # why the device timing exists
+    assert all(nodes[f"layers.{i}"]["timing"] == "events" for i in range(24))
