@@ -244,6 +244,15 @@ def _flops_tab(report, suite, run_id, case) -> list:
 
     out += guarded("Flops by module", tree)
     out += guarded("MFU", lambda: key_value(views.mfu_rows(data)))
+    def breakdown():
+        rows = views.step_breakdown(data)
+        if not rows:
+            return [html.P("this profile has no device times (recorded before dslab timed modules by their "
+                           "kernels, or the timing failed)", id="flops-breakdown-empty")]
+        return [table("flops-breakdown", rows, [("part", "part"), ("device_ms", "device ms"),
+                                                ("share_of_step_pct", "% of the steady step")])]
+
+    out += guarded("Where the step went (device time)", breakdown)
     out += guarded("Top modules per depth", lambda: table("flops-top", views.top_modules(nodes)))
 
     def roof():

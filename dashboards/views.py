@@ -302,6 +302,39 @@ def mfu_rows(data: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def step_breakdown(data: dict) -> list[dict]:
+    """Where the device-timed step's time went, against the steady-state step: one row each for
+    the model's top-level submodules together, the model's own ops outside them (a functional
+    LM head, the loss), the optimizer step, work outside the model, and the rest of the steady
+    step (the device idle, or waiting on the host). ``[]`` without device times."""
+    data = _dict(data, "flops")
+    device = data.get("device_time") if isinstance(data.get("device_time"), dict) else {}
+    if _number(device.get("forward_ms")) is None:
+        return []
+    modules = [m for m in _list(data.get("modules"), "flops.modules") if isinstance(m, dict)]
+    root = next((m for m in modules if m.get("name") == ""), None)
+
+    def device_ms(m) -> float:
+        return (_number(m.get("forward_device_ms")) or 0.0) + (_number(m.get("backward_device_ms")) or 0.0)
+
+    model_ms = (_number(device.get("forward_ms")) or 0.0) + (_number(device.get("backward_ms")) or 0.0)
+    children_ms = sum(device_ms(m) for m in modules if m.get("depth") == 1)
+    unattributed = device.get("unattributed_ms") if isinstance(device.get("unattributed_ms"), dict) else {}
+    steady = data.get("steady_state") if isinstance(data.get("steady_state"), dict) else {}
+    step_ms = _number(steady.get("step_ms"))
+    rows = [
+        ("top-level submodules (forward + backward)", children_ms if root is not None else model_ms),
+        ("the model's own ops outside them", model_ms - children_ms if root is not None else 0.0),
+        ("optimizer step", _number(device.get("optimizer_ms")) or 0.0),
+        ("outside the model and the optimizer", sum(v for v in unattributed.values() if _number(v) is not None)),
+    ]
+    busy = _number(device.get("busy_ms"))
+    if step_ms is not None and busy is not None:
+        rows.append(("rest of the steady-state step (device idle or overlapping work)", step_ms - busy))
+    return [{"part": part, "device_ms": ms, "share_of_step_pct": 100 * ms / step_ms if step_ms else None}
+            for part, ms in rows]
+
+
 def model_tflops(data: dict) -> float | None:
     """The whole model's achieved TFLOP/s the Flops page shows: the steady state's where the
     profile has one, else the counted step's."""

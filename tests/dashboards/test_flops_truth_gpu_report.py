@@ -63,3 +63,29 @@ def test_the_report_before_device_timing_shows_what_it_measured():
     spans = [nodes[f"layers.{i}"]["latency_ms"] for i in range(24)]
     assert max(spans) > 1.5 * min(spans)  # why the device timing exists
     assert all(nodes[f"layers.{i}"]["timing"] == "events" for i in range(24))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_step_breakdown_accounts_for_the_steady_step(report, case):
+    """Submodules, the model's own ops, the optimizer, work outside the model and the rest add up
+    to the steady-state step; on BERT the rest (the device idle around the sparse-MLM sync, or
+    waiting on the host) is a tenth of the step, and the page shows the table."""
+    flops = report.profilers["flops"][case]
+    rows = {r["part"]: r for r in views.step_breakdown(flops)}
+    step = flops["steady_state"]["step_ms"]
+    assert sum(r["device_ms"] for r in rows.values()) == pytest.approx(step, rel=0.01)
+    layers = next(m for m in flops["modules"] if m["name"] == "layers")
+    top = rows["top-level submodules (forward + backward)"]["device_ms"]
+    assert top >= layers["forward_device_ms"] + layers["backward_device_ms"]
+    assert rows["optimizer step"]["device_ms"] == pytest.approx(flops["device_time"]["optimizer_ms"])
+    rest = rows["rest of the steady-state step (device idle or overlapping work)"]["share_of_step_pct"]
+    assert 5 < rest < 20
+
+    from dashboards.app import render
+    from dashboards.data import RunStore
+
+    run = f"bert_large/{RUN.parent.name}"
+    text = str(render(RunStore(FIXTURES.parent), f"/run/{run}/flops", f"?case={case}"))
+    assert "flops-breakdown" in text and "flops-breakdown-empty" not in text
+    old = str(render(RunStore(FIXTURES.parent), f"/run/bert_large/{BEFORE.parent.name}/flops", f"?case={case}"))
+    assert "flops-breakdown-empty" in old and "could not be drawn" not in old
