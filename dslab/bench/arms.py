@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from dslab.bench.parking import park_training_state, unpark_training_state
 from dslab.bench.workloads import Workload
 
 INJECT_SLEEP_ENV = "DSLAB_INJECT_STEP_SLEEP_MS"
@@ -50,38 +51,6 @@ def _optimizer_settings(engine_cfg: dict) -> dict:
     keep = {k: params[k] for k in ("lr", "betas", "eps", "weight_decay") if k in params}
     keep.setdefault("lr", 1e-4)
     return keep
-
-
-def move_training_state(module: torch.nn.Module, optimizer, device: torch.device) -> None:
-    """Move parameters, buffers, gradients and optimizer states to ``device`` in place (the
-    Parameter objects stay the same, so optimizers and compiled graphs keep their references).
-
-    To the host the copies are blocking, into ordinary (pageable) memory: a non-blocking copy from
-    the GPU lands in torch's pinned-host cache, which rounds every block up to a power of two and
-    never hands memory back: four parked GPT-2 1.5B arms plus the blocks cached from the running
-    arm's last parking come to more than the 128 GiB of the host on which such a five-arm run was
-    killed."""
-    non_blocking = device.type != "cpu"
-    with torch.no_grad():
-        for p in module.parameters():
-            p.data = p.data.to(device, non_blocking=non_blocking)
-            if p.grad is not None:
-                p.grad = p.grad.to(device, non_blocking=non_blocking)
-        for name, buf in module.named_buffers():
-            buf.data = buf.data.to(device, non_blocking=non_blocking)
-    if optimizer is not None:
-        # torch's Adam family keeps 'step' on the host unless it runs fused or capturable.
-        steps_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
-        for state in optimizer.state.values():
-            for key, value in state.items():
-                if not torch.is_tensor(value):
-                    continue
-                target = device if key != "step" or steps_on_device else torch.device("cpu")
-                if value.device != target:
-                    state[key] = value.to(target, non_blocking=target.type != "cpu")
-    if device.type == "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def inject_sleep_ms() -> float:
@@ -139,10 +108,11 @@ class EngineArm:
         release = getattr(self.engine.module, "release_cuda_graphs", None)
         if release is not None:
             release()  # the graphs' memory pools hold a whole forward's activations
-        move_training_state(self.engine.module, self.engine.optimizer, torch.device("cpu"))
+        self._parked = park_training_state(self.engine.module, self.engine.optimizer)
 
     def unpark(self) -> None:
-        move_training_state(self.engine.module, self.engine.optimizer, self.engine.device)
+        unpark_training_state(self.engine.module, self.engine.optimizer, self._parked, self.engine.device)
+        self._parked = None
 
     def records(self) -> dict[str, dict]:
         """The engine's profiler records (flops, memory, comms, telemetry, wall clock)."""
@@ -241,10 +211,11 @@ class PlainArm:
         return reported
 
     def park(self) -> None:
-        move_training_state(self.model, self.optimizer, torch.device("cpu"))
+        self._parked = park_training_state(self.model, self.optimizer)
 
     def unpark(self) -> None:
-        move_training_state(self.model, self.optimizer, self.device)
+        unpark_training_state(self.model, self.optimizer, self._parked, self.device)
+        self._parked = None
 
     def close(self) -> None:
         del self.model, self.optimizer, self.forward
