@@ -25,6 +25,7 @@ from dslab.comm.process import (
     get_world_size,
     init_distributed,
     is_initialized,
+    new_group,
 )
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_initialized",
+    "new_group",
     "log_summary",
     "reduce_scatter_tensor",
     "remove_observer",

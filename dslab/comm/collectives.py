@@ -165,13 +165,28 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     )
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group=None, async_op: bool = False):
+    """Scatter slices of ``input`` (along dim 0) to the ranks of ``group`` and gather theirs into
+    ``output``. Without split sizes the slices are equal; with them, ``input_split_sizes[r]`` rows
+    go to rank r and ``output_split_sizes[r]`` rows come from it (an expert-parallel exchange of
+    variable token counts).
+
+    The observed size is the input's; the record's ``extra`` carries the split sizes when given.
+    """
     if not is_initialized():
         output.copy_(input)
         return None
+    extra = {}
+    if output_split_sizes is not None or input_split_sizes is not None:
+        extra = {"input_split_sizes": list(input_split_sizes or []),
+                 "output_split_sizes": list(output_split_sizes or [])}
     return _issue(
         "all_to_all", input, group, async_op,
-        lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op),
+        lambda: dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                       input_split_sizes=input_split_sizes, group=group,
+                                       async_op=async_op),
+        **extra,
     )
 
 

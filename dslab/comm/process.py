@@ -28,6 +28,12 @@ def get_world_size(group=None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
+def new_group(ranks: list[int]):
+    """A process group over ``ranks`` (every rank of the world must call this, in the same order,
+    for every group created); None when not distributed."""
+    return dist.new_group(ranks=list(ranks)) if is_initialized() else None
+
+
 def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
