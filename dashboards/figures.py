@@ -287,3 +287,17 @@ def compare_bar(a, b, metric: str = "samples_per_s") -> go.Figure:
     fig.update_layout(barmode="group")
     fig.update_yaxes(title=metric)
     return _layout(fig, f"{metric}: run A beside run B", height=380)
+
+
+def expert_load_heatmap(load: dict, case: str) -> go.Figure:
+    """MoE layers x experts, each cell the expert's share of the layer's assignments (%), the
+    counts in the hover; the dropped share of assignments in the title."""
+    fig = go.Figure(go.Heatmap(
+        z=load["share_pct"], x=load["experts"], y=load["layers"], colorscale="Viridis", zmin=0,
+        colorbar={"title": "% of the layer's<br>assignments"}, customdata=load["counts"],
+        texttemplate="%{z:.1f}%", hovertemplate="%{y}, %{x}<br>%{customdata} assignments (%{z:.1f}%)<extra></extra>"))
+    fig.update_yaxes(autorange="reversed")
+    uniform = 100 / len(load["experts"]) if load["experts"] else 0.0
+    title = (f"{case}: expert load (uniform: {uniform:.1f}% per expert)"
+             f"<br><sup>dropped {load['dropped_pct']:.2f}% of the assignments</sup>")
+    return _layout(fig, title, height=200 + 36 * len(load["layers"]))

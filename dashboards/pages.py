@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 TABS = (("", "Run"), ("flops", "Flops"), ("comms", "Comms"), ("memory", "Memory"),
         ("telemetry", "Telemetry"), ("io", "I/O"))
+# Shown only for a run with MoE records (views.has_moe).
+EXPERTS_TAB = ("experts", "Expert load")
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 HEADLINE_METRIC = "samples_per_s"
 PAGE_SIZE = 25
@@ -153,9 +155,9 @@ def compare_href(a: str | None, b: str | None) -> str:
 # -- one run ----------------------------------------------------------------------------------
 
 
-def _nav(suite: str, run_id: str, current: str) -> html.Div:
+def _nav(suite: str, run_id: str, current: str, moe: bool = False) -> html.Div:
     links = []
-    for tab, label in TABS:
+    for tab, label in TABS + ((EXPERTS_TAB,) if moe else ()):
         href = f"/run/{quote(suite)}/{quote(run_id)}" + (f"/{tab}" if tab else "")
         links.append(dcc.Link(label, href=href, className="tab current" if tab == current else "tab"))
     return html.Div(links, className="tabs")
@@ -184,7 +186,7 @@ def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
         *[warning(p) for p in problems],
         *[html.P(f"note: {n}", className="note") for n in report.notes],
         trace_line,
-        _nav(suite, run_id, tab),
+        _nav(suite, run_id, tab, views.has_moe(report)),
     ]
 
 
@@ -200,7 +202,7 @@ def run_page(store: RunStore, suite: str, run_id: str, tab: str = "", case: str 
     """The run's page: its header, navigation, and the chosen tab's sections."""
     report = store.report(suite, run_id)
     body = {"": _run_tab, "flops": _flops_tab, "comms": _comms_tab, "memory": _memory_tab,
-            "telemetry": _telemetry_tab, "io": _io_tab}.get(tab)
+            "telemetry": _telemetry_tab, "io": _io_tab, "experts": _experts_tab}.get(tab)
     if body is None:
         raise FileNotFoundError(f"no page {tab!r}")
     return _header(store, report, suite, run_id, tab) + body(report, suite, run_id, case)
@@ -211,6 +213,8 @@ def _run_tab(report, suite, run_id, case) -> list:
                ("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"), ("step_time_ms", "step ms"),
                ("spread_pct", "spread %"), ("model_tflops", "TFLOP/s"), ("mfu_pct", "MFU %"), ("peak_gib", "peak GiB"),
                ("dslab_over_arm", "dslab/arm"), ("best_plain", "best plain"), ("error", "error")]
+    if views.has_moe(report):
+        columns.insert(9, ("expert_tflops", "expert TFLOP/s"))
     out = guarded("dslab against the best plain-PyTorch arm", lambda: _best_plain_section(report))
     out += guarded("Arms", lambda: table("arms-table", views.arm_rows(report), columns))
     for c in report.cases():
@@ -305,6 +309,43 @@ def _telemetry_tab(report, suite, run_id, case) -> list:
         out.append(html.P(f"telemetry was not available: {data.get('reason') or 'no reason given'}", className="note"))
     out += guarded("Time series per GPU", lambda: graph(
         "telemetry-series", figures.telemetry(views.telemetry_series(data), chosen)))
+    return out
+
+
+def _experts_tab(report, suite, run_id, case) -> list:
+    cases, chosen, data = views.section(report, "moe", case)
+    if data is None:
+        return [html.P("no MoE records in this run (not a mixture-of-experts suite)", id="experts-empty")]
+    out = [_case_links(suite, run_id, "experts", cases, chosen)]
+    load = {}
+
+    def heatmap():
+        load.update(views.expert_load(data))
+        return graph("expert-load-heatmap", figures.expert_load_heatmap(load, chosen))
+
+    out += guarded("Expert load per MoE layer", heatmap)
+
+    def summary():
+        if not load:
+            return []
+        return [key_value([("dropped assignments", f"{load['dropped_pct']:.2f}%"),
+                           ("experts, top-k", f"{load['num_experts']}, top-{load['k']}"),
+                           ("tokens per step (this rank)", str(load["tokens_per_step"])),
+                           ("dropless", "yes" if load["drop_tokens"] is False else "no"),
+                           ("source", str(data.get("source", "-")))], "kv"),
+                table("expert-load-layers", load["rows"], [
+                    ("layer", "layer"), ("assignments", "assignments"), ("dropped", "dropped"),
+                    ("dropped_pct", "dropped %"), ("max_over_mean", "max / mean"), ("capacity", "capacity")])]
+
+    out += guarded("Dropped assignments", summary)
+    out += guarded("Expert TFLOP/s per arm", lambda: table(
+        "expert-tflops", views.expert_tflops_rows(report, chosen, data), [
+            ("arm", "arm"), ("status", "status"), ("expert_gflops_per_step", "expert GFLOP per step"),
+            ("step_time_ms", "step ms"), ("expert_tflops", "expert TFLOP/s")]))
+    rows = views.all_to_all_rows(data)
+    if rows:
+        out += guarded("all_to_all (expert parallelism)", lambda: table("expert-all-to-all", rows))
+    out.append(html.P(views.EXPERT_LOAD_NOTE, className="note"))
     return out
 
 

@@ -172,7 +172,26 @@ def _telemetry(plt, report: RunReport, case: str):
     return fig
 
 
-VIEWS = (("arms", _arms), ("flops", _flops), ("comms", _comms), ("memory", _memory), ("telemetry", _telemetry))
+def _experts(plt, report: RunReport, case: str):
+    data = views.section(report, "moe", case)[2]
+    if data is None:
+        return None
+    load = views.expert_load(data)
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(load["experts"]) + 3), 1.5 + 0.5 * len(load["layers"])))
+    image = ax.imshow(load["share_pct"], aspect="auto", cmap="viridis", vmin=0, interpolation="nearest")
+    ax.set_xticks(range(len(load["experts"])), [e.split()[-1] for e in load["experts"]])
+    ax.set_yticks(range(len(load["layers"])), load["layers"])
+    for row, shares in enumerate(load["share_pct"]):
+        for col, share in enumerate(shares):
+            ax.text(col, row, f"{share:.0f}", ha="center", va="center", color="white", fontsize=8)
+    ax.set_xlabel("expert")
+    fig.colorbar(image, ax=ax, label="% of the layer's assignments")
+    ax.set_title(f"{case}: expert load\ndropped {load['dropped_pct']:.2f}% of the assignments", fontsize=10)
+    return fig
+
+
+VIEWS = (("arms", _arms), ("flops", _flops), ("comms", _comms), ("memory", _memory), ("telemetry", _telemetry),
+         ("experts", _experts))
 
 
 def write_plots(report: RunReport, out_dir: str | Path) -> tuple[list[Path], list[str]]:
@@ -201,7 +220,7 @@ def write_plots(report: RunReport, out_dir: str | Path) -> tuple[list[Path], lis
 def _cases(report: RunReport) -> list[str]:
     """The report's cases and any case a profiler section holds."""
     cases = report.cases()
-    for section in ("flops", "memory", "comms", "telemetry"):
+    for section in ("flops", "memory", "comms", "telemetry", "moe"):
         try:
             cases += views.section(report, section)[0]
         except ValueError:

@@ -76,7 +76,8 @@ def section(report: RunReport, name: str, case: str | None = None) -> tuple[list
 def arm_rows(report: RunReport) -> list[dict]:
     """One row per (case, arm): medians over trials, the spread of step time over trials (half
     the range, % of the median), ``dslab/arm`` from the report's ratios, and ``best_plain``
-    (True on the case's best plain-PyTorch arm, see :func:`best_plain_rows`)."""
+    (True on the case's best plain-PyTorch arm, see :func:`best_plain_rows`); ``expert_tflops``
+    is None outside MoE runs."""
     rows = []
     for r in report.results:
         m = r.metrics
@@ -90,7 +91,7 @@ def arm_rows(report: RunReport) -> list[dict]:
             "case": r.case, "arm": r.arm, "status": r.status, "trials": len(r.trials),
             "samples_per_s": m.get("samples_per_s"), "tokens_per_s": m.get("tokens_per_s"),
             "step_time_ms": m.get("step_time_ms"), "spread_pct": spread,
-            "model_tflops": m.get("model_tflops"),
+            "model_tflops": m.get("model_tflops"), "expert_tflops": m.get("expert_tflops"),
             "mfu_pct": 100 * mfu if (mfu := m.get("mfu_measured", m.get("mfu_datasheet"))) is not None else None,
             "peak_gib": m["peak_memory_bytes"] / 2**30 if m.get("peak_memory_bytes") is not None else None,
             "dslab_over_arm": _number(ratios.get(f"dslab/{r.arm}")),
@@ -520,3 +521,88 @@ def telemetry_series(data: dict) -> list[dict]:
             series[name] = [_number(s.get(name)) for s in samples]
         out.append(series)
     return out
+
+
+# -- experts (MoE) ----------------------------------------------------------------------------
+
+EXPERT_LOAD_NOTE = (
+    "Routing of the dslab arm's last timed step (rank 0's tokens): each cell is the share of the layer's "
+    "(token, expert) assignments that chose the expert, before capacity dropping; a uniform router gives "
+    "1 / experts in every cell. Dropped: assignments past their expert's capacity (none when dropless). "
+    "Expert TFLOP/s: the arm's expert flops per step over its step time (12 x hidden x ffn per kept "
+    "assignment and MoE layer; the hf arm's gated experts do three matrices)."
+)
+
+
+def has_moe(report: RunReport) -> bool:
+    """Whether the report holds MoE records (``profilers["moe"]`` with a case)."""
+    raw = report.profilers.get("moe") if isinstance(report.profilers, dict) else None
+    return isinstance(raw, dict) and any(isinstance(v, dict) for v in raw.values())
+
+
+def expert_load(data: dict) -> dict:
+    """One case's MoE record (``profilers["moe"][case]``) as a layer x expert table.
+
+    Returns ``{"layers": ["layer 1", ...], "experts": ["expert 0", ...], "counts": [[int]],
+    "share_pct": [[% of the layer's assignments]], "rows": [per layer: "layer", "assignments",
+    "dropped", "dropped_pct", "max_over_mean", "capacity"], "dropped_pct": over every layer,
+    "num_experts", "k", "tokens_per_step", "drop_tokens"}``. Raises ValueError when the record
+    has no layers or a layer's counts are not a list of numbers of one length."""
+    data = _dict(data, "moe")
+    layers = _list(data.get("layers"), "moe.layers")
+    if not layers:
+        raise ValueError("moe.layers is empty")
+    labels, counts, shares, rows = [], [], [], []
+    width = None
+    for i, layer in enumerate(layers):
+        layer = _dict(layer, f"moe.layers[{i}]")
+        values = _list(layer.get("exp_counts"), f"moe.layers[{i}].exp_counts")
+        if not values or any(_number(v) is None for v in values):
+            raise ValueError(f"moe.layers[{i}].exp_counts should be a list of numbers")
+        if width is not None and len(values) != width:
+            raise ValueError(f"moe.layers[{i}].exp_counts has {len(values)} experts, the first layer {width}")
+        width = len(values)
+        total = sum(values)
+        dropped = _number(layer.get("dropped")) or 0.0
+        labels.append(f"layer {layer.get('layer', i)}")
+        counts.append([int(v) for v in values])
+        shares.append([100 * v / total if total else 0.0 for v in values])
+        rows.append({"layer": labels[-1], "assignments": total, "dropped": dropped,
+                     "dropped_pct": 100 * dropped / total if total else 0.0,
+                     "max_over_mean": max(values) * len(values) / total if total else None,
+                     "capacity": _number(layer.get("capacity"))})
+    fraction = _number(data.get("dropped_fraction"))
+    if fraction is None:
+        assigned = sum(r["assignments"] for r in rows)
+        fraction = sum(r["dropped"] for r in rows) / assigned if assigned else 0.0
+    def count(key):
+        value = _number(data.get(key))
+        return None if value is None else int(value)
+
+    return {"layers": labels, "experts": [f"expert {e}" for e in range(width)], "counts": counts,
+            "share_pct": shares, "rows": rows, "dropped_pct": 100 * fraction,
+            "num_experts": count("num_experts") or width, "k": count("k"),
+            "tokens_per_step": count("tokens_per_step"), "drop_tokens": data.get("drop_tokens")}
+
+
+def expert_tflops_rows(report: RunReport, case: str, data: dict | None = None) -> list[dict]:
+    """Per arm of ``case``: its expert flops per step (from the MoE record, where it has them),
+    median step time and expert TFLOP/s (median over trials)."""
+    flops = (data or {}).get("expert_flops_per_step") if isinstance((data or {}).get("expert_flops_per_step"),
+                                                                      dict) else {}
+    rows = []
+    for r in report.results:
+        if r.case != case:
+            continue
+        rows.append({"arm": r.arm, "status": r.status,
+                     "expert_gflops_per_step": _number(flops.get(r.arm)) / 1e9 if _number(flops.get(r.arm)) else None,
+                     "step_time_ms": r.metrics.get("step_time_ms"), "expert_tflops": r.metrics.get("expert_tflops")})
+    return rows
+
+
+def all_to_all_rows(data: dict) -> list[dict]:
+    """The record's ``all_to_all`` rows (expert parallelism), in the comms table's columns."""
+    raw = _dict(data, "moe").get("all_to_all")
+    if raw is None:
+        return []
+    return comms_op_rows({"ops": _list(raw, "moe.all_to_all")})

@@ -10,7 +10,8 @@
   (cudagraph trees) for the forward and the backward; the optimizer stays eager. The strongest
   plain-PyTorch configuration a user would pick (``PlainArm`` says how parking and the loss work
   with the graphs).
-- ``hf``: transformers' model of the same shape in the ``torch`` arm's loop.
+- ``hf``: transformers' model of the same shape in the ``torch`` arm's loop (for the MoE
+  families, transformers' Mixtral sparse-MoE block: :mod:`dslab.bench.hf_moe`).
 
 ``torch``, ``torch-compile``, ``torch-compile-ro`` and ``hf`` are the plain-PyTorch arms
 (:data:`PLAIN_ARMS`); the summary compares ``dslab`` against the fastest of them in each case.
@@ -122,6 +123,11 @@ class EngineArm:
         """The layer stack's graph captures, replays and eager calls (empty when graphs are off)."""
         return dict(getattr(self.engine.module, "cuda_graph_stats", {}) or {})
 
+    def moe_stats(self) -> list[dict] | None:
+        """The MoE layers' routing of the last step (device tensors), None for a dense model."""
+        stats = getattr(self.engine.module, "moe_stats", None)
+        return stats() if callable(stats) else None
+
     def close(self) -> None:
         self.engine.destroy()
         del self.engine
@@ -227,6 +233,9 @@ def build_arm(name: str, workload: Workload, device: torch.device, precision: st
     the others are single-process loops and raise :class:`ArmSkipped`."""
     if name != "dslab" and world_size > 1:
         raise ArmSkipped(f"single-process arm; not run with WORLD_SIZE={world_size}")
+    if name != "dslab" and workload.is_moe and workload.model_config().ep_size > 1:
+        raise ArmSkipped(f"ep_size={workload.model_config().ep_size}: expert parallelism is the dslab arm's; "
+                         f"the plain arms keep every expert on one rank")
     if name == "dslab":
         return EngineArm(workload, device, precision, engine_cfg, profile_dir, measured_peak_tflops)
     if name == "hf":

@@ -4,9 +4,11 @@ For each case, every arm is built once (same seed, same synthetic batch), then t
 interleaved: trial 0 of every arm, then trial 1 with the arm order rotated, and so on, so slow
 drifts of the machine (clocks, temperature, neighbours) fall on all arms alike. Each arm's first
 trial starts with the suite's warm-up steps (compilation, autotuning); later trials settle for
-two steps before they are timed. The report is
-rewritten atomically after every trial; an arm that fails is recorded with its error and the
-others go on; Ctrl-C leaves the report marked incomplete.
+two steps before they are timed. For a mixture-of-experts case the dslab arm's routing after its
+last step goes into ``profilers["moe"][case]`` and every arm gets ``expert_tflops``
+(:mod:`dslab.bench.moe_report`). The report is rewritten atomically after every trial; an arm
+that fails is recorded with its error and the others go on; Ctrl-C leaves the report marked
+incomplete.
 
 Started on several processes (torchrun or ``dslab launch``, ``WORLD_SIZE`` > 1), the runner
 joins the process group and every rank builds the ``dslab`` arm and steps it in lockstep: the
@@ -41,6 +43,7 @@ import torch
 from dslab import comm
 from dslab.bench.arms import PRECISION_DTYPES, ArmSkipped, build_arm, inject_sleep_ms
 from dslab.bench.measure import count_step_flops, measure_peaks, run_trial, trial_metrics
+from dslab.bench.moe_report import expert_tflops, moe_record, stats_to_host
 from dslab.bench.suite import SuiteConfig, load_suite, select_arms
 from dslab.bench.workloads import Workload, workloads_for
 from dslab.profilers.flops_step import steady_state
@@ -220,7 +223,7 @@ def run_suite(
         "warmup_steps": n_warmup,
         "precision": suite.precision,
         "family": suite.family,
-        "cases": [{**w.case.model_dump(), "preset": w.preset} for w in workloads],
+        "cases": [{**w.case.model_dump(), "preset": w.preset, "family": w.family} for w in workloads],
         "model_options": suite.model_options,
         "engine": engine,
         "zero_stage": int((engine.get("zero_optimization") or {}).get("stage", 0)),
@@ -273,6 +276,43 @@ def _steady_state_from_trials(report: RunReport, case: str) -> None:
     record["steady_state"] = steady_state(
         record, times, f"the benchmark: median of the dslab arm's {len(times)} timed steps over "
                        f"{len(result.trials)} trial(s)")
+
+
+def _record_moe(report: RunReport, workload: Workload, dslab_arm, arm_names: list[str], progress: Progress,
+                suite_name: str) -> None:
+    """``profilers["moe"][case]`` from the dslab arm's routing after its last step (read to the
+    host once), and every arm's ``expert_tflops`` (:mod:`dslab.bench.moe_report`)."""
+    case = workload.case.name
+    plain = [a for a in arm_names if a != "dslab"]
+    record = None
+    if dslab_arm is not None:
+        try:
+            stats = dslab_arm.moe_stats()
+            if stats:
+                comms = (report.profilers.get("comms") or {}).get(case)
+                record = moe_record(workload, stats_to_host(stats), plain, comms)
+        except Exception as err:  # the routing is informative; the timings stand without it
+            report.notes.append(f"{case}: MoE routing could not be read: {_error_text(err).splitlines()[0]}")
+    if record is not None:
+        if report.profilers.get("moe") is None:
+            report.profilers["moe"] = {}
+        report.profilers["moe"][case] = record
+        flops = record["expert_flops_per_step"]
+        loads = ", ".join(f"layer {layer['layer']} max/mean {layer['max_over_mean']:.2f}" for layer in record["layers"]
+                          if layer["max_over_mean"] is not None)
+        progress.line(f"[{suite_name} {case}] dslab routing after its last step: {loads}; "
+                      f"dropped {record['dropped_fraction']:.1%} of {record['assignments']} assignments")
+    else:
+        flops = {arm: workload.expert_flops_per_step(hf=arm == "hf") for arm in arm_names}
+    for arm in arm_names:
+        result = report.result(case, arm)
+        if result is None or not result.trials:
+            continue
+        for trial in result.trials:
+            value = expert_tflops(flops.get(arm), trial.metrics.get("step_time_ms"))
+            if value is not None:
+                trial.metrics["expert_tflops"] = value
+        result.summarize()
 
 
 def _needs_parking(workload: Workload, n_arms: int, device: torch.device) -> bool:
@@ -383,6 +423,8 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
         if graph_stats:
             counts = ", ".join(f"{k} {v}" for k, v in sorted(graph_stats.items()))
             report.notes.append(f"{case}: dslab arm CUDA graphs of the layer stack: {counts}")
+    if workload.is_moe:
+        _record_moe(report, workload, built.get("dslab"), arm_names, progress, suite.name)
     for arm in built.values():
         arm.close()
     built.clear()

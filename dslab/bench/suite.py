@@ -1,9 +1,9 @@
 """Suite configs: ``suites/<name>/suite.json``.
 
 A suite names a model family, the cases it measures (a sequence length, a micro-batch, optionally
-a model preset per case), the scales (``full`` for GPUs, ``tiny`` for a CPU, seconds long), the
-precision, the engine config in DeepSpeed's keys, the warm-up/measured steps and trials, and the
-arms. A scale may override any of the run settings and every case's fields::
+a model preset and a family of their own per case), the scales (``full`` for GPUs, ``tiny`` for a
+CPU, seconds long), the precision, the engine config in DeepSpeed's keys, the warm-up/measured
+steps and trials, and the arms. A scale may override any of the run settings and every case's fields::
 
     {
       "name": "bert_large",
@@ -17,6 +17,10 @@ arms. A scale may override any of the run settings and every case's fields::
         "tiny": {...}
       }
     }
+
+A suite may mix families: a case with ``"family"`` runs that family instead of the suite's, and
+then names its ``"preset"`` (the scale's preset belongs to the suite's family). ``suites/moe`` times
+the MoE layer alone (``moe_layer``) beside GPT-2-MoE (``gpt2_moe``) this way.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from dslab.config_base import ConfigSection, parse_section
 
 ArmName = Literal["dslab", "torch", "torch-compile", "torch-compile-ro", "hf"]
 ARMS: tuple[str, ...] = get_args(ArmName)  # dslab/bench/arms.py says what each arm runs
-FAMILIES = ("bert", "gpt2")
+FamilyName = Literal["bert", "gpt2", "gpt2_moe", "moe_layer"]
+FAMILIES: tuple[str, ...] = get_args(FamilyName)  # dslab/bench/workloads.py says what each trains
 SCALES = ("full", "tiny")
 SUITE_FILE = "suite.json"
 
@@ -41,6 +46,7 @@ class CaseConfig(ConfigSection):
     seq_len: int = Field(ge=2)
     micro_batch: int = Field(ge=1)
     preset: str | None = None
+    family: FamilyName | None = None
     model_options: dict = Field(default_factory=dict)
 
 
@@ -63,7 +69,7 @@ class ScaleConfig(ConfigSection):
 class SuiteConfig(ConfigSection):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
-    family: Literal["bert", "gpt2"]
+    family: FamilyName
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     model_options: dict = Field(default_factory=dict)
     engine: dict = Field(default_factory=dict)
@@ -82,6 +88,14 @@ class SuiteConfig(ConfigSection):
                     f"'engine.{key}' is set by the suite runner from the case's micro_batch and the "
                     f"suite's precision; remove it"
                 )
+        for scale_name, scale in self.scales.items():
+            for case in scale.cases:
+                if case.family not in (None, self.family) and case.preset is None:
+                    raise ValueError(
+                        f"scales.{scale_name}: case {case.name!r} has family {case.family!r}, not the suite's "
+                        f"{self.family!r}, so it must name its own 'preset' (the scale's preset "
+                        f"{scale.preset!r} is a {self.family} preset)"
+                    )
         return self
 
 

@@ -1,13 +1,25 @@
 """What each model family trains on in a benchmark: the model, a synthetic batch made on the
 device, and the loss call; plus the matching HuggingFace model for the ``hf`` arm.
 
+Families (:data:`dslab.bench.suite.FAMILIES`):
+
+- ``bert``: :class:`dslab.models.bert.BertForPreTraining`; hf: transformers' ``BertForPreTraining``.
+- ``gpt2``: :class:`dslab.models.gpt2.GPT2LMHeadModel`; hf: transformers' ``GPT2LMHeadModel``.
+- ``gpt2_moe``: :class:`dslab.models.gpt2_moe.GPT2MoELMHeadModel`; hf: transformers'
+  ``GPT2LMHeadModel`` with a Mixtral sparse-MoE block in every other layer
+  (:class:`dslab.bench.hf_moe.HFGPT2MoE`).
+- ``moe_layer``: one MoE layer alone (:class:`dslab.bench.moe_layer.MoELayerModel`); hf: the
+  Mixtral block alone (:class:`dslab.bench.hf_moe.HFMoELayer`).
+
 Data is synthetic and fixed per case (one batch, reused every step), drawn from a seeded
 generator on the device:
 
 - BERT: random token ids, two segments (token type 0 then 1), no padding; 15% of positions are
   masked for MLM (of those, 80% replaced by [MASK], 10% by a random token, 10% kept) with labels
   at the masked positions only; NSP labels are random.
-- GPT-2: random token ids; labels are the inputs (the model shifts them).
+- GPT-2 and GPT-2-MoE: random token ids; labels are the inputs (the model shifts them).
+- MoE layer: hidden states ``[micro_batch, seq_len, hidden]`` ~ N(0, 1) in the precision's dtype
+  (bf16/fp16, else fp32).
 """
 
 from __future__ import annotations
@@ -18,10 +30,16 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from dslab.bench.suite import CaseConfig, SuiteConfig, select_cases
+from dslab.bench.suite import FAMILIES, CaseConfig, SuiteConfig, select_cases
 
 MASK_TOKEN_ID = 103
 MLM_PROBABILITY = 0.15
+# Where each family's presets (config factories) live.
+PRESET_MODULES = {"bert": "dslab.models.bert", "gpt2": "dslab.models.gpt2", "gpt2_moe": "dslab.models.gpt2_moe",
+                  "moe_layer": "dslab.bench.moe_layer"}
+LANGUAGE_MODELS = ("gpt2", "gpt2_moe")
+MOE_FAMILIES = ("gpt2_moe", "moe_layer")
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -33,45 +51,66 @@ class Workload:
     case: CaseConfig
     model_options: dict
     seed: int
+    precision: str = "fp32"
 
     @property
     def data_description(self) -> str:
         if self.family == "bert":
             return ("synthetic: uniform random token ids, 2 segments, no padding, 15% MLM masking "
                     "(80/10/10), random NSP labels; one fixed batch per case made on the device")
+        if self.family == "moe_layer":
+            return ("synthetic: hidden states ~ N(0, 1) [micro_batch, seq_len, hidden] in the precision's dtype; "
+                    "one fixed batch per case made on the device")
         return "synthetic: uniform random token ids, labels = inputs (shifted by the model); one fixed batch per case"
 
-    def model_config(self):
-        from dslab.models import bert, gpt2
+    @property
+    def is_moe(self) -> bool:
+        return self.family in MOE_FAMILIES
 
-        module = bert if self.family == "bert" else gpt2
-        factory = getattr(module, self.preset, None)
-        if factory is None:
-            raise ValueError(f"unknown {self.family} preset {self.preset!r}")
+    def model_config(self):
+        import importlib
+
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        module = importlib.import_module(PRESET_MODULES[self.family])
+        factory = getattr(module, self.preset, None) if not self.preset.startswith("_") else None
+        if not callable(factory):
+            raise ValueError(f"unknown {self.family} preset {self.preset!r} (presets live in {module.__name__})")
         config = factory()
         for key, value in self.model_options.items():
             if not hasattr(config, key):
                 raise ValueError(f"model option {key!r} is not a field of {type(config).__name__}")
             setattr(config, key, value)
+        config.validate()
         return config
 
     def build_model(self, kernels: str, device: torch.device | str | None = None) -> nn.Module:
         """Our model with ``kernels``, its weights initialised directly on ``device`` from the
         suite's seed (so the dslab and torch arms start from the same weights)."""
+        from dslab.bench.moe_layer import MoELayerModel
         from dslab.models.bert import BertForPreTraining
         from dslab.models.gpt2 import GPT2LMHeadModel
+        from dslab.models.gpt2_moe import GPT2MoELMHeadModel
 
+        cls = {"bert": BertForPreTraining, "gpt2": GPT2LMHeadModel, "gpt2_moe": GPT2MoELMHeadModel,
+               "moe_layer": MoELayerModel}[self.family]
+        config = self.model_config()
         torch.manual_seed(self.seed)
-        cls = BertForPreTraining if self.family == "bert" else GPT2LMHeadModel
         with torch.device(device or "cpu"):
-            return cls(self.model_config(), kernels=kernels)
+            return cls(config, kernels=kernels)
 
     def build_hf_model(self, device: torch.device | str | None = None) -> nn.Module:
-        """transformers' own model of the same shape (random init on ``device``), SDPA attention."""
+        """transformers' own model of the same shape (random init on ``device``), SDPA attention;
+        for the MoE families, transformers' Mixtral sparse-MoE block (:mod:`dslab.bench.hf_moe`)."""
         import transformers
 
         cfg = self.model_config()
         torch.manual_seed(self.seed)
+        if self.is_moe:
+            from dslab.bench import hf_moe
+
+            with torch.device(device or "cpu"):
+                return hf_moe.HFGPT2MoE(cfg) if self.family == "gpt2_moe" else hf_moe.HFMoELayer(cfg)
         if self.family == "bert":
             hf_cfg = transformers.BertConfig(
                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
@@ -94,8 +133,11 @@ class Workload:
         cfg = self.model_config()
         b, s = self.case.micro_batch, self.case.seq_len
         g = torch.Generator(device=device).manual_seed(self.seed)
+        if self.family == "moe_layer":
+            dtype = HALF_DTYPES.get(self.precision, torch.float32)
+            return {"hidden_states": torch.randn(b, s, cfg.hidden, generator=g, device=device).to(dtype)}
         ids = torch.randint(0, cfg.vocab_size, (b, s), generator=g, device=device)
-        if self.family == "gpt2":
+        if self.family in LANGUAGE_MODELS:
             return {"input_ids": ids, "labels": ids.clone()}
         token_type = torch.zeros(b, s, dtype=torch.long, device=device)
         token_type[:, s // 2:] = 1
@@ -114,7 +156,7 @@ class Workload:
 
     def loss_fn(self, hf: bool = False) -> Callable[[nn.Module, dict], torch.Tensor]:
         """``fn(model, batch) -> scalar loss`` for our models or (``hf=True``) transformers'."""
-        if not hf:
+        if not hf or self.is_moe:  # the MoE families' hf models return their loss themselves
             return lambda model, batch: model(**batch)
         if self.family == "bert":
             return lambda model, batch: model(
@@ -126,18 +168,53 @@ class Workload:
     def samples_and_tokens(self) -> tuple[int, int]:
         return self.case.micro_batch, self.case.micro_batch * self.case.seq_len
 
+    def moe_layer_count(self) -> int:
+        cfg = self.model_config()
+        return len(cfg.moe_layers) if self.family == "gpt2_moe" else 1
+
+    def expert_flops_per_step(self, kept_assignments: list[int] | None = None, hf: bool = False) -> int | None:
+        """Forward + backward flops of the experts in one step, over every MoE layer: each kept
+        (token, expert) assignment costs two ``hidden x ffn`` matmuls forward (4 * H * F flops)
+        and twice that backward, 12 * H * F in all (the hf arm's gated experts: three matrices,
+        :func:`dslab.bench.hf_moe.expert_flops`). ``kept_assignments`` per MoE layer (the dslab
+        arm's counts); without them, tokens * k per layer when the layers are dropless, else None."""
+        if not self.is_moe:
+            return None
+        cfg = self.model_config()
+        hidden = cfg.hidden
+        ffn = cfg.intermediate if self.family == "gpt2_moe" else cfg.ffn
+        tokens = self.samples_and_tokens()[1]
+        if hf:  # transformers' Mixtral block is dropless
+            from dslab.bench.hf_moe import expert_flops
+
+            return self.moe_layer_count() * expert_flops(tokens * cfg.k, hidden)
+        if kept_assignments is None:
+            if cfg.drop_tokens:
+                return None
+            kept_assignments = [tokens * cfg.k] * self.moe_layer_count()
+        return sum(12 * kept * hidden * ffn for kept in kept_assignments)
+
 
 def workloads_for(suite: SuiteConfig, scale: str, cases: list[str] | None = None) -> list[Workload]:
+    """The workloads of ``scale``'s cases (``cases`` or all), each config checked (a ValueError
+    naming the case and the problem)."""
     if scale not in suite.scales:
         raise ValueError(f"suite {suite.name} has no scale {scale!r}; it has {', '.join(suite.scales)}")
     sc = suite.scales[scale]
-    return [
+    workloads = [
         Workload(
-            family=suite.family,
+            family=case.family or suite.family,
             preset=case.preset or sc.preset,
             case=case,
             model_options={**suite.model_options, **case.model_options},
             seed=suite.seed,
+            precision=suite.precision,
         )
         for case in select_cases(sc, cases)
     ]
+    for w in workloads:
+        try:
+            w.model_config()
+        except ValueError as err:
+            raise ValueError(f"suite {suite.name}, scale {scale}, case {w.case.name!r}: {err}") from None
+    return workloads

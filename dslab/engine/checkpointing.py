@@ -12,7 +12,9 @@ With data parallelism (ZeRO stage 0) every rank holds the same states, so rank 0
 others wait at a barrier; the RNG states of all ranks are gathered so each resumes its own stream.
 With ZeRO stages 1 to 3 every rank also writes its shard (``zero_shard_rank<r>.pt``, holding the
 optimizer state partition and the parameter shards) into the same checkpoint, and there is no
-``optimizer.pt``: see :mod:`dslab.engine.zero.checkpoint`.
+``optimizer.pt``: see :mod:`dslab.engine.zero.checkpoint`. A model with expert parameters (MoE)
+saves them per expert-parallel rank in files of their own, written by the ranks that hold them,
+and records its expert-parallel layout: see :mod:`dslab.engine.expert_checkpoint`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ from pathlib import Path
 import torch
 
 from dslab import comm
+from dslab.engine import expert_checkpoint
 from dslab.engine.checkpoint_io import CheckpointError, load_checkpoint_files, save_checkpoint_files
+from dslab.engine.checkpoint_ranks import save_from_ranks
+from dslab.engine.expert_parallel import describe_layout
 from dslab.engine.rng import capture_rng_state, restore_rng_state
 from dslab.engine.zero import checkpoint as zero_checkpoint
+from dslab.engine.zero.consolidate import shard_file_name
 
 _ENGINE_FILES = ("model", "optimizer", "scheduler", "engine", "client_state")
 
@@ -40,13 +46,22 @@ def save(engine, save_dir, tag, client_state: dict, save_latest: bool) -> Path:
     tag = str(tag)
     rng_states = comm.all_gather_object(capture_rng_state())
     metadata = {"config": engine.config.to_dict(), "world_size": engine.world_size}
+    if engine.expert_layout is not None:
+        metadata["expert_layout"] = engine.expert_layout
 
     def rank0_files() -> dict:
         return _rank0_files(engine, client_state, rng_states)
 
-    if engine.zero is not None:
-        path = zero_checkpoint.save(engine.zero, engine.optimizer, save_dir, tag, rank0_files,
-                                    metadata, save_latest)
+    if engine.zero is not None or engine.expert_layout is not None:
+        own = {}
+        if engine.zero is not None:
+            own[shard_file_name(engine.rank)] = zero_checkpoint.shard_state(engine.zero,
+                                                                            engine.optimizer)
+        if engine.expert_layout is not None:
+            own.update(expert_checkpoint.own_files(engine.module, engine.optimizer,
+                                                   engine.config.zero_optimization.stage))
+        path = save_from_ranks(engine.rank, save_dir, tag, own, rank0_files, metadata,
+                               save_latest)
         log.info("saved checkpoint %s", path)
         return path
     path = Path(save_dir) / tag
@@ -59,10 +74,14 @@ def save(engine, save_dir, tag, client_state: dict, save_latest: bool) -> Path:
 
 def _rank0_files(engine, client_state: dict, rng_states: list) -> dict:
     zero = engine.zero
-    files = {"model": engine.module.state_dict() if zero is None else zero_checkpoint.model_state(zero),
-             "client_state": client_state}
+    experts = engine.expert_layout is not None
+    model = engine.module.state_dict() if zero is None else zero_checkpoint.model_state(zero)
+    if experts:
+        model = expert_checkpoint.without_experts(model, expert_checkpoint.expert_keys(engine.module))
+    files = {"model": model, "client_state": client_state}
     if engine.optimizer is not None and zero is None:
-        files["optimizer"] = engine.optimizer.state_dict()
+        files["optimizer"] = (expert_checkpoint.optimizer_without_experts(engine.optimizer)
+                              if experts else engine.optimizer.state_dict())
     if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
         files["scheduler"] = engine.lr_scheduler.state_dict()
     files["engine"] = {
@@ -74,6 +93,7 @@ def _rank0_files(engine, client_state: dict, rng_states: list) -> dict:
         "zero_stage": engine.config.zero_optimization.stage,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "rng": rng_states,
+        "expert_layout": engine.expert_layout,
     }
     if zero is not None:
         files["engine"]["zero"] = zero_checkpoint.metadata(zero)
@@ -125,6 +145,11 @@ def load(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_s
         return None, None
     path, files, _metadata = load_checkpoint_files(load_dir, tag, names=_ENGINE_FILES)
     state = files["engine"]
+    expert_checkpoint.check_layout(path, state.get("expert_layout"), engine.expert_layout)
+    if engine.expert_layout is not None:
+        stage0_optimizer = (engine.zero is None and state.get("zero") is None
+                            and load_optimizer_states and engine.optimizer is not None)
+        expert_checkpoint.merge_expert_files(path, engine.module, files, stage0_optimizer)
     if engine.zero is not None:
         zero_checkpoint.load(engine.zero, engine.optimizer, path, files, load_optimizer_states,
                              load_module_strict)
@@ -168,6 +193,12 @@ def save_16bit(engine, save_dir, save_filename: str, exclude_frozen_parameters: 
     written and False is returned, as in DeepSpeed."""
     if not save_filename or os.sep in save_filename or save_filename in (".", ".."):
         raise ValueError(f"save_filename must be a file name, got {save_filename!r}")
+    layout = engine.expert_layout
+    if layout is not None and any(p > 1 for p in layout["expert_groups"].values()):
+        raise ValueError(
+            "save_16bit_model writes one file from rank 0, and this model's experts are spread "
+            f"over expert-parallel ranks ({describe_layout(layout)}); save_checkpoint saves "
+            "every ep rank's experts")
     zero = engine.config.zero_optimization
     if zero.stage == 3 and not zero.gather_16bit_weights_on_model_save:
         log.warning("save_16bit_model wrote nothing: ZeRO stage 3 shards the weights and "

@@ -6,6 +6,9 @@ parameter ready; when a bucket is complete its gradients are copied into one fla
 concatenation kernel) and averaged by an asynchronous all-reduce through :mod:`dslab.comm` while
 backward goes on (AVG in the collective on nccl; on gloo the buffer is divided by the world size
 first).
+Expert parameters (:mod:`expert_parallel`) are summed over their expert-data-parallel group
+instead and divided by the data-parallel world size; a bucket holds the parameters of one
+reduction group only.
 Buckets are issued strictly in index order so every rank issues the same sequence of collectives.
 :meth:`finish` issues any bucket still open (a parameter that got no gradient contributes zeros),
 waits for the reductions and copies the averages back into ``param.grad``.
@@ -20,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
+from dslab.engine.expert_parallel import ReductionGroup, reduction_group
 
 
 def pack_gradients(params: list[nn.Parameter], flat: torch.Tensor, release: bool = False) -> None:
@@ -47,8 +51,10 @@ def pack_gradients(params: list[nn.Parameter], flat: torch.Tensor, release: bool
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], reduction: ReductionGroup):
         self.params = params
+        self.reduction = reduction
+        self.average_op = reduction.averaging_op()
         self.numel = sum(p.numel() for p in params)
         self.ready = 0
         self.buffer: torch.Tensor | None = None
@@ -76,17 +82,18 @@ class GradientAllReducer:
         trainable = [p for p in params if p.requires_grad]
         current: list[nn.Parameter] = []
         current_numel = 0
-        current_key = None
+        current_key = current_reduction = None
         for p in reversed(trainable):
-            key = (p.dtype, p.device)
+            reduction = reduction_group(p, group)
+            key = (p.dtype, p.device, reduction.name)
             if current and (current_numel + p.numel() > bucket_size or key != current_key):
-                self.buckets.append(_Bucket(current))
+                self.buckets.append(_Bucket(current, current_reduction))
                 current, current_numel = [], 0
             current.append(p)
             current_numel += p.numel()
-            current_key = key
+            current_key, current_reduction = key, reduction
         if current:
-            self.buckets.append(_Bucket(current))
+            self.buckets.append(_Bucket(current, current_reduction))
         for index, bucket in enumerate(self.buckets):
             for p in bucket.params:
                 self._bucket_of[id(p)] = index
@@ -119,10 +126,11 @@ class GradientAllReducer:
         if bucket.buffer is None:
             bucket.buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
         pack_gradients(bucket.params, bucket.buffer)
-        if self.average_op is None:
-            bucket.buffer.div_(self.world_size)
-        bucket.work = comm.all_reduce(bucket.buffer, op=self.average_op or comm.ReduceOp.SUM,
-                                      group=self.group, async_op=True)
+        reduction = bucket.reduction
+        if bucket.average_op is None:
+            bucket.buffer.div_(reduction.divisor)
+        bucket.work = comm.all_reduce(bucket.buffer, op=bucket.average_op or comm.ReduceOp.SUM,
+                                      group=reduction.group, async_op=True)
         bucket.issued = True
 
     def finish(self) -> None:

@@ -13,6 +13,11 @@ What one optimizer step does, with ``gradient_accumulation_steps = G``:
 3. ``step()`` on the boundary: fp16 unscale and overflow check (an overflow skips the update and
    lowers the scale), clipping by global norm, the optimizer and scheduler steps, zeroing the
    gradients. Off the boundary ``step()`` only counts the micro-step.
+
+Expert parameters of MoE layers (``param.allreduce = False``) follow DeepSpeed-MoE's rules
+(:mod:`expert_parallel`): their gradients are reduced over their expert-data-parallel group, the
+optimizer gets them in param groups of their own, the global norm and the overflow check count
+every rank's experts, and checkpoints save them per expert-parallel rank.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
-from dslab.engine import checkpointing
+from dslab.engine import checkpointing, expert_parallel
 from dslab.engine.config import DslabConfig
 from dslab.engine.data_parallel import GradientAllReducer
 from dslab.engine.monitor import Monitor
@@ -83,6 +88,7 @@ class DslabEngine(nn.Module):
         self.world_size = comm.get_world_size()
         self.rank = comm.get_rank()
         config.resolve_batch_size(self.world_size)
+        expert_parallel.check_zero_stage(config.zero_optimization.stage, model.parameters())
         dispatch.set_backend(None if config.kernels == "auto" else config.kernels)
 
         self.device = _default_device()
@@ -102,6 +108,9 @@ class DslabEngine(nn.Module):
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
 
         params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
+        # DeepSpeed-MoE: expert parameters in param groups of their own ('moe': True, 'name')
+        params = expert_parallel.split_param_groups(params)
+        self.expert_layout = expert_parallel.expert_layout(self.module.parameters())
         # ZeRO (stage > 0) owns the gradient reduction and the optimizer's view of the parameters.
         self.zero = None
         self.optimizer = self._configure_optimizer(optimizer, params)
@@ -134,10 +143,18 @@ class DslabEngine(nn.Module):
 
     def _broadcast_parameters(self, trainable: bool = True) -> None:
         """Start every rank from rank 0's weights and buffers (``trainable=False``: not the
-        parameters that require a gradient; stage 3 broadcasts those unit by unit)."""
+        parameters that require a gradient; stage 3 broadcasts those unit by unit). An expert
+        parameter starts from the first rank of its expert-data-parallel group: the ranks of
+        other ep ranks hold other experts."""
         params = [p for p in self.module.parameters() if trainable or not p.requires_grad]
         with torch.no_grad():
-            for tensor in params + list(self.module.buffers()):
+            for p in params:
+                if expert_parallel.is_expert_param(p):
+                    reduction = expert_parallel.reduction_group(p)
+                    comm.broadcast(p.data, src=reduction.source_rank, group=reduction.group)
+                else:
+                    comm.broadcast(p.data, src=0)
+            for tensor in self.module.buffers():
                 comm.broadcast(tensor.data, src=0)
 
     def _place_unsharded_parameters(self) -> None:
@@ -175,8 +192,8 @@ class DslabEngine(nn.Module):
             )
         if self.config.optimizer is None:
             return None
-        return build_optimizer(self.config.optimizer, params,
-                               fused_ok=fused_kernels_supported(params))
+        return build_optimizer(self.config.optimizer, params, fused_ok=fused_kernels_supported(
+            expert_parallel.parameters_of(params)))
 
     def _configure_scheduler(self, lr_scheduler):
         if lr_scheduler is not None and self.config.scheduler is not None:
@@ -298,17 +315,31 @@ class DslabEngine(nn.Module):
         self.module.zero_grad(set_to_none=True)
 
     def _step_replicated(self) -> bool:
-        """Stage 0: every rank holds the whole averaged gradient and steps on all of it."""
+        """Stage 0: every rank holds the whole averaged gradient and steps on all of it. With
+        expert parameters the ranks hold different experts: the overflow verdict is all-reduced
+        so that every rank skips or steps together, and the clipping norm sums the experts over
+        their expert-parallel groups."""
+        experts = self.expert_layout is not None
         if self.loss_scaler is not None:
-            overflow = self.loss_scaler.unscale_and_check(self._grads())
+            grads = self._grads()
+            if experts and self.world_size > 1:
+                found = (self.loss_scaler.unscale_and_find_inf(grads) if grads
+                         else torch.zeros((), dtype=torch.float32, device=self.device))
+                comm.all_reduce(found, op=comm.ReduceOp.MAX)
+                overflow = bool(found.item() > 0)
+            else:
+                overflow = self.loss_scaler.unscale_and_check(grads)
             self.loss_scaler.update_scale(overflow)
             if overflow:
                 return False
         if self.config.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(
-                [p for p in self.module.parameters() if p.grad is not None],
-                self.config.gradient_clipping,
-            )
+            if experts:  # every parameter, so that every rank issues the same collectives
+                expert_parallel.clip_gradients(list(self.module.parameters()),
+                                               self.config.gradient_clipping)
+            else:
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.module.parameters() if p.grad is not None],
+                    self.config.gradient_clipping)
         self.optimizer.step()
         return True
 

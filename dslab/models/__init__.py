@@ -1,11 +1,12 @@
 """dslab's benchmark models as plain ``nn.Module``s on the op set of :mod:`dslab.models.ops`:
-BERT for pretraining (:mod:`dslab.models.bert`) and the GPT-2 language model
-(:mod:`dslab.models.gpt2`), each built with ``kernels="dslab"`` (dslab's fused ops) or
-``kernels="torch"`` (PyTorch's own), and convertible from/to HuggingFace state dicts
-(:mod:`dslab.models.hf_mapping`)."""
+BERT for pretraining (:mod:`dslab.models.bert`), the GPT-2 language model
+(:mod:`dslab.models.gpt2`) and GPT-2-MoE (:mod:`dslab.models.gpt2_moe`), each built with
+``kernels="dslab"`` (dslab's fused ops) or ``kernels="torch"`` (PyTorch's own); BERT and GPT-2
+convert from/to HuggingFace state dicts (:mod:`dslab.models.hf_mapping`)."""
 
 from dslab.models.bert import BertConfig, BertForPreTraining, bert_base, bert_large, bert_tiny
 from dslab.models.gpt2 import GPT2Config, GPT2LMHeadModel, gpt2_124m, gpt2_355m, gpt2_774m, gpt2_1558m, gpt2_tiny
+from dslab.models.gpt2_moe import GPT2MoEConfig, GPT2MoELMHeadModel, gpt2_moe_124m_8e, gpt2_moe_tiny
 from dslab.models.ops import KERNEL_SETS, OpSet, op_set
 
 __all__ = [
@@ -14,6 +15,8 @@ __all__ = [
     "BertForPreTraining",
     "GPT2Config",
     "GPT2LMHeadModel",
+    "GPT2MoEConfig",
+    "GPT2MoELMHeadModel",
     "OpSet",
     "bert_base",
     "bert_large",
@@ -22,6 +25,8 @@ __all__ = [
     "gpt2_1558m",
     "gpt2_355m",
     "gpt2_774m",
+    "gpt2_moe_124m_8e",
+    "gpt2_moe_tiny",
     "gpt2_tiny",
     "op_set",
 ]

@@ -5,7 +5,8 @@ Every op the flops profiler sees is classified into one of three figures:
 - ``MATMUL``, the total: the ops of ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm,
   baddbmm, _scaled_mm, convolution and its backward, SDPA's flash/efficient/cudnn kernels and their
   backwards, ...), counted with torch's own formulas so that the total equals
-  ``FlopCounterMode``'s on aten ops, plus dslab's attention custom ops. A multiply-add counts 2.
+  ``FlopCounterMode``'s on aten ops, plus dslab's attention and grouped GEMM custom ops. A
+  multiply-add counts 2.
 - ``ELEMENTWISE``, reported beside the total, never in it: pointwise arithmetic, activations,
   reductions, normalisations and softmax, with the small per-element constants of
   :data:`_PER_ELEMENT` (estimates: what such an op costs is its memory traffic, not its flops).
@@ -28,8 +29,18 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
   scale)`` and ``attention_packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads,
   causal, dropout_p, scale)``: the same attention read from a packed projection, the same flops as
   ``attention_forward`` / ``attention_backward`` on its ``[B, H, S, D]`` heads.
+- ``grouped_gemm(x [M,K], w [G,N,K], group_offsets, bias)``: ``2 M N K`` (each row meets one
+  group's weight; the fused bias add is not counted, as for ``addmm``);
+  ``grouped_gemm_backward_input(dy [M,N], w, group_offsets)`` (dx) and
+  ``grouped_gemm_backward_weight(dy, x [M,K], group_offsets, with_bias)`` (dw, and dbias uncounted):
+  ``2 M N K`` each.
 - ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``bias_gelu(_backward)``,
   ``bias_dropout_residual(_backward)``, ``cross_entropy_forward/backward``: elementwise.
+- ``moe_gating(logits [T,E], k, second_choice_noise)`` and ``moe_gating_backward(dprobs,
+  dgate_weight, probs [T,E], expert_index, logits_dtype)``: elementwise, a softmax per logit (plus
+  the noise add); ``moe_permute(x, row_index [T,k], num_rows)`` and its backward,
+  ``moe_unpermute(y_perm [R,H], row_index, gate_weight)`` and its backward: elementwise, the sums
+  and gate products per element, counted as if no assignment were dropped (the row copies cost 0).
 """
 
 from __future__ import annotations
@@ -69,6 +80,9 @@ SOFTMAX_FORWARD, SOFTMAX_BACKWARD = 5, 4
 #: Fused cross-entropy: the log-softmax it computes per logit (forward), and softmax, one-hot
 #: subtraction, smoothing and scaling per logit (backward).
 CROSS_ENTROPY_FORWARD, CROSS_ENTROPY_BACKWARD = SOFTMAX_FORWARD, SOFTMAX_BACKWARD
+#: MoE gating: the softmax per logit (the argmax, the top-2 masking and the per-token gate
+#: normalisation are comparisons or per-token work, not counted); backward: the softmax backward.
+MOE_GATING_FORWARD, MOE_GATING_BACKWARD = SOFTMAX_FORWARD, SOFTMAX_BACKWARD
 
 _PER_ELEMENT: dict[str, tuple[int, str]] = {
     **{name: (1, "out") for name in _POINTWISE_ONE},
@@ -147,6 +161,24 @@ def _dslab_attention_packed_backward(args, kwargs, out) -> int:
     return attention_flops(shape, shape, causal) * 5 // 2
 
 
+def _grouped_gemm(args, kwargs, out) -> int:
+    # (x [M, K], w [G, N, K], group_offsets, bias)
+    (m, k), n = args[0].shape, args[1].shape[1]
+    return 2 * m * n * k
+
+
+def _grouped_gemm_backward_input(args, kwargs, out) -> int:
+    # (dy [M, N], w [G, N, K], group_offsets)
+    (m, n), k = args[0].shape, args[1].shape[2]
+    return 2 * m * n * k
+
+
+def _grouped_gemm_backward_weight(args, kwargs, out) -> int:
+    # (dy [M, N], x [M, K], group_offsets, with_bias)
+    (m, n), k = args[0].shape, args[1].shape[1]
+    return 2 * m * n * k
+
+
 def _affine(weight) -> bool:
     return weight is not None
 
@@ -209,6 +241,42 @@ def _cross_entropy_backward(args, kwargs, out) -> int:
     return CROSS_ENTROPY_BACKWARD * args[1].numel()
 
 
+def _moe_gating(args, kwargs, out) -> int:
+    # (logits [T, E], k, second_choice_noise): softmax, and the noise add when given
+    logits, noise = args[0], args[2] if len(args) > 2 else kwargs.get("second_choice_noise")
+    return (MOE_GATING_FORWARD + (noise is not None)) * logits.numel()
+
+
+def _moe_gating_backward(args, kwargs, out) -> int:
+    # (dprobs, dgate_weight, probs [T, E], expert_index, logits_dtype)
+    return MOE_GATING_BACKWARD * args[2].numel()
+
+
+def _moe_permute(args, kwargs, out) -> int:
+    # (x, row_index, num_rows): row copies only
+    return 0
+
+
+def _moe_permute_backward(args, kwargs, out) -> int:
+    # (dx_perm [R, H], row_index [T, k]): each token adds its k rows, k - 1 per element
+    (tokens, k), hidden = args[1].shape, args[0].shape[1]
+    return (k - 1) * tokens * hidden
+
+
+def _moe_unpermute(args, kwargs, out) -> int:
+    # (y_perm [R, H], row_index [T, k], gate_weight): k products and k - 1 adds per element of y
+    (tokens, k), hidden = args[1].shape, args[0].shape[1]
+    return (2 * k - 1) * tokens * hidden
+
+
+def _moe_unpermute_backward(args, kwargs, out) -> int:
+    # (dy [T, H], y_perm, row_index [T, k], gate_weight, need_y_perm_grad, need_gate_grad):
+    # gate_weight * dy per element of each assignment's row (1), <dy, y_perm row> per assignment (2)
+    (tokens, k), hidden = args[2].shape, args[0].shape[1]
+    per = bool(args[4]) + 2 * bool(args[5])
+    return per * k * tokens * hidden
+
+
 def _cpu_attention_forward(args, kwargs, out) -> int:
     # (query, key, value, dropout_p, is_causal, *, attn_mask, scale)
     return flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
@@ -224,6 +292,9 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::attention_backward": (MATMUL, _dslab_attention_backward),
     "dslab::attention_packed_forward": (MATMUL, _dslab_attention_packed_forward),
     "dslab::attention_packed_backward": (MATMUL, _dslab_attention_packed_backward),
+    "dslab::grouped_gemm": (MATMUL, _grouped_gemm),
+    "dslab::grouped_gemm_backward_input": (MATMUL, _grouped_gemm_backward_input),
+    "dslab::grouped_gemm_backward_weight": (MATMUL, _grouped_gemm_backward_weight),
     "dslab::layer_norm": (ELEMENTWISE, _layer_norm_forward),
     "dslab::add_layer_norm": (ELEMENTWISE, _add_layer_norm),
     "dslab::layer_norm_backward": (ELEMENTWISE, _dslab_layer_norm_backward),
@@ -233,6 +304,12 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::bias_dropout_residual_backward": (ELEMENTWISE, _bias_dropout_residual_backward),
     "dslab::cross_entropy_forward": (ELEMENTWISE, _cross_entropy_forward),
     "dslab::cross_entropy_backward": (ELEMENTWISE, _cross_entropy_backward),
+    "dslab::moe_gating": (ELEMENTWISE, _moe_gating),
+    "dslab::moe_gating_backward": (ELEMENTWISE, _moe_gating_backward),
+    "dslab::moe_permute": (ELEMENTWISE, _moe_permute),
+    "dslab::moe_permute_backward": (ELEMENTWISE, _moe_permute_backward),
+    "dslab::moe_unpermute": (ELEMENTWISE, _moe_unpermute),
+    "dslab::moe_unpermute_backward": (ELEMENTWISE, _moe_unpermute_backward),
     "aten::native_layer_norm": (ELEMENTWISE, _layer_norm_forward),
     "aten::native_layer_norm_backward": (ELEMENTWISE, _native_layer_norm_backward),
     "aten::_scaled_dot_product_flash_attention_for_cpu": (CPU_ATTENTION, _cpu_attention_forward),

@@ -23,6 +23,14 @@ A report is the contract between producers (bench, engine, profilers, I/O tuner)
       "notes": []
     }
 
+``profilers`` maps a section name to ``{case: record}``; a producer may add a section, which
+readers keep as it is (the dashboard shows the sections it knows). ``profilers["moe"][case]`` is
+written by the bench runner for mixture-of-experts cases (``dslab.bench.moe_report``): the dslab
+arm's routing after its last step (per MoE layer, ``exp_counts`` per expert and the dropped
+assignments), the expert flops per step of each arm and, with expert parallelism, the
+``all_to_all`` rows of the comms logger; those results also carry ``expert_tflops``. Being an
+optional section and an optional metric, they left the layout (and its version) unchanged.
+
 ``ratios[case]["dslab/<arm>"]`` is the dslab arm's samples/s over that arm's. The best plain arm
 of a case is the fastest arm other than dslab (every other arm runs plain PyTorch: ``torch``,
 ``torch-compile``, ``torch-compile-ro``, and transformers' model in ``hf``) among those whose
@@ -62,6 +70,7 @@ METRIC_DIRECTIONS = {
     "mfu_measured": "higher",
     "mfu_datasheet": "higher",
     "peak_memory_bytes": "lower",
+    "expert_tflops": "higher",
 }
 
 PROFILER_SECTIONS = ("flops", "memory", "comms", "telemetry", "wall_clock")

@@ -19,22 +19,41 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _moe_lines(report: RunReport, case: str) -> list[str]:
+    """The case's MoE routing (``profilers["moe"][case]``), one line per MoE layer."""
+    moe = report.profilers.get("moe") if isinstance(report.profilers, dict) else None
+    record = moe.get(case) if isinstance(moe, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("layers"), list):
+        return []
+    lines = [f"  routing of the dslab arm's last step ({record.get('num_experts', '?')} experts, "
+             f"top-{record.get('k', '?')}): dropped {_fmt(record.get('dropped_fraction'), '.2%')} of "
+             f"{record.get('assignments', '?')} assignments"]
+    for layer in record["layers"]:
+        if not isinstance(layer, dict) or not isinstance(layer.get("exp_counts"), list):
+            continue
+        lines.append(f"    layer {layer.get('layer', '?')}: assignments per expert {layer['exp_counts']}, "
+                     f"max/mean {_fmt(layer.get('max_over_mean'), '.2f')}")
+    return lines
+
+
 def results_table(report: RunReport) -> str:
     """One block per case: each arm's medians over trials, its spread, and dslab's ratio to it
     (``dslab/arm``, samples/s over samples/s); under it, dslab against the case's best plain arm
-    (the fastest ok arm other than dslab, :meth:`RunReport.fastest_other`)."""
+    (the fastest ok arm other than dslab, :meth:`RunReport.fastest_other`). A case with MoE
+    records adds each arm's expert TFLOP/s and the dslab arm's routing."""
     lines = []
     for case in report.cases():
         lines.append(f"{report.suite} / {case}")
         rows = []
         problems = []
         base = report.result(case, "dslab")
+        experts = any("expert_tflops" in r.metrics for r in report.results if r.case == case)
         for arm in report.arms():
             r = report.result(case, arm)
             if r is None:
                 continue
             if r.status != "ok" or not r.metrics:
-                rows.append([arm, r.status, "", "", "", "", "", "", ""])
+                rows.append([arm, r.status, "", "", "", "", "", "", ""] + ([""] if experts else []))
                 if r.error:
                     problems.append(f"    {arm}: {r.status}: {r.error.splitlines()[0][:160]}")
                 continue
@@ -56,13 +75,15 @@ def results_table(report: RunReport) -> str:
                 _fmt(m.get("mfu_measured"), ".1%") if m.get("mfu_measured") is not None else _fmt(m.get("mfu_datasheet"), ".1%"),
                 _fmt(m.get("peak_memory_bytes"), ".2f", 1 / 2**30),
                 ratio,
-            ])
+            ] + ([_fmt(m.get("expert_tflops"), ".3g")] if experts else []))
         header = ["arm", "samples/s", "tokens/s", "step ms", "spread", "TFLOP/s", "MFU", "peak GiB", "dslab/arm"]
+        header += ["expert TFLOP/s"] if experts else []
         lines.extend("  " + line for line in _table(header, rows))
         best = report.fastest_other(case, "dslab", "samples_per_s")
         if best is not None and base is not None and base.metrics.get("samples_per_s"):
             ratio = base.metrics["samples_per_s"] / best.metrics["samples_per_s"]
             lines.append(f"  dslab/best plain arm ({best.arm}): {ratio:.3f}")
+        lines.extend(_moe_lines(report, case))
         lines.extend(problems)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -13,6 +13,11 @@
 memory and steps there, pipelined with the copies to and from the GPU (:mod:`.offload`). Checkpoints are sharded per rank
 (:mod:`.checkpoint`); ``dslab zero-to-fp32`` consolidates them (:mod:`.consolidate`).
 
+Expert parameters of MoE layers (:mod:`dslab.engine.expert_parallel`) are partitioned at stages
+1 and 2 like the others, but over their expert-data-parallel group (the ranks that hold the same
+experts): their units are reduce-scattered and all-gathered there, summed and divided by the
+data-parallel world size. Stage 3 refuses them.
+
 Every collective goes through :mod:`dslab.comm` (``reduce_scatter`` and ``all_gather``, sized as
 nccl-tests count them), so the comms logger sees them all.
 """

@@ -8,30 +8,27 @@ dict, without the sharded parameters at stage 3. ``engine.pt`` gains a ``zero`` 
     {"stage": s, "world_size": W, "units": [UnitLayout.to_dict(), ...],
      "state_dict_keys": [[key, parameter name or None], ...]}    # None: the value is in model.pt
 
-The save is one atomic checkpoint written by several processes: rank 0 begins the hidden
-partial directory, every rank writes and fsyncs its shard there, rank 0 writes its files and the
-manifest (with every rank's size and sha256) and renames the directory into place. The ranks
-need a file system they share. A failure on any rank fails the save on every rank.
+The save is one atomic checkpoint written by several processes
+(:mod:`dslab.engine.checkpoint_ranks`): every rank writes its shard into the directory rank 0
+began, and rank 0 commits it. A failure on any rank fails the save on every rank.
 
 Loading at the save's world size with the same units reads only this rank's shard and resumes
 bit for bit. Otherwise (another world size, another stage or bucket size) every rank reads all
 the shards, rebuilds whole per-parameter tensors and cuts its new shard from them: the memory of
 one full copy of the model states on each rank, for the duration of the load.
+
+Expert units (of MoE layers, partitioned over their expert-data-parallel group) are in the same
+shard files: each rank's file holds its partition of every unit. Their layouts carry
+``expert_group``. A checkpoint with experts loads only at its own world size and expert-parallel
+layout (checked by :mod:`dslab.engine.expert_checkpoint`); with other units (another stage or
+bucket size) only its weights load, from ``model.pt`` and the expert files.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dslab import comm
-from dslab.engine.checkpoint_io import (
-    CheckpointError,
-    abort_checkpoint,
-    begin_checkpoint,
-    commit_checkpoint,
-    load_checkpoint_files,
-    write_checkpoint_file,
-)
+from dslab.engine.checkpoint_io import CheckpointError, load_checkpoint_files
 from dslab.engine.zero.consolidate import (
     SHARD_FORMAT_VERSION,
     full_optimizer_states,
@@ -81,51 +78,6 @@ def shard_state(runtime, optimizer) -> dict:
     }
 
 
-def _agree(value, error: str | None, what: str):
-    """All-gather ``(value, error)``; raise on every rank when any rank failed."""
-    results = comm.all_gather_object((value, error))
-    errors = [e for _, e in results if e]
-    if errors:
-        raise CheckpointError(f"{what} failed: " + "; ".join(errors))
-    return [v for v, _ in results]
-
-
-def save(runtime, optimizer, save_dir, tag: str, rank0_files, checkpoint_metadata: dict,
-         save_latest: bool) -> Path:
-    """Write the checkpoint: ``rank0_files()`` (called on rank 0 only) and every rank's shard."""
-    rank = runtime.rank
-    partial, error = None, None
-    if rank == 0:
-        try:
-            partial = str(begin_checkpoint(save_dir, tag))
-        except Exception as err:  # every rank must hear of it, or the others wait forever
-            error = f"rank 0: {err}"
-    partial = _agree(partial, error, "starting the checkpoint")[0]
-    name = shard_file_name(rank)
-    entry, error = None, None
-    try:
-        entry = write_checkpoint_file(partial, name, shard_state(runtime, optimizer))
-    except Exception as err:
-        error = f"rank {rank} writing {name}.pt: {err}"
-    try:
-        entries = _agree((name, entry), error, "writing the ZeRO shards")
-    except CheckpointError:
-        if rank == 0:
-            abort_checkpoint(partial)
-        raise
-    path, error = None, None
-    if rank == 0:
-        try:
-            files = {n: write_checkpoint_file(partial, n, obj) for n, obj in rank0_files().items()}
-            files.update(dict(entries))
-            path = str(commit_checkpoint(save_dir, tag, partial, files, checkpoint_metadata,
-                                         save_latest))
-        except Exception as err:
-            abort_checkpoint(partial)
-            error = f"rank 0 committing: {err}"
-    return Path(_agree(path, error, "committing the checkpoint")[0])
-
-
 def load(runtime, optimizer, path: Path, files: dict, load_optimizer_states: bool,
          strict: bool) -> None:
     """Restore the module's unsharded state from ``files["model"]`` and the shards (and the
@@ -141,10 +93,11 @@ def load(runtime, optimizer, path: Path, files: dict, load_optimizer_states: boo
                 f"{runtime.stage}: its optimizer state is not sharded; pass "
                 "load_optimizer_states=False to load only the weights")
         values = _model_values(runtime, files["model"], where)
-        shards = [shard_for(values, lay, runtime.world_size, runtime.rank, where) for lay in layouts]
-        runtime.reload_shards(shards)
+        runtime.reload_shards(_shards_from(values, runtime, where))
         return
     same_layout = [u.to_dict() for u in layouts] == saved["units"]
+    experts = any(lay.expert_group is not None for lay in layouts) or \
+        any("expert_group" in unit for unit in saved["units"])
     if int(saved["world_size"]) == runtime.world_size and same_layout:
         name = shard_file_name(runtime.rank)
         _, loaded, _ = load_checkpoint_files(path.parent, path.name, names=[name])
@@ -155,13 +108,28 @@ def load(runtime, optimizer, path: Path, files: dict, load_optimizer_states: boo
         if load_optimizer_states and optimizer is not None:
             _load_optimizer(optimizer, shard["optimizer"], path / f"{name}.pt")
         return
+    if experts:
+        if load_optimizer_states and optimizer is not None:
+            raise CheckpointError(
+                f"{path} was saved with other ZeRO units (stage {saved['stage']}) than this "
+                f"engine's (stage {runtime.stage}): expert-parallel optimizer states are restored "
+                "only with the same stage and reduce_bucket_size; pass "
+                "load_optimizer_states=False to load the weights")
+        values = _model_values(runtime, files["model"], where)
+        runtime.reload_shards(_shards_from(values, runtime, where))
+        return
     shards = load_shards(path.parent, path.name, int(saved["world_size"]))
     values = full_param_values(shards)
-    runtime.reload_shards([shard_for(values, lay, runtime.world_size, runtime.rank, where)
-                           for lay in layouts])
+    runtime.reload_shards(_shards_from(values, runtime, where))
     if load_optimizer_states and optimizer is not None:
         _load_optimizer(optimizer, _repartitioned_optimizer(runtime, optimizer, shards, where),
                         path)
+
+
+def _shards_from(values: dict, runtime, where: str) -> list:
+    """This rank's shard of every unit, cut from whole per-parameter tensors (each unit over its
+    own partition: the data-parallel ranks, or an expert unit's expert-data-parallel ranks)."""
+    return [shard_for(values, u.layout, u.world_size, u.rank, where) for u in runtime.units]
 
 
 def _load_optimizer(optimizer, state: dict, where) -> None:
@@ -226,7 +194,7 @@ def _repartitioned_optimizer(runtime, optimizer, shards: list[dict], where: str)
                 entry = dict(first["scalar"])
                 for key in first["elementwise"]:
                     whole = {n: per_param[n]["elementwise"][key] for n in names}
-                    entry[key] = shard_for(whole, unit.layout, runtime.world_size, runtime.rank,
+                    entry[key] = shard_for(whole, unit.layout, unit.world_size, unit.rank,
                                            where).to(master.device)
                 state[index] = entry
             indices.append(index)

@@ -136,6 +136,12 @@ def consolidated_state_dict(checkpoint_dir, tag: str | None = None) -> dict[str,
     for name in ("model", "engine"):
         if name not in files:
             raise CheckpointError(f"{path} is not an engine checkpoint: {name}.pt is missing")
+    layout = files["engine"].get("expert_layout")
+    if layout is not None:
+        raise CheckpointError(
+            f"{path} holds expert parameters ({', '.join(layout['expert_groups'])}): the ep "
+            "ranks' experts share parameter names, so they have no one consolidated state dict; "
+            "model.pt holds the other weights and expert_model_*.pt each ep rank's experts")
     zero = files["engine"].get("zero")
     if zero is None:
         state = dict(files["model"])

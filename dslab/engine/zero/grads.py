@@ -18,6 +18,10 @@ the shards: stage 2 and 3 reduce every backward) once the collective completes, 
 oldest is completed first. Memory traffic per unit and reduction: read the grads once, write the
 flat buffer once (plus a read and a write to divide on gloo), plus the collective's own.
 
+Each unit reduces over its own group (``unit.group``): the data-parallel group, or for a unit of
+expert parameters its expert-data-parallel group, summed there and divided by the data-parallel
+world size (:mod:`dslab.engine.expert_parallel`).
+
 Stage 1 reduces only on the accumulation boundary (gradients accumulate in full ``.grad`` until
 then); stages 2 and 3 reduce every backward.
 """
@@ -90,19 +94,27 @@ class GradientReduceScatter:
             self._issue(unit)
             self._next += 1
 
+    def _averaging_op(self, unit: FlatUnit):
+        """AVG in the collective when it divides by the right count (nccl, and the unit's group
+        has ``grad_divisor`` ranks: not an expert unit of ep_size > 1); None: divide first."""
+        if unit.group is self.group and unit.grad_divisor == self.world_size:
+            return self.average_op
+        return comm.averaging_op(unit.group) if unit.grad_divisor == unit.world_size else None
+
     def _issue(self, unit: FlatUnit) -> None:
         flat = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
         pack_gradients(unit.params, flat, release=True)
-        if self.world_size > 1 and self.average_op is None:
-            flat.div_(self.world_size)
-        op = self.average_op or comm.ReduceOp.SUM
+        average_op = self._averaging_op(unit)
+        if unit.grad_divisor > 1 and average_op is None:
+            flat.div_(unit.grad_divisor)
+        op = average_op or comm.ReduceOp.SUM
         if self.reduce_scatter:
             shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            work = comm.reduce_scatter_tensor(shard, flat, op=op, group=self.group, async_op=True)
+            work = comm.reduce_scatter_tensor(shard, flat, op=op, group=unit.group, async_op=True)
         else:  # ``reduce_scatter: false``: every rank receives the whole average, keeps its shard
             lo = unit.rank * unit.shard_numel
             shard = flat[lo: lo + unit.shard_numel]
-            work = comm.all_reduce(flat, op=op, group=self.group, async_op=True)
+            work = comm.all_reduce(flat, op=op, group=unit.group, async_op=True)
         if self.on_issued is not None:
             self.on_issued(unit)
         self._in_flight.append((unit, flat, shard, work))

@@ -7,6 +7,10 @@ of every unit, ``S = padded / W`` (FSDP's layout): a reduce-scatter of a unit's 
 leaves each rank exactly its shard, and an all-gather of the shards rebuilds the unit, so every
 collective works on whole units with no per-rank bookkeeping.
 
+Expert parameters (:mod:`dslab.engine.expert_parallel`) form units of their own, one expert group
+name each, partitioned over their expert-data-parallel group instead: there ``W`` is that group's
+size and ``r`` this rank's place in it.
+
 Which parameters form a unit does not depend on ``W`` (buckets of at most ``reduce_bucket_size``
 elements for stages 1 and 2, one module's own parameters for stage 3), so a checkpoint's units
 can be re-split for another world size from its :class:`UnitLayout` records alone.
@@ -21,6 +25,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from dslab.engine.expert_parallel import expert_group_name
+
 
 @dataclass(frozen=True)
 class UnitLayout:
@@ -29,12 +35,15 @@ class UnitLayout:
     ``names`` are the parameters' names in ``module.named_parameters()``, in flat-buffer order;
     ``group`` is the optimizer param group; ``resident`` units keep their full flat buffer on
     every rank (stages 1 and 2, and stage 3 units under the persistence threshold).
+    ``expert_group`` names the expert group (``"ep_size_{p}"``) of a unit of expert parameters,
+    which is partitioned over that group's expert-data-parallel ranks.
     """
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     group: int
     resident: bool
+    expert_group: str | None = None
 
     @property
     def sizes(self) -> list[int]:
@@ -59,13 +68,16 @@ class UnitLayout:
         return self.padded(world_size) // world_size
 
     def to_dict(self) -> dict:
-        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
-                "group": self.group, "resident": self.resident}
+        out = {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
+               "group": self.group, "resident": self.resident}
+        if self.expert_group is not None:
+            out["expert_group"] = self.expert_group
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "UnitLayout":
         return cls(tuple(data["names"]), tuple(tuple(int(d) for d in s) for s in data["shapes"]),
-                   int(data["group"]), bool(data["resident"]))
+                   int(data["group"]), bool(data["resident"]), data.get("expert_group"))
 
 
 def flatten(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
@@ -83,13 +95,13 @@ def plan_buckets(named_groups: list[list[tuple[str, nn.Parameter]]], bucket_size
                  ) -> list[tuple[UnitLayout, list[nn.Parameter]]]:
     """Stage 1 and 2 units: each group's parameters in reverse order (roughly the order backward
     produces their gradients), cut into buckets of at most ``bucket_size`` elements (a larger
-    parameter gets a bucket of its own) and at every change of dtype or device."""
+    parameter gets a bucket of its own) and at every change of dtype, device or expert group."""
     units = []
     for group_index, named in enumerate(named_groups):
         current: list[tuple[str, nn.Parameter]] = []
         current_numel, current_key = 0, None
         for name, p in reversed(named):
-            key = (p.dtype, p.device)
+            key = (p.dtype, p.device, expert_group_name(p))
             if current and (current_numel + p.numel() > bucket_size or key != current_key):
                 units.append(_unit(current, group_index, resident=True))
                 current, current_numel = [], 0
@@ -172,7 +184,7 @@ def _modules_outside(root: nn.Module, whole: set[int]) -> list[nn.Module]:
 def _unit(named: list[tuple[str, nn.Parameter]], group: int, resident: bool
           ) -> tuple[UnitLayout, list[nn.Parameter]]:
     layout = UnitLayout(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named),
-                        group, resident)
+                        group, resident, expert_group_name(named[0][1]))
     return layout, [p for _, p in named]
 
 
@@ -188,16 +200,23 @@ class FlatUnit:
     model constructed on the CPU) are flattened where they are and moved one unit at a time, so
     the whole model is never on ``device`` at once; ``sync(full)``, when given, runs on the moved
     flat buffer before the shard is cut (the engine broadcasts it from rank 0 there).
+
+    ``world_size`` and ``rank`` are the partition's: the unit's collectives run over ``group``
+    (None: the default group), and its gradients are summed there and divided by
+    ``grad_divisor`` (default ``world_size``; the data-parallel world size for experts).
     """
 
     def __init__(self, index: int, layout: UnitLayout, params: list[nn.Parameter],
                  world_size: int, rank: int, device: torch.device | None = None,
-                 sync: Callable[[torch.Tensor], None] | None = None):
+                 sync: Callable[[torch.Tensor], None] | None = None, group=None,
+                 grad_divisor: int | None = None):
         self.index = index
         self.layout = layout
         self.params = params
         self.world_size = world_size
         self.rank = rank
+        self.group = group
+        self.grad_divisor = world_size if grad_divisor is None else grad_divisor
         self.numel = layout.numel
         self.padded = layout.padded(world_size)
         self.shard_numel = self.padded // world_size

@@ -15,7 +15,9 @@ gradient shard in ``unit.grad_shard``, or in CPU memory with offload):
    rank skips or steps together.
 2. Clipping: the global norm is ``sqrt(all_reduce(sum of squared shard norms))`` (padding is
    zero and adds nothing); the shards are scaled by ``min(1, clip / (norm + 1e-6))`` as
-   ``torch.nn.utils.clip_grad_norm_`` does.
+   ``torch.nn.utils.clip_grad_norm_`` does. Expert units are partitioned over their
+   expert-data-parallel group, and the groups of different ep ranks hold different experts, so
+   the same sum over all ranks counts every expert element exactly once.
 3. The optimizer steps on the masters (offload: chunk by chunk on the CPU).
 4. Publish: resident units all-gather their shards into the full buffers that the parameters
    view, in collectives of at most ``allgather_bucket_size`` elements; stage 3 releases every
@@ -30,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
+from dslab.engine.expert_parallel import reduction_group
 from dslab.engine.lamb import Lamb
 from dslab.engine.optimizers import fused_kernels_supported
 from dslab.engine.zero.grads import GradientReduceScatter
@@ -94,8 +97,12 @@ class ZeroRuntime:
         if broadcast and self.world_size > 1:
             def sync(full: torch.Tensor) -> None:
                 comm.broadcast(full, src=0, group=group)
-        self.units = [FlatUnit(i, layout, params, self.world_size, self.rank, device, sync)
-                      for i, (layout, params) in enumerate(planned)]
+        self.units = []
+        for i, (layout, params) in enumerate(planned):
+            reduction = reduction_group(params[0], group)
+            self.units.append(FlatUnit(i, layout, params, reduction.size, reduction.rank, device,
+                                       sync, group=reduction.group,
+                                       grad_divisor=reduction.divisor))
         self.gatherer = None
         if self.stage == 3:
             self.gatherer = ParameterGatherer(
@@ -254,9 +261,9 @@ class ZeroRuntime:
                 unit.shard.copy_(master, non_blocking=True)
         if not unit.resident:
             return None
-        per_rank = max(1, self.config.allgather_bucket_size // self.world_size)
+        per_rank = max(1, self.config.allgather_bucket_size // unit.world_size)
         if unit.shard_numel <= per_rank:
-            return comm.all_gather_into_tensor(unit.full, unit.shard, group=self.group,
+            return comm.all_gather_into_tensor(unit.full, unit.shard, group=unit.group,
                                                async_op=True)
         self._gather_in_pieces(unit, per_rank)
         return None
@@ -266,12 +273,12 @@ class ZeroRuntime:
         many elements: piece ``j`` gathers elements ``[j * per_rank, (j + 1) * per_rank)`` of
         every rank's shard through one staging buffer, then lands in each rank's slice of
         ``full``. Each piece completes before the next starts, so the extra memory is one piece."""
-        slices = unit.full.view(self.world_size, unit.shard_numel)
+        slices = unit.full.view(unit.world_size, unit.shard_numel)
         for lo in range(0, unit.shard_numel, per_rank):
             hi = min(lo + per_rank, unit.shard_numel)
-            staged = torch.empty(self.world_size * (hi - lo), dtype=unit.dtype, device=unit.device)
-            comm.all_gather_into_tensor(staged, unit.shard[lo:hi].contiguous(), group=self.group)
-            slices[:, lo:hi].copy_(staged.view(self.world_size, hi - lo))
+            staged = torch.empty(unit.world_size * (hi - lo), dtype=unit.dtype, device=unit.device)
+            comm.all_gather_into_tensor(staged, unit.shard[lo:hi].contiguous(), group=unit.group)
+            slices[:, lo:hi].copy_(staged.view(unit.world_size, hi - lo))
 
     def _publish(self) -> None:
         masters = self.masters if self.offload is not None else [None] * len(self.units)
