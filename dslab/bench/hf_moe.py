@@ -14,6 +14,9 @@ How it differs from dslab's MoE FFN (``suites/moe/README.md`` says the same):
   dropless through transformers' ``experts_implementation="grouped_mm"`` (``torch`` grouped
   matmuls; the default of transformers' MoE models), and the load-balancing loss is
   transformers' ``load_balancing_loss_func`` (Switch's, over the top-k assignments).
+- Under autocast the wrapper gives the experts their weights in the autocast dtype
+  (``torch.func.functional_call``): transformers' grouped matmul is not autocast-enabled and,
+  with the fp32 weights of an autocast loop, would cast the tokens up and multiply in fp32.
 
 The wrappers call the block's router and experts themselves (what ``MixtralSparseMoeBlock.forward``
 does with ``router_jitter_noise=0``) to keep the router logits for the load-balancing loss; with
@@ -50,6 +53,7 @@ def mixtral_config(hidden: int, num_experts: int, k: int, initializer_range: flo
         hidden_size=hidden, intermediate_size=gated_intermediate(hidden), num_local_experts=num_experts,
         num_experts_per_tok=k, hidden_act=HIDDEN_ACT, router_jitter_noise=0.0,
         initializer_range=initializer_range, num_hidden_layers=1, num_attention_heads=1, vocab_size=1,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     config._experts_implementation = EXPERTS_IMPLEMENTATION
     return config
@@ -74,7 +78,17 @@ class MixtralMoE(nn.Module):
             return self.block(x)
         flat = x.reshape(-1, x.shape[-1])
         router_logits, weights, index = self.block.gate(flat)
-        return self.block.experts(flat, index, weights).reshape(x.shape), router_logits
+        experts = self.block.experts
+        if torch.is_autocast_enabled(x.device.type):
+            # transformers' grouped_mm is not autocast-enabled: with fp32 weights it would cast the
+            # activations up and multiply in fp32. Hand the experts their weights in the autocast
+            # dtype, as autocast does for an nn.Linear (the gradients reach the fp32 weights).
+            dtype = torch.get_autocast_dtype(x.device.type)
+            cast = {name: p.to(dtype) for name, p in experts.named_parameters()}
+            out = torch.func.functional_call(experts, cast, (flat, index, weights))
+        else:
+            out = experts(flat, index, weights)
+        return out.reshape(x.shape), router_logits
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, k: int) -> torch.Tensor:

@@ -22,11 +22,15 @@ ANCHOR_SIZES = [3000, 5200, 4100, 3900, 4500, 3300, 4268, 4500]
 UNEVEN_SIZES = [1200, 0, 1, 2047, 1752]
 
 
-def _assert_within_torch_error(name, actual, torch_low, exact):
+def _assert_within_torch_error(name, actual, torch_low, exact, contraction=1):
+    """Within twice PyTorch's error plus a floor: one unit in the last place at the result's scale
+    for 16-bit outputs (their rounding dominates); for fp32, the error a length-``contraction``
+    dot product may gather in a different summation order than cuBLAS's, eps * sqrt(length)."""
     exact = exact.double()
     err = (actual.double() - exact).abs().max().item()
     torch_err = (torch_low.double() - exact).abs().max().item()
-    floor = torch.finfo(actual.dtype).eps * exact.abs().max().item()
+    growth = contraction ** 0.5 if actual.dtype == torch.float32 else 1.0
+    floor = torch.finfo(actual.dtype).eps * growth * exact.abs().max().item()
     assert err <= 2 * torch_err + floor, f"{name}: error {err:.3g} vs PyTorch's {torch_err:.3g} (floor {floor:.2g})"
 
 
@@ -60,9 +64,10 @@ def _check(k, n, sizes, dtype, with_bias=True, offsets_dtype=torch.int64):
     exact = _run(grouped_gemm_reference, x, w, offsets, bias, dy, dtype=torch.float64)
     low = _run(grouped_gemm_reference, x, w, offsets, bias, dy)
     got = _run(grouped_gemm, x, w, offsets, bias, dy)
+    contractions = {"y": k, "dx": n, "dw": max(sizes), "dbias": max(sizes)}
     for name, a, lo, ex in zip(["y", "dx", "dw", "dbias"], got, low, exact):
         assert a.dtype == dtype and a.shape == lo.shape, name
-        _assert_within_torch_error(name, a, lo, ex)
+        _assert_within_torch_error(name, a, lo, ex, contractions[name])
     return x, w, bias, dy, offsets, got
 
 
