@@ -11,7 +11,8 @@ Variants (built one at a time, timed interleaved, then each profiled):
 
 For each variant: the median step time of ``--trials`` trials of ``--steps`` steps (CUDA events);
 then ``torch.profiler`` over 3 steps, whose tables (top ops by device time and by host time) are
-written to ``DIR/profile-<variant>.txt``, and a summary row: host busy time per step (the
+written to ``DIR/profile-<variant>.txt`` with a cProfile of 3 more steps (the host's Python
+functions by own and cumulative time), and a summary row: host busy time per step (the
 profiler's span of the step on the host) beside the device's kernel time per step. A step whose
 device time is well under its wall time is host-bound.
 """
@@ -68,11 +69,26 @@ def profile(arm, out: Path, name: str) -> tuple[float, float]:
     device_us = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CPU)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     host_us = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) if events else 0
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        arm.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(40)
     with open(out / f"profile-{name}.txt", "w") as f:
         f.write(f"{name}: host span {host_us / steps / 1e3:.2f} ms/step, device {device_us / steps / 1e3:.2f} ms/step\n\n")
         f.write(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
         f.write("\n\n")
         f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+        f.write(f"\n\ncProfile of {steps} more steps (host functions):\n")
+        f.write(stream.getvalue())
     return host_us / steps / 1e3, device_us / steps / 1e3
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from dslab.models.gpt2_moe import MoESettings, MoEStatsMixin, build_moe, init_moe_
+from dslab.models.graphs import CudaGraphLayers, LayerStackGraphs
+from dslab.models.gpt2_moe import MoEAuxLoss, MoESettings, MoEStatsMixin, build_moe, check_graphable, init_moe_
 
 
 @dataclass
@@ -51,27 +52,57 @@ def moe_layer_tiny(**overrides) -> MoELayerConfig:
     return dataclasses.replace(MoELayerConfig(hidden=64, ffn=256, num_experts=4, drop_tokens=False), **overrides)
 
 
-class MoELayerModel(MoEStatsMixin, nn.Module):
-    """``forward(hidden_states [..., hidden]) -> loss`` (fp32 scalar); see the module docstring."""
+class ScaledMoE(MoEStatsMixin, nn.Module):
+    """``moe(x * input_scale)``, recording the routing; called as a layer, ``(x, key_padding_mask)``."""
+
+    def __init__(self, config: MoELayerConfig, kernels: str):
+        super().__init__()
+        self.settings = config
+        seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
+        self.input_scale = nn.Parameter(torch.ones(()))
+        self.moe = build_moe(config.hidden, config.ffn, config, kernels)
+        init_moe_(self.moe, config.initializer_range, config.initializer_range, seed)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        out, l_aux, exp_counts = self.moe(x * self.input_scale.to(x.dtype))
+        self.record(x, l_aux, exp_counts)
+        return out
+
+
+class MoELayerModel(CudaGraphLayers, nn.Module):
+    """``forward(hidden_states [..., hidden]) -> loss`` (fp32 scalar); see the module docstring.
+
+    The layer is ``layers[0]`` (a :class:`ScaledMoE`), so that with ``kernels="dslab"``
+    :meth:`enable_cuda_graphs` runs it from captured CUDA graphs as GPT-2-MoE's stack does, its
+    ``l_aux`` the side output (:mod:`dslab.models.graphs`)."""
 
     def __init__(self, config: MoELayerConfig, kernels: str = "dslab"):
         super().__init__()
         if not isinstance(config, MoELayerConfig):
             raise ValueError(f"config must be a MoELayerConfig, got {type(config).__name__}")
         config.validate()
-        self.config = self.settings = config
-        seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
-        self.input_scale = nn.Parameter(torch.ones(()))
-        self.moe = build_moe(config.hidden, config.ffn, config, kernels)
-        init_moe_(self.moe, config.initializer_range, config.initializer_range, seed)
+        self.config = config
+        self.kernels = kernels
+        self.layers = nn.ModuleList([ScaledMoE(config, kernels)])
+        self._aux_side = MoEAuxLoss([self.layers[0]])
+
+    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+        self.release_cuda_graphs()
+        self._layer_graphs = None
+        if enabled:
+            check_graphable(self.config, self.kernels)
+            self._layer_graphs = LayerStackGraphs(self.layers, side=self._aux_side)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.shape[-1] != self.config.hidden:
             raise ValueError(f"hidden_states must be [..., {self.config.hidden}], got {tuple(hidden_states.shape)}")
-        out, l_aux, exp_counts = self.moe(hidden_states * self.input_scale.to(hidden_states.dtype))
-        self.record(hidden_states, l_aux, exp_counts)
+        if self._layer_graphs is not None:
+            out, l_aux = self._layer_graphs(hidden_states, None)
+        else:
+            out = self.layers[0](hidden_states)
+            l_aux = self._aux_side.loss()
         return out.float().pow(2).mean() + self.config.moe_loss_coeff * l_aux
 
     def moe_stats(self) -> list[dict]:
         """The last forward's routing as GPT-2-MoE reports it, for the one layer (index 0)."""
-        return [{"layer": 0, **self.stats()}]
+        return [{"layer": 0, **self.layers[0].stats()}]

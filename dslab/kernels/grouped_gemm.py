@@ -14,9 +14,10 @@ empty. ``y`` is [M, N] in x's dtype. Gradients:
 Forward and backward are ``2 * M * N * K`` flops each for y, dx and dw; they read ``x``, ``w`` and
 ``dy`` and write ``y``, ``dx`` and ``dw`` (``M*K + G*N*K + M*N`` elements each at the least).
 
-x, w and bias share one dtype. Under bf16 autocast with fp32 parameters the caller passes
-``w.to(torch.bfloat16)``: autograd then carries the bf16 gradient (accumulated in fp32 in the
-kernel) back to the fp32 parameter.
+x, w and bias share one dtype, or x is fp16/bf16 while w and bias are fp32 *master weights* (bf16
+autocast over fp32 parameters): the op then casts w and bias to x's dtype for the products and
+returns dw and dbias in fp32 straight from the kernel's fp32 accumulators, so that no bf16 copy of
+the weight gradient is written and cast back (a cast's backward) on every step.
 
 Layers: :func:`grouped_gemm_reference` (a per-group loop of ``F.linear``; it reads the offsets on
 the host) → the ``dslab::grouped_gemm`` custom op with its autograd
@@ -38,6 +39,12 @@ from dslab.kernels.dispatch import use_custom_op, use_triton
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 OFFSET_DTYPES = (torch.int32, torch.int64)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _compute_dtype(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """w and bias in the products' dtype (a cast only for fp32 master weights)."""
+    return w.to(dtype), (bias.to(dtype) if bias is not None else None)
 
 
 def _check_offset_values(bounds: list[int], rows: int) -> None:
@@ -57,6 +64,8 @@ def grouped_gemm_reference(
     """
     bounds = group_offsets.tolist()
     _check_offset_values(bounds, x.shape[0])
+    w = w.to(x.dtype)
+    bias = bias.to(x.dtype) if bias is not None else None
     outputs = [
         F.linear(x[bounds[g]:bounds[g + 1]], w[g], bias[g] if bias is not None else None)
         for g in range(w.shape[0])
@@ -76,6 +85,7 @@ def _grouped_gemm_op(
     x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """y [M, N] for x [M, K], w [G, N, K], group_offsets [G + 1], bias [G, N] or None."""
+    w, bias = _compute_dtype(w, bias, x.dtype)
     return _triton_module().forward(x, w, group_offsets, bias)
 
 
@@ -97,19 +107,21 @@ def _(dy, w, group_offsets):
 
 @torch.library.custom_op("dslab::grouped_gemm_backward_weight", mutates_args=())
 def _backward_weight_op(
-    dy: torch.Tensor, x: torch.Tensor, group_offsets: torch.Tensor, with_bias: bool
+    dy: torch.Tensor, x: torch.Tensor, group_offsets: torch.Tensor, with_bias: bool, fp32_out: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dw [G, N, K], dbias [G, N]) for dy [M, N] and x [M, K]; dbias is an empty tensor without a
-    bias."""
-    dw, dbias = _triton_module().backward_weight(dy, x, group_offsets, with_bias)
-    return dw, dbias if dbias is not None else x.new_empty(0)
+    """(dw [G, N, K], dbias [G, N]) for dy [M, N] and x [M, K], in fp32 with ``fp32_out`` else in
+    x's dtype; dbias is an empty tensor without a bias."""
+    out_dtype = torch.float32 if fp32_out else x.dtype
+    dw, dbias = _triton_module().backward_weight(dy, x, group_offsets, with_bias, out_dtype)
+    return dw, dbias if dbias is not None else x.new_empty(0, dtype=out_dtype)
 
 
 @_backward_weight_op.register_fake
-def _(dy, x, group_offsets, with_bias):
+def _(dy, x, group_offsets, with_bias, fp32_out):
     groups, n = group_offsets.shape[0] - 1, dy.shape[1]
-    dbias = x.new_empty((groups, n)) if with_bias else x.new_empty(0)
-    return x.new_empty((groups, n, x.shape[1])), dbias
+    dtype = torch.float32 if fp32_out else x.dtype
+    dbias = x.new_empty((groups, n), dtype=dtype) if with_bias else x.new_empty(0, dtype=dtype)
+    return x.new_empty((groups, n, x.shape[1]), dtype=dtype), dbias
 
 
 def _setup(ctx, inputs, output):
@@ -121,10 +133,10 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy):
     x, w, group_offsets = ctx.saved_tensors
     needs_x, needs_w, _, needs_bias = ctx.needs_input_grad
-    dx = _backward_input_op(dy, w, group_offsets) if needs_x else None
+    dx = _backward_input_op(dy, w.to(x.dtype), group_offsets) if needs_x else None
     dw = dbias = None
     if needs_w or (ctx.has_bias and needs_bias):
-        dw, dbias = _backward_weight_op(dy, x, group_offsets, ctx.has_bias)
+        dw, dbias = _backward_weight_op(dy, x, group_offsets, ctx.has_bias, w.dtype != x.dtype)
     return dx, dw, None, (dbias if ctx.has_bias else None)
 
 
@@ -137,6 +149,8 @@ class _EagerGroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, group_offsets, bias):
         ctx.has_bias = bias is not None
+        ctx.weight_dtype = w.dtype
+        w, bias = _compute_dtype(w, bias, x.dtype)
         ctx.save_for_backward(x, w, group_offsets)
         return _triton_module().forward(x, w, group_offsets, bias)
 
@@ -148,7 +162,7 @@ class _EagerGroupedGemm(torch.autograd.Function):
         dx = _triton_module().backward_input(dy, w, group_offsets) if needs_x else None
         dw = dbias = None
         if needs_w or (ctx.has_bias and needs_bias):
-            dw, dbias = _triton_module().backward_weight(dy, x, group_offsets, ctx.has_bias)
+            dw, dbias = _triton_module().backward_weight(dy, x, group_offsets, ctx.has_bias, ctx.weight_dtype)
         return dx, dw, None, dbias
 
 
@@ -164,8 +178,9 @@ def _validate(x, w, group_offsets, bias) -> None:
         raise ValueError("w must hold at least one group (its first dimension is 0)")
     if k != x.shape[1]:
         raise ValueError(f"w's last dimension {k} must equal x's K = {x.shape[1]} (w is [G, N, K])")
-    if w.dtype != x.dtype:
-        raise ValueError(f"w must have x's dtype {x.dtype}, got {w.dtype}")
+    if w.dtype != x.dtype and not (w.dtype == torch.float32 and x.dtype in HALF_DTYPES):
+        raise ValueError(f"w must have x's dtype {x.dtype} (or be fp32 master weights for fp16/bf16 x), "
+                         f"got {w.dtype}")
     if w.device != x.device:
         raise ValueError(f"w must be on x's device {x.device}, got {w.device}")
     if group_offsets.dim() != 1 or group_offsets.shape[0] != groups + 1:
@@ -178,8 +193,8 @@ def _validate(x, w, group_offsets, bias) -> None:
     if bias is not None:
         if tuple(bias.shape) != (groups, n):
             raise ValueError(f"bias must have shape ({groups}, {n}) (w's [G, N]), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
+        if bias.dtype != w.dtype:
+            raise ValueError(f"bias must have w's dtype {w.dtype}, got {bias.dtype}")
         if bias.device != x.device:
             raise ValueError(f"bias must be on x's device {x.device}, got {bias.device}")
 

@@ -379,19 +379,22 @@ def backward_input(dy: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tenso
 
 
 def backward_weight(
-    dy: torch.Tensor, x: torch.Tensor, group_offsets: torch.Tensor, with_bias: bool
+    dy: torch.Tensor, x: torch.Tensor, group_offsets: torch.Tensor, with_bias: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dw [G, N, K], dbias [G, N] or None) with dw[g] = dy[rows of g].T @ x[rows of g] and
-    dbias[g] = dy[rows of g].sum(0), in x's dtype; dy [M, N], x [M, K]. Empty groups get zeros.
-    Needs N >= 1 and K >= 1 (the dispatch sends zero widths to the reference)."""
+    dbias[g] = dy[rows of g].sum(0), in ``out_dtype`` (x's dtype by default; fp32 stores the fp32
+    accumulators as they are, the gradient of fp32 master weights); dy [M, N], x [M, K]. Empty
+    groups get zeros. Needs N >= 1 and K >= 1 (the dispatch sends zero widths to the reference)."""
     dy, x = _rows(dy), _rows(x)
     (m, n), k = dy.shape, x.shape[1]
     groups = group_offsets.shape[0] - 1
+    out_dtype = out_dtype or x.dtype
     if m == 0:
-        dbias = torch.zeros((groups, n), dtype=x.dtype, device=x.device) if with_bias else None
-        return torch.zeros((groups, n, k), dtype=x.dtype, device=x.device), dbias
-    dw = torch.empty((groups, n, k), dtype=x.dtype, device=x.device)
-    dbias = torch.empty((groups, n), dtype=x.dtype, device=x.device) if with_bias else None
+        dbias = torch.zeros((groups, n), dtype=out_dtype, device=x.device) if with_bias else None
+        return torch.zeros((groups, n, k), dtype=out_dtype, device=x.device), dbias
+    dw = torch.empty((groups, n, k), dtype=out_dtype, device=x.device)
+    dbias = torch.empty((groups, n), dtype=out_dtype, device=x.device) if with_bias else None
 
     def tiles_for(meta):
         return groups * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"])
@@ -401,6 +404,7 @@ def backward_weight(
         dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dbias.stride(0) if dbias is not None else 0,
     )
     flags = dict(_flags(x.dtype, x.device), HAS_BIAS=with_bias)
+    flags["BF16_BY_HAND"] = flags["BF16_BY_HAND"] and out_dtype == torch.bfloat16
     with _device_guard(x):
         _launch(_weight_grad_tuned, _weight_grad_kernel, _WEIGHT_GRAD_NAMES, tiles_for, args, flags, x.device)
     return dw, dbias

@@ -17,10 +17,12 @@ The loss is the LM loss plus ``moe_loss_coeff`` times the sum of the MoE layers'
 losses (``l_aux``). After each forward, :meth:`GPT2MoELMHeadModel.moe_stats` gives each MoE layer's
 per-expert assignment counts and dropped assignments as device tensors (no host sync).
 
-CUDA graphs: the layer stack is never captured. A dropless MoE layer's expert buffers have
-data-dependent sizes (one graph would bake in one routing), and the token exchange of
-``ep_size > 1`` reads split sizes on the host; :meth:`GPT2MoELMHeadModel.enable_cuda_graphs`
-refuses ``True``.
+CUDA graphs: with ``kernels="dslab"`` and ``ep_size`` 1 the layer stack, MoE layers included, is
+captured as GPT-2's is (:mod:`dslab.models.graphs`). dslab's MoE layer never synchronises with the
+host: its buffers have static sizes (T * k rows dropless, E * C with a capacity) and the experts'
+group boundaries are read on the device, so one graph serves every routing. The layers' ``l_aux``
+sum is the stack's side output, and the routing statistics point at the replayed buffers after
+each replay. The torch set's loop and ``ep_size > 1`` read sizes on the host and are refused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from dslab.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from dslab.models.graphs import LayerStackGraphs
 from dslab.models.ops import OpSet, op_set
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
@@ -177,17 +180,36 @@ def moe_capacity(settings: MoESettings, tokens: int, training: bool) -> int | No
 
 class MoEStatsMixin:
     """Keeps an MoE layer's last ``l_aux`` and ``exp_counts`` (device tensors), its token count and
-    mode (:meth:`record`), and reports them (:meth:`stats`) without a host sync."""
+    mode (:meth:`record`), and reports them (:meth:`stats`) without a host sync.
+
+    ``l_aux`` is kept detached; the live one (with its autograd graph) waits for one
+    :meth:`take_l_aux`, which hands it to the loss and forgets it, so that no attribute keeps a
+    forward's graph alive after the loss is formed (:mod:`dslab.models.graphs` needs that).
+    """
 
     settings: MoESettings
     l_aux = exp_counts = None
+    _live_l_aux = None
     tokens = 0
     recorded_training = True
 
     def record(self, x: torch.Tensor, l_aux: torch.Tensor, exp_counts: torch.Tensor) -> None:
-        self.l_aux, self.exp_counts = l_aux, exp_counts
+        self._live_l_aux, self.l_aux, self.exp_counts = l_aux, l_aux.detach(), exp_counts
         self.tokens = x.numel() // x.shape[-1]
         self.recorded_training = self.training
+
+    def take_l_aux(self) -> torch.Tensor:
+        """The last forward's ``l_aux`` with its graph, once."""
+        if self._live_l_aux is None:
+            raise ValueError("the MoE layer's l_aux was taken already or no forward has run")
+        live, self._live_l_aux = self._live_l_aux, None
+        return live
+
+    def routing_state(self) -> tuple:
+        return self.l_aux, self.exp_counts, self.tokens, self.recorded_training
+
+    def set_routing_state(self, state: tuple) -> None:
+        self.l_aux, self.exp_counts, self.tokens, self.recorded_training = state
 
     def stats(self) -> dict:
         """The last forward's routing: ``exp_counts`` [E] (assignments per expert before dropping)
@@ -200,6 +222,37 @@ class MoEStatsMixin:
         dropped = counts.new_zeros(()) if capacity is None else (counts - capacity).clamp(min=0).sum()
         return {"exp_counts": counts, "dropped": dropped, "tokens": self.tokens, "k": self.settings.k,
                 "capacity": capacity}
+
+
+class MoEAuxLoss:
+    """The side output of a layer stack holding MoE layers (:class:`dslab.models.graphs.StackSideOutput`):
+    the sum of their ``l_aux``; the routing statistics are put back after each graph replay."""
+
+    def __init__(self, layers: list[MoEStatsMixin]):
+        self.layers = layers
+
+    def loss(self) -> torch.Tensor:
+        return torch.stack([layer.take_l_aux() for layer in self.layers]).sum()
+
+    def snapshot(self) -> list[tuple]:
+        return [layer.routing_state() for layer in self.layers]
+
+    def restore(self, state: list[tuple]) -> None:
+        for layer, routing in zip(self.layers, state):
+            layer.set_routing_state(routing)
+
+
+def check_graphable(settings: MoESettings, kernels: str) -> None:
+    """ValueError unless MoE layers of ``settings`` on ``kernels`` can be captured in a CUDA graph:
+    dslab's layer with ep_size 1 never synchronises with the host (its dropless groups are as
+    large as the routing makes them, read on the device); the torch set's loop reads the group
+    sizes on the host, and expert parallelism exchanges split sizes on the host."""
+    if kernels != "dslab":
+        raise ValueError(f"'cuda_graphs.enabled': the {kernels!r} kernel set's MoE loop reads its expert group "
+                         "sizes on the host and cannot be captured; use kernels='dslab' or turn graphs off")
+    if settings.ep_size != 1:
+        raise ValueError(f"'cuda_graphs.enabled': expert parallelism (ep_size={settings.ep_size}) exchanges "
+                         "token counts on the host and cannot be captured; use ep_size=1 or turn graphs off")
 
 
 class MoEFeedForward(MoEStatsMixin, nn.Module):
@@ -238,31 +291,45 @@ class GPT2MoELMHeadModel(GPT2LMHeadModel):
             ffn = MoEFeedForward(config.hidden, config.intermediate, config, config.dropout, self.ops)
             init_moe_(ffn.moe, std, out_std, seed + i)
             self.layers[i].mlp = ffn
+        self._aux_side = MoEAuxLoss([ffn for _, ffn in self.moe_feed_forwards()])
+        self._stack_l_aux = None
 
     def moe_feed_forwards(self) -> list[tuple[int, MoEFeedForward]]:
         return [(i, self.layers[i].mlp) for i in self.config.moe_layers]
 
     def aux_loss(self) -> torch.Tensor:
-        """The sum of the MoE layers' load-balancing losses of the last forward."""
+        """The sum of the MoE layers' load-balancing losses of the last forward (detached)."""
         return torch.stack([ffn.l_aux for _, ffn in self.moe_feed_forwards()]).sum()
+
+    def run_layers(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer stack (graphed when enabled); keeps the sum of ``l_aux`` for :meth:`forward`."""
+        if self._layer_graphs is not None:
+            x, self._stack_l_aux = self._layer_graphs(x, key_padding_mask)
+            return x
+        x = super().run_layers(x, key_padding_mask)
+        self._stack_l_aux = self._aux_side.loss()
+        return x
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         out = super().forward(input_ids, labels)
+        aux, self._stack_l_aux = self._stack_l_aux, None
         if labels is None:
             return out
-        return out + self.config.moe_loss_coeff * self.aux_loss()
+        return out + self.config.moe_loss_coeff * aux
 
     def moe_stats(self) -> list[dict]:
         """Per MoE layer of the last forward: ``{"layer": index, **MoEFeedForward.stats()}``."""
         return [{"layer": i, **ffn.stats()} for i, ffn in self.moe_feed_forwards()]
 
     def enable_cuda_graphs(self, enabled: bool = True) -> None:
+        """Run the layer stack (MoE layers included) from captured CUDA graphs in training, with the
+        MoE layers' ``l_aux`` sum as the stack's side output (:mod:`dslab.models.graphs`)."""
+        if self._layer_graphs is not None:
+            self._layer_graphs.release()
+        self._layer_graphs = None
         if enabled:
-            raise ValueError(
-                "GPT-2-MoE cannot run its layer stack from CUDA graphs: a dropless MoE layer's expert "
-                "buffers have data-dependent sizes; set 'cuda_graphs.enabled' to false"
-            )
-        super().enable_cuda_graphs(False)
+            check_graphable(self.config, self.kernels)
+            self._layer_graphs = LayerStackGraphs(self.layers, side=self._aux_side)
 
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config, kernels: str = "dslab"):

@@ -35,6 +35,16 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, with the differen
   (the capture allocates its own inside its pool, which lives as long as its graphs) and after it
   (no later capture inherits a block of this pool).
 
+Side outputs: a stack may give a differentiable scalar besides its output (an MoE layer's
+load-balancing loss) through a :class:`StackSideOutput`. Its ``loss()`` is called right after the
+stack's forward (eagerly, in the warm-up runs and inside the capture) and must hand over the
+scalar and drop every reference the modules kept to it, so that no autograd graph of a warm-up run
+outlives it (such a graph would keep parameter AccumulateGrad nodes bound to the warm-up stream,
+and the capture's backward would then wait on that stream). The scalar becomes a second static
+output with its own gradient buffer in the backward graph. ``snapshot()`` runs after the capture
+and ``restore(state)`` after every replay, so that module attributes a forward sets (routing
+statistics) point at the replayed buffers again after an eager call moved them.
+
 The stack runs eagerly, and is never captured, when graphs cannot be right: outside training or
 without autograd, off CUDA, inside another capture or under ``torch.compile``, while a
 ``TorchDispatchMode`` is active (the flops profiler counts through one), while any module of the
@@ -48,7 +58,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter, OrderedDict
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -76,12 +86,26 @@ def _clear_cublas_workspaces() -> None:
         clear()
 
 
+class StackSideOutput(Protocol):
+    """A differentiable scalar a layer stack yields besides its output (see the module docstring)."""
+
+    def loss(self) -> torch.Tensor:
+        """The scalar of the forward that just ran; the modules drop their references to it."""
+
+    def snapshot(self) -> object:
+        """The state to put back after each replay (taken right after the capture)."""
+
+    def restore(self, state: object) -> None:
+        """Put ``state`` back."""
+
+
 class _Captured:
     """The graphs of one input signature and their static buffers."""
 
     def __init__(self, run: Callable, x: torch.Tensor, mask: torch.Tensor | None, params: list[nn.Parameter],
-                 autocast_dtype: torch.dtype | None):
+                 autocast_dtype: torch.dtype | None, side: StackSideOutput | None = None):
         self.params = params
+        self.side = side
         self.static_x = x.detach().clone().requires_grad_(x.requires_grad)
         self.static_mask = None if mask is None else mask.clone()
         self.x_needs_grad = x.requires_grad
@@ -91,33 +115,36 @@ class _Captured:
             cast = (torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False)
                     if autocast_dtype is not None else contextlib.nullcontext())
             with cast:
-                return run(self.static_x, self.static_mask)
+                out = run(self.static_x, self.static_mask)
+            return [out] if side is None else [out, side.loss()]
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                out = forward()
-                torch.autograd.grad(out, grad_inputs, torch.ones_like(out), allow_unused=True)
-                del out
-        torch.cuda.current_stream().wait_stream(side)
+                outs = forward()
+                torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
+                del outs
+        torch.cuda.current_stream().wait_stream(stream)
 
         pool = torch.cuda.graph_pool_handle()
         _clear_cublas_workspaces()
         self.forward_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward_graph, pool=pool):
-            self.static_out = forward()
-        self.static_grad_out = torch.empty_like(self.static_out)
+            outs = forward()
+        self.side_state = side.snapshot() if side is not None else None
+        self.static_grad_outs = [torch.empty_like(o) for o in outs]
         self.backward_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.backward_graph, pool=pool):
-            grads = torch.autograd.grad(self.static_out, grad_inputs, self.static_grad_out, allow_unused=True)
+            grads = torch.autograd.grad(outs, grad_inputs, self.static_grad_outs, allow_unused=True)
         _clear_cublas_workspaces()
         self.static_grad_x = grads[0] if self.x_needs_grad else None
         self.static_grad_params = list(grads[1:] if self.x_needs_grad else grads)
-        # The captured output's autograd graph is spent; holding it would keep the parameters'
+        # The captured outputs' autograd graph is spent; holding it would keep the parameters'
         # AccumulateGrad nodes that the capture stream created alive, and every later
         # accumulation on the default stream would then sync with (and warn about) that stream.
-        self.static_out = self.static_out.detach()
+        self.static_outs = [o.detach() for o in outs]
+        del outs
 
     def unalias_param_grads(self) -> None:
         """Copy out any ``.grad`` that is one of the static gradient buffers (see the module doc)."""
@@ -137,15 +164,18 @@ class _Replay(torch.autograd.Function):
         # gradients (one memory pool): a .grad adopted from those buffers must move out first.
         captured.unalias_param_grads()
         captured.forward_graph.replay()
+        if captured.side is not None:
+            captured.side.restore(captured.side_state)
         ctx.owner, ctx.captured = owner, captured
         owner._awaiting_backward = True
-        return captured.static_out.detach()
+        return tuple(o.detach() for o in captured.static_outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grad_outs):
         captured = ctx.captured
         ctx.owner._awaiting_backward = False
-        captured.static_grad_out.copy_(grad_out)
+        for buffer, grad in zip(captured.static_grad_outs, grad_outs):
+            buffer.copy_(grad)
         captured.unalias_param_grads()
         captured.backward_graph.replay()
         grad_x = captured.static_grad_x.detach() if captured.static_grad_x is not None else None
@@ -158,16 +188,18 @@ class LayerStackGraphs:
     graphs where it can, eagerly elsewhere (see the module docstring).
 
     ``max_signatures`` bounds how many input signatures keep their graphs (each holds the
-    activations of a whole forward in its memory pool); the least recently used goes first.
+    activations of a whole forward in its memory pool); the least recently used goes first. With
+    ``side`` (a :class:`StackSideOutput`) a call returns ``(output, side scalar)``.
     """
 
-    def __init__(self, layers: nn.ModuleList, max_signatures: int = 2):
+    def __init__(self, layers: nn.ModuleList, max_signatures: int = 2, side: StackSideOutput | None = None):
         if not isinstance(layers, nn.ModuleList):
             raise ValueError(f"layers must be an nn.ModuleList, got {type(layers).__name__}")
         if max_signatures < 1:
             raise ValueError(f"max_signatures must be >= 1, got {max_signatures}")
         self.layers = layers
         self.max_signatures = max_signatures
+        self.side = side
         self._captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self._awaiting_backward = False
         self.stats: Counter = Counter()
@@ -201,7 +233,8 @@ class LayerStackGraphs:
         reason = self.eager_reason(x)
         if reason is not None:
             self.stats[f"eager_{reason}"] += 1
-            return self.run_eager(x, key_padding_mask)
+            out = self.run_eager(x, key_padding_mask)
+            return out if self.side is None else (out, self.side.loss())
         params = [p for p in self.layers.parameters() if p.requires_grad]
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         key = (tuple(x.shape), x.dtype, x.device, x.requires_grad,
@@ -211,13 +244,14 @@ class LayerStackGraphs:
         if captured is None:
             while len(self._captured) >= self.max_signatures:
                 self._captured.popitem(last=False)
-            captured = _Captured(self.run_eager, x, key_padding_mask, params, autocast_dtype)
+            captured = _Captured(self.run_eager, x, key_padding_mask, params, autocast_dtype, self.side)
             self._captured[key] = captured
             self.stats["captures"] += 1
         else:
             self._captured.move_to_end(key)
         self.stats["replays"] += 1
-        return _Replay.apply(self, captured, x, key_padding_mask, *params)
+        outs = _Replay.apply(self, captured, x, key_padding_mask, *params)
+        return outs[0] if self.side is None else outs
 
     def release(self) -> None:
         """Drop every captured graph (their memory returns to the caching allocator)."""

@@ -135,9 +135,13 @@ class Experts(nn.Module):
         w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
+            # fp32 parameters stay fp32: the grouped GEMM casts them for the products and returns
+            # their gradients in fp32 straight from its accumulators
             dtype = torch.get_autocast_dtype(device_type)
-            x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
-            b1, b2 = (None if b is None else b.to(dtype) for b in (b1, b2))
+            x = x.to(dtype)
+            if w1.dtype not in (dtype, torch.float32):
+                w1, w2 = w1.to(dtype), w2.to(dtype)
+                b1, b2 = (None if b is None else b.to(dtype) for b in (b1, b2))
         h = grouped_gemm(x, w1, group_offsets, b1)
         h = self._activate(h)
         return grouped_gemm(h, w2, group_offsets, b2)

@@ -6,7 +6,8 @@
     output, l_aux, exp_counts = moe(hidden_states)     # hidden_states [B, S, H] or [T, H]
 
 ``output`` has ``hidden_states``' shape; add ``coeff * l_aux`` (fp32 scalar, the load-balancing
-loss) to the training loss. ``exp_counts`` [E] int64 counts each expert's assignments before
+loss) to the training loss (``moe.deepspeed_moe.l_aux`` keeps a detached copy: no module attribute
+holds the forward's autograd graph). ``exp_counts`` [E] int64 counts each expert's assignments before
 dropping, for this rank's tokens. It stays on the device (no host sync); DeepSpeed returns it on
 the CPU, so call ``.cpu()`` where a script relies on that.
 
@@ -134,11 +135,11 @@ class MoE(nn.Module):
         if used_token is not None and used_token.numel() != num_tokens:
             raise ValueError(f"used_token must hold one entry per token ({num_tokens}), got shape "
                              f"{tuple(used_token.shape)}")
-        output = self.deepspeed_moe(hidden_states, used_token)
+        output, l_aux = self.deepspeed_moe.run(hidden_states, used_token)
         if self.use_residual:
             output_mlp = self.mlp(hidden_states)
             if isinstance(output_mlp, tuple):
                 output_mlp = output_mlp[0]
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
-        return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+        return output, l_aux, self.deepspeed_moe.exp_counts

@@ -39,7 +39,8 @@ __all__ = ["MOELayer", "TopKGate", "gumbel_rsample", "multiplicative_jitter", "r
 class MOELayer(nn.Module):
     """Gate, dispatch, experts, combine. ``forward(hidden_states [..., H], used_token [T] | None)``
     returns the output in ``hidden_states``' shape and leaves ``l_aux`` (fp32 scalar) and
-    ``exp_counts`` ([E] int64, on the device) on the module, as DeepSpeed's ``MOELayer`` does."""
+    ``exp_counts`` ([E] int64, on the device) on the module, as DeepSpeed's ``MOELayer`` does.
+    :meth:`run` returns ``l_aux`` instead (what :class:`dslab.moe.MoE` calls)."""
 
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int):
         super().__init__()
@@ -57,17 +58,24 @@ class MOELayer(nn.Module):
         self.ep_group = ep_group
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
+        output, self.l_aux = self.run(hidden_states, used_token)
+        return output
+
+    def run(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
+        """``(output, l_aux)``, leaving ``exp_counts`` and a detached ``l_aux`` on the module: no
+        module attribute keeps the forward's autograd graph alive (a CUDA-graph capture of a stack
+        of these layers relies on that, :mod:`dslab.models.graphs`)."""
         hidden = hidden_states.shape[-1]
         x = hidden_states.reshape(-1, hidden)
         decision = self.gate(x, used_token)
-        self.l_aux, self.exp_counts = decision.l_aux, decision.exp_counts
+        self.l_aux, self.exp_counts = decision.l_aux.detach(), decision.exp_counts
         if torch.is_autocast_enabled(x.device.type):  # move (and exchange) tokens in the autocast dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if decision.capacity is not None:
             output = self._capacity_forward(x, decision)
         else:
             output = self._dropless_forward(x, decision)
-        return output.reshape(hidden_states.shape)
+        return output.reshape(hidden_states.shape), decision.l_aux
 
     def _capacity_forward(self, x, decision):
         capacity = decision.capacity

@@ -39,7 +39,7 @@ def test_suite_mixes_families_and_states_its_expert_flops():
     # the hf arm's gated experts at H=1024: three 1024 x 2752 matrices
     assert full["layer_top1"].expert_flops_per_step(hf=True) == 18 * 16384 * 1024 * 2752
     assert {w.case.name for w in workloads_for(suite, "tiny")} == {"layer_top2", "gpt2_moe_top1"}
-    assert suite.engine["cuda_graphs"] == {"enabled": False}
+    assert suite.engine["cuda_graphs"] == {"enabled": True}
 
 
 def _write(tmp_path: Path, data: dict) -> Path:

@@ -80,6 +80,46 @@ def test_triton_matches_float64_reference(dtype, case, with_bias):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_fp32_master_weights_give_fp32_gradients_from_the_accumulators(dtype, with_bias):
+    """x in half precision, w and bias fp32: the products run on w cast to x's dtype, and dw/dbias
+    come back in fp32 (the cast-then-multiply reference rounds its half-precision dw once more)."""
+    k, n, sizes = CASES["empty_and_single_row"]
+    x, w, bias, dy = _inputs(k, n, sizes, torch.float32, with_bias)
+    x, dy = x.to(dtype), dy.to(dtype)
+    offsets = _offsets(sizes)
+
+    def grads(fn, x_dtype, w_dtype):
+        xs = x.detach().to(x_dtype).requires_grad_()
+        ws = w.detach().to(w_dtype).requires_grad_()
+        bs = bias.detach().to(w_dtype).requires_grad_() if bias is not None else None
+        y = fn(xs, ws, offsets, bs)
+        return [y.detach(), *torch.autograd.grad(y, [xs, ws] + ([bs] if bs is not None else []), dy.to(y.dtype))]
+
+    # exact: the products of the half-precision-rounded weights, in float64
+    exact = grads(grouped_gemm_reference, torch.float64, torch.float64)
+    rounded_w = w.to(dtype).double()
+    with torch.no_grad():
+        exact[0] = grouped_gemm_reference(x.double(), rounded_w, offsets,
+                                          bias.to(dtype).double() if bias is not None else None)
+        exact[1] = torch.cat([dy.double()[a:b] @ rounded_w[g] for g, (a, b) in
+                              enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist()))])
+    low = grads(grouped_gemm_reference, dtype, dtype)
+    with kernel_backend("triton"):
+        got = grads(grouped_gemm, dtype, torch.float32)
+    for name, a, lo, ex in zip(["y", "dx", "dw", "dbias"], got, low, exact):
+        want_dtype = dtype if name in ("y", "dx") else torch.float32
+        assert a.dtype == want_dtype and a.shape == lo.shape, name
+        if name in ("dw", "dbias"):  # fp32 from the fp32 accumulator: tighter than the half result
+            torch.testing.assert_close(a.double(), ex, rtol=1e-5, atol=1e-5 * ex.abs().max().item())
+        else:
+            _assert_within_torch_error(name, a, lo, ex)
+    mixed_ref = grads(grouped_gemm_reference, dtype, torch.float32)
+    assert [t.dtype for t in mixed_ref] == [t.dtype for t in got]
+
+
+@needs_interpreter
 def test_many_groups_and_int32_and_int64_offsets_give_identical_results():
     # 19 groups (a [32]-wide group table), a third of them empty; strided rows of x.
     gen = torch.Generator().manual_seed(5)
@@ -143,7 +183,7 @@ def _bad_arguments():
         ((x, w, torch.tensor([[0, 2, 6]]), bias), "group_offsets must have shape"),
         ((x, w, off.float(), bias), "group_offsets must be int32 or int64"),
         ((x, w, off, torch.ones(3)), r"bias must have shape \(2, 3\)"),
-        ((x, w, off, bias.half()), "bias must have x's dtype"),
+        ((x, w, off, bias.half()), "bias must have w's dtype"),
         ((x, w, torch.tensor([0, 2, 5]), bias), "group_offsets must run from 0 to x's 6 rows"),
         ((x, w, torch.tensor([1, 2, 6]), bias), "group_offsets must run from 0"),
         ((x, w, torch.tensor([0, 7, 6]), bias), "nondecreasing"),

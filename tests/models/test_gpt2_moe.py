@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dslab.models.gpt2 import gpt2_tiny
-from dslab.models.gpt2_moe import GPT2MoEConfig, GPT2MoELMHeadModel, gpt2_moe_124m_8e, gpt2_moe_tiny, moe_capacity
+from dslab.models.gpt2_moe import (GPT2MoEConfig, GPT2MoELMHeadModel, check_graphable, gpt2_moe_124m_8e,
+                                   gpt2_moe_tiny, moe_capacity)
 from dslab.models.moe_naive import NaiveMoE
 
 
@@ -105,14 +106,41 @@ def test_state_dict_moves_between_kernel_sets():
     torch.testing.assert_close(dslab(ids), naive(ids), rtol=1e-5, atol=1e-5)
 
 
-def test_cuda_graphs_are_refused_and_hf_conversion_is_not_offered():
+def test_cuda_graphs_are_refused_where_the_moe_syncs_and_hf_conversion_is_not_offered():
     model = GPT2MoELMHeadModel(tiny(), "torch")
-    with pytest.raises(ValueError, match="data-dependent sizes.*cuda_graphs.enabled"):
+    with pytest.raises(ValueError, match="cuda_graphs.enabled.*'torch' kernel set"):
         model.enable_cuda_graphs(True)
     model.enable_cuda_graphs(False)
     assert model.cuda_graph_stats == {}
+    with pytest.raises(ValueError, match="ep_size=2.*cannot be captured"):
+        check_graphable(tiny(ep_size=2), "dslab")
     with pytest.raises(NotImplementedError):
         model.to_hf_state_dict()
+
+
+def test_graph_enabled_model_off_cuda_runs_eagerly_with_the_same_loss_and_keeps_no_graph():
+    torch.manual_seed(5)
+    plain = GPT2MoELMHeadModel(tiny(k=2), "dslab")
+    graphed = GPT2MoELMHeadModel(tiny(k=2), "dslab")
+    graphed.load_state_dict(plain.state_dict())
+    graphed.enable_cuda_graphs(True)
+    ids = batch()
+    torch.manual_seed(6)
+    loss_plain = plain(ids, labels=ids)
+    torch.manual_seed(6)
+    loss_graphed = graphed(ids, labels=ids)
+    torch.testing.assert_close(loss_graphed, loss_plain)
+    assert graphed.cuda_graph_stats == {"eager_not_cuda": 1}
+    loss_graphed.backward()
+    loss_plain.backward()
+    gate = "layers.1.mlp.moe.deepspeed_moe.gate.wg.weight"
+    grads = {name: p.grad for name, p in graphed.named_parameters()}
+    torch.testing.assert_close(grads[gate], dict(plain.named_parameters())[gate].grad)
+    for _, ffn in graphed.moe_feed_forwards():
+        assert ffn._live_l_aux is None and ffn.l_aux.grad_fn is None
+        assert ffn.moe.deepspeed_moe.l_aux.grad_fn is None
+    expected = torch.stack([ffn.l_aux for _, ffn in plain.moe_feed_forwards()]).sum()
+    torch.testing.assert_close(graphed.aux_loss(), expected)
 
 
 @pytest.mark.parametrize("field,value,match", [
