@@ -1,4 +1,4 @@
-"""The arms of a benchmark: the same workload trained five ways.
+"""The arms of a benchmark: the same workload trained several ways.
 
 - ``dslab``: the model on dslab's kernels inside :func:`dslab.initialize`'s engine, configured by
   the suite's engine config (DeepSpeed keys) plus the case's micro-batch and the precision.
@@ -11,13 +11,17 @@
   plain-PyTorch configuration a user would pick (``PlainArm`` says how parking and the loss work
   with the graphs).
 - ``hf``: transformers' model of the same shape in the ``torch`` arm's loop (for the MoE
-  families, transformers' Mixtral sparse-MoE block: :mod:`dslab.bench.hf_moe`).
+  families, transformers' Mixtral sparse-MoE block: :mod:`dslab.bench.hf_moe`). Not for the
+  Evoformer, which transformers does not have.
+- ``sdpa``: the ``torch`` arm's loop over the model built with its ``"sdpa"`` kernel set:
+  attention through ``F.scaled_dot_product_attention``. Only the families whose models have that
+  kernel set run it (the Evoformer); :data:`dslab.bench.suite.ARM_FAMILIES` says which.
 
-``torch``, ``torch-compile``, ``torch-compile-ro`` and ``hf`` are the plain-PyTorch arms
+``torch``, ``torch-compile``, ``torch-compile-ro``, ``hf`` and ``sdpa`` are the plain-PyTorch arms
 (:data:`PLAIN_ARMS`); the summary compares ``dslab`` against the fastest of them in each case.
 
 Every arm exposes ``step()`` (one optimizer step) and ``close()``; building an arm may raise, and
-the runner records that arm as failed and goes on.
+the runner records that arm as failed (or, out of GPU memory, as ``oom``) and goes on.
 """
 
 from __future__ import annotations
@@ -28,14 +32,17 @@ import time
 import torch
 
 from dslab.bench.parking import park_training_state, unpark_training_state
+from dslab.bench.suite import check_arms
 from dslab.bench.workloads import Workload
 
 INJECT_SLEEP_ENV = "DSLAB_INJECT_STEP_SLEEP_MS"
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
-# The plain loops' arms and, for the compiled ones, torch.compile's mode (None: the default).
-PLAIN_ARMS = ("torch", "torch-compile", "torch-compile-ro", "hf")
+# The plain loops' arms, the kernel set of our model each builds (the hf arm builds transformers'
+# model instead) and, for the compiled ones, torch.compile's mode (None: the default).
+PLAIN_ARMS = ("torch", "torch-compile", "torch-compile-ro", "hf", "sdpa")
+PLAIN_ARM_KERNELS = {"torch": "torch", "torch-compile": "torch", "torch-compile-ro": "torch", "sdpa": "sdpa"}
 COMPILE_MODES = {"torch-compile": None, "torch-compile-ro": "reduce-overhead"}
 
 
@@ -168,11 +175,13 @@ class PlainArm:
     def __init__(self, name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict):
         if name not in PLAIN_ARMS:
             raise ValueError(f"arm {name!r} is not a plain-PyTorch arm; choose from {', '.join(PLAIN_ARMS)}")
+        check_arms([name], [workload.family])
         self.name = name
         self.device = device
         self.dtype = PRECISION_DTYPES[precision]
         hf = name == "hf"
-        model = workload.build_hf_model(device) if hf else workload.build_model(kernels="torch", device=device)
+        model = (workload.build_hf_model(device) if hf
+                 else workload.build_model(kernels=PLAIN_ARM_KERNELS[name], device=device))
         self.model = model.to(device).train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), **_optimizer_settings(engine_cfg),

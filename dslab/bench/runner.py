@@ -10,6 +10,19 @@ last step goes into ``profilers["moe"][case]`` and every arm gets ``expert_tflop
 that fails is recorded with its error and the others go on; Ctrl-C leaves the report marked
 incomplete.
 
+An arm that runs out of GPU memory (``torch.OutOfMemoryError`` while it is built, warms up or runs
+a trial) is recorded with status ``oom`` and an error whose first line says where and repeats the
+first line of PyTorch's message; any trials it finished are kept. The runner then drops the arm,
+collects garbage and empties the CUDA cache, and goes on with the next arm and case. Any other
+exception is recorded as ``failed`` with its traceback's last frames, as before.
+
+The flops a step performs (``config.flops_per_step``, what TFLOP/s and MFU divide) are counted
+once per case from the aten ops of a forward and backward of the ``torch`` kernel set's model
+(:func:`dslab.bench.measure.count_step_flops`); when that runs out of GPU memory they are counted
+again on fake tensors (shapes, no memory). A family with a flops formula of its own
+(the Evoformer) has its forward's figure in its case's entry of ``config.cases`` as
+``formula_forward_flops``, beside the count.
+
 Started on several processes (torchrun or ``dslab launch``, ``WORLD_SIZE`` > 1), the runner
 joins the process group and every rank builds the ``dslab`` arm and steps it in lockstep: the
 engine runs data parallelism or ZeRO as the suite's engine config says
@@ -28,6 +41,7 @@ Only rank 0 prints and writes the report; each rank's profiler files go to
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -54,17 +68,29 @@ from dslab.report.summary import describe, results_table
 
 
 SETTLE_STEPS = 2
+OOM_STATUS = "oom"
+OOM_PREFIX = "out of memory"
 
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _error_text(err: BaseException) -> str:
+def _error_text(err: BaseException, where: str | None = None) -> str:
+    """An arm's error for the report: out of memory, ``"out of memory (<where>): <torch's first
+    line>"``; else the exception and the last frames of its traceback."""
     if isinstance(err, torch.OutOfMemoryError):
-        return f"out of memory: {str(err).splitlines()[0]}"
+        lines = str(err).splitlines()
+        return f"{OOM_PREFIX}{f' ({where})' if where else ''}: {lines[0] if lines else 'torch.OutOfMemoryError'}"
     last = traceback.format_exception(err)[-3:]
     return f"{type(err).__name__}: {err}\n{''.join(last)}"
+
+
+def _failure_status(error: str) -> str:
+    """``oom`` for an error :func:`_error_text` made of an out-of-memory error (on any rank:
+    :func:`gather_trial` prefixes ``rank <r>: ``), else ``failed``."""
+    first = error.split(": ", 1)[1] if error.startswith("rank ") and ": " in error else error
+    return OOM_STATUS if first.startswith(OOM_PREFIX) else "failed"
 
 
 def _free(device: torch.device) -> None:
@@ -159,14 +185,42 @@ def gather_trial(measured: dict | None, error: str | None, world: World) -> tupl
     return combined, None
 
 
-def _count_flops(workload: Workload, suite: SuiteConfig, device: torch.device) -> int | None:
-    model = workload.build_model(kernels="torch", device=device)
+def _count_flops(workload: Workload, suite: SuiteConfig, device: torch.device) -> tuple[int, str | None]:
+    """The flops of one step counted on ``device`` or, when that runs out of memory, again on fake
+    tensors of ``device`` (shapes and dtypes only, no memory: the same ops, so the same count), with a
+    note saying so in the second case."""
     try:
-        return count_step_flops(model, workload.loss_fn(), workload.make_batch(device),
-                                PRECISION_DTYPES[suite.precision], device)
-    finally:
-        del model
-        _free(device)
+        return _count_flops_on(workload, suite, device), None
+    except torch.OutOfMemoryError as err:
+        reason = _error_text(err).splitlines()[0]
+    _free(device)
+    note = f"flops counted on fake tensors (shapes only): counting on {device} ran {reason}"
+    return _count_flops_on(workload, suite, device, fake=True), note
+
+
+def _count_flops_on(workload: Workload, suite: SuiteConfig, device: torch.device, fake: bool = False) -> int:
+    # FakeTensorMode is what torch.compile traces with: tensors that carry a device, shape and
+    # dtype but no storage, so autocast and every op's flop formula see what a real run sees.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        model = workload.build_model(kernels="torch", device=device)
+        try:
+            return count_step_flops(model, workload.loss_fn(), workload.make_batch(device),
+                                    PRECISION_DTYPES[suite.precision], device)
+        finally:
+            del model
+            _free(device)
+
+
+def _case_entry(workload: Workload) -> dict:
+    """A case's entry in ``config.cases``: its settings, preset and family, and the model's own
+    forward flops figure where the family has one."""
+    entry = {**workload.case.model_dump(), "preset": workload.preset, "family": workload.family}
+    formula = workload.formula_forward_flops()
+    if formula is not None:
+        entry["formula_forward_flops"] = formula
+    return entry
 
 
 def run_suite(
@@ -223,7 +277,7 @@ def run_suite(
         "warmup_steps": n_warmup,
         "precision": suite.precision,
         "family": suite.family,
-        "cases": [{**w.case.model_dump(), "preset": w.preset, "family": w.family} for w in workloads],
+        "cases": [_case_entry(w) for w in workloads],
         "model_options": suite.model_options,
         "engine": engine,
         "zero_stage": int((engine.get("zero_optimization") or {}).get("stage", 0)),
@@ -337,9 +391,12 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
     flops = None
     if world.rank == 0:  # only rank 0's report is written
         try:
-            flops = _count_flops(workload, suite, device)
+            flops, note = _count_flops(workload, suite, device)
+            if note:
+                report.notes.append(f"{case}: {note}")
         except Exception as err:  # counting is informative; the timings still stand without it
             report.notes.append(f"{case}: flop count failed: {_error_text(err).splitlines()[0]}")
+        _free(device)  # again outside the except block, whose traceback held the count's tensors
     if flops:
         report.config.setdefault("flops_per_step", {})[case] = flops
 
@@ -366,9 +423,13 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
             result.status, result.error = "skipped", str(err)
             progress.line(f"[{suite.name} {case}] {name}: skipped ({err})")
         except Exception as err:
-            result.status, result.error = "failed", _error_text(err)
-            progress.line(f"[{suite.name} {case}] {name}: failed to build: {result.error.splitlines()[0]}")
-            _free(device)
+            result.error = _error_text(err, "building the arm")
+            result.status = _failure_status(result.error)
+            progress.line(f"[{suite.name} {case}] {name}: {result.status} while building: "
+                          f"{result.error.splitlines()[0]}")
+        if result.status not in ("ok", "skipped"):
+            built.pop(name, None)  # an arm that failed after its build (parking) is dropped too
+            _free(device)  # outside the except block: its traceback no longer holds the arm's tensors
     world.write(report, out)
 
     warmed: set[str] = set()
@@ -390,13 +451,17 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
                 if parking:
                     built[name].park()
             except Exception as err:
-                measured, error = None, _error_text(err)
+                measured, error = None, _error_text(err, f"trial {t + 1}")
             measured, error = gather_trial(measured, error, world)
             if error is not None:
-                result.status, result.error = "failed", error
-                progress.line(f"[{suite.name} {case}] trial {t + 1}/{n_trials} {name}: failed: "
+                result.status, result.error = _failure_status(error), error
+                progress.line(f"[{suite.name} {case}] trial {t + 1}/{n_trials} {name}: {result.status}: "
                               f"{result.error.splitlines()[0]}")
-                built.pop(name).close()
+                try:
+                    built.pop(name).close()
+                except Exception as err:  # an arm that broke mid-step may not close cleanly; drop it anyway
+                    progress.line(f"[{suite.name} {case}] {name}: closing it failed: "
+                                  f"{_error_text(err).splitlines()[0]}")
                 _free(device)
                 continue
             metrics = trial_metrics(measured, samples, tokens, flops, report.peaks, datasheet)

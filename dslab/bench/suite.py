@@ -21,6 +21,14 @@ steps and trials, and the arms. A scale may override any of the run settings and
 A suite may mix families: a case with ``"family"`` runs that family instead of the suite's, and
 then names its ``"preset"`` (the scale's preset belongs to the suite's family). ``suites/moe`` times
 the MoE layer alone (``moe_layer``) beside GPT-2-MoE (``gpt2_moe``) this way.
+
+A case's shape is its ``seq_len`` and ``micro_batch``, except for the families whose preset fixes
+the shape (:data:`SHAPED_BY_PRESET`: the Evoformer's ``n_seq`` x ``n_res`` crop); their cases give
+no ``seq_len`` and change the shape through ``model_options``.
+
+Some arms run only some families (:data:`ARM_FAMILIES`): ``sdpa`` needs a model with an SDPA
+kernel set, ``hf`` a model transformers has. A suite, a scale or ``--arms`` naming an arm for a
+case whose family cannot run it is an error that names both.
 """
 
 from __future__ import annotations
@@ -33,17 +41,24 @@ from pydantic import Field, model_validator
 
 from dslab.config_base import ConfigSection, parse_section
 
-ArmName = Literal["dslab", "torch", "torch-compile", "torch-compile-ro", "hf"]
+ArmName = Literal["dslab", "torch", "torch-compile", "torch-compile-ro", "hf", "sdpa"]
 ARMS: tuple[str, ...] = get_args(ArmName)  # dslab/bench/arms.py says what each arm runs
-FamilyName = Literal["bert", "gpt2", "gpt2_moe", "moe_layer"]
+FamilyName = Literal["bert", "gpt2", "gpt2_moe", "moe_layer", "evoformer"]
 FAMILIES: tuple[str, ...] = get_args(FamilyName)  # dslab/bench/workloads.py says what each trains
+# The arms that only some families can run, and why the others cannot; every other arm runs every family.
+ARM_FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
+    "hf": (("bert", "gpt2", "gpt2_moe", "moe_layer"), "transformers has no model of it"),
+    "sdpa": (("evoformer",), "its models have no 'sdpa' kernel set"),
+}
+# Families whose preset fixes a case's shape: their cases give no seq_len.
+SHAPED_BY_PRESET = ("evoformer",)
 SCALES = ("full", "tiny")
 SUITE_FILE = "suite.json"
 
 
 class CaseConfig(ConfigSection):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    seq_len: int = Field(ge=2)
+    seq_len: int | None = Field(None, ge=2)
     micro_batch: int = Field(ge=1)
     preset: str | None = None
     family: FamilyName | None = None
@@ -73,9 +88,17 @@ class SuiteConfig(ConfigSection):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     model_options: dict = Field(default_factory=dict)
     engine: dict = Field(default_factory=dict)
-    arms: list[ArmName] = Field(default_factory=lambda: list(ARMS))
+    # Default: every arm the suite's family can run (:func:`family_arms`).
+    arms: list[ArmName] = Field(default_factory=lambda: ["dslab"])
     scales: dict[Literal["full", "tiny"], ScaleConfig]
     seed: int = 1234
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_arms(cls, data):
+        if isinstance(data, dict) and "arms" not in data and data.get("family") in FAMILIES:
+            data = {**data, "arms": list(family_arms(data["family"]))}
+        return data
 
     @model_validator(mode="after")
     def _checks(self):
@@ -90,13 +113,41 @@ class SuiteConfig(ConfigSection):
                 )
         for scale_name, scale in self.scales.items():
             for case in scale.cases:
+                family = case.family or self.family
                 if case.family not in (None, self.family) and case.preset is None:
                     raise ValueError(
                         f"scales.{scale_name}: case {case.name!r} has family {case.family!r}, not the suite's "
                         f"{self.family!r}, so it must name its own 'preset' (the scale's preset "
                         f"{scale.preset!r} is a {self.family} preset)"
                     )
+                if family in SHAPED_BY_PRESET and case.seq_len is not None:
+                    raise ValueError(
+                        f"scales.{scale_name}: case {case.name!r} ({family}) takes its shape from its preset; "
+                        f"remove 'seq_len' (change the shape with 'model_options')"
+                    )
+                if family not in SHAPED_BY_PRESET and case.seq_len is None:
+                    raise ValueError(f"scales.{scale_name}: case {case.name!r} ({family}) needs a 'seq_len'")
+            where = f"scales.{scale_name}.arms" if scale.arms is not None else "arms"
+            check_arms(scale.arms or self.arms, [c.family or self.family for c in scale.cases], where)
         return self
+
+
+def family_arms(family: str) -> tuple[str, ...]:
+    """Every arm ``family`` can run, in :data:`ARMS` order."""
+    return tuple(a for a in ARMS if a not in ARM_FAMILIES or family in ARM_FAMILIES[a][0])
+
+
+def check_arms(arms: list[str], families: list[str], where: str | None = None) -> None:
+    """ValueError naming the arm and the family when one of ``arms`` cannot run one of ``families``
+    (``where``: the key or option that named the arms, to begin the message with)."""
+    for arm in arms:
+        if arm not in ARM_FAMILIES:
+            continue
+        runs, reason = ARM_FAMILIES[arm]
+        for family in dict.fromkeys(families):
+            if family not in runs:
+                raise ValueError(f"{where + ': ' if where else ''}arm {arm!r} cannot run family {family!r}: "
+                                 f"{reason} (arm {arm!r} runs {', '.join(runs)})")
 
 
 def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
@@ -125,6 +176,8 @@ def select_arms(suite: SuiteConfig, requested: list[str] | None, scale: str | No
     unknown = [a for a in requested if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    scales = [suite.scales[scale]] if scale in suite.scales else list(suite.scales.values())
+    check_arms(requested, [c.family or suite.family for sc in scales for c in sc.cases], "--arms")
     return list(dict.fromkeys(["dslab", *requested]))
 
 

@@ -10,6 +10,11 @@ Families (:data:`dslab.bench.suite.FAMILIES`):
   (:class:`dslab.bench.hf_moe.HFGPT2MoE`).
 - ``moe_layer``: one MoE layer alone (:class:`dslab.bench.moe_layer.MoELayerModel`); hf: the
   Mixtral block alone (:class:`dslab.bench.hf_moe.HFMoELayer`).
+- ``evoformer``: AlphaFold 2's Evoformer stack and a loss
+  (:class:`dslab.bench.evoformer.EvoformerTrainModel`); no hf model (transformers has no
+  Evoformer), but an ``sdpa`` kernel set. Its cases take their shape from the preset: one sample
+  is one crop of ``n_seq`` MSA rows x ``n_res`` residues, and its tokens are its ``n_seq * n_res``
+  MSA positions.
 
 Data is synthetic and fixed per case (one batch, reused every step), drawn from a seeded
 generator on the device:
@@ -20,6 +25,8 @@ generator on the device:
 - GPT-2 and GPT-2-MoE: random token ids; labels are the inputs (the model shifts them).
 - MoE layer: hidden states ``[micro_batch, seq_len, hidden]`` ~ N(0, 1) in the precision's dtype
   (bf16/fp16, else fp32).
+- Evoformer: ``m``, ``z`` ~ N(0, 1) in the precision's dtype, masks padding the last 1/8 of the
+  residues and 1/4 of the MSA rows of every crop (:func:`dslab.bench.evoformer.evoformer_batch`).
 """
 
 from __future__ import annotations
@@ -30,13 +37,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from dslab.bench.suite import FAMILIES, CaseConfig, SuiteConfig, select_cases
+from dslab.bench.suite import ARM_FAMILIES, FAMILIES, CaseConfig, SuiteConfig, select_cases
 
 MASK_TOKEN_ID = 103
 MLM_PROBABILITY = 0.15
 # Where each family's presets (config factories) live.
 PRESET_MODULES = {"bert": "dslab.models.bert", "gpt2": "dslab.models.gpt2", "gpt2_moe": "dslab.models.gpt2_moe",
-                  "moe_layer": "dslab.bench.moe_layer"}
+                  "moe_layer": "dslab.bench.moe_layer", "evoformer": "dslab.models.evoformer"}
 LANGUAGE_MODELS = ("gpt2", "gpt2_moe")
 MOE_FAMILIES = ("gpt2_moe", "moe_layer")
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,6 +68,11 @@ class Workload:
         if self.family == "moe_layer":
             return ("synthetic: hidden states ~ N(0, 1) [micro_batch, seq_len, hidden] in the precision's dtype; "
                     "one fixed batch per case made on the device")
+        if self.family == "evoformer":
+            return ("synthetic: MSA m [micro_batch, N_seq, N_res, c_m] and pair z [micro_batch, N_res, N_res, c_z] "
+                    "~ N(0, 1) in the precision's dtype; masks pad the last 1/8 of the residues and 1/4 of the MSA "
+                    "rows of each crop; loss = mean square of the outputs over their real entries; one fixed "
+                    "batch per case made on the device")
         return "synthetic: uniform random token ids, labels = inputs (shifted by the model); one fixed batch per case"
 
     @property
@@ -87,13 +99,14 @@ class Workload:
     def build_model(self, kernels: str, device: torch.device | str | None = None) -> nn.Module:
         """Our model with ``kernels``, its weights initialised directly on ``device`` from the
         suite's seed (so the dslab and torch arms start from the same weights)."""
+        from dslab.bench.evoformer import EvoformerTrainModel
         from dslab.bench.moe_layer import MoELayerModel
         from dslab.models.bert import BertForPreTraining
         from dslab.models.gpt2 import GPT2LMHeadModel
         from dslab.models.gpt2_moe import GPT2MoELMHeadModel
 
         cls = {"bert": BertForPreTraining, "gpt2": GPT2LMHeadModel, "gpt2_moe": GPT2MoELMHeadModel,
-               "moe_layer": MoELayerModel}[self.family]
+               "moe_layer": MoELayerModel, "evoformer": EvoformerTrainModel}[self.family]
         config = self.model_config()
         torch.manual_seed(self.seed)
         with torch.device(device or "cpu"):
@@ -104,6 +117,8 @@ class Workload:
         for the MoE families, transformers' Mixtral sparse-MoE block (:mod:`dslab.bench.hf_moe`)."""
         import transformers
 
+        if self.family not in ARM_FAMILIES["hf"][0]:
+            raise ValueError(f"family {self.family!r} has no transformers model: {ARM_FAMILIES['hf'][1]}")
         cfg = self.model_config()
         torch.manual_seed(self.seed)
         if self.is_moe:
@@ -132,6 +147,10 @@ class Workload:
     def make_batch(self, device: torch.device) -> dict[str, torch.Tensor]:
         cfg = self.model_config()
         b, s = self.case.micro_batch, self.case.seq_len
+        if self.family == "evoformer":
+            from dslab.bench.evoformer import evoformer_batch
+
+            return evoformer_batch(cfg, b, HALF_DTYPES.get(self.precision, torch.float32), self.seed, device)
         g = torch.Generator(device=device).manual_seed(self.seed)
         if self.family == "moe_layer":
             dtype = HALF_DTYPES.get(self.precision, torch.float32)
@@ -166,7 +185,22 @@ class Workload:
         return lambda model, batch: model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
     def samples_and_tokens(self) -> tuple[int, int]:
+        """Samples and tokens of one micro-batch: sequences and their tokens; for the Evoformer,
+        crops and their ``n_seq * n_res`` MSA positions."""
+        if self.family == "evoformer":
+            cfg = self.model_config()
+            return self.case.micro_batch, self.case.micro_batch * cfg.n_seq * cfg.n_res
         return self.case.micro_batch, self.case.micro_batch * self.case.seq_len
+
+    def formula_forward_flops(self) -> int | None:
+        """Matmul and attention flops of one forward of the micro-batch by the model's own formula
+        (:func:`dslab.models.evoformer.evoformer_flops`), for the families that have one; None for
+        the others. The runner's counted flops (forward and backward) are what TFLOP/s divides."""
+        if self.family != "evoformer":
+            return None
+        from dslab.models.evoformer import evoformer_flops
+
+        return evoformer_flops(self.model_config(), batch=self.case.micro_batch)
 
     def moe_layer_count(self) -> int:
         cfg = self.model_config()

@@ -15,6 +15,7 @@ from dslab.kernels.attention_packed import attention_packed
 from dslab.kernels.bias_dropout_residual import bias_dropout_residual
 from dslab.kernels.bias_gelu import bias_gelu
 from dslab.kernels.cross_entropy import softmax_cross_entropy
+from dslab.kernels.evoformer_attention import evoformer_attention
 from dslab.kernels.fused_adam import FusedAdam
 from dslab.kernels.grouped_gemm import grouped_gemm
 from dslab.kernels.layer_norm import layer_norm
@@ -22,6 +23,6 @@ from dslab.kernels.moe_gating import moe_gating
 from dslab.kernels.moe_permute import moe_permute, moe_unpermute
 
 OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "attention_packed", "softmax_cross_entropy",
-       "FusedAdam", "grouped_gemm", "moe_gating", "moe_permute", "moe_unpermute")
+       "FusedAdam", "grouped_gemm", "moe_gating", "moe_permute", "moe_unpermute", "evoformer_attention")
 
 __all__ = [*OPS, "OPS", "backend", "kernel_backend", "planned_backend", "set_backend", "use_triton"]

@@ -5,8 +5,8 @@ Every op the flops profiler sees is classified into one of three figures:
 - ``MATMUL``, the total: the ops of ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm,
   baddbmm, _scaled_mm, convolution and its backward, SDPA's flash/efficient/cudnn kernels and their
   backwards, ...), counted with torch's own formulas so that the total equals
-  ``FlopCounterMode``'s on aten ops, plus dslab's attention and grouped GEMM custom ops. A
-  multiply-add counts 2.
+  ``FlopCounterMode``'s on aten ops, plus dslab's attention, Evoformer attention and grouped GEMM
+  custom ops. A multiply-add counts 2.
 - ``ELEMENTWISE``, reported beside the total, never in it: pointwise arithmetic, activations,
   reductions, normalisations and softmax, with the small per-element constants of
   :data:`_PER_ELEMENT` (estimates: what such an op costs is its memory traffic, not its flops).
@@ -29,10 +29,15 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
   scale)`` and ``attention_packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads,
   causal, dropout_p, scale)``: the same attention read from a packed projection, the same flops as
   ``attention_forward`` / ``attention_backward`` on its ``[B, H, S, D]`` heads.
+- ``evoformer_attention(q [*,S,N,H,D], k, v, mask_bias, pair_bias)``: ``4 B S N^2 H D`` with B the
+  product of the batch dims (the two matmuls per (sequence, head); the bias adds are not counted);
+  ``evoformer_attention_backward(grad_out, q, k, v, out, lse, mask_bias, pair_bias, mask_grad,
+  pair_grad)``: 2.5x the forward, as for ``attention_backward`` (the bias gradients are sums of dS,
+  not counted).
 - ``grouped_gemm(x [M,K], w [G,N,K], group_offsets, bias)``: ``2 M N K`` (each row meets one
   group's weight; the fused bias add is not counted, as for ``addmm``);
   ``grouped_gemm_backward_input(dy [M,N], w, group_offsets)`` (dx) and
-  ``grouped_gemm_backward_weight(dy, x [M,K], group_offsets, with_bias)`` (dw, and dbias uncounted):
+  ``grouped_gemm_backward_weight(dy, x [M,K], group_offsets, with_bias, fp32_out)`` (dw, and dbias uncounted):
   ``2 M N K`` each.
 - ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``bias_gelu(_backward)``,
   ``bias_dropout_residual(_backward)``, ``cross_entropy_forward/backward``: elementwise.
@@ -44,6 +49,8 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.utils import flop_counter
@@ -161,6 +168,23 @@ def _dslab_attention_packed_backward(args, kwargs, out) -> int:
     return attention_flops(shape, shape, causal) * 5 // 2
 
 
+def evoformer_attention_flops(q_shape) -> int:
+    """Forward matmul flops of Evoformer attention over q ``[*, N_seq, N_res, H, D]``:
+    ``4 B N_seq N_res^2 H D`` (B the product of the batch dims)."""
+    *batch, n_seq, n_res, heads, head_dim = q_shape
+    return 4 * math.prod(batch) * n_seq * n_res * n_res * heads * head_dim
+
+
+def _evoformer_attention(args, kwargs, out) -> int:
+    # (q, k, v, mask_bias, pair_bias)
+    return evoformer_attention_flops(args[0].shape)
+
+
+def _evoformer_attention_backward(args, kwargs, out) -> int:
+    # (grad_out, q, k, v, out, lse, mask_bias, pair_bias, mask_grad, pair_grad)
+    return evoformer_attention_flops(args[1].shape) * 5 // 2
+
+
 def _grouped_gemm(args, kwargs, out) -> int:
     # (x [M, K], w [G, N, K], group_offsets, bias)
     (m, k), n = args[0].shape, args[1].shape[1]
@@ -174,7 +198,7 @@ def _grouped_gemm_backward_input(args, kwargs, out) -> int:
 
 
 def _grouped_gemm_backward_weight(args, kwargs, out) -> int:
-    # (dy [M, N], x [M, K], group_offsets, with_bias)
+    # (dy [M, N], x [M, K], group_offsets, with_bias, fp32_out)
     (m, n), k = args[0].shape, args[1].shape[1]
     return 2 * m * n * k
 
@@ -292,6 +316,8 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::attention_backward": (MATMUL, _dslab_attention_backward),
     "dslab::attention_packed_forward": (MATMUL, _dslab_attention_packed_forward),
     "dslab::attention_packed_backward": (MATMUL, _dslab_attention_packed_backward),
+    "dslab::evoformer_attention": (MATMUL, _evoformer_attention),
+    "dslab::evoformer_attention_backward": (MATMUL, _evoformer_attention_backward),
     "dslab::grouped_gemm": (MATMUL, _grouped_gemm),
     "dslab::grouped_gemm_backward_input": (MATMUL, _grouped_gemm_backward_input),
     "dslab::grouped_gemm_backward_weight": (MATMUL, _grouped_gemm_backward_weight),

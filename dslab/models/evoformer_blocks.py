@@ -1,0 +1,242 @@
+"""The sublayers of an Evoformer block (AlphaFold 2 supplement, Algorithms 7-15, as OpenFold writes
+them), each returning the update that the block adds to its residual stream.
+
+Shapes: the MSA representation ``m`` is ``[batch, N_seq, N_res, c_m]``, the pair representation
+``z`` is ``[batch, N_res, N_res, c_z]``; ``msa_mask`` ``[batch, N_seq, N_res]`` and ``pair_mask``
+``[batch, N_res, N_res]`` hold 1 for real entries and 0 for padding (float, integer or bool).
+
+Attention, one function per kernel set (:data:`ATTENTION`), all taking the layout of DeepSpeed's
+``DS4Sci_EvoformerAttention``: q, k, v ``[*, rows, N, heads, head_dim]`` (each of ``rows`` attends
+over its own ``N`` entries), ``biases`` a list of one or two additive biases in q's dtype that
+broadcast against the logits ``[*, rows, heads, N, N]`` — the mask bias ``[*, rows, 1, 1, N]``
+first, then an optional pair/triangle bias ``[*, 1, heads, N, N]`` — and the softmax scale
+``head_dim ** -0.5`` applied inside. Each returns ``[*, rows, N, heads, head_dim]``.
+
+- ``"torch"``: OpenFold's reference path: ``softmax(q k^T scale + biases) v`` in plain PyTorch ops,
+  the logits ``[*, rows, heads, N, N]`` materialised (written and read back once per bias add, by
+  the softmax and by the second matmul; kept for the backward).
+- ``"sdpa"``: ``F.scaled_dot_product_attention`` with the biases summed into one float
+  ``attn_mask`` ``[*, heads, N, N]`` (heads and queries broadcast where the mask has no extent; with
+  a pair bias the sum is materialised at the logits' size).
+- ``"dslab"``: :func:`dslab.kernels.evoformer_attention.evoformer_attention` (DS4Sci semantics).
+
+Masks become additive biases as in OpenFold: ``BIG * (mask - 1)`` with ``BIG = 1e9``, lowered to a
+quarter of the largest finite value in fp16 so that the mask bias plus a pair bias stays finite.
+A query whose every key is masked out gets near-uniform weights whose exact values depend on how an
+implementation rounds ``-1e9 + logit``; no real entry is such a query when the masks come from a
+crop's padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dslab.models.ops import LayerNorm, OpSet
+
+MASK_BIG = 1e9
+#: OpenFold's epsilon added to the count of sequences the outer product mean averages over.
+OUTER_PRODUCT_MEAN_EPS = 1e-3
+LAYER_NORM_EPS = 1e-5
+
+
+def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``BIG * (mask - 1)`` for a key mask ``[*, rows, N]``, shaped ``[*, rows, 1, 1, N]`` in ``dtype``."""
+    big = min(MASK_BIG, torch.finfo(dtype).max / 4)
+    return (big * (mask.to(dtype) - 1))[..., :, None, None, :]
+
+
+def attention_torch(q, k, v, biases):
+    q, k, v = (t.transpose(-2, -3) for t in (q, k, v))  # [*, rows, heads, N, head_dim]
+    logits = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
+    for bias in biases:
+        logits = logits + bias
+    return torch.matmul(torch.softmax(logits, dim=-1), v).transpose(-2, -3)
+
+
+def attention_sdpa(q, k, v, biases):
+    *lead, n_q, heads, head_dim = q.shape
+    n_k = k.shape[-3]
+    bias = biases[0]
+    for extra in biases[1:]:
+        bias = bias + extra
+    bias = bias.expand(*lead, bias.shape[-3], bias.shape[-2], n_k)
+    q, k, v = (t.transpose(-2, -3).reshape(-1, heads, t.shape[-3], head_dim) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.reshape(-1, *bias.shape[-3:]))
+    return out.view(*lead, heads, n_q, head_dim).transpose(-2, -3)
+
+
+def attention_dslab(q, k, v, biases):
+    from dslab.kernels.evoformer_attention import evoformer_attention
+
+    # The kernel takes any strides, but the pair bias comes permuted from [B, R, R, H] (stride H
+    # along keys) and is read once per row: one contiguous copy makes every later read coalesced.
+    return evoformer_attention(q, k, v, [b.contiguous() for b in biases])
+
+
+ATTENTION = {"torch": attention_torch, "sdpa": attention_sdpa, "dslab": attention_dslab}
+
+
+class GateLinear(nn.Linear):
+    """A Linear whose sigmoid gates an update; its bias starts at 1 (AF2's gating init), so the
+    gates start mostly open."""
+
+
+def shared_dropout(x: torch.Tensor, p: float, shared_dim: int, training: bool) -> torch.Tensor:
+    """AF2's row-/column-wise dropout: one mask for every index along ``shared_dim`` (``-3``:
+    shared across rows, "DropoutRowwise"; ``-2``: across columns, "DropoutColumnwise")."""
+    if not training or p == 0.0:
+        return x
+    shape = list(x.shape)
+    shape[shared_dim] = 1
+    return x * F.dropout(x.new_ones(shape), p, training=True)
+
+
+class GatedAttention(nn.Module):
+    """AF2's gated multi-head attention over the rows of ``x`` ``[*, rows, N, c_in]``:
+    ``linear_o(sigmoid(linear_g(x)) * attention(linear_q(x), linear_k(x), linear_v(x), biases))``."""
+
+    def __init__(self, c_in: int, heads: int, head_dim: int, kernels: str):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.attend = ATTENTION[kernels]
+        inner = heads * head_dim
+        self.linear_q = nn.Linear(c_in, inner, bias=False)
+        self.linear_k = nn.Linear(c_in, inner, bias=False)
+        self.linear_v = nn.Linear(c_in, inner, bias=False)
+        self.linear_g = GateLinear(c_in, inner)
+        self.linear_o = nn.Linear(inner, c_in)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, pair_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[B, rows, N, c_in]``, key ``mask`` ``[B, rows, N]``, ``pair_bias`` ``[B, 1, H, N, N]``."""
+        split = (*x.shape[:-1], self.heads, self.head_dim)
+        q, k, v = (proj(x).view(split) for proj in (self.linear_q, self.linear_k, self.linear_v))
+        biases = [mask_bias(mask, q.dtype)]
+        if pair_bias is not None:
+            biases.append(pair_bias.to(q.dtype))
+        context = self.attend(q, k, v, biases).reshape(*x.shape[:-1], -1)
+        return self.linear_o(torch.sigmoid(self.linear_g(x)) * context)
+
+
+class MSARowAttentionWithPairBias(nn.Module):
+    """Algorithm 7: each MSA row attends over its residues, biased by ``linear_z(LN(z))`` per head."""
+
+    def __init__(self, c_m: int, c_z: int, heads: int, head_dim: int, ops: OpSet, kernels: str):
+        super().__init__()
+        self.layer_norm_m = LayerNorm(c_m, LAYER_NORM_EPS, ops)
+        self.layer_norm_z = LayerNorm(c_z, LAYER_NORM_EPS, ops)
+        self.linear_z = nn.Linear(c_z, heads, bias=False)
+        self.mha = GatedAttention(c_m, heads, head_dim, kernels)
+
+    def forward(self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm_m(m)
+        pair_bias = self.linear_z(self.layer_norm_z(z)).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
+        return self.mha(x, msa_mask, pair_bias)
+
+
+class MSAColumnAttention(nn.Module):
+    """Algorithm 8: each residue's column of the MSA attends over the sequences (mask bias only)."""
+
+    def __init__(self, c_m: int, heads: int, head_dim: int, ops: OpSet, kernels: str):
+        super().__init__()
+        self.layer_norm_m = LayerNorm(c_m, LAYER_NORM_EPS, ops)
+        self.mha = GatedAttention(c_m, heads, head_dim, kernels)
+
+    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm_m(m.transpose(-2, -3))  # [B, R, S, c_m]
+        return self.mha(x, msa_mask.transpose(-1, -2)).transpose(-2, -3)
+
+
+class Transition(nn.Module):
+    """Algorithms 9 and 15: ``mask * linear_2(relu(linear_1(LN(x))))``, hidden ``factor * c``."""
+
+    def __init__(self, c: int, factor: int, ops: OpSet):
+        super().__init__()
+        self.layer_norm = LayerNorm(c, LAYER_NORM_EPS, ops)
+        self.linear_1 = nn.Linear(c, factor * c)
+        self.linear_2 = nn.Linear(factor * c, c)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.linear_2(F.relu(self.linear_1(self.layer_norm(x))))
+        return x * mask.unsqueeze(-1).to(x.dtype)
+
+
+class OuterProductMean(nn.Module):
+    """Algorithm 10: ``linear_out(mean_s a[s,i] (x) b[s,j])`` over the unmasked sequences, where
+    ``a``, ``b`` = masked ``linear_1``, ``linear_2`` of ``LN(m)`` (width ``c_hidden``). As in
+    OpenFold the mean divides the projected sum (bias included) by ``count + 1e-3``, count being the
+    number of sequences where both residues are unmasked."""
+
+    def __init__(self, c_m: int, c_z: int, c_hidden: int, ops: OpSet):
+        super().__init__()
+        self.layer_norm = LayerNorm(c_m, LAYER_NORM_EPS, ops)
+        self.linear_1 = nn.Linear(c_m, c_hidden)
+        self.linear_2 = nn.Linear(c_m, c_hidden)
+        self.linear_out = nn.Linear(c_hidden * c_hidden, c_z)
+
+    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(m)
+        a, b = self.linear_1(x), self.linear_2(x)  # [B, S, R, c]
+        mask = msa_mask.to(a.dtype)
+        a, b = a * mask.unsqueeze(-1), b * mask.unsqueeze(-1)
+        batch, seqs, res, c = a.shape
+        # [B, R*c, S] @ [B, S, R*c]: the sum over sequences as one matmul.
+        outer = torch.matmul(a.reshape(batch, seqs, res * c).transpose(-1, -2), b.reshape(batch, seqs, res * c))
+        outer = outer.view(batch, res, c, res, c).transpose(-2, -3).reshape(batch, res, res, c * c)
+        with torch.autocast(m.device.type, enabled=False):  # counts up to N_seq, exact in fp32
+            float_mask = msa_mask.float()
+            count = torch.matmul(float_mask.transpose(-1, -2), float_mask)  # [B, R, R]
+        update = self.linear_out(outer)
+        return (update / (count.unsqueeze(-1) + OUTER_PRODUCT_MEAN_EPS)).to(update.dtype)
+
+
+class TriangleMultiplication(nn.Module):
+    """Algorithms 11 (``outgoing``: ``x[i,j] = sum_k a[i,k] b[j,k]``) and 12 (incoming:
+    ``sum_k a[k,i] b[k,j]``) with AF2's gates: ``a = mask * sigmoid(linear_a_g(LN(z))) * linear_a_p(LN(z))``
+    (``b`` alike), update ``sigmoid(linear_g(LN(z))) * linear_z(layer_norm_out(x))``."""
+
+    def __init__(self, c_z: int, c_hidden: int, outgoing: bool, ops: OpSet):
+        super().__init__()
+        self.outgoing = outgoing
+        self.layer_norm_in = LayerNorm(c_z, LAYER_NORM_EPS, ops)
+        self.linear_a_p = nn.Linear(c_z, c_hidden)
+        self.linear_a_g = GateLinear(c_z, c_hidden)
+        self.linear_b_p = nn.Linear(c_z, c_hidden)
+        self.linear_b_g = GateLinear(c_z, c_hidden)
+        self.linear_g = GateLinear(c_z, c_z)
+        self.linear_z = nn.Linear(c_hidden, c_z)
+        self.layer_norm_out = LayerNorm(c_hidden, LAYER_NORM_EPS, ops)
+
+    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm_in(z)
+        a = torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)
+        b = torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)
+        mask = pair_mask.unsqueeze(-1).to(a.dtype)
+        a, b = (a * mask).permute(0, 3, 1, 2), (b * mask).permute(0, 3, 1, 2)  # [B, c, R, R]
+        if self.outgoing:
+            product = torch.matmul(a, b.transpose(-1, -2))  # [B, c, i, j] = sum_k a[i, k] b[j, k]
+        else:
+            product = torch.matmul(a.transpose(-1, -2), b)  # sum_k a[k, i] b[k, j]
+        update = self.linear_z(self.layer_norm_out(product.permute(0, 2, 3, 1)))
+        return torch.sigmoid(self.linear_g(x)) * update
+
+
+class TriangleAttention(nn.Module):
+    """Algorithms 13 (starting node: row ``i`` of ``z`` attends over ``j``, biased by
+    ``linear(LN(z))[j, k]``) and 14 (ending node: the same on the transposed ``z``)."""
+
+    def __init__(self, c_z: int, heads: int, head_dim: int, starting: bool, ops: OpSet, kernels: str):
+        super().__init__()
+        self.starting = starting
+        self.layer_norm = LayerNorm(c_z, LAYER_NORM_EPS, ops)
+        self.linear = nn.Linear(c_z, heads, bias=False)
+        self.mha = GatedAttention(c_z, heads, head_dim, kernels)
+
+    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        if not self.starting:
+            z, pair_mask = z.transpose(-2, -3), pair_mask.transpose(-1, -2)
+        x = self.layer_norm(z)
+        triangle_bias = self.linear(x).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
+        update = self.mha(x, pair_mask, triangle_bias)
+        return update if self.starting else update.transpose(-2, -3)
