@@ -6,6 +6,7 @@ Variants (built one at a time, timed interleaved, then each profiled):
 
 * ``dslab``: the suite's ``dslab`` arm (engine, dslab kernels, the suite's profilers on);
 * ``dslab-noprof``: the same with every profiler section taken out of the engine config;
+* ``dslab-eager``: ``dslab-noprof`` with ``cuda_graphs`` off (every op visible to the profiler);
 * ``dslab-torchops``: the engine (no profilers) over the model on PyTorch's ops;
 * ``torch`` and ``torch-compile``: the suite's plain-loop arms.
 
@@ -37,9 +38,11 @@ def build(variant: str, workload, device, suite):
     cfg = dict(suite.engine)
     if variant == "dslab":
         return EngineArm(workload, device, suite.precision, cfg)
-    if variant in ("dslab-noprof", "dslab-torchops"):
+    if variant in ("dslab-noprof", "dslab-eager", "dslab-torchops"):
         for key in PROFILER_SECTIONS:
             cfg.pop(key, None)
+        if variant == "dslab-eager":
+            cfg["cuda_graphs"] = {"enabled": False}
         if variant == "dslab-torchops":
             cfg["kernels"] = "torch"
             arm = EngineArm.__new__(EngineArm)
@@ -55,13 +58,13 @@ def build(variant: str, workload, device, suite):
     return PlainArm(variant, workload, device, suite.precision, cfg)
 
 
-def profile(arm, out: Path, name: str) -> tuple[float, float]:
+def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, float]:
     """(host ms per step, device kernel ms per step) over 3 profiled steps; tables to a file."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     steps = 3
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
         for _ in range(steps):
             arm.step()
         torch.cuda.synchronize()
@@ -87,6 +90,10 @@ def profile(arm, out: Path, name: str) -> tuple[float, float]:
         f.write(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
         f.write("\n\n")
         f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+        if shapes:
+            f.write("\n\nBy input shape (device time):\n")
+            f.write(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_device_time_total", row_limit=80, max_name_column_width=40, max_shapes_column_width=90))
         f.write(f"\n\ncProfile of {steps} more steps (host functions):\n")
         f.write(stream.getvalue())
     return host_us / steps / 1e3, device_us / steps / 1e3
@@ -101,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default="profile-out")
+    parser.add_argument("--shapes", action="store_true", help="also a table of device time by op and input shapes")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +124,7 @@ def main() -> None:
             for _ in range(args.trials):
                 trial = run_trial(arm.step, device, args.warmup, args.steps)
                 times.append(statistics.median(trial["step_times_ms"]))
-            host, dev = profile(arm, out, name)
+            host, dev = profile(arm, out, name, args.shapes)
             rows.append((name, statistics.median(times), host, dev))
             print(f"{name}: {statistics.median(times):.2f} ms/step", flush=True)
             del arm

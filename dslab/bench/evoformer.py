@@ -53,6 +53,18 @@ class EvoformerTrainModel(nn.Module):
         m_out, z_out = self.stack(m * self.m_scale.to(m.dtype), z * self.z_scale.to(z.dtype), msa_mask, pair_mask)
         return masked_mean_square(m_out, msa_mask) + masked_mean_square(z_out, pair_mask)
 
+    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+        """The engine's ``cuda_graphs`` switch: the stack's blocks run from captured graphs
+        (:meth:`dslab.models.evoformer.EvoformerStack.enable_cuda_graphs`)."""
+        self.stack.enable_cuda_graphs(enabled)
+
+    def release_cuda_graphs(self) -> None:
+        self.stack.release_cuda_graphs()
+
+    @property
+    def cuda_graph_stats(self) -> dict[str, int]:
+        return self.stack.cuda_graph_stats
+
 
 def masked_mean_square(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The mean of ``x ** 2`` (``[*, c]``, in fp32) over the entries where ``mask`` (``[*]``) is 1."""

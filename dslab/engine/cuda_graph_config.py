@@ -3,7 +3,7 @@ graphs in training, so that a step whose kernels are small is bound by the GPU, 
 issuing them one by one.
 
 ``"cuda_graphs": {"enabled": true}``. The model provides the capture: dslab's BERT and GPT-2 do
-(:mod:`dslab.models.graphs`: ``enable_cuda_graphs()``); any other model is refused with an error
+(:mod:`dslab.models.graphs`: ``enable_cuda_graphs()``; GPT-2-MoE and the Evoformer too); any other model is refused with an error
 naming this key. Steps that profilers instrument with hooks or a dispatch mode run eagerly, so
 their counts and timings stay those of the ops that ran.
 """
@@ -26,6 +26,6 @@ class CudaGraphConfig(ConfigSection):
         if not callable(enable):
             raise ValueError(
                 f"config key 'cuda_graphs.enabled': the model ({type(module).__name__}) has no "
-                f"enable_cuda_graphs(); dslab's BERT and GPT-2 models have it"
+                f"enable_cuda_graphs(); dslab's BERT, GPT-2, GPT-2-MoE and Evoformer models have it"
             )
         enable(True)

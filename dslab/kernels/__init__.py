@@ -18,11 +18,14 @@ from dslab.kernels.cross_entropy import softmax_cross_entropy
 from dslab.kernels.evoformer_attention import evoformer_attention
 from dslab.kernels.fused_adam import FusedAdam
 from dslab.kernels.grouped_gemm import grouped_gemm
+from dslab.kernels.grouped_mlp import grouped_mlp
 from dslab.kernels.layer_norm import layer_norm
 from dslab.kernels.moe_gating import moe_gating
 from dslab.kernels.moe_permute import moe_permute, moe_unpermute
+from dslab.kernels.sigmoid_gate import sigmoid_gate
 
 OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "attention_packed", "softmax_cross_entropy",
-       "FusedAdam", "grouped_gemm", "moe_gating", "moe_permute", "moe_unpermute", "evoformer_attention")
+       "FusedAdam", "grouped_gemm", "grouped_mlp", "moe_gating", "moe_permute", "moe_unpermute",
+       "evoformer_attention", "sigmoid_gate")
 
 __all__ = [*OPS, "OPS", "backend", "kernel_backend", "planned_backend", "set_backend", "use_triton"]

@@ -25,7 +25,8 @@ the host) → the ``dslab::grouped_gemm`` custom op with its autograd
 dbias) under ``torch.compile`` and dispatch modes, and an ``autograd.Function`` making the same
 launches in eager mode → the Triton kernels in :mod:`dslab.kernels.grouped_gemm_triton`, which read
 the offsets on the device and never synchronise with the host. :func:`grouped_gemm` picks between
-them with :func:`dslab.kernels.dispatch.use_triton`.
+them with :func:`dslab.kernels.dispatch.use_triton`. The experts' two-layer MLP runs on the same
+kernels with its activation fused into their epilogues: :mod:`dslab.kernels.grouped_mlp`.
 """
 
 from __future__ import annotations
@@ -166,25 +167,27 @@ class _EagerGroupedGemm(torch.autograd.Function):
         return dx, dw, None, dbias
 
 
-def _validate(x, w, group_offsets, bias) -> None:
+def _validate(x, w, group_offsets, bias, w_name: str = "w", bias_name: str = "bias") -> None:
+    """Checks shapes, dtypes and devices; errors name the arguments as ``w_name`` and ``bias_name``
+    (the grouped MLP's first layer calls them w1 and b1)."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
     if w.dim() != 3:
-        raise ValueError(f"w must be 3-D [G, N, K], got shape {tuple(w.shape)}")
+        raise ValueError(f"{w_name} must be 3-D [G, N, K], got shape {tuple(w.shape)}")
     groups, n, k = w.shape
     if groups == 0:
-        raise ValueError("w must hold at least one group (its first dimension is 0)")
+        raise ValueError(f"{w_name} must hold at least one group (its first dimension is 0)")
     if k != x.shape[1]:
-        raise ValueError(f"w's last dimension {k} must equal x's K = {x.shape[1]} (w is [G, N, K])")
+        raise ValueError(f"{w_name}'s last dimension {k} must equal x's K = {x.shape[1]} ({w_name} is [G, N, K])")
     if w.dtype != x.dtype and not (w.dtype == torch.float32 and x.dtype in HALF_DTYPES):
-        raise ValueError(f"w must have x's dtype {x.dtype} (or be fp32 master weights for fp16/bf16 x), "
+        raise ValueError(f"{w_name} must have x's dtype {x.dtype} (or be fp32 master weights for fp16/bf16 x), "
                          f"got {w.dtype}")
     if w.device != x.device:
-        raise ValueError(f"w must be on x's device {x.device}, got {w.device}")
+        raise ValueError(f"{w_name} must be on x's device {x.device}, got {w.device}")
     if group_offsets.dim() != 1 or group_offsets.shape[0] != groups + 1:
-        raise ValueError(f"group_offsets must have shape ({groups + 1},) (G + 1 for w's G = {groups}), "
+        raise ValueError(f"group_offsets must have shape ({groups + 1},) (G + 1 for {w_name}'s G = {groups}), "
                          f"got {tuple(group_offsets.shape)}")
     if group_offsets.dtype not in OFFSET_DTYPES:
         raise ValueError(f"group_offsets must be int32 or int64, got {group_offsets.dtype}")
@@ -192,11 +195,12 @@ def _validate(x, w, group_offsets, bias) -> None:
         raise ValueError(f"group_offsets must be on x's device {x.device}, got {group_offsets.device}")
     if bias is not None:
         if tuple(bias.shape) != (groups, n):
-            raise ValueError(f"bias must have shape ({groups}, {n}) (w's [G, N]), got {tuple(bias.shape)}")
+            raise ValueError(f"{bias_name} must have shape ({groups}, {n}) ({w_name}'s [G, N]), "
+                             f"got {tuple(bias.shape)}")
         if bias.dtype != w.dtype:
-            raise ValueError(f"bias must have w's dtype {w.dtype}, got {bias.dtype}")
+            raise ValueError(f"{bias_name} must have {w_name}'s dtype {w.dtype}, got {bias.dtype}")
         if bias.device != x.device:
-            raise ValueError(f"bias must be on x's device {x.device}, got {bias.device}")
+            raise ValueError(f"{bias_name} must be on x's device {x.device}, got {bias.device}")
 
 
 def grouped_gemm(

@@ -25,6 +25,15 @@ launch needs the group sizes on the host:
   Reads ``(BLOCK_N + BLOCK_K) * rows_g`` elements per tile, writes ``BLOCK_N * BLOCK_K``;
   ``2 * M * N * K`` flops in all.
 
+Activation epilogues (the rows kernel's ``ACTIVATION`` and ``ACTIVATION_GRAD`` flags), for the
+expert MLP of :mod:`dslab.kernels.grouped_mlp`: the forward writes both ``pre = x @ w[g].T +
+bias[g]`` and ``act = activation(pre)`` from the accumulator, where a separate activation kernel
+would read pre back to write act; the input gradient of the second layer multiplies its
+accumulator by ``activation'(pre)``, loading the matching tile of ``pre``, and writes ``d_pre``,
+where the unfused layers would write ``d_act`` and read it back with pre. The activations are
+GELU (erf, and its tanh form, with :mod:`dslab.kernels.bias_gelu_triton`'s formulas), ReLU and
+SiLU, in fp32.
+
 Accumulation is fp32 (``tl.dot`` on tensor cores for fp16/bf16; for fp32 inputs IEEE fp32 unless
 ``torch.backends.cuda.matmul.allow_tf32`` is set, as for ``torch.matmul``); outputs are written in
 the inputs' dtype. Results are deterministic: every output element is summed by one program in a
@@ -36,7 +45,8 @@ and 256x128 with a contraction step of 64, 3 stages, 8 warps; 128x128 with 4 sta
 or 3 stages, 4 warps and two programs per multiprocessor), keyed on the output width and the
 contraction length and the dtypes only, never on M or the group sizes: the choice is made on the
 first call of each layer shape (which compiles, times each candidate and synchronises the device)
-and reused by every later call. Under the Triton interpreter one 16x16x16 tile is used. Each
+and reused by every later call (the launches with an activation epilogue tune apart from the plain
+ones, keyed on the activation too). Under the Triton interpreter one 16x16x16 tile is used. Each
 expert's weight must have fewer than 2**31 elements (in-tile offsets are int32); row offsets are
 64-bit.
 """
@@ -52,6 +62,7 @@ import triton.language as tl
 from dslab.kernels._grid import device_guard as _device_guard
 from dslab.kernels._grid import unit_stride_rows as _rows
 from dslab.kernels._triton_compat import cast_rounding
+from dslab.kernels.bias_gelu_triton import _gelu_and_grad
 from dslab.kernels.dispatch import interpreting
 
 
@@ -67,18 +78,51 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _activation_and_grad(u, ACTIVATION: tl.constexpr, PRECISE_ERF: tl.constexpr, NEED_GRAD: tl.constexpr):
+    """(activation(u), activation'(u)) in fp32 for ``ACTIVATION`` "gelu" (erf), "gelu_tanh", "relu"
+    or "silu"; the GELUs are :mod:`dslab.kernels.bias_gelu_triton`'s (the second is 0 there unless
+    NEED_GRAD). relu's derivative is 1 where u > 0 (0 at 0, as torch's); silu(u) = u * sigmoid(u),
+    silu'(u) = sigmoid(u) * (1 + u * (1 - sigmoid(u)))."""
+    if ACTIVATION == "gelu":
+        y, grad = _gelu_and_grad(u, False, PRECISE_ERF, NEED_GRAD)
+    elif ACTIVATION == "gelu_tanh":
+        y, grad = _gelu_and_grad(u, True, PRECISE_ERF, NEED_GRAD)
+    elif ACTIVATION == "relu":
+        y = tl.where(u < 0.0, 0.0, u)  # NaN stays NaN, as in torch.relu
+        grad = tl.where(u > 0.0, 1.0, 0.0)
+    else:
+        sig = 1.0 / (1.0 + tl.exp(-u))
+        y = u * sig
+        grad = sig * (1.0 + u * (1.0 - sig))
+    return y, grad
+
+
+@triton.jit
 def _grouped_rows_kernel(
-    A, B, BIAS, C, OFFSETS,
+    A, B, BIAS, C, AUX, OFFSETS,
     M, N, K, G,
-    stride_am, stride_bg, stride_bk, stride_bn, stride_biasg, stride_cm,
+    stride_am, stride_bg, stride_bk, stride_bn, stride_biasg, stride_cm, stride_auxm,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    ACTIVATION: tl.constexpr, ACTIVATION_GRAD: tl.constexpr, PRECISE_ERF: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """C[rows of g] = A[rows of g] @ B[g] (+ BIAS[g]) for A [M, K] and C [M, N] (unit stride along
     their last dimension), B[g] a [K, N] view with strides (stride_bk, stride_bn). PROGRAMS_PER_SM
-    is read by the launch grid only (a grid function sees a config's constexprs, not its stages)."""
+    is read by the launch grid only (a grid function sees a config's constexprs, not its stages).
+
+    Epilogues, on the fp32 accumulator, selected by ``ACTIVATION`` (``"none"`` or an activation's
+    name) and ``ACTIVATION_GRAD``; AUX [M, N] has row stride stride_auxm:
+
+    - ``"none"``: C is the product (plus the bias); AUX is unused.
+    - an activation, forward: C = pre (the product plus the bias, rounded to C's dtype) and
+      AUX = activation(pre), computed from the rounded pre so that the backward's activation'(pre)
+      is the derivative of exactly what the forward applied.
+    - an activation with ``ACTIVATION_GRAD``: AUX holds pre (an input) and C = product *
+      activation'(pre), the gradient through the activation without its input gradient ever
+      being written.
+    """
     groups = tl.arange(0, BLOCK_G)
     in_range = groups < G
     starts = tl.load(OFFSETS + groups, mask=in_range, other=0).to(tl.int32)
@@ -123,9 +167,21 @@ def _grouped_rows_kernel(
         if HAS_BIAS:
             bias = tl.load(BIAS + g * stride_biasg + cols, mask=col_mask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
-        c_ptrs = C + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        c_ptrs = C + rows64 * stride_cm + cols[None, :]
         c_mask = (rows < row_end)[:, None] & col_mask[None, :]
-        tl.store(c_ptrs, cast_rounding(acc, C.dtype.element_ty, BF16_BY_HAND), mask=c_mask)
+        if ACTIVATION == "none":
+            tl.store(c_ptrs, cast_rounding(acc, C.dtype.element_ty, BF16_BY_HAND), mask=c_mask)
+        elif ACTIVATION_GRAD:
+            pre = tl.load(AUX + rows64 * stride_auxm + cols[None, :], mask=c_mask, other=0.0)
+            _, grad = _activation_and_grad(pre.to(tl.float32), ACTIVATION, PRECISE_ERF, True)
+            tl.store(c_ptrs, cast_rounding(acc * grad, C.dtype.element_ty, BF16_BY_HAND), mask=c_mask)
+        else:
+            pre = cast_rounding(acc, C.dtype.element_ty, BF16_BY_HAND)
+            tl.store(c_ptrs, pre, mask=c_mask)
+            act, _ = _activation_and_grad(pre.to(tl.float32), ACTIVATION, PRECISE_ERF, False)
+            aux_ptrs = AUX + rows64 * stride_auxm + cols[None, :]
+            tl.store(aux_ptrs, cast_rounding(act, AUX.dtype.element_ty, BF16_BY_HAND), mask=c_mask)
 
 
 @triton.jit
@@ -271,9 +327,10 @@ def _even(dims):
     return {f"EVEN_{dim}": (lambda args, dim=dim: args[dim] % args[f"BLOCK_{dim}"] == 0) for dim in dims}
 
 
-def _autotuned(kernel, names, operand: str):
+def _autotuned(kernel, names, operand: str, key=("N", "K")):
     """``kernel`` autotuned over the tiles of ``operand``'s dtype (fp32 or 16-bit) that fit the
-    device, keyed on the output width N and contraction length K (and the dtypes)."""
+    device, keyed on ``key`` (the output width N and contraction length K by default) and the
+    dtypes."""
     configs_16bit = [_config(tile, names) for tile in _TILES_16BIT]
     configs_fp32 = [_config(tile, names) for tile in _TILES_FP32]
 
@@ -290,7 +347,7 @@ def _autotuned(kernel, names, operand: str):
         return fits or [min(candidates, key=lambda c: smem_bytes(c, element_size))]
 
     return triton.autotune(
-        configs=configs_16bit + configs_fp32, key=["N", "K"], prune_configs_by={"early_config_prune": prune},
+        configs=configs_16bit + configs_fp32, key=list(key), prune_configs_by={"early_config_prune": prune},
     )(kernel)
 
 
@@ -300,6 +357,10 @@ _weight_grad_kernel = triton.heuristics(_even(("N", "K")))(_grouped_weight_grad_
 # K-major, w[g] N-major), so each has its own choice of tile.
 _forward_tuned = _autotuned(_rows_kernel, _ROWS_NAMES, "A")
 _input_grad_tuned = _autotuned(_rows_kernel, _ROWS_NAMES, "A")
+# The activation epilogues (two outputs forward; an extra input and the derivative backward) change
+# what a tile costs beyond its main loop, so their launches choose their own tiles, per activation.
+_forward_activation_tuned = _autotuned(_rows_kernel, _ROWS_NAMES, "A", key=("N", "K", "ACTIVATION"))
+_input_grad_activation_tuned = _autotuned(_rows_kernel, _ROWS_NAMES, "A", key=("N", "K", "ACTIVATION"))
 _weight_grad_tuned = _autotuned(_weight_grad_kernel, _WEIGHT_GRAD_NAMES, "DY")
 
 
@@ -339,9 +400,13 @@ def _flags(dtype: torch.dtype, device: torch.device) -> dict:
 
 
 def _grouped_rows(tuned, a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int], out_cols: int,
-                  group_offsets: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                  group_offsets: torch.Tensor, bias: torch.Tensor | None, activation: str = "none",
+                  aux: torch.Tensor | None = None, activation_grad: bool = False) -> torch.Tensor:
     """``c[rows of g] = a[rows of g] @ B[g] (+ bias[g])`` with ``B[g]`` the [contraction, out_cols]
-    view of ``b[g]`` of strides ``b_strides``; ``c`` [M, out_cols] in a's dtype."""
+    view of ``b[g]`` of strides ``b_strides``; ``c`` [M, out_cols] in a's dtype. With an
+    ``activation``, ``aux`` [M, out_cols] (unit stride along its rows) receives activation(c), or,
+    with ``activation_grad``, holds the pre-activation and c is multiplied by its derivative (see
+    the rows kernel's epilogues)."""
     m, contraction = a.shape
     groups = b.shape[0]
     c = torch.empty((m, out_cols), dtype=a.dtype, device=a.device)
@@ -352,10 +417,12 @@ def _grouped_rows(tuned, a: torch.Tensor, b: torch.Tensor, b_strides: tuple[int,
         return (triton.cdiv(m, meta["BLOCK_M"]) + groups) * triton.cdiv(out_cols, meta["BLOCK_N"])
 
     args = (
-        a, b, bias, c, group_offsets, m, out_cols, contraction, groups,
+        a, b, bias, c, aux, group_offsets, m, out_cols, contraction, groups,
         a.stride(0), b.stride(0), b_strides[0], b_strides[1], bias.stride(0) if bias is not None else 0, c.stride(0),
+        aux.stride(0) if aux is not None else 0,
     )
-    flags = dict(_flags(a.dtype, a.device), HAS_BIAS=bias is not None, BLOCK_G=max(16, triton.next_power_of_2(groups)))
+    flags = dict(_flags(a.dtype, a.device), HAS_BIAS=bias is not None, BLOCK_G=max(16, triton.next_power_of_2(groups)),
+                 ACTIVATION=activation, ACTIVATION_GRAD=activation_grad, PRECISE_ERF=a.dtype == torch.float32)
     with _device_guard(a):
         _launch(tuned, _rows_kernel, _ROWS_NAMES, tiles_for, args, flags, a.device)
     return c
@@ -376,6 +443,30 @@ def backward_input(dy: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tenso
     """dx [M, K] with dx[rows of g] = dy[rows of g] @ w[g], in dy's dtype; dy [M, N], w [G, N, K]."""
     dy, w = _rows(dy), _unit_stride_last(w)
     return _grouped_rows(_input_grad_tuned, dy, w, (w.stride(1), w.stride(2)), w.shape[2], group_offsets, None)
+
+
+def forward_activation(
+    x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, bias: torch.Tensor | None, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pre, act), both [M, N] in x's dtype, with pre[rows of g] = x[rows of g] @ w[g].T + bias[g]
+    and act = activation(pre) (``"gelu"``, ``"gelu_tanh"``, ``"relu"`` or ``"silu"``), written by one
+    launch from its accumulators; x [M, K], w [G, N, K], bias [G, N] or None."""
+    x, w, bias = _rows(x), _unit_stride_last(w), _unit_stride_last(bias)
+    act = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
+    pre = _grouped_rows(_forward_activation_tuned, x, w, (w.stride(2), w.stride(1)), w.shape[1], group_offsets,
+                        bias, activation, act)
+    return pre, act
+
+
+def backward_input_activation(
+    dy: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, pre: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """d_pre [M, K] with d_pre[rows of g] = (dy[rows of g] @ w[g]) * activation'(pre[rows of g]), in
+    dy's dtype: the input gradient of a grouped GEMM whose input was activation(pre), taken through
+    the activation in the epilogue; dy [M, N], w [G, N, K], pre [M, K]."""
+    dy, w, pre = _rows(dy), _unit_stride_last(w), _rows(pre)
+    return _grouped_rows(_input_grad_activation_tuned, dy, w, (w.stride(1), w.stride(2)), w.shape[2], group_offsets,
+                         None, activation, pre, activation_grad=True)
 
 
 def backward_weight(

@@ -45,6 +45,7 @@ from dslab.models.evoformer_blocks import (
     GateLinear, MSAColumnAttention, MSARowAttentionWithPairBias, OuterProductMean, Transition, TriangleAttention,
     TriangleMultiplication, shared_dropout,
 )
+from dslab.models.graphs import GraphedStack
 from dslab.models.ops import op_set
 
 EVOFORMER_KERNEL_SETS = ("dslab", "torch", "sdpa")
@@ -183,9 +184,17 @@ class EvoformerStack(nn.Module):
         self.blocks = nn.ModuleList(EvoformerBlock(config, kernels) for _ in range(config.blocks))
         init_evoformer_(self, config.initializer_range)
 
+    _layer_graphs: GraphedStack | None = None
+
     def forward(self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor | None = None,
                 pair_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         msa_mask, pair_mask = self._checked_masks(m, z, msa_mask, pair_mask)
+        if self._layer_graphs is not None:
+            m, z = self._layer_graphs.call((m, z), (msa_mask, pair_mask))
+            return m, z
+        return self._run_blocks(m, z, msa_mask, pair_mask)
+
+    def _run_blocks(self, m, z, msa_mask, pair_mask) -> tuple[torch.Tensor, torch.Tensor]:
         recompute = self.config.checkpoint_blocks and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:
@@ -193,6 +202,32 @@ class EvoformerStack(nn.Module):
             else:
                 m, z = block(m, z, msa_mask, pair_mask)
         return m, z
+
+    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+        """Run the blocks from captured CUDA graphs in training (:mod:`dslab.models.graphs`: one
+        graph for the forward of every block, one for the backward; ``m`` and ``z`` are the
+        stack's inputs, the masks its constants). ``False`` goes back to eager and frees them.
+
+        Refused with activation checkpointing: its recomputation restores the RNG state, which a
+        capture cannot, and a graph keeps the whole forward's activations in its pool anyway.
+        """
+        self.release_cuda_graphs()
+        self._layer_graphs = None
+        if enabled:
+            if self.config.checkpoint_blocks:
+                raise ValueError("'cuda_graphs.enabled' cannot be combined with the Evoformer's "
+                                 "checkpoint_blocks=True (activation checkpointing); turn one off")
+            self._layer_graphs = GraphedStack(self.blocks, self._run_blocks)
+
+    def release_cuda_graphs(self) -> None:
+        """Free the captured graphs (they are captured again on the next graphed call)."""
+        if self._layer_graphs is not None:
+            self._layer_graphs.release()
+
+    @property
+    def cuda_graph_stats(self) -> dict[str, int]:
+        """Captures, replays and eager calls by reason; empty when graphs are off."""
+        return dict(self._layer_graphs.stats) if self._layer_graphs is not None else {}
 
     def _checked_masks(self, m, z, msa_mask, pair_mask) -> tuple[torch.Tensor, torch.Tensor]:
         """The masks (all ones where None), after checking every shape against ``m``'s."""

@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dslab.kernels.column_sum import linear as linear_column_sum_bias
+from dslab.kernels.sigmoid_gate import sigmoid_gate
 from dslab.models.ops import LayerNorm, OpSet
 
 MASK_BIG = 1e9
@@ -78,6 +80,12 @@ def attention_dslab(q, k, v, biases):
 ATTENTION = {"torch": attention_torch, "sdpa": attention_sdpa, "dslab": attention_dslab}
 
 
+def apply_linear(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``layer(x)``; with ``fused`` (the dslab set) its bias gradient comes from
+    :func:`dslab.kernels.column_sum.linear`'s column sums instead of PyTorch's slow row reduction."""
+    return linear_column_sum_bias(x, layer.weight, layer.bias) if fused else layer(x)
+
+
 class GateLinear(nn.Linear):
     """A Linear whose sigmoid gates an update; its bias starts at 1 (AF2's gating init), so the
     gates start mostly open."""
@@ -101,6 +109,7 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         self.attend = ATTENTION[kernels]
+        self.fused_gate = kernels == "dslab"
         inner = heads * head_dim
         self.linear_q = nn.Linear(c_in, inner, bias=False)
         self.linear_k = nn.Linear(c_in, inner, bias=False)
@@ -116,7 +125,11 @@ class GatedAttention(nn.Module):
         if pair_bias is not None:
             biases.append(pair_bias.to(q.dtype))
         context = self.attend(q, k, v, biases).reshape(*x.shape[:-1], -1)
-        return self.linear_o(torch.sigmoid(self.linear_g(x)) * context)
+        if self.fused_gate:
+            gated = sigmoid_gate(F.linear(x, self.linear_g.weight), context, self.linear_g.bias)
+        else:
+            gated = torch.sigmoid(self.linear_g(x)) * context
+        return apply_linear(self.linear_o, gated, self.fused_gate)
 
 
 class MSARowAttentionWithPairBias(nn.Module):
@@ -156,9 +169,11 @@ class Transition(nn.Module):
         self.layer_norm = LayerNorm(c, LAYER_NORM_EPS, ops)
         self.linear_1 = nn.Linear(c, factor * c)
         self.linear_2 = nn.Linear(factor * c, c)
+        self.fused = ops.name == "dslab"
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = self.linear_2(F.relu(self.linear_1(self.layer_norm(x))))
+        hidden = F.relu(apply_linear(self.linear_1, self.layer_norm(x), self.fused))
+        x = apply_linear(self.linear_2, hidden, self.fused)
         return x * mask.unsqueeze(-1).to(x.dtype)
 
 
@@ -174,10 +189,11 @@ class OuterProductMean(nn.Module):
         self.linear_1 = nn.Linear(c_m, c_hidden)
         self.linear_2 = nn.Linear(c_m, c_hidden)
         self.linear_out = nn.Linear(c_hidden * c_hidden, c_z)
+        self.fused = ops.name == "dslab"
 
     def forward(self, m: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
         x = self.layer_norm(m)
-        a, b = self.linear_1(x), self.linear_2(x)  # [B, S, R, c]
+        a, b = apply_linear(self.linear_1, x, self.fused), apply_linear(self.linear_2, x, self.fused)  # [B, S, R, c]
         mask = msa_mask.to(a.dtype)
         a, b = a * mask.unsqueeze(-1), b * mask.unsqueeze(-1)
         batch, seqs, res, c = a.shape
@@ -187,7 +203,7 @@ class OuterProductMean(nn.Module):
         with torch.autocast(m.device.type, enabled=False):  # counts up to N_seq, exact in fp32
             float_mask = msa_mask.float()
             count = torch.matmul(float_mask.transpose(-1, -2), float_mask)  # [B, R, R]
-        update = self.linear_out(outer)
+        update = apply_linear(self.linear_out, outer, self.fused)
         return (update / (count.unsqueeze(-1) + OUTER_PRODUCT_MEAN_EPS)).to(update.dtype)
 
 
@@ -199,6 +215,7 @@ class TriangleMultiplication(nn.Module):
     def __init__(self, c_z: int, c_hidden: int, outgoing: bool, ops: OpSet):
         super().__init__()
         self.outgoing = outgoing
+        self.fused_gate = ops.name == "dslab"
         self.layer_norm_in = LayerNorm(c_z, LAYER_NORM_EPS, ops)
         self.linear_a_p = nn.Linear(c_z, c_hidden)
         self.linear_a_g = GateLinear(c_z, c_hidden)
@@ -209,6 +226,8 @@ class TriangleMultiplication(nn.Module):
         self.layer_norm_out = LayerNorm(c_hidden, LAYER_NORM_EPS, ops)
 
     def forward(self, z: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate:
+            return self._forward_fused(z, pair_mask)
         x = self.layer_norm_in(z)
         a = torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)
         b = torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)
@@ -220,6 +239,25 @@ class TriangleMultiplication(nn.Module):
             product = torch.matmul(a.transpose(-1, -2), b)  # sum_k a[k, i] b[k, j]
         update = self.linear_z(self.layer_norm_out(product.permute(0, 2, 3, 1)))
         return torch.sigmoid(self.linear_g(x)) * update
+
+    def _forward_fused(self, z: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        """The same function on :func:`dslab.kernels.sigmoid_gate`: each gate takes its two
+        projections without their biases and adds them itself, and ``a``, ``b`` come out
+        channels-first (``[B, c, R, R]``), the layout the triangle product multiplies in."""
+        x = self.layer_norm_in(z)
+
+        def gated(gate: nn.Linear, proj: nn.Linear) -> torch.Tensor:
+            return sigmoid_gate(F.linear(x, gate.weight), F.linear(x, proj.weight), gate.bias, proj.bias,
+                                pair_mask, channels_first=True)
+
+        a, b = gated(self.linear_a_g, self.linear_a_p), gated(self.linear_b_g, self.linear_b_p)
+        if self.outgoing:
+            product = torch.matmul(a, b.transpose(-1, -2))
+        else:
+            product = torch.matmul(a.transpose(-1, -2), b)
+        hidden = self.layer_norm_out(product.permute(0, 2, 3, 1))
+        return sigmoid_gate(F.linear(x, self.linear_g.weight), F.linear(hidden, self.linear_z.weight),
+                            self.linear_g.bias, self.linear_z.bias)
 
 
 class TriangleAttention(nn.Module):

@@ -100,23 +100,28 @@ class StackSideOutput(Protocol):
 
 
 class _Captured:
-    """The graphs of one input signature and their static buffers."""
+    """The graphs of one input signature and their static buffers.
 
-    def __init__(self, run: Callable, x: torch.Tensor, mask: torch.Tensor | None, params: list[nn.Parameter],
+    ``run(*inputs, *consts)`` returns a tuple of tensors; ``inputs`` are the differentiable
+    inputs (each may or may not need a gradient), ``consts`` the tensors copied in as they are
+    (masks; None stays None).
+    """
+
+    def __init__(self, run: Callable, inputs: tuple, consts: tuple, params: list[nn.Parameter],
                  autocast_dtype: torch.dtype | None, side: StackSideOutput | None = None):
         self.params = params
         self.side = side
-        self.static_x = x.detach().clone().requires_grad_(x.requires_grad)
-        self.static_mask = None if mask is None else mask.clone()
-        self.x_needs_grad = x.requires_grad
-        grad_inputs = ([self.static_x] if self.x_needs_grad else []) + params
+        self.static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+        self.static_consts = [None if c is None else c.clone() for c in consts]
+        self.grad_input_index = [i for i, x in enumerate(inputs) if x.requires_grad]
+        grad_inputs = [self.static_inputs[i] for i in self.grad_input_index] + params
 
         def forward():
             cast = (torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False)
                     if autocast_dtype is not None else contextlib.nullcontext())
             with cast:
-                out = run(self.static_x, self.static_mask)
-            return [out] if side is None else [out, side.loss()]
+                outs = list(run(*self.static_inputs, *self.static_consts))
+            return outs if side is None else outs + [side.loss()]
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -138,8 +143,9 @@ class _Captured:
         with torch.cuda.graph(self.backward_graph, pool=pool):
             grads = torch.autograd.grad(outs, grad_inputs, self.static_grad_outs, allow_unused=True)
         _clear_cublas_workspaces()
-        self.static_grad_x = grads[0] if self.x_needs_grad else None
-        self.static_grad_params = list(grads[1:] if self.x_needs_grad else grads)
+        n_grad_inputs = len(self.grad_input_index)
+        self.static_grad_inputs = list(grads[:n_grad_inputs])
+        self.static_grad_params = list(grads[n_grad_inputs:])
         # The captured outputs' autograd graph is spent; holding it would keep the parameters'
         # AccumulateGrad nodes that the capture stream created alive, and every later
         # accumulation on the default stream would then sync with (and warn about) that stream.
@@ -155,18 +161,22 @@ class _Captured:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, owner, captured, x, mask, *params):
-        if x.data_ptr() != captured.static_x.data_ptr():
-            captured.static_x.copy_(x)
-        if mask is not None:
-            captured.static_mask.copy_(mask)
+    def forward(ctx, owner, captured, n_inputs, *tensors):
+        inputs, consts = tensors[:n_inputs], tensors[n_inputs:n_inputs + len(captured.static_consts)]
+        for static, x in zip(captured.static_inputs, inputs):
+            if x.data_ptr() != static.data_ptr():
+                static.copy_(x)
+        for static, c in zip(captured.static_consts, consts):
+            if c is not None:
+                static.copy_(c)
         # The forward graph may write its activations where the backward graph leaves its
         # gradients (one memory pool): a .grad adopted from those buffers must move out first.
         captured.unalias_param_grads()
         captured.forward_graph.replay()
         if captured.side is not None:
             captured.side.restore(captured.side_state)
-        ctx.owner, ctx.captured = owner, captured
+        ctx.owner, ctx.captured, ctx.n_inputs = owner, captured, n_inputs
+        ctx.n_consts = len(captured.static_consts)
         owner._awaiting_backward = True
         return tuple(o.detach() for o in captured.static_outs)
 
@@ -175,39 +185,48 @@ class _Replay(torch.autograd.Function):
         captured = ctx.captured
         ctx.owner._awaiting_backward = False
         for buffer, grad in zip(captured.static_grad_outs, grad_outs):
-            buffer.copy_(grad)
+            if grad is None:
+                buffer.zero_()
+            else:
+                buffer.copy_(grad)
         captured.unalias_param_grads()
         captured.backward_graph.replay()
-        grad_x = captured.static_grad_x.detach() if captured.static_grad_x is not None else None
+        grad_inputs = [None] * ctx.n_inputs
+        for i, g in zip(captured.grad_input_index, captured.static_grad_inputs):
+            grad_inputs[i] = g.detach() if g is not None else None
         grads = [g.detach() if g is not None else None for g in captured.static_grad_params]
-        return (None, None, grad_x, None, *grads)
+        return (None, None, None, *grad_inputs, *([None] * ctx.n_consts), *grads)
 
 
-class LayerStackGraphs:
-    """Runs ``layers`` (each called as ``layer(x, key_padding_mask)``) through captured CUDA
-    graphs where it can, eagerly elsewhere (see the module docstring).
+class GraphedStack:
+    """Runs ``run(*inputs, *consts)`` (a function over the modules of ``modules``, returning a
+    tuple of tensors) through captured CUDA graphs where it can, eagerly elsewhere (see the
+    module docstring).
 
+    ``inputs`` are the differentiable tensors (the streams a stack of layers updates), ``consts``
+    tensors the stack only reads (masks; None allowed); a call returns the outputs as a tuple.
     ``max_signatures`` bounds how many input signatures keep their graphs (each holds the
     activations of a whole forward in its memory pool); the least recently used goes first. With
-    ``side`` (a :class:`StackSideOutput`) a call returns ``(output, side scalar)``.
+    ``side`` (a :class:`StackSideOutput`) the side scalar is appended to the outputs.
     """
 
-    def __init__(self, layers: nn.ModuleList, max_signatures: int = 2, side: StackSideOutput | None = None):
-        if not isinstance(layers, nn.ModuleList):
-            raise ValueError(f"layers must be an nn.ModuleList, got {type(layers).__name__}")
+    def __init__(self, modules: nn.Module, run: Callable, max_signatures: int = 2,
+                 side: StackSideOutput | None = None):
+        if not isinstance(modules, nn.Module):
+            raise ValueError(f"modules must be an nn.Module, got {type(modules).__name__}")
         if max_signatures < 1:
             raise ValueError(f"max_signatures must be >= 1, got {max_signatures}")
-        self.layers = layers
+        self.layers = modules
+        self.run = run
         self.max_signatures = max_signatures
         self.side = side
         self._captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self._awaiting_backward = False
         self.stats: Counter = Counter()
 
-    def run_eager(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, key_padding_mask)
-        return x
+    def run_eager(self, inputs: tuple, consts: tuple) -> tuple:
+        outs = tuple(self.run(*inputs, *consts))
+        return outs if self.side is None else (*outs, self.side.loss())
 
     def eager_reason(self, x: torch.Tensor) -> str | None:
         """Why this call must run eagerly, or None when it can replay graphs."""
@@ -229,34 +248,58 @@ class LayerStackGraphs:
             return "awaiting_backward"
         return None
 
-    def __call__(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        reason = self.eager_reason(x)
+    def call(self, inputs: tuple, consts: tuple = ()) -> tuple:
+        """The stack's outputs for ``inputs`` and ``consts`` (graphed or eager)."""
+        inputs, consts = tuple(inputs), tuple(consts)
+        reason = self.eager_reason(inputs[0])
         if reason is not None:
             self.stats[f"eager_{reason}"] += 1
-            out = self.run_eager(x, key_padding_mask)
-            return out if self.side is None else (out, self.side.loss())
+            return self.run_eager(inputs, consts)
         params = [p for p in self.layers.parameters() if p.requires_grad]
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad,
-               None if key_padding_mask is None else (tuple(key_padding_mask.shape), key_padding_mask.dtype),
+        key = (tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in inputs),
+               tuple(None if c is None else (tuple(c.shape), c.dtype) for c in consts),
                autocast_dtype, tuple(p.data_ptr() for p in params))
         captured = self._captured.get(key)
         if captured is None:
             while len(self._captured) >= self.max_signatures:
                 self._captured.popitem(last=False)
-            captured = _Captured(self.run_eager, x, key_padding_mask, params, autocast_dtype, self.side)
+            captured = _Captured(self.run, inputs, consts, params, autocast_dtype, self.side)
             self._captured[key] = captured
             self.stats["captures"] += 1
         else:
             self._captured.move_to_end(key)
         self.stats["replays"] += 1
-        outs = _Replay.apply(self, captured, x, key_padding_mask, *params)
-        return outs[0] if self.side is None else outs
+        return _Replay.apply(self, captured, len(inputs), *inputs, *consts, *params)
 
     def release(self) -> None:
         """Drop every captured graph (their memory returns to the caching allocator)."""
         self._captured.clear()
         self._awaiting_backward = False
+
+
+class LayerStackGraphs(GraphedStack):
+    """Runs ``layers`` (each called as ``layer(x, key_padding_mask)``) through captured CUDA
+    graphs where it can, eagerly elsewhere (see the module docstring).
+
+    ``max_signatures`` bounds how many input signatures keep their graphs (each holds the
+    activations of a whole forward in its memory pool); the least recently used goes first. With
+    ``side`` (a :class:`StackSideOutput`) a call returns ``(output, side scalar)``.
+    """
+
+    def __init__(self, layers: nn.ModuleList, max_signatures: int = 2, side: StackSideOutput | None = None):
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"layers must be an nn.ModuleList, got {type(layers).__name__}")
+        super().__init__(layers, self._run_layers, max_signatures, side)
+
+    def _run_layers(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor]:
+        for layer in self.layers:
+            x = layer(x, key_padding_mask)
+        return (x,)
+
+    def __call__(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
+        outs = self.call((x,), (key_padding_mask,))
+        return outs[0] if self.side is None else tuple(outs)
 
 
 class CudaGraphLayers:

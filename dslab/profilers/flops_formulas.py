@@ -39,7 +39,12 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
   ``grouped_gemm_backward_input(dy [M,N], w, group_offsets)`` (dx) and
   ``grouped_gemm_backward_weight(dy, x [M,K], group_offsets, with_bias, fp32_out)`` (dw, and dbias uncounted):
   ``2 M N K`` each.
-- ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``bias_gelu(_backward)``,
+- ``grouped_mlp(x [M,H], w1 [G,F,H], b1, w2 [G,H,F], b2, group_offsets, activation)``: ``4 M H F``,
+  its two grouped GEMMs (the activation fused into their epilogues is not counted);
+  ``grouped_mlp_backward_hidden(dy [M,H], w2, group_offsets, pre, activation)`` (d_pre, the second
+  GEMM's input gradient times the activation's derivative): ``2 M H F``. The rest of its backward
+  is the grouped GEMM's ops.
+- ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``bias_gelu(_backward)``, ``sigmoid_gate(_backward)``, ``column_sum``,
   ``bias_dropout_residual(_backward)``, ``cross_entropy_forward/backward``: elementwise.
 - ``moe_gating(logits [T,E], k, second_choice_noise)`` and ``moe_gating_backward(dprobs,
   dgate_weight, probs [T,E], expert_index, logits_dtype)``: elementwise, a softmax per logit (plus
@@ -203,6 +208,18 @@ def _grouped_gemm_backward_weight(args, kwargs, out) -> int:
     return 2 * m * n * k
 
 
+def _grouped_mlp(args, kwargs, out) -> int:
+    # (x [M, H], w1 [G, F, H], b1, w2 [G, H, F], b2, group_offsets, activation)
+    (m, h), f = args[0].shape, args[1].shape[1]
+    return 4 * m * h * f
+
+
+def _grouped_mlp_backward_hidden(args, kwargs, out) -> int:
+    # (dy [M, H], w2 [G, H, F], group_offsets, pre, activation)
+    (m, h), f = args[0].shape, args[1].shape[2]
+    return 2 * m * h * f
+
+
 def _affine(weight) -> bool:
     return weight is not None
 
@@ -243,6 +260,27 @@ def _bias_gelu(args, kwargs, out) -> int:
 def _bias_gelu_backward(args, kwargs, out) -> int:
     # (dy, x, bias, approximate): recomputed x + bias (1), gelu' times dy (2), dbias sum (1)
     return (4 if args[2] is not None else 2) * args[1].numel()
+
+
+def _sigmoid_gate(args, kwargs, out) -> int:
+    # (gate, x, gate_bias, x_bias, row_mask, batch, channels_first)
+    from dslab.kernels.sigmoid_gate import sigmoid_gate_flops
+
+    biases = int(args[2] is not None) + int(args[3] is not None)
+    return sigmoid_gate_flops(args[1].numel(), biases, args[4] is not None)[0]
+
+
+def _sigmoid_gate_backward(args, kwargs, out) -> int:
+    # (dy, gate, x, gate_bias, x_bias, row_mask, batch, channels_first)
+    from dslab.kernels.sigmoid_gate import sigmoid_gate_flops
+
+    biases = int(args[3] is not None) + int(args[4] is not None)
+    return sigmoid_gate_flops(args[2].numel(), biases, args[5] is not None)[1]
+
+
+def _column_sum(args, kwargs, out) -> int:
+    # (x [M, N], out_dtype): one add per element
+    return args[0].numel()
 
 
 def _bias_dropout_residual(args, kwargs, out) -> int:
@@ -321,11 +359,16 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::grouped_gemm": (MATMUL, _grouped_gemm),
     "dslab::grouped_gemm_backward_input": (MATMUL, _grouped_gemm_backward_input),
     "dslab::grouped_gemm_backward_weight": (MATMUL, _grouped_gemm_backward_weight),
+    "dslab::grouped_mlp": (MATMUL, _grouped_mlp),
+    "dslab::grouped_mlp_backward_hidden": (MATMUL, _grouped_mlp_backward_hidden),
     "dslab::layer_norm": (ELEMENTWISE, _layer_norm_forward),
     "dslab::add_layer_norm": (ELEMENTWISE, _add_layer_norm),
     "dslab::layer_norm_backward": (ELEMENTWISE, _dslab_layer_norm_backward),
     "dslab::bias_gelu": (ELEMENTWISE, _bias_gelu),
     "dslab::bias_gelu_backward": (ELEMENTWISE, _bias_gelu_backward),
+    "dslab::sigmoid_gate": (ELEMENTWISE, _sigmoid_gate),
+    "dslab::column_sum": (ELEMENTWISE, _column_sum),
+    "dslab::sigmoid_gate_backward": (ELEMENTWISE, _sigmoid_gate_backward),
     "dslab::bias_dropout_residual": (ELEMENTWISE, _bias_dropout_residual),
     "dslab::bias_dropout_residual_backward": (ELEMENTWISE, _bias_dropout_residual_backward),
     "dslab::cross_entropy_forward": (ELEMENTWISE, _cross_entropy_forward),

@@ -51,7 +51,7 @@ def _module_hooks_present(model: nn.Module) -> bool:
 
 def timed_step_mode(model: nn.Module, cuda: bool) -> str:
     """How the device-timed step ran, in words for the report."""
-    if cuda and getattr(model, "_layer_graphs", None) is not None:
+    if cuda and any(getattr(m, "_layer_graphs", None) is not None for m in model.modules()):
         return ("eager: the module hooks keep the CUDA-graphed layer stack eager for this step, so "
                 "its kernels are the graphs' kernels launched one by one")
     if any(hasattr(m, "_orig_mod") for m in model.modules()):
