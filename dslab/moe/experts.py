@@ -7,13 +7,10 @@ from the same weights. dslab does the same, and when the expert is a plain MLP
 
     w1 [E_local, F, H]   b1 [E_local, F]   w2 [E_local, H, F]   b2 [E_local, H]
 
-and runs all experts as one grouped MLP over the expert-ordered token buffer (rows of expert j
-are ``group_offsets[j]:group_offsets[j+1]``; :func:`dslab.kernels.grouped_mlp.grouped_mlp`): two
-grouped GEMMs with the activation fused into their epilogues, the first writing the hidden's
-pre-activation and activation [M, F] from its accumulator, the second's input gradient applying
-the activation's derivative, so no separate activation kernel passes over the hidden. For M rows,
+and runs all experts as two grouped GEMMs over the expert-ordered token buffer (rows of expert j
+are ``group_offsets[j]:group_offsets[j+1]``), with the activation between: for M rows,
 ``4 * M * H * F`` flops forward, reading the buffer [M, H] and the weights once and writing the
-hidden (twice) and the output [M, H]. Any other expert module
+hidden [M, F] and the output [M, H]. Any other expert module
 is kept as a ``ModuleList`` of copies (``deepspeed_experts``, DeepSpeed's attribute name) and run
 in a per-expert loop: the slow path, which also needs the group sizes on the host (one host sync
 per call when the sizes are data-dependent, i.e. dropless).
@@ -31,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dslab.kernels.grouped_mlp import grouped_mlp
+from dslab.kernels import bias_gelu
+from dslab.kernels.grouped_gemm import grouped_gemm
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _REFERENCE_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu,
@@ -137,14 +135,25 @@ class Experts(nn.Module):
         w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
-            # fp32 parameters stay fp32: the grouped MLP casts them for the products and returns
+            # fp32 parameters stay fp32: the grouped GEMM casts them for the products and returns
             # their gradients in fp32 straight from its accumulators
             dtype = torch.get_autocast_dtype(device_type)
             x = x.to(dtype)
             if w1.dtype not in (dtype, torch.float32):
                 w1, w2 = w1.to(dtype), w2.to(dtype)
                 b1, b2 = (None if b is None else b.to(dtype) for b in (b1, b2))
-        return grouped_mlp(x, w1, b1, w2, b2, group_offsets, self.activation)
+        h = grouped_gemm(x, w1, group_offsets, b1)
+        h = self._activate(h)
+        return grouped_gemm(h, w2, group_offsets, b2)
+
+    def _activate(self, h):
+        if self.activation == "gelu":
+            return bias_gelu(h, None, "none")
+        if self.activation == "gelu_tanh":
+            return bias_gelu(h, None, "tanh")
+        if self.activation == "relu":
+            return F.relu(h)
+        return F.silu(h)
 
     def reference_forward(self, x: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
         """The plain-PyTorch loop over experts (F.linear per expert), the reference of
