@@ -5,8 +5,8 @@ Every op the flops profiler sees is classified into one of three figures:
 - ``MATMUL``, the total: the ops of ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm,
   baddbmm, _scaled_mm, convolution and its backward, SDPA's flash/efficient/cudnn kernels and their
   backwards, ...), counted with torch's own formulas so that the total equals
-  ``FlopCounterMode``'s on aten ops, plus dslab's attention, Evoformer attention and grouped GEMM
-  custom ops. A multiply-add counts 2.
+  ``FlopCounterMode``'s on aten ops, plus dslab's attention, Evoformer attention, grouped GEMM,
+  decode attention and int8 linear custom ops. A multiply-add counts 2.
 - ``ELEMENTWISE``, reported beside the total, never in it: pointwise arithmetic, activations,
   reductions, normalisations and softmax, with the small per-element constants of
   :data:`_PER_ELEMENT` (estimates: what such an op costs is its memory traffic, not its flops).
@@ -44,6 +44,13 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
   ``grouped_mlp_backward_hidden(dy [M,H], w2, group_offsets, pre, activation)`` (d_pre, the second
   GEMM's input gradient times the activation's derivative): ``2 M H F``. The rest of its backward
   is the grouped GEMM's ops.
+- ``decode_attention(q [B,H,D], k_cache [B,H,S_max,D], v_cache, valid_start [B], valid_end [B],
+  scale)``: ``4 H D`` per attended position (``q k^T`` and ``p v`` over the valid range of each
+  sequence, which is all the kernel reads). The ranges live on the device, so the formula reads
+  them on the host (one small copy per call while the profiler counts); while a CUDA graph is being
+  captured it cannot, and counts the whole cache, ``4 B H S_max D``, an upper bound.
+- ``int8_linear(x [M,K], qweight [N,K], scale, bias, group_size)``: ``2 M N K``, as ``addmm`` (the
+  dequantisation multiplies and the bias add are not counted).
 - ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``bias_gelu(_backward)``, ``sigmoid_gate(_backward)``, ``column_sum``,
   ``bias_dropout_residual(_backward)``, ``cross_entropy_forward/backward``: elementwise.
 - ``moe_gating(logits [T,E], k, second_choice_noise)`` and ``moe_gating_backward(dprobs,
@@ -220,6 +227,29 @@ def _grouped_mlp_backward_hidden(args, kwargs, out) -> int:
     return 2 * m * h * f
 
 
+def decode_attention_flops(q_shape, attended_positions: int) -> int:
+    """Matmul flops of decode attention for q ``[B, H, D]`` over ``attended_positions`` cache
+    positions summed over the batch: ``4 H D`` per position."""
+    _, heads, head_dim = q_shape
+    return 4 * heads * head_dim * attended_positions
+
+
+def _decode_attention(args, kwargs, out) -> int:
+    # (q [B, H, D], k_cache [B, H, S_max, D], v_cache, valid_start [B], valid_end [B], scale)
+    q, k_cache, valid_start, valid_end = args[0], args[1], args[3], args[4]
+    s_max = k_cache.shape[2]
+    if valid_start.is_cuda and torch.cuda.is_current_stream_capturing():
+        return decode_attention_flops(q.shape, q.shape[0] * s_max)
+    lengths = valid_end.clamp(max=s_max) - valid_start.clamp(min=0)
+    return decode_attention_flops(q.shape, int(lengths.clamp(min=0).sum().item()))
+
+
+def _int8_linear(args, kwargs, out) -> int:
+    # (x [M, K], qweight [N, K], scale, bias, group_size)
+    (m, k), n = args[0].shape, args[1].shape[0]
+    return 2 * m * n * k
+
+
 def _affine(weight) -> bool:
     return weight is not None
 
@@ -361,6 +391,8 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::grouped_gemm_backward_weight": (MATMUL, _grouped_gemm_backward_weight),
     "dslab::grouped_mlp": (MATMUL, _grouped_mlp),
     "dslab::grouped_mlp_backward_hidden": (MATMUL, _grouped_mlp_backward_hidden),
+    "dslab::decode_attention": (MATMUL, _decode_attention),
+    "dslab::int8_linear": (MATMUL, _int8_linear),
     "dslab::layer_norm": (ELEMENTWISE, _layer_norm_forward),
     "dslab::add_layer_norm": (ELEMENTWISE, _add_layer_norm),
     "dslab::layer_norm_backward": (ELEMENTWISE, _dslab_layer_norm_backward),

@@ -1,0 +1,194 @@
+"""Flash-decoding Triton kernels for :mod:`dslab.kernels.decode_attention`.
+
+One query per (sequence, head) has too little work for one program when the batch is small and
+the cache long (batch 1 with 25 heads would use 25 of an H100's 132 SMs), so the cache positions
+are split over ``splits`` programs per (b, h) (flash-decoding, Dao et al. 2023):
+
+1. ``_decode_split_kernel``, grid ``(B * H, splits)``: split s covers the positions
+   ``[s * chunk, (s + 1) * chunk)`` intersected with ``[valid_start[b], valid_end[b])`` (read from
+   device memory), walks them in blocks of ``BLOCK_N`` with an online softmax in fp32 (base 2, the
+   scale folded into q) and writes its running max ``m``, its sum ``l`` and its unnormalised output
+   ``acc`` [D] in fp32. A split whose range is empty writes ``m = -inf, l = 0, acc = 0``: it
+   contributes nothing. Reads ``2 * L_s * D`` cache elements for the ``L_s`` valid positions of the
+   split (loads are masked to them: masked positions are never read); writes ``D + 2`` floats.
+2. ``_decode_combine_kernel``, grid ``(B * H,)``: ``out = sum_s 2^(m_s - M) acc_s / sum_s
+   2^(m_s - M) l_s`` with ``M = max_s m_s``; an all-empty row (M = -inf) gives zeros, never NaN.
+   Reads ``splits * (D + 2)`` floats, writes D elements of out.
+
+With one split the first kernel normalises and writes ``out`` itself (one launch).
+
+``splits`` and ``chunk`` depend only on the shapes and the device (:func:`plan_splits`), never on
+the valid lengths, so one CUDA graph serves every decode step; a step reads only the valid part of
+the cache, splits past ``valid_end`` return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dslab.kernels._grid import device_guard
+from dslab.kernels._triton_compat import cast_rounding
+from dslab.kernels.dispatch import interpreting
+
+LOG2_E = 1.4426950408889634
+#: Upper bound on the splits of one (b, h): the combine kernel holds them all in one block.
+MAX_SPLITS = 64
+#: Programs to aim for per streaming multiprocessor: short programs, several resident per SM.
+PROGRAMS_PER_SM = 4
+#: Stand-in SM count under the interpreter, so that CPU tests exercise several splits.
+INTERPRETER_SMS = 4
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, START, END, OUT, M_PART, L_PART, ACC_PART,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, heads, s_max, chunk, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    start = tl.load(START + b).to(tl.int32)
+    end = tl.load(END + b).to(tl.int32)
+    lo = tl.maximum(start, split * chunk)
+    hi = tl.minimum(tl.minimum(end, (split + 1) * chunk), s_max)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + dims).to(tl.float32) * qk_scale
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    m = tl.full((1,), float("-inf"), tl.float32)
+    l = tl.zeros((1,), tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)
+    # Blocks aligned to BLOCK_N (the chunks are multiples of it). An empty range (lo >= hi) runs
+    # none; otherwise each block holds at least one valid position, so the running max is finite
+    # after the first and no exp2(-inf - -inf) arises.
+    first = (lo // BLOCK_N) * BLOCK_N
+    for block_start in range(first, tl.where(lo < hi, hi, first), BLOCK_N):
+        positions = block_start + tl.arange(0, BLOCK_N)
+        valid = (positions >= lo) & (positions < hi)
+        k = tl.load(k_base + positions.to(tl.int64)[:, None] * stride_ks + dims[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        scores = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # base-2 logits [BLOCK_N]
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new)
+        v = tl.load(v_base + positions.to(tl.int64)[:, None] * stride_vs + dims[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l = l * alpha + tl.sum(p, axis=0)
+        m = m_new
+    if SPLITS == 1:
+        out = acc / tl.where(l > 0.0, l, 1.0)  # an empty range: acc = 0, out = 0
+        tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
+                 cast_rounding(out, OUT.dtype.element_ty, BF16_BY_HAND))
+    else:
+        part = bh * SPLITS + split
+        one = tl.arange(0, 1)
+        tl.store(M_PART + part + one, m)
+        tl.store(L_PART + part + one, l)
+        tl.store(ACC_PART + part.to(tl.int64) * HEAD_DIM + dims, acc)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    M_PART, L_PART, ACC_PART, OUT, heads, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // heads
+    h = bh % heads
+    splits = tl.arange(0, BLOCK_SPLITS)
+    in_range = splits < SPLITS
+    dims = tl.arange(0, HEAD_DIM)
+    part = bh * SPLITS + splits
+    m = tl.load(M_PART + part, mask=in_range, other=float("-inf"))
+    l = tl.load(L_PART + part, mask=in_range, other=0.0)
+    acc = tl.load(ACC_PART + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], mask=in_range[:, None],
+                  other=0.0)
+    m_max = tl.max(m, axis=0)
+    # All splits empty: M = -inf, and -inf - (-inf) would be NaN; 2^(-inf - 0) = 0 for each split.
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    numerator = tl.sum(acc * weight[:, None], axis=0)
+    denominator = tl.sum(l * weight, axis=0)
+    out = numerator / tl.where(denominator > 0.0, denominator, 1.0)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
+             cast_rounding(out, OUT.dtype.element_ty, BF16_BY_HAND))
+
+
+def block_size(head_dim: int) -> int:
+    """Cache positions per loop step: 4096 elements of k (8 KB in bf16), at most 128 positions."""
+    return min(128, 4096 // head_dim)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_splits(batch_heads: int, s_max: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, chunk)``: enough programs for ``PROGRAMS_PER_SM`` per SM over the ``batch_heads``
+    rows, no split shorter than one block, at most :data:`MAX_SPLITS`; ``chunk`` (a multiple of
+    ``block_n``) positions per split, ``splits * chunk >= s_max``. Depends on shapes only."""
+    blocks = triton.cdiv(s_max, block_n)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _multiprocessors(device), batch_heads)
+    splits = max(1, min(blocks, wanted, MAX_SPLITS))
+    chunk = triton.cdiv(blocks, splits) * block_n
+    return triton.cdiv(s_max, chunk), chunk
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    valid_start: torch.Tensor,
+    valid_end: torch.Tensor,
+    scale: float,
+    splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Launch the kernels; inputs already validated (q [B, H, D] with any strides, caches
+    [B, H, S_max, D] with unit stride along D, bounds [B] on q's device). ``splits`` and
+    ``block_n`` override :func:`plan_splits` and :func:`block_size` (tests)."""
+    batch, heads, head_dim = q.shape
+    s_max = k_cache.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    if v_cache.stride(-1) != 1:
+        v_cache = v_cache.contiguous()
+    block_n = block_n or block_size(head_dim)
+    if splits is None:
+        splits, chunk = plan_splits(batch * heads, s_max, block_n, q.device)
+    else:
+        chunk = triton.cdiv(triton.cdiv(s_max, splits), block_n) * block_n
+        splits = triton.cdiv(s_max, chunk)
+    out = torch.empty((batch, heads, head_dim), dtype=q.dtype, device=q.device)
+    bf16_by_hand = interpreting() and q.dtype == torch.bfloat16
+    if splits > 1:
+        m_part = torch.empty((batch * heads, splits), dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty((batch * heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = acc_part = out  # not read or written with one split
+    num_warps = 4 if head_dim * block_n >= 4096 else 2
+    with device_guard(q):
+        _decode_split_kernel[(batch * heads, splits)](
+            q, k_cache, v_cache, valid_start, valid_end, out, m_part, l_part, acc_part,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+            heads, s_max, chunk, scale * LOG2_E,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits, BF16_BY_HAND=bf16_by_hand, num_warps=num_warps,
+        )
+        if splits > 1:
+            _decode_combine_kernel[(batch * heads,)](
+                m_part, l_part, acc_part, out, heads, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
+                BF16_BY_HAND=bf16_by_hand, num_warps=1 if head_dim <= 32 else 2,
+            )
+    return out

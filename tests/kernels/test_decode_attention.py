@@ -1,0 +1,182 @@
+"""decode_attention: the flash-decoding Triton kernels (under the interpreter on CPU) against the
+fp32 reference and an fp64 one, at small odd shapes whose valid ranges leave whole splits masked;
+masked cache positions never read; strided inputs; the custom op under opcheck and torch.compile;
+forward-only; bad arguments."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dslab.kernels import decode_attention, kernel_backend
+from dslab.kernels import decode_attention_triton as triton_impl
+from dslab.kernels.decode_attention import decode_attention_reference
+from dslab.kernels.dispatch import interpreting
+
+needs_interpreter = pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="Triton kernels need a GPU or TRITON_INTERPRET=1"
+)
+
+BATCH, HEADS, S_MAX = 3, 2, 37
+# Sequence 0 fills the cache, 1 is left-padded and stops mid-cache (the splits past position 30
+# and before 20 are fully masked), 2 is empty (zeros out).
+STARTS, ENDS = [0, 20, 5], [37, 30, 5]
+
+
+def _inputs(head_dim, dtype, seed=0, bound_dtype=torch.int32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(BATCH, HEADS, head_dim, generator=gen).to(dtype)
+    k = torch.randn(BATCH, HEADS, S_MAX, head_dim, generator=gen).to(dtype)
+    v = torch.randn(BATCH, HEADS, S_MAX, head_dim, generator=gen).to(dtype)
+    return q, k, v, torch.tensor(STARTS, dtype=bound_dtype), torch.tensor(ENDS, dtype=bound_dtype)
+
+
+def _sdpa_low_precision(q, k, v, start, end):
+    """PyTorch's own attention in the inputs' dtype (SDPA with a boolean mask), for the rows with a
+    non-empty range: the baseline error a low-precision path is held to."""
+    positions = torch.arange(k.shape[2])
+    mask = (positions >= start[:, None]) & (positions < end[:, None])
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :])[:, :, 0]
+
+
+def _relative_error(got, exact):
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("head_dim", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("splits,block_n", [(None, None), (1, 16), (3, 8)], ids=["planned", "one-split", "3x8"])
+def test_triton_matches_fp64_reference(head_dim, dtype, splits, block_n):
+    q, k, v, start, end = _inputs(head_dim, dtype)
+    got = triton_impl.decode_attention(q, k, v, start, end, head_dim**-0.5, splits, block_n)
+    assert got.dtype == dtype and got.shape == q.shape and not torch.isnan(got).any()
+    exact = decode_attention_reference(q.double(), k.double(), v.double(), start, end)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))  # the empty range
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
+        return
+    rows = slice(0, 2)
+    baseline = _sdpa_low_precision(q[rows], k[rows], v[rows], start[rows], end[rows])
+    limit = max(2 * _relative_error(baseline, exact[rows]), 1e-3)
+    assert _relative_error(got[rows], exact[rows]) <= limit
+    # And the module's own reference (fp32 math, output in the low dtype) to the output's rounding.
+    reference = decode_attention_reference(q, k, v, start, end)
+    torch.testing.assert_close(got.float(), reference.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_interpreter
+def test_splits_have_masked_ranges():
+    """The planned splits at this shape are several, and some of them see no valid position."""
+    splits, chunk = triton_impl.plan_splits(BATCH * HEADS, S_MAX, 16, torch.device("cpu"))
+    assert splits >= 3 and chunk * (splits - 1) < S_MAX <= chunk * splits
+    lo, hi = STARTS[1], ENDS[1]
+    empty = [s for s in range(splits) if min(hi, (s + 1) * chunk) <= max(lo, s * chunk)]
+    assert empty, "sequence 1 should leave a split fully masked"
+
+
+@needs_interpreter
+def test_masked_cache_positions_are_never_read():
+    """NaN in every position outside the valid ranges changes nothing on the Triton path."""
+    q, k, v, start, end = _inputs(32, torch.float32, seed=1)
+    positions = torch.arange(S_MAX)
+    outside = ~((positions >= start[:, None]) & (positions < end[:, None]))  # [B, S]
+    poisoned = [t.clone().masked_fill(outside[:, None, :, None], float("nan")) for t in (k, v)]
+    with kernel_backend("triton"):
+        clean = decode_attention(q, k, v, start, end)
+        dirty = decode_attention(q, *poisoned, start, end)
+    assert torch.equal(clean, dirty)
+
+
+@needs_interpreter
+def test_public_op_with_strided_views_and_int64_bounds():
+    """q a slice of a fused projection, the caches one layer of a [layers, B, H, S, D] block, int64
+    bounds, an explicit scale: the dispatched Triton path equals the reference."""
+    gen = torch.Generator().manual_seed(2)
+    head_dim, scale = 16, 0.3
+    fused = torch.randn(BATCH, HEADS, 3 * head_dim, generator=gen)
+    q = fused[:, :, head_dim:2 * head_dim]
+    caches = torch.randn(2, 2, BATCH, HEADS, S_MAX, head_dim, generator=gen)
+    k, v = caches[1, 0], caches[1, 1]
+    start, end = torch.tensor(STARTS), torch.tensor(ENDS)
+    with kernel_backend("triton"):
+        got = decode_attention(q, k, v, start, end, scale)
+    torch.testing.assert_close(got, decode_attention_reference(q, k, v, start, end, scale), rtol=1e-5, atol=1e-6)
+
+
+def test_other_head_dims_take_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 3, 24, generator=gen), torch.randn(2, 3, 9, 24, generator=gen), torch.randn(2, 3, 9, 24)
+    start, end = torch.tensor([0, 4]), torch.tensor([9, 6])
+    with kernel_backend("triton" if interpreting() else "torch"):
+        got = decode_attention(q, k, v, start, end)
+    assert torch.equal(got, decode_attention_reference(q, k, v, start, end))
+    # The reference is plain attention over the valid keys.
+    expected = torch.softmax(q[1, :, None] @ k[1, :, 4:6].transpose(-1, -2) / 24**0.5, -1) @ v[1, :, 4:6]
+    torch.testing.assert_close(got[1], expected[:, 0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_backward_raises_forward_only(backend):
+    q, k, v, start, end = _inputs(16, torch.float32)
+    q.requires_grad_()
+    with kernel_backend(backend):
+        out = decode_attention(q, k, v, start, end)
+        with torch.no_grad():
+            assert not decode_attention(q, k, v, start, end).requires_grad
+    with pytest.raises(RuntimeError, match="decode_attention is forward-only"):
+        out.sum().backward()
+
+
+@needs_interpreter
+def test_custom_op_opcheck_and_torch_compile():
+    q, k, v, start, end = _inputs(16, torch.float32)
+    torch.library.opcheck(torch.ops.dslab.decode_attention.default, (q, k, v, start, end, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda *a: decode_attention(*a) * 2, backend="aot_eager", fullgraph=True)
+    with kernel_backend("triton"):
+        got = compiled(q, k, v, start, end)
+    torch.testing.assert_close(got, 2 * decode_attention_reference(q, k, v, start, end), rtol=1e-5, atol=1e-6)
+
+
+@needs_interpreter
+def test_flops_profiler_counts_the_attended_positions():
+    from torch import nn
+
+    from dslab.profilers.flops import FlopsProfiler
+
+    q, k, v, start, end = _inputs(16, torch.float32)
+
+    class Decode(nn.Module):
+        def forward(self, q):
+            return decode_attention(q, k, v, start, end)
+
+    model = Decode()
+    profiler = FlopsProfiler(model)
+    with kernel_backend("triton"), torch.no_grad():
+        profiler.start_profile()
+        model(q)
+        profiler.stop_profile()
+    attended = sum(e - s for s, e in zip(STARTS, ENDS))
+    assert profiler.records()["flops_by_op"]["dslab::decode_attention"] == {
+        "figure": "matmul", "flops": 4 * HEADS * 16 * attended}
+
+
+def test_bad_arguments_name_the_argument():
+    q, k, v, start, end = _inputs(16, torch.float32)
+    cases = [
+        ((q[0], k, v, start, end), "q must be 3-D"),
+        ((q.int(), k, v, start, end), "q must be a floating-point"),
+        ((q, k[:, :1], v, start, end), r"k_cache must have shape \[B, H, S_max, D\]"),
+        ((q, k, v[..., :8], start, end), "v_cache must have shape"),
+        ((q, k, v.double(), start, end), "v_cache must have q's dtype"),
+        ((q, k, v[:, :, :30], start, end), "v_cache must have k_cache's S_max"),
+        ((q, k, v, start[:2], end), r"valid_start must have shape \(3,\)"),
+        ((q, k, v, start, end.float()), "valid_end must be int32 or int64"),
+        ((q, k, v, start, [37, 30, 5]), "valid_end must be a"),
+        ((q, k, v, start.to("meta"), end), "valid_start must be on q's device"),
+        ((q, k.to("meta"), v, start, end), "k_cache must be on q's device"),
+        ((q, k, v, start, end, 0.0), "scale must be positive"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            decode_attention(*args)
