@@ -9,8 +9,10 @@ fp32 over its share of K:
 - per output channel, the int8 values convert exactly (|q| <= 127 fits fp16 and bf16) and the
   scale multiplies the fp32 accumulator once per column after the K loop;
 - per group, each weight tile is dequantised in fp32 with its group's scale (``scale[n, k //
-  group_size]``, a ``[BLOCK_K, BLOCK_N]`` gather from the small scale matrix, cached) and rounded
-  to x's dtype inside the K loop: the same weights the reference builds.
+  group_size]``) and rounded to x's dtype inside the K loop: the same weights the reference
+  builds. When ``group_size`` is a multiple of ``BLOCK_K`` (128, 256, ... on the GPU) a K step lies
+  in one group and its scales are one ``[BLOCK_N]`` load; otherwise they are a ``[BLOCK_K,
+  BLOCK_N]`` gather from the small scale matrix (cached).
 
 Split-K: when the output tiles alone would leave the device mostly idle (M = 1 and N = 1600 are
 25 tiles of 64 columns for 132 SMs), K is split into ``split_k`` ranges of whole ``BLOCK_K``
@@ -70,7 +72,11 @@ def _int8_matmul_kernel(
         w_mask = k_mask[:, None] & col_mask[None, :]
         q = tl.load(W + cols.to(tl.int64)[None, :] * K + ks[:, None], mask=w_mask, other=0)  # [BLOCK_K, BLOCK_N]
         if GROUP_SIZE > 0:
-            s = tl.load(SCALE + cols[None, :] * groups_per_row + (ks // GROUP_SIZE)[:, None], mask=w_mask, other=0.0)
+            if GROUP_SIZE % BLOCK_K == 0:  # the step lies in one group: one scale per column
+                s = tl.load(SCALE + cols * groups_per_row + k0 // GROUP_SIZE, mask=col_mask, other=0.0)[None, :]
+            else:  # groups change inside the step: a scale per element, gathered
+                s = tl.load(SCALE + cols[None, :] * groups_per_row + (ks // GROUP_SIZE)[:, None], mask=w_mask,
+                            other=0.0)
             w = cast_rounding(q.to(tl.float32) * s, X.dtype.element_ty, BF16_BY_HAND)
         elif DOT_FP32:  # exact either way; the interpreter's int8 -> bf16 conversion is not
             w = q.to(tl.float32)

@@ -57,7 +57,8 @@ def test_round_trip_within_half_a_step(group_size, dtype):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("group_size", [None, 32], ids=["per-channel", "g32"])
+# g32: each K step of the interpreter's 32 in one group; g48: groups change inside steps.
+@pytest.mark.parametrize("group_size", [None, 32, 48], ids=["per-channel", "g32", "g48"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_triton_matches_reference(group_size, rows, dtype):
