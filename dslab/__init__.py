@@ -7,6 +7,11 @@ The training loop is DeepSpeed's::
     engine.backward(loss)
     engine.step()
 
+and its inference engine is DeepSpeed's ``init_inference``::
+
+    engine = dslab.init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True)
+    tokens = engine.generate(input_ids, max_new_tokens=32)
+
 The top-level names load their modules on first use, so that ``import dslab.kernels`` or
 ``import dslab.report`` does not pull in the engine.
 """
@@ -22,6 +27,7 @@ _EXPORTS = {
     "add_config_arguments": "dslab.engine.initialize",
     "init_distributed": "dslab.comm",
     "estimate_zero_memory": "dslab.engine.zero_estimate",
+    "init_inference": "dslab.inference.engine",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,0 +1,143 @@
+"""The per-token step on static buffers, one slot per batch bucket, replayed from a CUDA graph.
+
+A generation of ``batch`` rows runs in the slot of its bucket (the next power of two, so a few
+graphs serve every batch size). A slot holds, for ``bucket`` rows:
+
+- the KV cache (:class:`dslab.inference.kv_cache.KVCache`, ``max_seq`` positions), allocated once;
+- ``tokens`` int64 ``[bucket]``: the token each row feeds next;
+- ``write_pos`` int64 ``[bucket]``: the cache position that token goes to (its position id is
+  ``write_pos - valid_start``);
+- ``valid_start`` int32 ``[bucket]``: each row's first real (non-pad) cache position.
+
+The step (:meth:`DecodeRunner.step`) embeds ``tokens``, runs every layer with decode attention,
+returns the logits ``[bucket, vocab]`` and advances ``write_pos`` by one, all on the device. Rows
+past ``batch`` are filler: they start at token 0, position ``P`` and ``valid_start`` 0, their
+outputs are ignored, and each row's computation is independent of the others'.
+
+With graphs (CUDA, ``enable_cuda_graph``), the first step of a slot runs the body twice on a side
+stream (Triton compiles and autotunes there; ``write_pos`` is put back after each run, and the
+cache positions they wrote lie beyond every position read before they are written again), then
+captures it into a graph with its own memory pool; every later step is ``graph.replay()``, whose
+static output is the logits buffer. The caller writes the next tokens into ``tokens`` in place.
+torch's cached cuBLAS workspaces are cleared before and after each capture, so a graph owns the
+workspace it replays into (:mod:`dslab.models.graphs` says why). The step runs eagerly instead,
+with the same buffers, off CUDA, without graphs, or while a dispatch mode (the flops profiler's
+counter) is active.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from dslab.inference.kv_cache import KVCache
+from dslab.inference.modules import InferenceTransformer
+
+WARMUP_RUNS = 2
+
+
+def batch_bucket(batch: int) -> int:
+    """The slot size that serves ``batch`` rows: the next power of two."""
+    return 1 << (batch - 1).bit_length()
+
+
+def _clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+class DecodeSlot:
+    """The static state of one batch bucket (see the module docstring)."""
+
+    def __init__(self, model: InferenceTransformer, bucket: int, max_seq: int):
+        device = model.device
+        self.bucket = bucket
+        self.cache = KVCache(len(model.layers), bucket, model.heads // model.tp.size, max_seq, model.head_dim,
+                             model.dtype, device)
+        self.tokens = torch.zeros(bucket, dtype=torch.int64, device=device)
+        self.write_pos = torch.zeros(bucket, dtype=torch.int64, device=device)
+        self.valid_start = torch.zeros(bucket, dtype=torch.int32, device=device)
+        self.graph = None
+        self.logits = None
+
+    def start(self, first_tokens: torch.Tensor, prompt_len: int, valid_start: torch.Tensor) -> None:
+        """Rows ``0 .. len(first_tokens) - 1`` feed ``first_tokens`` at position ``prompt_len``."""
+        batch = first_tokens.shape[0]
+        self.tokens.zero_()
+        self.tokens[:batch].copy_(first_tokens)
+        self.write_pos.fill_(prompt_len)
+        self.valid_start.zero_()
+        self.valid_start[:batch].copy_(valid_start)
+
+
+class DecodeRunner:
+    """Slots by bucket and the step over them (see the module docstring)."""
+
+    def __init__(self, model: InferenceTransformer, max_seq: int, use_graphs: bool):
+        self.model = model
+        self.max_seq = max_seq
+        self.use_graphs = use_graphs and model.device.type == "cuda"
+        self.slots: dict[int, DecodeSlot] = {}
+        self.stats: Counter = Counter()
+
+    def slot(self, batch: int) -> DecodeSlot:
+        bucket = batch_bucket(batch)
+        if bucket not in self.slots:
+            self.slots[bucket] = DecodeSlot(self.model, bucket, self.max_seq)
+        return self.slots[bucket]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(s.cache.nbytes for s in self.slots.values())
+
+    def _body(self, slot: DecodeSlot) -> torch.Tensor:
+        logits = self.model.decode_step(slot.tokens, slot.write_pos, slot.valid_start, slot.cache)
+        slot.write_pos.add_(1)
+        return logits
+
+    def _graphs_possible(self) -> str | None:
+        """Why the step must run eagerly now, or None."""
+        if not self.use_graphs:
+            return "graphs off"
+        if torch._C._len_torch_dispatch_stack() > 0:
+            return "dispatch mode active"
+        if torch.cuda.is_current_stream_capturing():
+            return "inside another capture"
+        return None
+
+    def _capture(self, slot: DecodeSlot) -> None:
+        saved = slot.write_pos.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                self._body(slot)
+                slot.write_pos.copy_(saved)
+        torch.cuda.current_stream().wait_stream(stream)
+        _clear_cublas_workspaces()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+            slot.logits = self._body(slot)
+        _clear_cublas_workspaces()
+        slot.write_pos.copy_(saved)  # the capture recorded the advance without running it
+        slot.graph = graph
+        self.stats["captures"] += 1
+
+    def step(self, slot: DecodeSlot) -> torch.Tensor:
+        """Logits ``[bucket, vocab]`` of the slot's ``tokens``; advances ``write_pos``. Under a
+        graph the returned tensor is the graph's static output, overwritten by the next step."""
+        eager_reason = self._graphs_possible()
+        if eager_reason is not None:
+            self.stats[f"eager ({eager_reason})"] += 1
+            return self._body(slot)
+        if slot.graph is None:
+            self._capture(slot)
+        slot.graph.replay()
+        self.stats["replays"] += 1
+        return slot.logits
+
+    def release(self) -> None:
+        """Drop every slot (caches, graphs and their memory pools)."""
+        self.slots.clear()

@@ -1,0 +1,245 @@
+"""``dslab.init_inference`` and the engine it returns.
+
+::
+
+    engine = dslab.init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True,
+                                  tensor_parallel={"tp_size": 1}, max_out_tokens=1024,
+                                  enable_cuda_graph=True)
+    logits = engine(input_ids, attention_mask=mask)
+    tokens = engine.generate(input_ids, attention_mask=mask, max_new_tokens=32)
+
+What happens (keys in :mod:`dslab.inference.config`):
+
+1. ``checkpoint`` is loaded into ``model`` (:mod:`dslab.inference.checkpoint`).
+2. With ``replace_with_kernel_inject``, the model's policy (:mod:`dslab.inference.policies`) reads
+   its weights, and :class:`~dslab.inference.modules.InferenceTransformer` takes them over: cast to
+   the compute dtype (int8 linear weights under ``dtype=torch.int8``), sliced for this rank's
+   tensor-parallel share, on this process's device (its CUDA device when there is one, as
+   DeepSpeed does, else the CPU). ``engine.module`` is that model; the source model is left as it
+   was. A model without a policy runs unchanged (cast to ``dtype``) with a warning saying so, as
+   DeepSpeed does; int8 and tensor parallelism need a policy and are refused without one.
+3. ``engine(input_ids, attention_mask=None, token_type_ids=None)`` runs the forward without
+   autograd and returns what the source model returns (logits for language models).
+   ``engine.generate(...)`` decodes with the static KV cache (:mod:`dslab.inference.generate`),
+   CUDA graphs per batch bucket when on CUDA with ``enable_cuda_graph`` (and ``tp_size`` 1: the
+   tensor-parallel step stays eager, its all_reduces are not captured) and eagerly otherwise.
+
+The KV cache of a batch bucket holds ``min(max_out_tokens, the model's positions)`` positions;
+``prompt + max_new_tokens`` beyond that is an error naming both. ``engine.memory_records()`` gives
+the bytes of the weights (by dtype, distinct storages) and of every KV cache allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn as nn
+
+from dslab.inference.checkpoint import load_checkpoint
+from dslab.inference.config import InferenceConfig, resolve_config
+from dslab.inference.decode import DecodeRunner
+from dslab.inference.generate import Sampling, check_prompt, generate_tokens
+from dslab.inference.modules import InferenceTransformer
+from dslab.inference.policies import Unsupported, check_shapes, find_policy
+from dslab.inference.tensor_parallel import TensorParallel, check_divisible, tensor_parallel_group
+from dslab.inference.timing import TokenClock
+from dslab.kernels.attention import HEAD_DIMS
+
+logger = logging.getLogger(__name__)
+
+
+def init_inference(model: nn.Module, config: dict | str | None = None, **kwargs) -> InferenceEngine:
+    """DeepSpeed's ``init_inference``: the inference engine of ``model`` (see the module docstring;
+    keys in :mod:`dslab.inference.config`). Bad arguments raise ValueError naming the key."""
+    return InferenceEngine(model, resolve_config(config, kwargs))
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _storage_bytes(tensors) -> dict[str, int]:
+    """Bytes of the distinct storages behind ``tensors``, by dtype."""
+    seen, out = set(), {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        name = str(t.dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + storage.nbytes()
+    return out
+
+
+class InferenceEngine:
+    """The engine ``init_inference`` returns (module docstring). ``token_clock``, when set to a
+    :class:`~dslab.inference.timing.TokenClock`, times every ``generate`` call token by token."""
+
+    def __init__(self, model: nn.Module, config: InferenceConfig):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"init_inference needs a torch.nn.Module, got {type(model).__name__}")
+        self._config = config
+        self.device = _device()
+        self.checkpoint = load_checkpoint(model, config.checkpoint, config.base_dir) if config.checkpoint else None
+        self.tp: TensorParallel = tensor_parallel_group(config.tp_size)
+        self.policy = None
+        self.notes: list[str] = []
+        self.token_clock: TokenClock | None = None
+        self._runner: DecodeRunner | None = None
+        spec = self._spec(model) if config.replace_with_kernel_inject else None
+        if spec is None:
+            self._run_unchanged(model)
+            return
+        check_divisible(spec.heads, spec.intermediate, self.tp.size)
+        quant = config.quant.weight if config.int8 else None
+        self.module = InferenceTransformer(spec, self.tp, config.compute_dtype, self.device, quant).eval()
+        self.max_seq = min(config.max_out_tokens, spec.max_positions)
+        if spec.causal:
+            graphs = config.enable_cuda_graph and self.device.type == "cuda" and self.tp.size == 1
+            self._runner = DecodeRunner(self.module, self.max_seq, graphs)
+            if config.enable_cuda_graph and not graphs:
+                why = "tensor_parallel.tp_size > 1" if self.device.type == "cuda" else f"no CUDA device ({self.device})"
+                self.notes.append(f"enable_cuda_graph: the per-token step runs eagerly ({why})")
+
+    # --- construction ----------------------------------------------------------------------------
+
+    def _spec(self, model: nn.Module):
+        try:
+            policy, spec = find_policy(model, self._config.injection_policy)
+            if spec.head_dim not in HEAD_DIMS:
+                raise Unsupported(f"{policy.name} has head dim {spec.head_dim}; dslab's attention kernels take "
+                                  f"{', '.join(map(str, HEAD_DIMS))}")
+        except Unsupported as why:
+            message = f"init_inference: {why}; the model runs unchanged, without dslab's inference kernels"
+            warnings.warn(message, stacklevel=3)
+            self.notes.append(message)
+            return None
+        check_shapes(spec)
+        self.policy = policy.name
+        return spec
+
+    def _run_unchanged(self, model: nn.Module) -> None:
+        config = self._config
+        if config.int8:
+            raise ValueError(f"dtype=torch.int8 quantises the layers dslab injects; {type(model).__name__} is not "
+                             f"injected (replace_with_kernel_inject={config.replace_with_kernel_inject})")
+        if self.tp.size > 1:
+            raise ValueError(f"tensor_parallel.tp_size={self.tp.size}: dslab slices only the models it injects; "
+                             f"{type(model).__name__} is not injected")
+        if config.injection_policy:
+            raise ValueError("injection_policy is given, but dslab slices only the models it injects "
+                             "(replace_with_kernel_inject=True with a model dslab has a policy for)")
+        self.module = model.to(device=self.device, dtype=config.dtype).eval()
+        self.max_seq = None
+
+    # --- properties ------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> InferenceConfig:
+        return self._config
+
+    @property
+    def injected(self) -> bool:
+        return isinstance(self.module, InferenceTransformer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._config.dtype
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def cuda_graph_stats(self) -> dict[str, int]:
+        return dict(self._runner.stats) if self._runner is not None else {}
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """The model's forward without autograd (see the module docstring)."""
+        with torch.no_grad():
+            if not self.injected:
+                return self.module(*args, **kwargs)
+            return self._injected_forward(*args, **kwargs)
+
+    def _injected_forward(self, input_ids, attention_mask=None, token_type_ids=None):
+        model = self.module
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError("input_ids must be a [batch, seq] integer tensor")
+        if input_ids.shape[1] > model.max_positions:
+            raise ValueError(f"input_ids has seq {input_ids.shape[1]} > the model's {model.max_positions} positions")
+        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
+                raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}")
+        if token_type_ids is not None and model.token_type_embeddings is None:
+            raise ValueError(f"token_type_ids: {model.source} has no token types")
+        move = (lambda t: None if t is None else t.to(self.device))
+        return model(move(input_ids).long(), move(attention_mask), move(token_type_ids))
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int | None = None, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 50, top_p: float = 1.0, eos_token_id=None, pad_token_id: int | None = None,
+                 generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
+        """``[batch, prompt + new]`` token ids, as transformers' ``generate`` (greedy unless
+        ``do_sample``; :mod:`dslab.inference.generate`). A model that is not injected calls its own
+        ``generate`` with these arguments."""
+        if not self.injected:
+            generate = getattr(self.module, "generate", None)
+            if not callable(generate):
+                raise ValueError(f"{type(self.module).__name__} has no generate()")
+            extra = {"generator": generator} if generator is not None else {}
+            with torch.no_grad():
+                return generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask,
+                                max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                **extra, **kwargs)
+        if kwargs:
+            raise ValueError(f"generate() got arguments dslab's engine does not take: {', '.join(sorted(kwargs))}")
+        if self._runner is None:
+            raise ValueError(f"generate() needs a causal language model; this engine holds {self.module.source}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        sampling.check()
+        if generator is not None and generator.device.type != self.device.type:
+            raise ValueError(f"generator is on {generator.device}, the model on {self.device}")
+        input_ids, mask, valid_start = check_prompt(input_ids, attention_mask, self.module.vocab_size, self.device)
+        prompt = input_ids.shape[1]
+        if prompt + max_new_tokens > self.max_seq:
+            raise ValueError(
+                f"prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) = {prompt + max_new_tokens} exceeds the "
+                f"KV cache's {self.max_seq} positions (max_out_tokens={self._config.max_out_tokens}, the model has "
+                f"{self.module.max_positions}); raise max_out_tokens or ask for fewer tokens")
+        with torch.no_grad():
+            return generate_tokens(self.module, self._runner, input_ids, mask, valid_start, max_new_tokens, sampling,
+                                   eos_token_id, pad_token_id, generator, self.token_clock)
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    def memory_records(self) -> dict:
+        """``{"weights_bytes", "weights_by_dtype", "kv_cache_bytes", "kv_caches": [...],
+        "max_seq"}``: the module's parameters and buffers (distinct storages) and every KV cache
+        allocated (one per batch bucket used)."""
+        by_dtype = _storage_bytes([*self.module.parameters(), *self.module.buffers()])
+        caches = [slot.cache.describe() for slot in self._runner.slots.values()] if self._runner else []
+        return {"weights_bytes": sum(by_dtype.values()), "weights_by_dtype": by_dtype,
+                "kv_cache_bytes": sum(c["bytes"] for c in caches), "kv_caches": caches, "max_seq": self.max_seq,
+                "tp_size": self.tp.size}
+
+    def release_cuda_graphs(self) -> None:
+        """Free the decode graphs and KV caches (they are made again on the next ``generate``)."""
+        if self._runner is not None:
+            self._runner.release()
