@@ -136,15 +136,28 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the host side of dslab's steps")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated subset of "
+                        + ", ".join(PRECISIONS))
+    parser.add_argument("--ks", default="1,2", help="gating k values, comma-separated")
+    parser.add_argument("--fused-activation", action="store_true",
+                        help="dslab's experts with the activation in the grouped GEMM epilogues (grouped_mlp)")
     args = parser.parse_args()
+    precisions = [p for p in args.precisions.split(",") if p]
+    unknown = sorted(set(precisions) - set(PRECISIONS))
+    if unknown:
+        parser.error(f"--precisions: unknown {unknown}; choose from {PRECISIONS}")
+    ks = [int(k) for k in args.ks.split(",") if k]
     peak = peak_tflops()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; measured bf16 peak {peak:.0f} TFLOP/s")
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for precision in PRECISIONS:
-        for k in (1, 2):
+    for precision in precisions:
+        for k in ks:
             fast, naive = build(k, precision)
+            for module in fast.modules():
+                if hasattr(module, "fused_activation"):
+                    module.fused_activation = args.fused_activation
             fast.eval(), naive.eval()  # no gate noise: both must route identically
             with torch.no_grad():
                 out_f, _, counts_f = run_layer(fast, x, precision)
@@ -179,8 +192,8 @@ def main():
     for precision, k, name, ms, tflops, err in rows:
         print(f"{precision:<14} {k:>2} {name:<12} {ms:>10.3f} {tflops:>15.0f} {100 * tflops / peak:>6.1f}% "
               f"{err:>17.2e}")
-    for precision in PRECISIONS:
-        for k in (1, 2):
+    for precision in precisions:
+        for k in ks:
             d = {r[2]: r[3] for r in rows if r[0] == precision and r[1] == k}
             print(f"{precision} top-{k}: speed-up over the naive loop: dslab {d['naive loop'] / d['dslab']:.2f}x, "
                   f"dslab graph {d['naive loop'] / d['dslab graph']:.2f}x")

@@ -18,6 +18,7 @@ from dslab.kernels.cross_entropy import softmax_cross_entropy
 from dslab.kernels.decode_attention import decode_attention
 from dslab.kernels.evoformer_attention import evoformer_attention
 from dslab.kernels.fused_adam import FusedAdam
+from dslab.kernels.gate_linear import gate_linear
 from dslab.kernels.grouped_gemm import grouped_gemm
 from dslab.kernels.grouped_mlp import grouped_mlp
 from dslab.kernels.int8_linear import dequantize_int8, int8_linear, quantize_int8
@@ -27,7 +28,7 @@ from dslab.kernels.moe_permute import moe_permute, moe_unpermute
 from dslab.kernels.sigmoid_gate import sigmoid_gate
 
 OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "attention_packed", "softmax_cross_entropy",
-       "FusedAdam", "grouped_gemm", "grouped_mlp", "moe_gating", "moe_permute", "moe_unpermute",
+       "FusedAdam", "gate_linear", "grouped_gemm", "grouped_mlp", "moe_gating", "moe_permute", "moe_unpermute",
        "evoformer_attention", "sigmoid_gate", "decode_attention", "int8_linear")
 
 __all__ = [*OPS, "quantize_int8", "dequantize_int8", "OPS", "backend", "kernel_backend", "planned_backend", "set_backend", "use_triton"]

@@ -30,6 +30,7 @@ from torch import nn
 
 from dslab.kernels import bias_gelu
 from dslab.kernels.grouped_gemm import grouped_gemm
+from dslab.kernels.grouped_mlp import grouped_mlp
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _REFERENCE_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu,
@@ -105,6 +106,9 @@ class Experts(nn.Module):
         self.expert_group_name = expert_group_name
         parts = mlp_parts(expert, hidden_size)
         self.stacked = parts is not None
+        # the stacked experts' activation in the grouped GEMMs' epilogues (dslab.kernels.grouped_mlp)
+        # rather than a separate kernel between them
+        self.fused_activation = False
         if self.stacked:
             fc1, self.activation, fc2 = parts
 
@@ -142,6 +146,8 @@ class Experts(nn.Module):
             if w1.dtype not in (dtype, torch.float32):
                 w1, w2 = w1.to(dtype), w2.to(dtype)
                 b1, b2 = (None if b is None else b.to(dtype) for b in (b1, b2))
+        if self.fused_activation:
+            return grouped_mlp(x, w1, b1, w2, b2, group_offsets, self.activation)
         h = grouped_gemm(x, w1, group_offsets, b1)
         h = self._activate(h)
         return grouped_gemm(h, w2, group_offsets, b2)

@@ -39,9 +39,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dslab.kernels.gate_linear import gate_linear
 from dslab.kernels.moe_gating import MAX_EXPERTS, moe_gating, moe_gating_reference
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
@@ -203,12 +203,13 @@ class TopKGate(nn.Module):
         self._gating = moe_gating if config.num_experts <= MAX_EXPERTS else moe_gating_reference
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] (any dtype) -> fp32 logits [T, E], in fp32 even under autocast."""
-        x = x.float()
+        """[T, H] (any dtype) -> fp32 logits [T, E], in fp32 even under autocast: the tokens are
+        read in their own dtype and scored in fp32 (:func:`dslab.kernels.gate_linear.gate_linear`,
+        with no fp32 copy of x), the weight cast to fp32 where a module cast made it half."""
         if self.config.noisy_gate_policy == "Jitter" and self.training:
-            x = multiplicative_jitter(x)
-        with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x, self.wg.weight.float())
+            x = multiplicative_jitter(x.float())
+        weight = self.wg.weight
+        return gate_linear(x, weight if weight.dtype == torch.float32 else weight.float())
 
     def selection_noise(self, logits: torch.Tensor) -> torch.Tensor | None:
         """Gumbel noise [T, E] for the noisy choice (RSample's first, top-2's second), training only."""

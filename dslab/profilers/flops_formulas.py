@@ -215,6 +215,18 @@ def _grouped_gemm_backward_weight(args, kwargs, out) -> int:
     return 2 * m * n * k
 
 
+def _gate_linear(args, kwargs, out) -> int:
+    # (x [T, H], weight [E, H])
+    (t, h), e = args[0].shape, args[1].shape[0]
+    return 2 * t * h * e
+
+
+def _gate_linear_backward(args, kwargs, out) -> int:
+    # (dlogits [T, E], x [T, H], weight [E, H]): dx and dw
+    (t, h), e = args[1].shape, args[2].shape[0]
+    return 4 * t * h * e
+
+
 def _grouped_mlp(args, kwargs, out) -> int:
     # (x [M, H], w1 [G, F, H], b1, w2 [G, H, F], b2, group_offsets, activation)
     (m, h), f = args[0].shape, args[1].shape[1]
@@ -389,6 +401,8 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::grouped_gemm": (MATMUL, _grouped_gemm),
     "dslab::grouped_gemm_backward_input": (MATMUL, _grouped_gemm_backward_input),
     "dslab::grouped_gemm_backward_weight": (MATMUL, _grouped_gemm_backward_weight),
+    "dslab::gate_linear": (MATMUL, _gate_linear),
+    "dslab::gate_linear_backward": (MATMUL, _gate_linear_backward),
     "dslab::grouped_mlp": (MATMUL, _grouped_mlp),
     "dslab::grouped_mlp_backward_hidden": (MATMUL, _grouped_mlp_backward_hidden),
     "dslab::decode_attention": (MATMUL, _decode_attention),

@@ -22,6 +22,14 @@ CASES = {
     "empty_first_and_last": (70, 90, [0, 61, 89, 0]),
 }
 
+# (K, N, group sizes) with rows of 16-byte multiples in fp32 and bf16 (but N = 19), for the
+# tensor-descriptor loads.
+DESCRIPTOR_CASES = {
+    "ragged_edges": (40, 24, [20, 0, 1, 50, 26]),
+    "whole_tiles": (48, 32, [0, 61, 17, 0]),
+    "unaligned_n": (24, 19, [37]),
+}
+
 needs_interpreter = pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="Triton kernels need a GPU or TRITON_INTERPRET=1"
 )
@@ -77,6 +85,41 @@ def test_triton_matches_float64_reference(dtype, case, with_bias):
         _assert_within_torch_error(name, a, lo, ex)
     empty = [g for g, size in enumerate(sizes) if size == 0]
     assert torch.all(got[2][empty] == 0), "an empty group's weight gradient must be zero"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(DESCRIPTOR_CASES))
+def test_tensor_descriptor_loads_give_the_pointer_loads_bit_for_bit(dtype, case, monkeypatch):
+    """The kernels' tensor-descriptor main loops (Hopper's bulk copies; emulated by the interpreter)
+    against their pointer loads: the same products in the same order, so the same bits. Operands
+    whose rows break the copy engine's 16-byte rule (N = 19 here) take the pointer loads. Widths
+    that the 16-wide interpreter tile does not divide read zeros past the edge from the descriptor."""
+    import dslab.kernels.grouped_gemm_triton as kernels
+
+    k, n, sizes = DESCRIPTOR_CASES[case]
+    x, w, bias, dy = _inputs(k, n, sizes, dtype)
+    offsets = _offsets(sizes)
+    chosen = []
+    use_tma = kernels._use_tma
+
+    def recording_use_tma(*args):
+        chosen.append(use_tma(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(kernels, "_use_tma", recording_use_tma)
+    runs = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(kernels, "TMA_MODE", mode)
+        chosen.clear()
+        with kernel_backend("triton"):
+            runs[mode] = _run(grouped_gemm, x, w, offsets, bias, dy)
+        k_rows, n_rows = ((width * x.element_size()) % 16 == 0 for width in (k, n))
+        # forward (x, w: rows of K), input gradient (dy: rows of N; w), weight gradient (dy, x)
+        assert chosen == [mode == "on" and k_rows, mode == "on" and n_rows and k_rows,
+                          mode == "on" and n_rows and k_rows], chosen
+    for name, a, b in zip(["y", "dx", "dw", "dbias"], runs["off"], runs["on"]):
+        assert torch.equal(a, b), name
 
 
 @needs_interpreter

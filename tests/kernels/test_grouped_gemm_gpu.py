@@ -118,3 +118,16 @@ def test_torch_backend_runs_the_reference():
     offsets = _offsets(UNEVEN_SIZES)
     with kernel_backend("torch"):
         assert torch.equal(grouped_gemm(x, w, offsets, bias), grouped_gemm_reference(x, w, offsets, bias))
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_pointer_and_descriptor_main_loops(mode, monkeypatch):
+    """Both main loops of the kernels at the anchor and at uneven widths: "on" takes the tensor
+    descriptors wherever the operands allow (a Hopper device), "off" the pointer loads."""
+    import dslab.kernels.grouped_gemm_triton as kernels
+
+    if mode == "on" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need compute capability 9+")
+    monkeypatch.setattr(kernels, "TMA_MODE", mode)
+    _check(1024, 4096, ANCHOR_SIZES, torch.bfloat16)
+    _check(1000, 3000, UNEVEN_SIZES, torch.bfloat16, offsets_dtype=torch.int32)
