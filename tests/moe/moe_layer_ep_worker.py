@@ -6,8 +6,12 @@ input and the gate (this rank's tokens only), and each local expert's weight gra
 expert parallelism sums over the tokens of every rank of the expert-parallel group. It then checks
 the engine's rule (sum over the expert-data-parallel group, divide by the world size) against the
 world-mean gradient of ep_size 1. Each rank pickles its results to ``argv[1]/rank{r}.pkl``.
+
+``MOE_EP_BACKEND=nccl`` runs it on one GPU per rank (the layers, tokens and exchanges on CUDA, the
+Triton kernels in the hot path); the default is gloo on CPU.
 """
 
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -66,7 +70,7 @@ def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def compare(case: dict, recorder: _Recorder) -> dict:
+def compare(case: dict, recorder: _Recorder, device: torch.device) -> dict:
     rank, world = comm.get_rank(), comm.get_world_size()
     ep_size = case["ep_size"]
     kwargs = dict(num_experts=EXPERTS, k=case["k"], capacity_factor=0.75, min_capacity=1,
@@ -85,14 +89,17 @@ def compare(case: dict, recorder: _Recorder) -> dict:
     with torch.no_grad():
         sharded.deepspeed_moe.gate.wg.weight.copy_(full.deepspeed_moe.gate.wg.weight)
         _copy_experts(full, sharded, first, local)
+    full, sharded = full.to(device), sharded.to(device)
 
-    shape = (TOKENS, H) if rank % 2 else (1, TOKENS, H)
-    x, dy = _tokens(rank, shape)
+    def tokens(r):
+        return [t.to(device) for t in _tokens(r, (TOKENS, H) if r % 2 else (1, TOKENS, H))]
+
+    x, dy = tokens(rank)
     recorder.calls.clear()
     got = _run(sharded, x, dy, seed=300 + rank)
     calls = list(recorder.calls)
     # ep_size 1 on each rank's tokens (every rank can make every rank's tokens)
-    refs = [_run(full, *_tokens(r, (TOKENS, H) if r % 2 else (1, TOKENS, H)), seed=300 + r) for r in range(world)]
+    refs = [_run(full, *tokens(r), seed=300 + r) for r in range(world)]
     mine = refs[rank]
     errors = {"out": _max_err(got["out"], mine["out"]), "l_aux": _max_err(got["l_aux"], mine["l_aux"]),
               "dx": _max_err(got["dx"], mine["dx"]),
@@ -146,10 +153,15 @@ CASES = {
 
 
 def main(out_dir: str) -> None:
-    comm.init_distributed(dist_backend="gloo")
+    backend = os.environ.get("MOE_EP_BACKEND", "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    comm.init_distributed(dist_backend=backend)
     recorder = _Recorder()
     comm.add_observer(recorder)
-    results = [compare(case, recorder) for case in CASES[comm.get_world_size()]]
+    results = [compare(case, recorder, device) for case in CASES[comm.get_world_size()]]
     comm.remove_observer(recorder)
     with open(Path(out_dir) / f"rank{comm.get_rank()}.pkl", "wb") as f:
         pickle.dump(results, f)

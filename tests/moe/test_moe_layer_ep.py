@@ -18,8 +18,8 @@ sys.path.insert(0, str(HERE))
 from moe_layer_ep_worker import EXPERTS, H, TOKENS  # noqa: E402
 
 
-def _launch(nproc, out_dir):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
+def _launch(nproc, out_dir, backend="gloo"):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning", MOE_EP_BACKEND=backend)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(HERE / "moe_layer_ep_worker.py"), str(out_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -41,11 +41,11 @@ def four_ranks(tmp_path_factory):
     return _launch(4, tmp_path_factory.mktemp("moe-ep4"))
 
 
-def _check_equal_to_ep1(results):
+def _check_equal_to_ep1(results, device_type="cpu"):
     for rank, cases in enumerate(results):
         for result in cases:
             label = f"rank {rank}, {result['case']}"
-            assert result["counts_equal"] and result["on_device"] == "cpu", label
+            assert result["counts_equal"] and result["on_device"] == device_type, label
             bad = {name: err for name, err in result["errors"].items() if err > 2e-5 * result["scale"]}
             assert not bad, f"{label}: {bad}"
             assert len(result["errors"]) > 4, label  # the expert gradients were compared
