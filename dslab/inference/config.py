@@ -216,6 +216,11 @@ def _canonical(data: dict, where: str) -> dict:
                 raise ValueError(f"init_inference: '{key}'={value!r} is a DeepSpeed setting dslab does not implement "
                                  f"(accepted only at {DEEPSPEED_KEYS_AT_DEFAULT[name]!r})")
             continue
+        if name == "dtype":
+            try:
+                value = parse_dtype(value)
+            except ValueError:
+                pass  # refused with the key's name when the config is validated
         out[name] = value
     return out
 

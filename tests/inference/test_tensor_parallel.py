@@ -1,0 +1,64 @@
+"""Tensor parallelism over 2 real gloo processes (torchrun): tp_size 2 gives tp_size 1's logits
+(fp32, within 2e-5: only the order of the partial sums differs, measured ~1e-6) and the same
+greedy tokens, for GPT-2 (pre-LN, causal, left-padded batch) and BERT (post-LN); each rank holds
+half the heads and half the MLP columns; the comm layer sees two all_reduces per layer per
+forward (tp_worker.py)."""
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+HIDDEN, LAYERS, INTERMEDIATE = 128, 2, 512  # dslab's gpt2_tiny
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("tp2")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "tp_worker.py"), str(out_dir)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = []
+    for rank in range(2):
+        with open(out_dir / f"rank{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+@pytest.mark.world_size(2)
+def test_tp2_equals_tp1(two_ranks):
+    for result in two_ranks:
+        label = f"rank {result['rank']}"
+        assert (result["tp_size"], result["tp_rank"]) == (2, result["rank"]), label
+        assert result["gpt2_logit_error"] < 2e-5, label
+        assert result["gpt2_tokens_equal"], label
+        assert result["bert_logit_error"] < 2e-5, label
+    assert two_ranks[0]["gpt2_tokens"] == two_ranks[1]["gpt2_tokens"]
+
+
+@pytest.mark.world_size(2)
+def test_each_rank_holds_half_the_heads_and_columns(two_ranks):
+    for result in two_ranks:
+        assert result["shapes"] == {"qkv": (3 * HIDDEN // 2, HIDDEN), "out_proj": (HIDDEN, HIDDEN // 2),
+                                    "fc_in": (INTERMEDIATE // 2, HIDDEN), "fc_out": (HIDDEN, INTERMEDIATE // 2)}
+        assert result["row_bias"] == (result["rank"] == 0)  # the row-parallel bias is added once
+
+
+@pytest.mark.world_size(2)
+def test_all_reduces_go_through_the_comm_layer(two_ranks):
+    for result in two_ranks:
+        calls = result["calls"]
+        assert len(calls) == 2 * LAYERS and {c["op"] for c in calls} == {"all_reduce"}
+        assert all(c["group_size"] == 2 and c["numel"] == 3 * 10 * HIDDEN for c in calls)  # [batch, seq, hidden]
+
+
+@pytest.mark.world_size(2)
+def test_tp_size_must_divide_the_heads(two_ranks):
+    for result in two_ranks:
+        assert "tensor_parallel.tp_size=2 does not divide the model's 3 attention heads" in result["indivisible_error"]
