@@ -12,7 +12,7 @@ from urllib.parse import quote
 import dash_ag_grid as dag
 from dash import dcc, html
 
-from dashboards import figures, views
+from dashboards import figures, io_view, views
 from dashboards.data import RunStore, RunSummary, commit_of, gpu_name
 
 logger = logging.getLogger(__name__)
@@ -350,18 +350,48 @@ def _experts_tab(report, suite, run_id, case) -> list:
 
 
 def _io_tab(report, suite, run_id, case) -> list:
+    """``profilers["io"]``: an nvme-tune run's configuration x GB/s beside fio, or an engine
+    run's swaps and checkpoint writes (:mod:`dashboards.io_view`). A section that is not
+    ``{case: record}`` is shown flattened under a warning."""
     data = report.profilers.get("io")
     if not data:
-        return [html.P("no I/O tuner results in this run", id="io-empty")]
-
-    def rows():
-        if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
-            return [table(f"io-{name}", [r for r in rows if isinstance(r, dict)]) for name, rows in data.items()]
-        if isinstance(data, list):
-            return table("io-results", [r for r in data if isinstance(r, dict)])
-        return key_value(views.flatten("io", data))
-
-    return guarded("I/O tuner", rows)
+        return [html.P("no I/O tuner results in this run", id="io-empty"),
+                html.P("(dslab nvme-tune writes them; an engine run with an aio section or NVMe "
+                       "optimizer offload records its swaps and checkpoint writes)", className="note")]
+    try:
+        cases, chosen, record = views.section(report, "io", case)
+    except ValueError as err:
+        return [warning(f"I/O: {err}"), *guarded("I/O tuner", lambda: key_value(views.flatten("io", data)))]
+    out = [_case_links(suite, run_id, "io", cases, chosen)]
+    if record.get("kind") == "engine" or "operations" in record:
+        out += guarded("Storage I/O of the run", lambda: table(
+            "io-operations", io_view.operation_rows(record), [
+                ("kind", "operation"), ("count", "count"), ("bytes", "bytes"), ("seconds", "seconds"),
+                ("GBps", "GB/s"), ("median_GBps", "median GB/s"), ("min_GBps", "min GB/s"),
+                ("max_GBps", "max GB/s"), ("waited_s", "step waited (s)")]))
+        out += guarded("Each swap and checkpoint write", lambda: table(
+            "io-events", io_view.event_rows(record), page_size=PAGE_SIZE))
+        return out
+    if "configs" not in record:
+        return out + guarded("I/O", lambda: key_value(views.flatten("io", record)))
+    out.append(key_value([
+        ("path", str(record.get("path"))), ("file", f"{record.get('file_bytes')} bytes"),
+        ("tensors", str(record.get("device"))), ("backend", str(record.get("backend"))),
+        ("direct I/O", "yes (O_DIRECT)" if record.get("direct_io") else "no: the page cache"),
+        ("trials", str(record.get("trials"))), ("seconds", f"{record.get('seconds', 0):.0f}"),
+        ("recommended aio", str(record.get("recommended_aio")))], "kv"))
+    out += guarded("Best configuration beside fio", lambda: table(
+        "io-comparison", io_view.comparison_rows(record), [
+            ("op", "op"), ("best_configuration", "dslab best configuration"), ("dslab_GBps", "dslab GB/s"),
+            ("fio_1M_32_GBps", "fio 1M/iodepth 32 GB/s"), ("dslab_beside_matched_GBps", "dslab GB/s (beside matched)"),
+            ("fio_matched_GBps", "fio matched GB/s"), ("fio_matched_job", "fio matched job"),
+            ("dslab_over_fio_best", "dslab / fio best")]))
+    out += guarded("Finalists", lambda: graph("io-finalists", io_view.config_figure(record, chosen)))
+    out += guarded("Configuration x GB/s", lambda: table(
+        "io-configs", io_view.config_rows(record), page_size=PAGE_SIZE, filters=True))
+    for note in record.get("notes") or []:
+        out.append(html.P(str(note), className="note"))
+    return out
 
 
 # -- compare ----------------------------------------------------------------------------------

@@ -230,6 +230,32 @@ def _run_zero_to_fp32(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nvme_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--path", required=True,
+                        help="directory on the storage to tune (a test file is written there and removed)")
+    parser.add_argument("--size", default="1G", help="test file size, e.g. 1G, 256M (default: 1G)")
+    parser.add_argument("--trials", type=int, default=3, help="trials per finalist configuration (default: 3)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="tensors to read into and write from: pinned CPU memory or a CUDA device")
+    parser.add_argument("--sweep-config", default=None,
+                        help="JSON file of lists to sweep: block_size, queue_depth, intra_op_parallelism, "
+                             "single_submit, overlap_events (default: dslab's space)")
+    parser.add_argument("--no-fio", action="store_true", help="skip fio's job on the same file")
+    parser.add_argument("--out", default="reports", help="reports root (default: reports/)")
+
+
+def _run_nvme_tune(args: argparse.Namespace) -> int:
+    from dslab.io.tune import (format_result, load_sweep_config, parse_size, stderr_progress, tune,
+                               write_tune_report)
+
+    space = load_sweep_config(args.sweep_config) if args.sweep_config else None
+    result = tune(args.path, parse_size(args.size), trials=args.trials, device=args.device, space=space,
+                  use_fio=not args.no_fio, progress=stderr_progress())
+    print(format_result(result), end="")
+    print(f"report: {write_tune_report(result, args.out, space)}")
+    return 0
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "bench",
@@ -278,6 +304,12 @@ COMMANDS: tuple[Command, ...] = (
         "consolidate a ZeRO checkpoint's shards into one full fp32 state dict (no GPU needed)",
         _zero_to_fp32_arguments,
         _run_zero_to_fp32,
+    ),
+    Command(
+        "nvme-tune",
+        "sweep async I/O handle settings on a directory's storage, beside fio, and print the best aio config",
+        _nvme_tune_arguments,
+        _run_nvme_tune,
     ),
 )
 

@@ -38,6 +38,7 @@ EXPECTED_COMMANDS = {
     "launch": {"--hostfile", "--include", "--exclude", "--num_nodes", "--num_gpus", "--master_addr",
                "--master_port", "--rdzv_backend", "--dry-run"},
     "zero-to-fp32": {"--tag"},
+    "nvme-tune": {"--path", "--size", "--trials", "--device", "--sweep-config", "--no-fio", "--out"},
 }
 
 

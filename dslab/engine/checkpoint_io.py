@@ -16,6 +16,12 @@ the new directory is in place. Leftover ``.partial``/``.old`` directories are ne
 removed by the next save into the same ``save_dir``; so one writer per ``save_dir`` at a time
 (the engine writes from one rank, or each rank into its own directory).
 
+With an async I/O handle (the engine's ``aio`` section) each file is serialised straight through
+it (:func:`dslab.io.stream.save_through_handle`: ``O_DIRECT`` writes from pinned buffers, the
+sha256 taken from the bytes as they go, the file fsynced and renamed into the partial
+directory) instead of ``torch.save`` to a path and a second pass to hash it; the layout, the
+manifest and the atomicity are the same, and the files load the same.
+
 Everything is checked, before any byte is written, to be loadable by
 ``torch.load(weights_only=True)``, the only way this module loads: a checkpoint never runs
 arbitrary pickled code when it is read back.
@@ -182,7 +188,7 @@ def write_latest(save_dir: str | os.PathLike, tag: str) -> None:
 
 
 def save_checkpoint_files(save_dir: str | os.PathLike, tag: str, files: dict[str, object],
-                          metadata: dict, save_latest: bool = True) -> pathlib.Path:
+                          metadata: dict, save_latest: bool = True, handle=None) -> pathlib.Path:
     """Write ``files`` as the checkpoint ``<save_dir>/<tag>/`` and return that path.
 
     Args:
@@ -193,6 +199,8 @@ def save_checkpoint_files(save_dir: str | os.PathLike, tag: str, files: dict[str
             None, lists/tuples/sets, dicts with string or number keys, dtypes, devices).
         metadata: JSON-serialisable dict stored in ``manifest.json`` and returned by loads.
         save_latest: point ``<save_dir>/latest`` at ``tag`` after the save.
+        handle: an :class:`~dslab.io.handle.AsyncIOHandle` to write the files through (None:
+            ``torch.save``).
 
     Writes on whatever process calls it; which rank saves is the caller's decision.
     Raises ValueError (naming the parameter, or the path inside a file's object) before writing
@@ -207,7 +215,8 @@ def save_checkpoint_files(save_dir: str | os.PathLike, tag: str, files: dict[str
     _check_metadata(metadata)
     partial = begin_checkpoint(save_dir, tag)
     try:
-        entries = {name: write_checkpoint_file(partial, name, obj) for name, obj in files.items()}
+        entries = {name: write_checkpoint_file(partial, name, obj, handle)
+                   for name, obj in files.items()}
     except BaseException:
         abort_checkpoint(partial)
         raise
@@ -239,15 +248,22 @@ def begin_checkpoint(save_dir: str | os.PathLike, tag: str) -> pathlib.Path:
     return partial
 
 
-def write_checkpoint_file(directory: str | os.PathLike, name: str, obj: object) -> dict:
-    """torch.save ``obj`` as ``<directory>/<name>.pt``, fsync it, and return its manifest entry
-    ``{"file", "bytes", "sha256"}``. Raises ValueError before writing when ``obj`` holds what
-    torch.load(weights_only=True) could not rebuild."""
+def write_checkpoint_file(directory: str | os.PathLike, name: str, obj: object,
+                          handle=None) -> dict:
+    """torch.save ``obj`` as ``<directory>/<name>.pt`` (through ``handle`` when given, see the
+    module docstring), fsync it, and return its manifest entry ``{"file", "bytes", "sha256"}``.
+    Raises ValueError before writing when ``obj`` holds what torch.load(weights_only=True) could
+    not rebuild."""
     validate_tag(name, param=f"files key {name!r}")
     check_weights_only(obj, name)
     path = pathlib.Path(directory) / f"{name}.pt"
-    torch.save(obj, path)
-    size, digest = _hash_and_sync(path)
+    if handle is not None:
+        from dslab.io.stream import save_through_handle
+
+        size, digest = save_through_handle(obj, path, handle)
+    else:
+        torch.save(obj, path)
+        size, digest = _hash_and_sync(path)
     return {"file": path.name, "bytes": size, "sha256": digest}
 
 

@@ -33,10 +33,12 @@ def agree(value, error: str | None, what: str) -> list:
 
 
 def save_from_ranks(rank: int, save_dir, tag: str, own_files: dict[str, object],
-                    rank0_files: Callable[[], dict], metadata: dict, save_latest: bool) -> Path:
+                    rank0_files: Callable[[], dict], metadata: dict, save_latest: bool,
+                    handle=None) -> Path:
     """Write ``<save_dir>/<tag>``: every rank its ``own_files`` (name -> object; names unique
-    across ranks), rank 0 also ``rank0_files()`` (called on rank 0 only). Call on every rank;
-    returns the checkpoint's path."""
+    across ranks), rank 0 also ``rank0_files()`` (called on rank 0 only), through ``handle``
+    when given (an :class:`~dslab.io.handle.AsyncIOHandle`). Call on every rank; returns the
+    checkpoint's path."""
     partial, error = None, None
     if rank == 0:
         try:
@@ -47,7 +49,7 @@ def save_from_ranks(rank: int, save_dir, tag: str, own_files: dict[str, object],
     entries, error = {}, None
     for name, obj in own_files.items():
         try:
-            entries[name] = write_checkpoint_file(partial, name, obj)
+            entries[name] = write_checkpoint_file(partial, name, obj, handle)
         except Exception as err:
             error = f"rank {rank} writing {name}.pt: {err}"
             break
@@ -60,7 +62,8 @@ def save_from_ranks(rank: int, save_dir, tag: str, own_files: dict[str, object],
     path, error = None, None
     if rank == 0:
         try:
-            files = {n: write_checkpoint_file(partial, n, obj) for n, obj in rank0_files().items()}
+            files = {n: write_checkpoint_file(partial, n, obj, handle)
+                     for n, obj in rank0_files().items()}
             for rank_entries in written:
                 files.update(rank_entries)
             path = str(commit_checkpoint(save_dir, tag, partial, files, metadata, save_latest))

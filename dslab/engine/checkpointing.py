@@ -41,9 +41,20 @@ log = logging.getLogger(__name__)
 
 
 def save(engine, save_dir, tag, client_state: dict, save_latest: bool) -> Path:
+    """Write the checkpoint (module docstring); with the config's ``aio`` section every file
+    goes through an async I/O handle built from it (:mod:`dslab.engine.checkpoint_io`)."""
     if tag is None:
         tag = f"global_step{engine.global_steps}"
     tag = str(tag)
+    handle = engine.config.aio.build_handle() if engine.config.aio is not None else None
+    try:
+        return _save(engine, save_dir, tag, client_state, save_latest, handle)
+    finally:
+        if handle is not None:
+            handle.close()
+
+
+def _save(engine, save_dir, tag: str, client_state: dict, save_latest: bool, handle) -> Path:
     rng_states = comm.all_gather_object(capture_rng_state())
     metadata = {"config": engine.config.to_dict(), "world_size": engine.world_size}
     if engine.expert_layout is not None:
@@ -61,12 +72,13 @@ def save(engine, save_dir, tag, client_state: dict, save_latest: bool) -> Path:
             own.update(expert_checkpoint.own_files(engine.module, engine.optimizer,
                                                    engine.config.zero_optimization.stage))
         path = save_from_ranks(engine.rank, save_dir, tag, own, rank0_files, metadata,
-                               save_latest)
+                               save_latest, handle)
         log.info("saved checkpoint %s", path)
         return path
     path = Path(save_dir) / tag
     if engine.rank == 0:
-        path = save_checkpoint_files(save_dir, tag, rank0_files(), metadata, save_latest=save_latest)
+        path = save_checkpoint_files(save_dir, tag, rank0_files(), metadata,
+                                     save_latest=save_latest, handle=handle)
         log.info("saved checkpoint %s", path)
     comm.barrier()
     return path

@@ -3,8 +3,9 @@
 A config is a dict, a path to a JSON file, or a :class:`DslabConfig`. Each component owns its
 section's model next to its code (``fp16``/``bf16`` in :mod:`precision`, ``optimizer`` in
 :mod:`optimizers`, ``scheduler`` in :mod:`schedulers`, ``csv_monitor``/``tensorboard`` in
-:mod:`monitor`, ``zero_optimization`` in :mod:`zero_config`); this module gathers them, derives
-the batch sizes, and turns every problem into a ``ValueError`` that names the key.
+:mod:`monitor`, ``zero_optimization`` in :mod:`zero_config`, ``aio`` in
+:mod:`dslab.io.config`); this module gathers them, derives the batch sizes, and turns every
+problem into a ``ValueError`` that names the key.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dslab.engine.optimizers import OptimizerConfig
 from dslab.engine.precision import BF16Config, FP16Config
 from dslab.engine.schedulers import SchedulerConfig
 from dslab.engine.zero_config import ZeroConfig
+from dslab.io.config import AioConfig
 from dslab.profilers.comms import CommsLoggerConfig
 from dslab.profilers.flops import FlopsProfilerConfig
 from dslab.profilers.memory import MemoryTracerConfig
@@ -32,7 +34,6 @@ from dslab.profilers.telemetry import TelemetryConfig
 # off ({"enabled": false}, false, null) is accepted and ignored; anything else is refused.
 UNSUPPORTED_DEEPSPEED_KEYS = (
     "activation_checkpointing",
-    "aio",
     "amp",
     "autotuning",
     "checkpoint",
@@ -72,6 +73,9 @@ class DslabConfig(ConfigSection):
     csv_monitor: CSVMonitorConfig = CSVMonitorConfig()
     tensorboard: TensorBoardConfig = TensorBoardConfig()
     zero_optimization: ZeroConfig = ZeroConfig()
+    # None when absent: checkpoints are written with torch.save to a path; NVMe offload then
+    # uses the section's defaults
+    aio: AioConfig | None = None
     compile: CompileConfig = CompileConfig()
     # dslab's own keys
     cuda_graphs: CudaGraphConfig = CudaGraphConfig()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dslab.io import events as io_events
 from dslab.profilers.base import Profiler
 from dslab.profilers.comms import CommsLogger
 from dslab.profilers.flops_step import FlopsStepProfiler
@@ -13,13 +14,16 @@ from dslab.profilers.timers import WallClockBreakdown
 
 
 def build_profilers(config, device: torch.device, measured_peak_tflops: float | None = None) -> list[Profiler]:
-    """One profiler per switched-on section (``wall_clock_breakdown`` and the profiler sections).
+    """One profiler per switched-on section (``wall_clock_breakdown``, the profiler sections, and
+    the storage I/O of ``aio`` / NVMe offload).
 
     ``measured_peak_tflops`` (the bf16 matmul peak a benchmark measured) is what the flops
     profiler's MFU divides by, beside the datasheet peak."""
     profilers: list[Profiler] = []
     if config.wall_clock_breakdown:
         profilers.append(WallClockBreakdown(device))
+    if config.aio is not None or config.zero_optimization.offload_optimizer.device == "nvme":
+        profilers.append(IoProfiler())
     for built in (
         FlopsStepProfiler.from_config(config.flops_profiler, measured_peak_tflops=measured_peak_tflops),
         CommsLogger.from_config(config.comms_logger),
@@ -29,6 +33,25 @@ def build_profilers(config, device: torch.device, measured_peak_tflops: float | 
         if built is not None:
             profilers.append(built)
     return profilers
+
+
+class IoProfiler(Profiler):
+    """The ``io`` section of an engine run: every optimizer swap and checkpoint file written
+    through :mod:`dslab.io` in this process while the engine lives, with bytes and GB/s
+    (:class:`dslab.io.events.IoRecorder`). Built when the config has an ``aio`` section or
+    offloads the optimizer to NVMe."""
+
+    section = "io"
+
+    def __init__(self):
+        self.recorder = io_events.IoRecorder()
+        io_events.add_observer(self.recorder)
+
+    def records(self) -> dict:
+        return self.recorder.records()
+
+    def close(self) -> None:
+        io_events.remove_observer(self.recorder)
 
 
 class ProfilerHooks:

@@ -46,20 +46,36 @@ class OffloadOptimizerConfig(ConfigSection):
     """``offload_optimizer``: ``device: cpu`` keeps each rank's masters, gradient shards and
     optimizer states in CPU memory and steps there (:mod:`dslab.engine.zero.offload`).
     ``pin_memory`` pins the masters when CUDA is in use; the gradient buffers are pinned on CUDA
-    regardless, since they receive copies issued during backward."""
+    regardless, since they receive copies issued during backward.
+
+    ``device: nvme`` (ZeRO-Infinity) does the same and also keeps the optimizer states in files
+    under ``nvme_path``, swapped into ``buffer_count`` pinned buffers around each sub-group's
+    CPU step through the ``aio`` section's handle (:mod:`dslab.engine.zero.nvme_offload`).
+    ``pipeline_read`` (prefetch the next sub-group's states while the current one steps) and
+    ``pipeline_write`` (write a stepped sub-group back while the next steps) are DeepSpeed's
+    keys; dslab's default for both is true (DeepSpeed's is false), false serialises them."""
 
     device: str = "none"
+    nvme_path: str | None = None
     pin_memory: bool = False
+    buffer_count: int = Field(4, ge=2)
+    pipeline_read: bool = True
+    pipeline_write: bool = True
 
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
-        if value == "nvme":
-            raise ValueError("offload_optimizer.device 'nvme' is a DeepSpeed feature that dslab "
-                             "does not support; use 'cpu' or 'none'")
-        if value not in ("cpu", "none"):
-            raise ValueError(f"offload_optimizer.device must be 'cpu' or 'none', got {value!r}")
+        if value not in ("cpu", "nvme", "none"):
+            raise ValueError(f"offload_optimizer.device must be 'cpu', 'nvme' or 'none', got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self):
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("config key 'zero_optimization.offload_optimizer.nvme_path' is "
+                             "required with offload_optimizer.device 'nvme': the directory "
+                             "(on the NVMe drive) that holds the swapped optimizer states")
+        return self
 
 
 class OffloadParamConfig(ConfigSection):

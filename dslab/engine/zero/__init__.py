@@ -10,7 +10,9 @@
   when the backward comes soon enough (``stage3_max_reuse_distance``; :mod:`.stage3`).
 
 ``offload_optimizer.device: cpu`` keeps the optimizer's masters, gradients and states in CPU
-memory and steps there, pipelined with the copies to and from the GPU (:mod:`.offload`). Checkpoints are sharded per rank
+memory and steps there, pipelined with the copies to and from the GPU (:mod:`.offload`);
+``device: nvme`` also swaps the optimizer states to files (:mod:`.nvme_offload`). Checkpoints
+are sharded per rank
 (:mod:`.checkpoint`); ``dslab zero-to-fp32`` consolidates them (:mod:`.consolidate`).
 
 Expert parameters of MoE layers (:mod:`dslab.engine.expert_parallel`) are partitioned at stages
@@ -50,7 +52,7 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
     if isinstance(optimizer, torch.optim.Optimizer):
         refuse_lamb(optimizer, zero.stage)
         runtime = ZeroRuntime(module, zero, optimizer.param_groups, device=device,
-                              broadcast=broadcast)
+                              broadcast=broadcast, aio=config.aio)
         return runtime, runtime.adopt(optimizer)
     if optimizer is not None and not callable(optimizer):
         raise ValueError(
@@ -59,7 +61,8 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
         raise ValueError(
             f"ZeRO stage {zero.stage} ('zero_optimization.stage') shards an optimizer's states: "
             "pass an optimizer to initialize() or add an 'optimizer' section to the config")
-    runtime = ZeroRuntime(module, zero, params, device=device, broadcast=broadcast)
+    runtime = ZeroRuntime(module, zero, params, device=device, broadcast=broadcast,
+                          aio=config.aio)
     if callable(optimizer):
         built = optimizer(runtime.optimizer_param_groups())
         if not isinstance(built, torch.optim.Optimizer):

@@ -73,7 +73,7 @@ def shard_state(runtime, optimizer) -> dict:
         "stage": runtime.stage,
         "units": [u.layout.to_dict() for u in runtime.units],
         "params": [m.detach().cpu().clone() for m in runtime.masters],
-        "optimizer": optimizer.state_dict(),
+        "optimizer": runtime.optimizer_state_dict(optimizer),
         "optimizer_units": order,
     }
 
@@ -107,6 +107,7 @@ def load(runtime, optimizer, path: Path, files: dict, load_optimizer_states: boo
         runtime.reload_shards(shard["params"])
         if load_optimizer_states and optimizer is not None:
             _load_optimizer(optimizer, shard["optimizer"], path / f"{name}.pt")
+            runtime.optimizer_state_loaded(optimizer)
         return
     if experts:
         if load_optimizer_states and optimizer is not None:
@@ -124,6 +125,7 @@ def load(runtime, optimizer, path: Path, files: dict, load_optimizer_states: boo
     if load_optimizer_states and optimizer is not None:
         _load_optimizer(optimizer, _repartitioned_optimizer(runtime, optimizer, shards, where),
                         path)
+        runtime.optimizer_state_loaded(optimizer)
 
 
 def _shards_from(values: dict, runtime, where: str) -> list:

@@ -169,6 +169,19 @@ class CpuOptimizerOffload:
         """The CPU gradient buffers: model-state memory."""
         return list(self.grads)
 
+    # -- what the NVMe offload (:mod:`.nvme_offload`) does differently --------------------------
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state dict for a checkpoint (its states are all in memory here)."""
+        return optimizer.state_dict()
+
+    def states_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called after ``optimizer.load_state_dict``; nothing to do when the states stay in
+        memory."""
+
+    def close(self) -> None:
+        """Release what the offload holds outside the process's memory (nothing here)."""
+
 
 def _square_norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dtype=torch.float32).square()

@@ -5,8 +5,10 @@ The optimizer never sees the model's parameters. For each unit it sees one *mast
 with the shard, so the optimizer updates the shard in place; with ``offload_optimizer.device:
 cpu`` the masters, their gradients and the optimizer states live in CPU memory
 (:mod:`.offload`): gradient shards are copied out during backward and the CPU step is pipelined
-with copying the new shards back. The update is elementwise per master, which is exact for
-Adam/AdamW/SGD-style optimizers; LAMB's per-parameter trust ratio is not, so LAMB is refused.
+with copying the new shards back; with ``device: nvme`` the optimizer states live in files and
+are swapped around each sub-group's step (:mod:`.nvme_offload`). The update is elementwise per
+master, which is exact for Adam/AdamW/SGD-style optimizers; LAMB's per-parameter trust ratio is
+not, so LAMB is refused.
 
 One optimizer step (on the accumulation boundary, after backward left each rank's averaged
 gradient shard in ``unit.grad_shard``, or in CPU memory with offload):
@@ -36,10 +38,12 @@ from dslab.engine.expert_parallel import reduction_group
 from dslab.engine.lamb import Lamb
 from dslab.engine.optimizers import fused_kernels_supported
 from dslab.engine.zero.grads import GradientReduceScatter
+from dslab.engine.zero.nvme_offload import NvmeOptimizerOffload
 from dslab.engine.zero.offload import CpuOptimizerOffload
 from dslab.engine.zero.partition import FlatUnit, plan_buckets, plan_module_units
 from dslab.engine.zero.stage3 import ParameterGatherer
 from dslab.engine.zero_config import ZeroConfig
+from dslab.io.config import AioConfig
 
 
 def refuse_lamb(optimizer, stage: int) -> None:
@@ -72,11 +76,12 @@ class ZeroRuntime:
     ``params`` and per-group options); only parameters that require a gradient are sharded.
     The units are placed on ``device`` (default: where the parameters are); with
     ``broadcast=True`` each unit's flat buffer is broadcast from rank 0 as it is built (the
-    engine's start from rank 0's weights, one unit at a time).
+    engine's start from rank 0's weights, one unit at a time). ``aio`` (the config's ``aio``
+    section, or None for its defaults) parameterises the handle of NVMe optimizer offload.
     """
 
     def __init__(self, module: nn.Module, config: ZeroConfig, param_groups, group=None,
-                 device: torch.device | None = None, broadcast: bool = False):
+                 device: torch.device | None = None, broadcast: bool = False, aio=None):
         self.module = module
         self.config = config
         self.stage = config.stage
@@ -110,10 +115,17 @@ class ZeroRuntime:
                 config.stage3_max_live_parameters, group,
                 max_reuse_numel=config.stage3_max_reuse_distance)
         self.offload: CpuOptimizerOffload | None = None
-        if config.offload_optimizer.device == "cpu":
+        offload = config.offload_optimizer
+        if offload.device == "cpu":
             self.offload = CpuOptimizerOffload(
-                self.units, pin_memory=config.offload_optimizer.pin_memory,
-                chunk_numel=config.sub_group_size)
+                self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size)
+        elif offload.device == "nvme":
+            self.offload = NvmeOptimizerOffload(
+                self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
+                nvme_path=offload.nvme_path, aio=aio if aio is not None else AioConfig(),
+                buffer_count=offload.buffer_count, rank=comm.get_rank(),
+                pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
+        if self.offload is not None:
             self.masters: list[nn.Parameter] = self.offload.masters
         else:
             self.masters = [nn.Parameter(unit.shard) for unit in self.units]
@@ -317,7 +329,21 @@ class ZeroRuntime:
             return self.gatherer.gathered_state_dict()
         return self.module.state_dict()
 
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state dict with every state in memory (NVMe offload reads its
+        swapped states back for it)."""
+        if self.offload is not None:
+            return self.offload.optimizer_state_dict(optimizer)
+        return optimizer.state_dict()
+
+    def optimizer_state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.load_state_dict``: NVMe offload swaps the loaded states out."""
+        if self.offload is not None:
+            self.offload.states_loaded(optimizer)
+
     def remove(self) -> None:
         self.reducer.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
+        if self.offload is not None:
+            self.offload.close()
