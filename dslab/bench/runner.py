@@ -239,8 +239,14 @@ def run_suite(
 
     Progress and the summary table go to ``stream`` (standard error by default; rank 0 only).
     ``zero_stage`` overrides the suite engine's ``zero_optimization.stage``. Under torchrun
-    (``WORLD_SIZE`` > 1) every rank must call it (module docstring)."""
+    (``WORLD_SIZE`` > 1) every rank must call it (module docstring). An inference suite
+    (``"kind": "inference"``) runs :func:`dslab.bench.inference.run_inference_suite` instead."""
     suite, suite_file = load_suite(suite_path)
+    if getattr(suite, "kind", None) == "inference":  # generation, not training: dslab.bench.inference
+        from dslab.bench.inference import run_inference_suite
+
+        return run_inference_suite(suite, suite_file, scale, arms, cases, trials, steps, warmup_steps, out, stream,
+                                   zero_stage)
     engine = engine_config(suite.engine, zero_stage)
     world = join_world()
     device = _device()

@@ -151,7 +151,8 @@ def check_arms(arms: list[str], families: list[str], where: str | None = None) -
 
 
 def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
-    """Read a suite from its directory (holding suite.json) or the JSON file itself."""
+    """Read a suite from its directory (holding suite.json) or the JSON file itself. A suite with
+    ``"kind": "inference"`` is an :class:`dslab.bench.inference_suite.InferenceSuiteConfig`."""
     path = Path(path)
     file = path / SUITE_FILE if path.is_dir() else path
     if not file.is_file():
@@ -160,8 +161,11 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"suite file {file} is not valid JSON: {err}") from None
+    model = SuiteConfig
+    if isinstance(data, dict) and data.get("kind") == "inference":
+        from dslab.bench.inference_suite import InferenceSuiteConfig as model
     try:
-        suite = parse_section(SuiteConfig, data)
+        suite = parse_section(model, data)
     except ValueError as err:
         raise ValueError(f"suite file {file}: {err}") from None
     return suite, file

@@ -1,7 +1,7 @@
 """The run report: what one ``dslab bench`` run measured, as versioned JSON.
 
 A report is the contract between producers (bench, engine, profilers, I/O tuner) and consumers
-(dashboard, gate, ``dslab report``). Layout of ``run.json`` (schema version 2)::
+(dashboard, gate, ``dslab report``). Layout of ``run.json`` (schema version 3)::
 
     {
       "schema": "dslab.run", "schema_version": 2,
@@ -20,6 +20,15 @@ A report is the contract between producers (bench, engine, profilers, I/O tuner)
       "best_plain": {"seq128": "torch-compile-ro"},
       "profilers": {"flops": null, "memory": null, "comms": null, "telemetry": null,
                     "wall_clock": null},    # each filled by its profiler, per case
+      "inference": {                 # inference suites only; {} otherwise
+        "124m-b1": {"batch": 1, "prompt_len": 32, "max_new_tokens": 128, "model": "gpt2_124m",
+                    "arms": {"dslab": {"prefill_ms": ..., "per_token_ms_p50": ..., "per_token_ms_p90": ...,
+                                       "tokens_per_s": ..., "peak_memory_bytes": ..., "weights_bytes": ...,
+                                       "kv_cache_bytes": ...}, "hf": {...}},
+                    "greedy": {"reference_arm": "hf", "compared_tokens": 32,
+                               "arms": {"dslab": {"equal": true, "first_divergence": null,
+                                                  "agreement": 1.0}}}}
+      },
       "notes": []
     }
 
@@ -35,7 +44,16 @@ optional section and an optional metric, they left the layout (and its version) 
 of a case is the fastest arm other than dslab (every other arm runs plain PyTorch: ``torch``,
 ``torch-compile``, ``torch-compile-ro``, and transformers' model in ``hf``) among those whose
 result is ``ok``; ``best_plain[case]`` names it and ``ratios[case]["dslab/best_plain"]`` is
-dslab's samples/s over its. Version 2 added those two; version 1 had the rest.
+dslab's samples/s over its. Version 2 added those two; version 1 had the rest. Arms named
+``dslab-<variant>`` (the inference suites' ``dslab-int8``) are dslab's too, never a best plain arm.
+
+``inference[case]`` (version 3) is what an inference suite measured of each arm, medians over its
+trials: the prompt's forward and first token (``prefill_ms``), the gaps between later tokens
+(``per_token_ms_p50`` / ``_p90``, over every token of every timed generation), new tokens per
+second, peak memory, and for dslab's arms the bytes of the weights and of the KV cache; and the
+greedy tokens of each arm against a reference arm's (transformers' ``generate``): equal or not, the
+first new-token index where they differ, and the fraction of agreeing positions. Its results carry
+the same figures as metrics. Reports of versions 1 and 2 read with an empty ``inference``.
 
 Readers are tolerant: a report of an older version, or one cut short (Ctrl-C, a crash), loads
 with defaults for what is missing, and :attr:`RunReport.missing` lists those keys. A version-1
@@ -50,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA = "dslab.run"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # The arm the ratios are taken against, the metric they compare, and the key of the best plain arm.
 RATIO_ARM = "dslab"
 RATIO_METRIC = "samples_per_s"
@@ -71,6 +89,9 @@ METRIC_DIRECTIONS = {
     "mfu_datasheet": "higher",
     "peak_memory_bytes": "lower",
     "expert_tflops": "higher",
+    "prefill_ms": "lower",
+    "per_token_ms_p50": "lower",
+    "per_token_ms_p90": "lower",
 }
 
 PROFILER_SECTIONS = ("flops", "memory", "comms", "telemetry", "wall_clock")
@@ -121,6 +142,7 @@ class RunReport:
     ratios: dict = field(default_factory=dict)
     best_plain: dict = field(default_factory=dict)
     profilers: dict = field(default_factory=lambda: {name: None for name in PROFILER_SECTIONS})
+    inference: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
     # Filled by the reader, never written: keys the file lacked, and other warnings.
@@ -159,10 +181,11 @@ class RunReport:
 
     def fastest_other(self, case: str, numerator_arm: str = RATIO_ARM, metric: str = RATIO_METRIC) -> Result | None:
         """The result of ``case`` with the highest ``metric`` among the arms other than
-        ``numerator_arm`` whose status is ``ok`` (a failed arm's partial trials do not count)."""
+        ``numerator_arm`` and its variants (``<numerator_arm>-...``) whose status is ``ok`` (a failed
+        arm's partial trials do not count)."""
         best = None
         for other in self.results:
-            if other.case != case or other.arm == numerator_arm or other.status != "ok":
+            if other.case != case or other.status != "ok" or is_variant_of(other.arm, numerator_arm):
                 continue
             value = other.metrics.get(metric)
             if value is not None and value > 0 and (best is None or value > best.metrics[metric]):
@@ -192,6 +215,11 @@ class RunReport:
         data.pop("missing")
         data.pop("warnings")
         return {"schema": SCHEMA, **data}
+
+
+def is_variant_of(arm: str, numerator_arm: str) -> bool:
+    """``arm`` is ``numerator_arm`` itself or one of its variants (``dslab-int8`` of ``dslab``)."""
+    return arm == numerator_arm or arm.startswith(numerator_arm + "-")
 
 
 def _as_trial(raw: Any, where: str, warnings: list[str]) -> Trial | None:
@@ -282,6 +310,7 @@ def report_from_dict(data: dict) -> RunReport:
         ratios=take("ratios", {}, dict),
         best_plain=take(BEST_PLAIN, {}, dict) if layout >= 2 else {},
         profilers=profilers,
+        inference=take("inference", {}, dict) if layout >= 3 else {},
         notes=[str(n) for n in take("notes", [], list)],
         schema_version=int(version) if isinstance(version, int) else SCHEMA_VERSION,
         missing=missing,

@@ -36,11 +36,43 @@ def _moe_lines(report: RunReport, case: str) -> list[str]:
     return lines
 
 
+def _inference_lines(report: RunReport, case: str) -> list[str]:
+    """The case's inference figures (``report.inference[case]``): prefill and per-token times per
+    arm, and each arm's greedy tokens against the reference arm's."""
+    record = report.inference.get(case) if isinstance(report.inference, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("arms"), dict):
+        return []
+    lines = [f"  batch {record.get('batch', '?')}, prompt {record.get('prompt_len', '?')} + "
+             f"{record.get('max_new_tokens', '?')} new tokens:"]
+    for arm, m in record["arms"].items():
+        if not isinstance(m, dict):
+            continue
+        memory = ""
+        if m.get("weights_bytes") is not None:
+            memory = f", weights {_fmt(m.get('weights_bytes'), '.3f', 1 / 2**30)} GiB"
+        if m.get("kv_cache_bytes") is not None:
+            memory += f", KV cache {_fmt(m.get('kv_cache_bytes'), '.3f', 1 / 2**30)} GiB"
+        lines.append(f"    {arm}: prefill {_fmt(m.get('prefill_ms'), '.2f')} ms, per token "
+                     f"p50 {_fmt(m.get('per_token_ms_p50'), '.3f')} / p90 {_fmt(m.get('per_token_ms_p90'), '.3f')} ms"
+                     f"{memory}")
+    greedy = record.get("greedy")
+    if isinstance(greedy, dict) and isinstance(greedy.get("arms"), dict):
+        for arm, g in greedy["arms"].items():
+            if not isinstance(g, dict):
+                continue
+            where = ("the same tokens" if g.get("equal") else
+                     f"first differs at new token {g.get('first_divergence')}, agreement {_fmt(g.get('agreement'), '.1%')}")
+            lines.append(f"    greedy {arm} vs {greedy.get('reference_arm', '?')} over "
+                         f"{greedy.get('compared_tokens', '?')} new tokens: {where}")
+    return lines
+
+
 def results_table(report: RunReport) -> str:
     """One block per case: each arm's medians over trials, its spread, and dslab's ratio to it
     (``dslab/arm``, samples/s over samples/s); under it, dslab against the case's best plain arm
     (the fastest ok arm other than dslab, :meth:`RunReport.fastest_other`). A case with MoE
-    records adds each arm's expert TFLOP/s and the dslab arm's routing."""
+    records adds each arm's expert TFLOP/s and the dslab arm's routing; an inference case its
+    prefill and per-token times and the greedy-token comparison."""
     lines = []
     for case in report.cases():
         lines.append(f"{report.suite} / {case}")
@@ -84,6 +116,7 @@ def results_table(report: RunReport) -> str:
             ratio = base.metrics["samples_per_s"] / best.metrics["samples_per_s"]
             lines.append(f"  dslab/best plain arm ({best.arm}): {ratio:.3f}")
         lines.extend(_moe_lines(report, case))
+        lines.extend(_inference_lines(report, case))
         lines.extend(problems)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

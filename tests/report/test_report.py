@@ -129,7 +129,7 @@ def test_best_plain_ratio_is_against_the_fastest_arm_that_finished(tmp_path):
     assert r.best_plain_ratio("124m") == ("torch-compile-ro", pytest.approx(120 / 115))
     assert r.best_plain_ratio("nope") is None
     back = read_report(write_report(r, tmp_path).parent)
-    assert back.schema_version == SCHEMA_VERSION == 2 and back.missing == [] and back.warnings == []
+    assert back.schema_version == SCHEMA_VERSION == 3 and back.missing == [] and back.warnings == []
     assert back.best_plain_ratio("124m") == r.best_plain_ratio("124m")
     text = results_table(r)
     assert "  dslab/best plain arm (torch-compile-ro): 1.043" in text.splitlines()
