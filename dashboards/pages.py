@@ -13,6 +13,7 @@ import dash_ag_grid as dag
 from dash import dcc, html
 
 from dashboards import figures, io_view, views
+from dashboards import inference as inference_view
 from dashboards.data import RunStore, RunSummary, commit_of, gpu_name
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,8 @@ TABS = (("", "Run"), ("flops", "Flops"), ("comms", "Comms"), ("memory", "Memory"
         ("telemetry", "Telemetry"), ("io", "I/O"))
 # Shown only for a run with MoE records (views.has_moe).
 EXPERTS_TAB = ("experts", "Expert load")
+# Shown only for an inference suite's run (inference_view.has_inference).
+INFERENCE_TAB = ("inference", "Inference")
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 HEADLINE_METRIC = "samples_per_s"
 PAGE_SIZE = 25
@@ -155,9 +158,9 @@ def compare_href(a: str | None, b: str | None) -> str:
 # -- one run ----------------------------------------------------------------------------------
 
 
-def _nav(suite: str, run_id: str, current: str, moe: bool = False) -> html.Div:
+def _nav(suite: str, run_id: str, current: str, moe: bool = False, inference: bool = False) -> html.Div:
     links = []
-    for tab, label in TABS + ((EXPERTS_TAB,) if moe else ()):
+    for tab, label in TABS + ((EXPERTS_TAB,) if moe else ()) + ((INFERENCE_TAB,) if inference else ()):
         href = f"/run/{quote(suite)}/{quote(run_id)}" + (f"/{tab}" if tab else "")
         links.append(dcc.Link(label, href=href, className="tab current" if tab == current else "tab"))
     return html.Div(links, className="tabs")
@@ -186,7 +189,7 @@ def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
         *[warning(p) for p in problems],
         *[html.P(f"note: {n}", className="note") for n in report.notes],
         trace_line,
-        _nav(suite, run_id, tab, views.has_moe(report)),
+        _nav(suite, run_id, tab, views.has_moe(report), inference_view.has_inference(report)),
     ]
 
 
@@ -202,7 +205,8 @@ def run_page(store: RunStore, suite: str, run_id: str, tab: str = "", case: str 
     """The run's page: its header, navigation, and the chosen tab's sections."""
     report = store.report(suite, run_id)
     body = {"": _run_tab, "flops": _flops_tab, "comms": _comms_tab, "memory": _memory_tab,
-            "telemetry": _telemetry_tab, "io": _io_tab, "experts": _experts_tab}.get(tab)
+            "telemetry": _telemetry_tab, "io": _io_tab, "experts": _experts_tab,
+            "inference": _inference_tab}.get(tab)
     if body is None:
         raise FileNotFoundError(f"no page {tab!r}")
     return _header(store, report, suite, run_id, tab) + body(report, suite, run_id, case)
@@ -346,6 +350,41 @@ def _experts_tab(report, suite, run_id, case) -> list:
     if rows:
         out += guarded("all_to_all (expert parallelism)", lambda: table("expert-all-to-all", rows))
     out.append(html.P(views.EXPERT_LOAD_NOTE, className="note"))
+    return out
+
+
+def _inference_tab(report, suite, run_id, case) -> list:
+    cases, chosen, record = inference_view.case_record(report, case)
+    if record is None:
+        return [html.P("no inference records in this run (not an inference suite)", id="inference-empty")]
+    out = [_case_links(suite, run_id, "inference", cases, chosen),
+           html.P(f"batch {record.get('batch', '?')}, prompt {record.get('prompt_len', '?')} + "
+                  f"{record.get('max_new_tokens', '?')} new tokens, model {record.get('model', '?')}",
+                  id="inference-shape")]
+    rows = []
+
+    def arms():
+        rows.extend(inference_view.arm_rows(record))
+        return table("inference-arms", rows, [
+            ("arm", "arm"), ("prefill_ms", "prefill ms"), ("per_token_ms_p50", "per token p50 ms"),
+            ("per_token_ms_p90", "per token p90 ms"), ("tokens_per_s", "tokens/s"), ("weights_gib", "weights GiB"),
+            ("kv_cache_gib", "KV cache GiB"), ("peak_gib", "peak GiB"), ("weights_read_floor_ms", "weights-read floor ms")])
+
+    out += guarded("Arms", arms)
+    out += guarded("Time per new token", lambda: graph("inference-per-token",
+                                                       inference_view.per_token_figure(rows, chosen)))
+
+    def greedy():
+        greedy_rows = inference_view.greedy_rows(record)
+        if not greedy_rows:
+            return [html.P("no greedy comparison (the reference arm did not run)", id="inference-greedy-empty")]
+        return table("inference-greedy", greedy_rows, [
+            ("arm", "arm"), ("reference", "against"), ("compared_tokens", "new tokens compared"),
+            ("same_tokens", "same tokens"), ("first_divergence", "first differing token"),
+            ("agreement_pct", "agreement %")])
+
+    out += guarded("Greedy tokens against the reference arm", greedy)
+    out.append(html.P(inference_view.NOTE, className="note"))
     return out
 
 
