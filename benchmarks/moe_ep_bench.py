@@ -37,7 +37,9 @@ def build(k: int, ep_size: int) -> MoE:
     return MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=ep_size, k=k, drop_tokens=False).cuda().bfloat16()
 
 
-def time_steps(layer, x, dy, warmup: int, reps: int) -> list[float]:
+def time_steps(layer, x, dy, warmup: int, reps: int) -> tuple[list[float], dict]:
+    """The slowest rank's step times and the comms logger's all_to_all summary of the timed steps
+    (the logger starts after the warm-up, which holds NCCL's communicator set-up)."""
     one = torch.ones((), device="cuda")
 
     def step():
@@ -49,18 +51,24 @@ def time_steps(layer, x, dy, warmup: int, reps: int) -> list[float]:
 
     for _ in range(warmup):
         step()
+    torch.cuda.synchronize()
+    logger = CommsLogger(CommsLoggerConfig(enabled=True, prof_all=False, prof_ops=["all_to_all"]))
     times = []
-    for _ in range(reps):
-        comm.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        slowest = torch.tensor([start.elapsed_time(end)], device="cuda")
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times.append(slowest.item())
-    return times
+    try:
+        for _ in range(reps):
+            comm.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            slowest = torch.tensor([start.elapsed_time(end)], device="cuda")
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times.append(slowest.item())
+        summary = logger.summary().get("all_to_all", {})
+    finally:
+        logger.close()
+    return times, summary
 
 
 def main():
@@ -78,18 +86,13 @@ def main():
     for k in (1, 2):
         for ep_size in (1, world):
             layer = build(k, ep_size)
-            logger = CommsLogger(CommsLoggerConfig(enabled=True, prof_all=False, prof_ops=["all_to_all"]))
-            try:
-                times = time_steps(layer, x, dy, args.warmup, args.reps)
-                summary = logger.summary().get("all_to_all", {})
-            finally:
-                logger.close()
+            times, summary = time_steps(layer, x, dy, args.warmup, args.reps)
             calls = sum(s["count"] for s in summary.values())
             moved = sum(size * s["count"] for size, s in summary.items())
             latency = sum(s["total_latency_ms"] for s in summary.values())
             busbw = moved * (world - 1) / world / (latency * 1e-3) / 1e9 if latency else 0.0
             ms = statistics.median(times)
-            rows.append((k, ep_size, ms, TOKENS / ms * 1e3, calls / max(1, args.reps + args.warmup),
+            rows.append((k, ep_size, ms, TOKENS / ms * 1e3, calls / max(1, args.reps),
                          moved / max(1, calls), busbw, latency / max(1, calls)))
             del layer
             torch.cuda.empty_cache()
