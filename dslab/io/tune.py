@@ -541,8 +541,9 @@ def write_tune_report(result: TuneResult, out, space: dict | None = None):
     return write_report(report, out)
 
 
-def stderr_progress(stream: TextIO = sys.stderr) -> Callable[[str], None]:
+def stderr_progress(stream: TextIO | None = None) -> Callable[[str], None]:
+    """Progress lines on ``stream`` (default: the current ``sys.stderr``)."""
     def say(line: str) -> None:
-        print(f"[nvme-tune] {line}", file=stream, flush=True)
+        print(f"[nvme-tune] {line}", file=stream or sys.stderr, flush=True)
     return say
 

@@ -136,6 +136,11 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
         for index in range(self.buffer_count):
             self._finish_write(index)
 
+    def flush(self) -> None:
+        """Wait for the write-behind of the last step (its ``swap_out`` events are then
+        recorded); raises a failed write."""
+        self._drain()
+
     def _layout(self, k: int, optimizer: torch.optim.Optimizer) -> ChunkLayout:
         """Chunk ``k``'s states as the optimizer holds them now."""
         slots, offset = [], 0
