@@ -22,6 +22,11 @@ gaps between later tokens, and its total. The trial's metrics: ``step_time_ms`` 
 arms of a case stay resident). The run's ratios are dslab's samples/s over each arm's (equal to the
 ratio of new tokens per second).
 
+Each arm's generate calls are steps of a :class:`~dslab.profilers.memory.MemoryTracer` attached
+to the module that generates; the ``dslab`` arm's records (per-call peaks on CUDA, the weights as
+model states, and ``"inference"``: the engine's weight and KV-cache bytes) go to
+``profilers["memory"][case]``, as the training suites' dslab arm's do.
+
 ``report.inference[case]`` (run-report schema 3) gets each arm's medians, the weights and KV-cache
 bytes of the dslab arms (``engine.memory_records()``) and, with the measured copy bandwidth, the
 floor of a batch-1 token (reading every weight once); and the greedy comparison of the first
@@ -45,6 +50,7 @@ from dslab.bench.inference_suite import (
 from dslab.bench.measure import measure_peaks, sync
 from dslab.bench.runner import Progress, _datasheet_bf16, _device, _error_text, _failure_status, _free
 from dslab.inference import TokenClock, init_inference
+from dslab.profilers.memory import MemoryTracer
 from dslab.report import Result, RunReport, Trial, new_run_id, write_report
 from dslab.report.environment import collect_environment
 from dslab.report.store import utc_now
@@ -95,7 +101,11 @@ def _clock_criterion(clock: TokenClock):
 
 
 class GenerateArm:
-    """One way of generating: ``run()`` -> ``(tokens [batch, P + N], clock result)``."""
+    """One way of generating: ``run()`` -> ``(tokens [batch, P + N], clock result)``.
+
+    Each call is a step of the arm's :class:`~dslab.profilers.memory.MemoryTracer` (attached to the
+    module that generates: the injected model, or transformers'): the allocator's peak per call on
+    CUDA (``last_peak``), and the module's weights counted by storage."""
 
     def __init__(self, name: str, model, prompts: torch.Tensor, case: InferenceCase, precision: str,
                  inference_keys: dict, device: torch.device):
@@ -104,6 +114,9 @@ class GenerateArm:
         self.clock = TokenClock(device)
         self.engine = None
         self.model = model
+        self.tracer = MemoryTracer(profile_step=0)
+        self.calls = 0
+        self.last_peak = None
         if name.startswith("dslab"):
             dtype = torch.int8 if name == "dslab-int8" else DTYPES[precision]
             keys = dict(inference_keys)
@@ -112,26 +125,35 @@ class GenerateArm:
             self.engine = init_inference(model, config=keys, dtype=dtype,
                                          max_out_tokens=case.prompt_len + case.max_new_tokens)
             self.engine.token_clock = self.clock
+            self.tracer.attach(self.engine.module)
         else:
+            self.tracer.attach(model)
             try:
                 import transformers  # noqa: F401
             except ImportError:
                 raise ArmSkipped("transformers is not installed") from None
 
     def run(self) -> tuple[torch.Tensor, dict]:
+        self.tracer.on_step_begin(self.calls)
+        tokens = self._generate()
+        self.tracer.on_step_end(self.calls)
+        self.calls += 1
+        if self.tracer.cuda:  # reset when the step began: this call's peak
+            self.last_peak = torch.cuda.max_memory_allocated(self.tracer.device)
+        return tokens, self.clock.result()
+
+    def _generate(self) -> torch.Tensor:
         new = self.case.max_new_tokens
         if self.engine is not None:
-            tokens = self.engine.generate(self.prompts, attention_mask=self.mask, max_new_tokens=new)
-            return tokens, self.clock.result()
+            return self.engine.generate(self.prompts, attention_mask=self.mask, max_new_tokens=new)
         from transformers import StoppingCriteriaList
 
         static = {"cache_implementation": "static"} if self.name == "hf-static" else {}
         self.clock.start()
         with torch.no_grad():
-            tokens = self.model.generate(self.prompts, attention_mask=self.mask, max_new_tokens=new,
-                                         min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                         stopping_criteria=StoppingCriteriaList([_clock_criterion(self.clock)]), **static)
-        return tokens, self.clock.result()
+            return self.model.generate(self.prompts, attention_mask=self.mask, max_new_tokens=new,
+                                       min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                       stopping_criteria=StoppingCriteriaList([_clock_criterion(self.clock)]), **static)
 
     def memory(self) -> dict:
         if self.engine is not None:
@@ -140,7 +162,16 @@ class GenerateArm:
         tensors = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.parameters()}
         return {"weights_bytes": sum(tensors.values())}
 
+    def memory_trace(self) -> dict:
+        """The memory tracer's records, with the engine's weight and KV-cache bytes
+        (``"inference"``) for a dslab arm."""
+        records = self.tracer.records()
+        if self.engine is not None:
+            records["inference"] = self.engine.memory_records()
+        return records
+
     def close(self) -> None:
+        self.tracer.close()
         if self.engine is not None:
             self.engine.release_cuda_graphs()
         self.engine = self.model = None
@@ -148,20 +179,17 @@ class GenerateArm:
 
 def run_generations(arm: GenerateArm, device: torch.device, warmup: int, steps: int) -> dict:
     """``warmup`` untimed calls, then ``steps`` timed ones: their clock results, the last tokens
-    and the allocator's peak (CUDA) over the timed calls."""
+    and the allocator's peak (CUDA) over the timed calls (the largest of their peaks)."""
     for _ in range(warmup):
         arm.run()
     sync(device)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    calls, tokens = [], None
+    calls, peaks, tokens = [], [], None
     for _ in range(steps):
         tokens, timing = arm.run()
         calls.append(timing)
+        peaks.append(arm.last_peak)
     sync(device)
-    return {"calls": calls, "tokens": tokens, "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda
-            else None}
+    return {"calls": calls, "tokens": tokens, "peak_memory_bytes": max(peaks) if None not in peaks else None}
 
 
 def trial_metrics(measured: dict, case: InferenceCase) -> dict:
@@ -273,6 +301,10 @@ def _run_case(report: RunReport, suite: InferenceSuiteConfig, case: InferenceCas
                           f"{metrics.get('per_token_ms_p50', float('nan')):>7.3f} ms")
         write_report(report, out)
     report.inference[case.name] = _case_record(report, case, preset, memory, outputs, suite.compare_tokens)
+    if "dslab" in built:  # the Memory tab's record of the case, as the training suites' dslab arm
+        if report.profilers.get("memory") is None:
+            report.profilers["memory"] = {}
+        report.profilers["memory"][case.name] = built["dslab"].memory_trace()
     for name, arm in built.items():
         stats = arm.engine.cuda_graph_stats if arm.engine is not None else {}
         if stats:

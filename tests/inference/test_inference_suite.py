@@ -62,6 +62,9 @@ def test_tiny_run_writes_the_inference_section(tiny_run):
     assert greedy["reference_arm"] == "hf" and greedy["compared_tokens"] == 8
     assert greedy["arms"]["dslab"] == {"equal": True, "first_divergence": None, "agreement": 1.0}
     assert greedy["arms"]["hf-static"]["equal"]
+    memory = report.profilers["memory"]["b3"]  # the dslab arm's memory tracer: its weights, and the KV cache
+    assert memory["model_states"]["params"] == record["arms"]["dslab"]["weights_bytes"]
+    assert memory["inference"]["kv_cache_bytes"] == record["arms"]["dslab"]["kv_cache_bytes"]
     assert report.best_plain["b3"] in ("hf", "hf-static")  # dslab-int8 is dslab's, never the best plain arm
     text = results_table(report)
     assert "greedy dslab vs hf over 8 new tokens: the same tokens" in text
@@ -86,6 +89,8 @@ def test_the_dashboard_draws_the_inference_tab(tiny_run):
     rows = {r["arm"]: r for r in inference_view.arm_rows(report.inference["b3"])}
     assert rows["dslab"]["kv_cache_gib"] > 0 and rows["hf"]["kv_cache_gib"] is None
     assert "/inference" in str(render(store, f"/run/gpt2_inference/{run.name}"))  # the tab is offered
+    memory = str(render(store, f"/run/gpt2_inference/{run.name}/memory"))
+    assert "memory-estimate" in memory and "could not be drawn" not in memory
 
 
 def test_older_reports_read_with_an_empty_inference_section(tiny_run):
