@@ -25,7 +25,8 @@ ratio of new tokens per second).
 Each arm's generate calls are steps of a :class:`~dslab.profilers.memory.MemoryTracer` attached
 to the module that generates; the ``dslab`` arm's records (per-call peaks on CUDA, the weights as
 model states, and ``"inference"``: the engine's weight and KV-cache bytes) go to
-``profilers["memory"][case]``, as the training suites' dslab arm's do.
+``profilers["memory"][case]``, as the training suites' dslab arm's do. With the suite's
+``telemetry`` section on, NVML is sampled while a case's trials run (``profilers["telemetry"][case]``).
 
 ``report.inference[case]`` (run-report schema 3) gets each arm's medians, the weights and KV-cache
 bytes of the dslab arms (``engine.memory_records()``) and, with the measured copy bandwidth, the
@@ -51,6 +52,7 @@ from dslab.bench.measure import measure_peaks, sync
 from dslab.bench.runner import Progress, _datasheet_bf16, _device, _error_text, _failure_status, _free
 from dslab.inference import TokenClock, init_inference
 from dslab.profilers.memory import MemoryTracer
+from dslab.profilers.telemetry import TelemetrySampler
 from dslab.report import Result, RunReport, Trial, new_run_id, write_report
 from dslab.report.environment import collect_environment
 from dslab.report.store import utc_now
@@ -272,6 +274,9 @@ def _run_case(report: RunReport, suite: InferenceSuiteConfig, case: InferenceCas
             progress.line(f"{tag} {name}: {result.status} while building: {result.error.splitlines()[0]}")
             _free(device)
     write_report(report, out)
+    telemetry = TelemetrySampler.from_config(suite.telemetry)
+    if telemetry is not None:
+        telemetry.start()
     outputs, memory, warmed = {}, {}, set()
     for t in range(trials):
         live = [n for n in arm_names if n in built]
@@ -300,6 +305,11 @@ def _run_case(report: RunReport, suite: InferenceSuiteConfig, case: InferenceCas
                           f"prefill {metrics['prefill_ms']:>8.2f} ms  per token "
                           f"{metrics.get('per_token_ms_p50', float('nan')):>7.3f} ms")
         write_report(report, out)
+    if telemetry is not None:
+        telemetry.close()
+        if report.profilers.get("telemetry") is None:
+            report.profilers["telemetry"] = {}
+        report.profilers["telemetry"][case.name] = telemetry.records()
     report.inference[case.name] = _case_record(report, case, preset, memory, outputs, suite.compare_tokens)
     if "dslab" in built:  # the Memory tab's record of the case, as the training suites' dslab arm
         if report.profilers.get("memory") is None:

@@ -7,6 +7,7 @@
       "inference": {"enable_cuda_graph": true},      # init_inference's keys for the dslab arms
       "arms": ["dslab", "dslab-int8", "hf", "hf-static"],
       "compare_tokens": 32,
+      "telemetry": {"enabled": true, "interval_ms": 500},   # NVML samples while each case runs
       "scales": {
         "full": {"preset": "gpt2_124m", "warmup_steps": 2, "steps": 3, "trials": 3,
                  "cases": [{"name": "124m-b1", "batch": 1, "prompt_len": 32, "max_new_tokens": 128}]},
@@ -39,6 +40,7 @@ from typing import Literal, get_args
 from pydantic import Field, model_validator
 
 from dslab.config_base import ConfigSection
+from dslab.profilers.telemetry import TelemetryConfig
 
 INFERENCE_KIND = "inference"
 InferenceArmName = Literal["dslab", "dslab-int8", "hf", "hf-static"]
@@ -81,6 +83,7 @@ class InferenceSuiteConfig(ConfigSection):
     inference: dict = Field(default_factory=dict)
     arms: list[InferenceArmName] = Field(default_factory=lambda: list(INFERENCE_ARMS))
     compare_tokens: int = Field(32, ge=1)
+    telemetry: TelemetryConfig = TelemetryConfig()
     scales: dict[Literal["full", "tiny"], InferenceScale]
     seed: int = 1234
 

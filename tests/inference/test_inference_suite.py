@@ -65,6 +65,8 @@ def test_tiny_run_writes_the_inference_section(tiny_run):
     memory = report.profilers["memory"]["b3"]  # the dslab arm's memory tracer: its weights, and the KV cache
     assert memory["model_states"]["params"] == record["arms"]["dslab"]["weights_bytes"]
     assert memory["inference"]["kv_cache_bytes"] == record["arms"]["dslab"]["kv_cache_bytes"]
+    telemetry = report.profilers["telemetry"]["b3"]  # sampled while the case ran (says why not, on a CPU)
+    assert telemetry["available"] or telemetry["reason"]
     assert report.best_plain["b3"] in ("hf", "hf-static")  # dslab-int8 is dslab's, never the best plain arm
     text = results_table(report)
     assert "greedy dslab vs hf over 8 new tokens: the same tokens" in text
