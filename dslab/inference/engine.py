@@ -202,10 +202,13 @@ class InferenceEngine:
                 raise ValueError(f"{type(self.module).__name__} has no generate()")
             extra = {"generator": generator} if generator is not None else {}
             with torch.no_grad():
-                return generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask,
+                mask = attention_mask.to(self.device) if isinstance(attention_mask, torch.Tensor) else attention_mask
+                return generate(input_ids=input_ids.to(self.device), attention_mask=mask,
                                 max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                 top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                 **extra, **kwargs)
+        if self.token_clock is not None:  # the call's start, its checks included, as for any generate()
+            self.token_clock.start()
         if kwargs:
             raise ValueError(f"generate() got arguments dslab's engine does not take: {', '.join(sorted(kwargs))}")
         if self._runner is None:

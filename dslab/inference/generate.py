@@ -115,7 +115,7 @@ def generate_tokens(model: InferenceTransformer, runner: DecodeRunner, input_ids
                     sampling: Sampling, eos_token_id=None, pad_token_id: int | None = None,
                     generator: torch.Generator | None = None, clock: TokenClock | None = None) -> torch.Tensor:
     """``[batch, P + new]`` (see the module docstring). The prompt must fit the cache with the new
-    tokens (the engine checks)."""
+    tokens (the engine checks). ``clock``, started by the caller, is ticked after each new token."""
     batch, prompt_len = input_ids.shape
     eos = _eos_ids(eos_token_id, model.vocab_size)
     if pad_token_id is None:
@@ -126,8 +126,6 @@ def generate_tokens(model: InferenceTransformer, runner: DecodeRunner, input_ids
     out = torch.empty(batch, max_new_tokens, dtype=torch.int64, device=device)
     slot = runner.slot(batch)
     produced = 0
-    if clock is not None:
-        clock.start()
     logits = model.prefill(input_ids, attention_mask, slot.cache)
     for step in range(max_new_tokens):
         if step > 0:

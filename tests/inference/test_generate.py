@@ -127,3 +127,21 @@ def test_filter_logits_matches_transformers_warpers():
     kept = ~torch.isinf(ours)
     assert torch.allclose(ours[kept], expected[kept])
     assert 1 < kept.sum(-1).min() < 20
+
+
+def test_token_clock_marks_every_new_token(engine):
+    from dslab.inference import TokenClock
+
+    clock = TokenClock("cpu")
+    with pytest.raises(ValueError, match="no token was timed"):
+        clock.result()
+    ids, mask = prompts(2, 6)
+    engine.token_clock = clock
+    try:
+        engine.generate(ids, attention_mask=mask, max_new_tokens=5)
+    finally:
+        engine.token_clock = None
+    timing = clock.result()
+    assert timing["new_tokens"] == 5 and len(timing["per_token_ms"]) == 4
+    assert timing["prefill_ms"] > 0 and timing["total_ms"] == pytest.approx(timing["prefill_ms"]
+                                                                           + sum(timing["per_token_ms"]))
