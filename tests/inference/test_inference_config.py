@@ -104,3 +104,23 @@ def test_forward_arguments(engine):
         engine(torch.zeros(1, 4, dtype=torch.long), token_type_ids=torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="init_inference needs a torch.nn.Module"):
         dslab.init_inference("gpt2")
+
+
+def test_frozen_keys_and_arms():
+    """What users type (STYLE.md #12): init_inference's keys and spellings, the int8 keys, the
+    DeepSpeed keys accepted only at their defaults, and the inference suites' arms."""
+    from dslab.bench.inference_suite import INFERENCE_ARMS
+    from dslab.config_base import known_keys
+    from dslab.inference.config import ALIASES, DEEPSPEED_KEYS_AT_DEFAULT, InferenceConfig, QuantConfig
+
+    assert known_keys(InferenceConfig) == [
+        "dtype", "replace_with_kernel_inject", "tensor_parallel", "mp_size", "max_out_tokens", "min_out_tokens",
+        "enable_cuda_graph", "checkpoint", "base_dir", "injection_policy", "quant"]
+    assert ALIASES == {"kernel_inject": "replace_with_kernel_inject", "max_tokens": "max_out_tokens",
+                       "min_tokens": "min_out_tokens", "injection_dict": "injection_policy"}
+    assert known_keys(QuantConfig) == ["enabled", "weight", "compute_dtype"]
+    assert sorted(DEEPSPEED_KEYS_AT_DEFAULT) == sorted([
+        "moe", "ep_size", "moe_experts", "moe_type", "ep_group", "ep_mp_group", "mpu", "training_mp_size",
+        "replace_method", "return_tuple", "triangular_masking", "use_triton", "keep_module_on_host",
+        "save_mp_checkpoint_path", "set_empty_params", "transposed_mode", "checkpoint_config"])
+    assert INFERENCE_ARMS == ("dslab", "dslab-int8", "hf", "hf-static")
