@@ -77,21 +77,23 @@ def decode_attention_reference(
     valid_end: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Plain masked softmax attention in fp32 over the whole cache, cast to q's dtype.
+    """Plain masked softmax attention in fp32 (fp64 for fp64 inputs) over the whole cache, cast to
+    q's dtype.
 
     Materialises fp32 copies of the caches and the ``[B, H, S_max]`` scores; reads the bounds on
     the device (no host synchronisation). An empty range gives zeros.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    compute = torch.promote_types(q.dtype, torch.float32)
     positions = torch.arange(k_cache.shape[2], device=q.device)
     valid = (positions >= valid_start[:, None]) & (positions < valid_end[:, None])  # [B, S_max]
-    scores = torch.einsum("bhd,bhsd->bhs", q.float(), k_cache.float()) * scale
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(compute), k_cache.to(compute)) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     empty = ~valid.any(dim=1)[:, None, None]  # [B, 1, 1]
     # An empty range would be softmax(-inf, ..., -inf) = NaN: give it finite scores, then zero it.
     probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    return torch.einsum("bhs,bhsd->bhd", probs, v_cache.float()).to(q.dtype)
+    return torch.einsum("bhs,bhsd->bhd", probs, v_cache.to(compute)).to(q.dtype)
 
 
 @functools.cache
