@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
+import logging
 import os
 import queue
 import threading
@@ -37,6 +38,8 @@ from dslab.io import kernel_aio
 from dslab.io.config import DIRECT_IO_ALIGNMENT
 
 BOUNCE_BYTES_PER_LANE = 64 << 20  # the most memory a lane's bounce slots take
+
+log = logging.getLogger(__name__)
 
 
 class AsyncIOError(OSError):
@@ -124,6 +127,12 @@ class Request:
                     self.fail(err)
         self._done.set()
 
+    def abandon(self) -> None:
+        """Complete a failed request whose remaining chunks will never report (a lane broke)."""
+        with self._lock:
+            self._remaining = 0
+        self._complete()
+
     def done(self) -> bool:
         return self._done.is_set()
 
@@ -192,11 +201,21 @@ class Lane:
         while (chunks := self._queue.get()) is not None:
             try:
                 self._drive(collections.deque(chunks))
-            except BaseException as err:  # never leave a request waiting forever
-                for chunk in chunks:
-                    if not chunk.request.done():
-                        chunk.request.fail(err)
-                raise
+            except BaseException as err:  # a bug here must fail the requests, not hang them
+                log.exception("dslab.io lane failed")
+                for request in {id(c.request): c.request for c in chunks}.values():
+                    if not request.done():
+                        request.fail(err)
+                        request.abandon()
+                self._reset()
+
+    def _reset(self) -> None:
+        """Start clean after a failure: a new AIO context (destroying the old one waits for
+        what it still had in flight) and every bounce slot free."""
+        if self._context is not None:
+            self._context.close()
+            self._context = kernel_aio.AioContext(self.queue_depth)
+        self._free_slots = list(range(len(self._slots)))
 
     def _slot(self) -> int | None:
         if self._free_slots:

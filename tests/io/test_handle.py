@@ -257,3 +257,25 @@ def test_bad_requests_name_the_argument(tmp_path):
             h.submit_write(torch.zeros(4), tmp_path / "x", 8, in_place=False)
     with pytest.raises(ValueError, match="closed"):
         h.sync_pwrite(torch.zeros(4), tmp_path / "x")
+
+
+@pytest.mark.parametrize("backend", ["aio", "threads"])
+def test_a_lane_that_breaks_fails_its_request_and_serves_the_next(tmp_path, monkeypatch, backend):
+    from dslab.io import lanes
+
+    real = lanes.Lane._submit
+    calls = []
+
+    def broken_once(self, batch, in_flight):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("lane bug")
+        return real(self, batch, in_flight)
+
+    monkeypatch.setattr(lanes.Lane, "_submit", broken_once)
+    with AsyncIOHandle(block_size=4096, queue_depth=2, backend=backend) as h:
+        with pytest.raises(RuntimeError, match="lane bug"):
+            h.sync_pwrite(_bytes(20_000), tmp_path / "a.bin")
+        assert not (tmp_path / "a.bin").exists() and list(tmp_path.iterdir()) == []
+        h.sync_pwrite(_bytes(20_000), tmp_path / "b.bin")
+        assert (tmp_path / "b.bin").stat().st_size == 20_000
