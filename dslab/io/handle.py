@@ -470,6 +470,8 @@ class AsyncIOHandle:
                         copies[i % 2] = torch.cuda.Event()
                         copies[i % 2].record(stream)
                 stream.synchronize()
+                while in_flight:  # the last writes: their errors are the request's
+                    in_flight.pop(min(in_flight)).wait()
         finally:
             for sub in in_flight.values():
                 try:
