@@ -19,10 +19,12 @@ completion), the median over trials, with the spread as half the range in % of t
 The winners: the best read and the best write; each is then timed in the other direction too,
 and the ``aio`` block printed is the one of them with the higher harmonic mean of read and write
 (the engine's swaps do both). When Debian's ``fio`` is installed, :data:`dslab.io.fio.FIO_JOB`
-(bs 1M, iodepth 32) runs on the same file ``trials`` times per direction after the sweep, and
-so does the same job *matched* to the best configuration (its block size, and its requests in
-flight, ``queue_depth x intra_op_parallelism``, as iodepth): fio's best of the two is what the
-tuner's best is compared with.
+(bs 1M, iodepth 32) runs on the same file once per trial of round 3, between the finalists'
+trials; after the sweep the same job *matched* to each direction's best configuration (its
+block size, and its requests in flight ``queue_depth x intra_op_parallelism`` as iodepth) runs
+``trials`` times, alternating with that configuration. fio's best of the two jobs is what the
+tuner's best is compared with; a shared or throttled disk drifts over a run, so fio is only
+ever compared with what ran beside it.
 
 Before timing, the file is written once and read once (the first read after a write is slower
 on some virtual disks: the host's cache warms). The file is removed at the end, also on errors.
