@@ -27,9 +27,13 @@ def _relative_error(got, exact):
     return ((got.double() - exact).norm() / exact.norm()).item()
 
 
-def _assert_within_torch_error(name, got, torch_low, exact):
+def _assert_within_torch_error(name, got, torch_low, exact, contraction=1):
+    """Within twice PyTorch's error plus a floor: for fp32, the rounding a length-``contraction``
+    dot product may gather in another summation order (split-K partials) than cuBLAS's,
+    eps * sqrt(length); for 16-bit results an eighth of an ulp (their output rounding dominates)."""
     err, torch_err = _relative_error(got, exact), _relative_error(torch_low, exact)
-    floor = torch.finfo(got.dtype).eps / 8
+    eps = torch.finfo(got.dtype).eps
+    floor = eps * contraction ** 0.5 if got.dtype == torch.float32 else eps / 8
     assert err <= 2 * torch_err + floor, f"{name}: error {err:.3g} vs PyTorch's {torch_err:.3g} (floor {floor:.2g})"
 
 
@@ -143,25 +147,25 @@ def test_int8_linear_other_dtypes(dtype):
         got = int8_linear(x, qweight, scale, None, 64)
     exact = int8_linear_reference(x.double(), qweight, scale, None, 64)
     torch_low = F.linear(x, dequantize_int8(qweight, scale, 64, dtype))
-    _assert_within_torch_error(str(dtype), got, torch_low, exact)
+    _assert_within_torch_error(str(dtype), got, torch_low, exact, contraction=HIDDEN)
 
 
 def test_int8_linear_graph_capture_without_sync():
     gen = torch.Generator(device="cuda").manual_seed(4)
-    qweight, scale = quantize_int8(torch.randn(4 * HIDDEN, HIDDEN, device="cuda", generator=gen), 128)
+    qweight, scale = quantize_int8(torch.randn(4 * HIDDEN, HIDDEN, device="cuda", generator=gen), 64)
     x = torch.randn(1, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
     with kernel_backend("triton"):
-        eager = int8_linear(x, qweight, scale, None, 128)
+        eager = int8_linear(x, qweight, scale, None, 64)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                captured = int8_linear(x, qweight, scale, None, 128)
+                captured = int8_linear(x, qweight, scale, None, 64)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     graph.replay()
     assert torch.equal(captured, eager)
     x.copy_(torch.randn(1, HIDDEN, device="cuda", generator=gen))
     graph.replay()
-    assert torch.equal(captured, int8_linear(x, qweight, scale, None, 128))
+    assert torch.equal(captured, int8_linear(x, qweight, scale, None, 64))
