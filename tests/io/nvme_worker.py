@@ -5,6 +5,9 @@ NVMe optimizer offload (states swapped under NVME through small AIO blocks, one 
 two buffers, accumulation and clipping); then a stage 2 NVMe run checkpointed through the aio
 handle into CKPT, resumed by a fresh engine and trained on, beside the uninterrupted run. Rank 0
 saves every result to OUT.
+
+Also the single-process run shared by test_nvme_offload.py (on the CPU) and test_io_gpu.py (on a
+GPU): :func:`train_one_process`.
 """
 
 import sys
@@ -31,6 +34,36 @@ def build(stage: int, offload: dict, aio: dict | None = AIO, seed: int = 0):
     torch.manual_seed(seed)
     engine, _, _, _ = dslab.initialize(model=TinyNet(DIM, HIDDEN, CLASSES, dropout=0.0), config=cfg)
     return engine
+
+
+# One process, stage 2, bf16: TinyNet's units at reduce_bucket_size 100 are fc2.bias | fc2.weight |
+# fc1.bias | fc1.weight (4, 128, 32 and 512 elements, each unit's whole shard at world size 1).
+# Sub-groups are runs of whole units of at least sub_group_size shard elements (DeepSpeed's rule:
+# this rank's elements), so 100 makes two sub-groups of two units each.
+ONE_PROCESS_ZERO = {"stage": 2, "sub_group_size": 100, "reduce_bucket_size": 100}
+ONE_PROCESS_UNIT_NUMELS = [4, 128, 32, 512]
+ONE_PROCESS_CHUNKS = [[0, 1], [2, 3]]
+
+
+def train_one_process(offload: dict, device: str, steps: int = 3):
+    """TinyNet trained for ``steps`` steps in this process with ``offload`` as
+    ``zero_optimization.offload_optimizer`` (:data:`ONE_PROCESS_ZERO`, bf16, clipping), its data
+    on ``device``; returns the engine."""
+    cfg = base_config(zero_optimization={**ONE_PROCESS_ZERO, "offload_optimizer": offload},
+                      gradient_clipping=0.05, bf16={"enabled": True})
+    torch.manual_seed(0)
+    engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
+    x, y = make_data(8 * steps, seed=2)
+    for s in range(steps):
+        loss = engine(x[s * 8:(s + 1) * 8].to(device), y[s * 8:(s + 1) * 8].to(device))
+        engine.backward(loss)
+        engine.step()
+    return engine
+
+
+def chunk_units(engine) -> list[list[int]]:
+    """The unit indices of each optimizer sub-group of ``engine``'s offload."""
+    return [[unit.index for unit in chunk] for chunk in engine.zero.offload.chunks]
 
 
 def train(engine, steps: int, start: int = 0) -> None:

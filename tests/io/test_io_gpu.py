@@ -16,8 +16,9 @@ from dslab.io import handle as handle_module
 
 pytestmark = pytest.mark.gpu
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from helpers import TinyNet, base_config, make_data  # noqa: E402
+from nvme_worker import ONE_PROCESS_CHUNKS, chunk_units, state, train_one_process  # noqa: E402
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -84,29 +85,18 @@ def test_nvme_tune_with_cuda_tensors(tmp_path, capsys):
     assert list(target.iterdir()) == []
 
 
-def _train(offload: dict, tmp_path, steps=3):
-    cfg = base_config(zero_optimization={"stage": 2, "sub_group_size": 200, "reduce_bucket_size": 300,
-                                         "offload_optimizer": offload},
-                      gradient_clipping=0.05, bf16={"enabled": True})
-    import dslab
-
-    torch.manual_seed(0)
-    engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
-    x, y = make_data(8 * steps, seed=2)
-    for s in range(steps):
-        loss = engine(x[s * 8:(s + 1) * 8].cuda(), y[s * 8:(s + 1) * 8].cuda())
-        engine.backward(loss)
-        engine.step()
-    state = {k: v.detach().cpu().clone() for k, v in engine.module_state_dict().items()}
-    chunks = len(engine.zero.offload.chunks)
+def _train(offload: dict):
+    engine = train_one_process(offload, "cuda")
+    result = state(engine), chunk_units(engine)
     engine.destroy()
-    return state, chunks
+    return result
 
 
 def test_nvme_offload_on_a_gpu_matches_cpu_offload(tmp_path):
-    cpu, _ = _train({"device": "cpu", "pin_memory": True}, tmp_path)
-    nvme, chunks = _train({"device": "nvme", "pin_memory": True, "nvme_path": str(tmp_path / "swap")},
-                          tmp_path)
-    assert chunks >= 2
+    # the sub-groups are those of test_nvme_offload.py's one-process test on the CPU: two of two
+    # units, so the prefetch and the write-behind run
+    cpu, cpu_chunks = _train({"device": "cpu", "pin_memory": True})
+    nvme, chunks = _train({"device": "nvme", "pin_memory": True, "nvme_path": str(tmp_path / "swap")})
+    assert chunks == cpu_chunks == ONE_PROCESS_CHUNKS
     for key in cpu:
         assert torch.equal(cpu[key], nvme[key]), key

@@ -1,6 +1,7 @@
 """ZeRO's NVMe optimizer offload: on 2 gloo ranks it trains to exactly the parameters of CPU
 offload at stages 1-3 and resumes bit for bit from a checkpoint written through the aio handle;
-in one process, the swap files, the overlap switches and the config's errors."""
+in one process, the sub-groups and swaps of the GPU test's run (on the CPU), the overlap switches
+and the config's errors."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "engine"))
 from helpers import base_config  # noqa: E402
-from nvme_worker import build, state, train  # noqa: E402
+from nvme_worker import (ONE_PROCESS_CHUNKS, ONE_PROCESS_UNIT_NUMELS, build, chunk_units,  # noqa: E402
+                         state, train, train_one_process)
+
+from dslab.engine.zero.offload import plan_chunks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +81,31 @@ def test_a_checkpoint_written_through_the_handle_resumes_bit_for_bit(two_ranks):
 
 def _nvme(tmp_path, **extra):
     return {"device": "nvme", "nvme_path": str(tmp_path / "swap"), "buffer_count": 2, **extra}
+
+
+def test_in_one_process_sub_groups_count_whole_shards_and_match_cpu_offload(tmp_path):
+    # test_io_gpu.py's run on the CPU: world size 1, each unit's shard is the whole unit
+    cpu = train_one_process({"device": "cpu"}, "cpu")
+    cpu_chunks, expected = chunk_units(cpu), state(cpu)
+    cpu.destroy()
+    engine = train_one_process({"device": "nvme", "nvme_path": str(tmp_path / "swap")}, "cpu")
+    units = engine.zero.units
+    assert engine.world_size == 1
+    assert [u.shard_numel for u in units] == [u.layout.numel for u in units] == ONE_PROCESS_UNIT_NUMELS
+    assert chunk_units(engine) == cpu_chunks == ONE_PROCESS_CHUNKS
+    # runs of whole units of at least sub_group_size shard elements: 200 takes 4 + 128 + 32 and
+    # then all of fc1.weight, one sub-group
+    assert [[u.index for u in c] for c in plan_chunks(units, 200)] == [[0, 1, 2, 3]]
+    offload = engine.zero.offload
+    assert sorted(p.name for p in offload.directory.iterdir()) == ["chunk00000.states",
+                                                                  "chunk00001.states"]
+    offload.flush()
+    ops = {op["kind"]: op for op in engine.profiler_records()["io"]["operations"]}
+    got = state(engine)
+    engine.destroy()
+    assert ops["swap_out"]["count"] == 3 * 2 and ops["swap_in"]["count"] == 2 * 2
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
 
 
 def test_without_pipelining_the_steps_are_the_same(tmp_path):
