@@ -64,7 +64,11 @@ class InferenceLinear(nn.Module):
             self.group_size = None
         else:
             self.group_size = quant.group_size_for(self.in_features)
+            # The source's weight may be a transposed view (transformers' Conv1D keeps [in, out]);
+            # quantize_int8 returns row-major int8, the order the decode GEMM streams. A strided
+            # qweight would be copied on every call, inside the CUDA graph: every token.
             qweight, scale = quantize_int8(weight.detach().to(device=device, dtype=torch.float32), self.group_size)
+            assert qweight.is_contiguous() and scale.is_contiguous()
             self.weight = nn.Parameter(qweight, requires_grad=False)
             self.scale = nn.Parameter(scale, requires_grad=False)
 

@@ -59,9 +59,14 @@ def _check_group_size(group_size: int | None, k: int, name: str = "weight") -> N
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(qweight, scale)`` for ``weight`` ``[N, K]`` (floating point): qweight int8 ``[N, K]``,
-    scale fp32 ``[N]`` (``group_size=None``, per output channel) or ``[N, K // group_size]``.
-    Computed in fp32; symmetric, round to nearest (half to even), clamped to [-127, 127]."""
+    """``(qweight, scale)`` for ``weight`` ``[N, K]`` (floating point, any strides): qweight int8
+    ``[N, K]`` contiguous (row-major, the layout the Triton kernel streams), scale fp32 ``[N]``
+    (``group_size=None``, per output channel) or ``[N, K // group_size]``, contiguous too.
+    Computed in fp32; symmetric, round to nearest (half to even), clamped to [-127, 127].
+
+    A transposed ``weight`` (transformers' ``Conv1D`` stores ``[in, out]``, so its ``.t()`` is an
+    ``[N, K]`` view with strides ``(1, N)``) would otherwise give a qweight with those strides, and
+    :func:`int8_linear` would copy the whole weight into row-major order on every call."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"weight must be a matrix [N, K] (nn.Linear's [out, in]), got {shape}")
@@ -69,7 +74,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[
         raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
     n, k = weight.shape
     _check_group_size(group_size, k)
-    w = weight.detach().float()
+    w = weight.detach().float().contiguous()
     groups = w.view(n, 1, k) if group_size is None else w.reshape(n, k // group_size, group_size)
     if not torch.isfinite(groups).all():
         raise ValueError("weight must be finite (it holds inf or NaN)")
@@ -175,7 +180,12 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
     ``[..., K]`` (fp16/bf16/fp32), qweight int8 ``[N, K]``, scale fp32 ``[N]`` or
     ``[N, K // group_size]``, bias ``[N]`` or None (cast to x's dtype); y ``[..., N]`` in x's dtype.
     Forward-only. Which path runs for which shapes: see the module docstring. Bad shapes, dtypes,
-    devices and group sizes raise ``ValueError`` naming the argument."""
+    devices and group sizes raise ``ValueError`` naming the argument.
+
+    The Triton kernel reads qweight row-major: a non-contiguous qweight (a transposed view) is
+    copied into that order on every call, ``N * K`` bytes read and written besides the kernel's
+    own read, and a copy across strides runs far below copy bandwidth. Keep it as
+    :func:`quantize_int8` returns it (contiguous)."""
     _validate(x, qweight, scale, bias, group_size)
     n, k = qweight.shape
     x2d = x.reshape(-1, k)

@@ -144,7 +144,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
                 group_size: int | None, split_k: int | None = None) -> torch.Tensor:
     """y [M, N] in x's dtype for x [M, K] (fp32/fp16/bf16), qweight int8 [N, K], scale fp32 [N]
     or [N, K // group_size], bias [N] in x's dtype or None; inputs already validated, M, N, K > 0.
-    ``split_k`` overrides :func:`plan_split_k` (tests)."""
+    ``split_k`` overrides :func:`plan_split_k` (tests). qweight and scale are read row-major; a
+    non-contiguous one is copied first, on every call (see :func:`dslab.kernels.int8_linear`)."""
     m, k = x.shape
     n = qweight.shape[0]
     if x.stride(-1) != 1:

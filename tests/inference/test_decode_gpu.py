@@ -2,7 +2,9 @@
 (same kernels, same inputs), and both give transformers' greedy tokens for 32 new tokens in fp32
 (bf16 is compared against the graph-free engine only: transformers' bf16 path rounds differently
 and near-ties may flip); int8 decode (the Triton weight-streaming GEMM) under graphs equals its
-eager run; one capture per batch bucket, one replay per later token."""
+eager run; one capture per batch bucket, one replay per later token. The prefill's flash
+attention, launched through cached launches, follows each call's batch: the caller's tensors stay
+as they were and the logits equal those of Triton's own launches."""
 
 from __future__ import annotations
 
@@ -82,3 +84,34 @@ def test_memory_records_on_gpu(model):
     tensors = [t for cache in caches for t in (*cache.keys, *cache.values)]
     assert all(t.is_cuda for t in tensors)
     assert sum(t.untyped_storage().nbytes() for t in tensors) == records["kv_cache_bytes"]
+
+
+def test_prefill_attention_follows_each_calls_batch(model):
+    """bf16, where the prompt's flash attention runs on Triton through cached launches
+    (``attention_triton.CachedLaunch``), whose key (strides of the packed ``[batch, seq, 3 *
+    hidden]`` projection, heads, lengths) is the same for every batch of one prompt length.
+    Batch 1, then 4, then single rows again: the logits of each call equal those of Triton's own
+    launch path (launch caches emptied; a grid kept from the batch-1 call left batches 1 .. 3 of
+    the batch-4 attention unwritten), and the caller's int64 ids and mask are bit-for-bit as they
+    were (a grid kept from batch 32 launched 32 batches' programs for a batch-1 call on an H100,
+    whose stores past the attention output zeroed rows of the caller's mask)."""
+    from dslab.kernels import attention_triton
+
+    engine = dslab.init_inference(model, dtype=torch.bfloat16, max_out_tokens=64)
+    ids, mask = prompts(4, 12, seed=7)
+    ids, mask = ids.cuda(), mask.cuda()
+    kept_ids, kept_mask = ids.clone(), mask.clone()
+    attention_triton.clear_launch_caches()
+    small = engine(ids[:1], attention_mask=mask[:1])
+    big = engine(ids, attention_mask=mask)
+    tokens = engine.generate(ids, attention_mask=mask, max_new_tokens=8)
+    rows = [engine.generate(ids[r:r + 1], attention_mask=mask[r:r + 1], max_new_tokens=8) for r in range(4)]
+    torch.cuda.synchronize()
+    assert torch.equal(ids, kept_ids) and torch.equal(mask, kept_mask)
+    attention_triton.clear_launch_caches()
+    assert torch.equal(engine(ids, attention_mask=mask), big)
+    assert torch.equal(engine(ids[:1], attention_mask=mask[:1]), small)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=8), tokens)
+    for r, row in enumerate(rows):
+        attention_triton.clear_launch_caches()
+        assert torch.equal(engine.generate(ids[r:r + 1], attention_mask=mask[r:r + 1], max_new_tokens=8), row), r

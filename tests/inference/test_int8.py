@@ -37,6 +37,9 @@ def test_int8_weights_and_their_accuracy(model_and_inputs):
     for linear in (layer.qkv, layer.out_proj, layer.fc_in, layer.fc_out):
         assert isinstance(linear, InferenceLinear) and linear.int8
         assert linear.weight.dtype == torch.int8 and linear.scale.shape == (linear.out_features,)
+        # Row-major although transformers' Conv1D weights arrive transposed: the decode GEMM would
+        # otherwise copy the whole weight into that order on every token.
+        assert linear.weight.is_contiguous() and linear.scale.is_contiguous()
     assert engine.module.word_embeddings.dtype == torch.float32  # embeddings / LM head stay in compute dtype
     records = engine.memory_records()
     assert records["weights_by_dtype"]["int8"] == 2 * 12 * HIDDEN * HIDDEN  # one byte per linear weight

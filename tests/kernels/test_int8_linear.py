@@ -1,7 +1,7 @@
-"""quantize_int8 / dequantize_int8 round trips and their zero rows and groups; int8_linear's Triton
-kernel (under the interpreter on CPU, with and without split-K) against an fp64 reference and
-PyTorch's own low-precision linear; the prefill path; the custom op under opcheck and
-torch.compile; forward-only; bad arguments."""
+"""quantize_int8 / dequantize_int8 round trips and their zero rows and groups; row-major int8 from a
+transposed weight; int8_linear's Triton kernel (under the interpreter on CPU, with and without
+split-K) against an fp64 reference and PyTorch's own low-precision linear; the prefill path; the
+custom op under opcheck and torch.compile; forward-only; bad arguments."""
 
 import pytest
 import torch
@@ -54,6 +54,21 @@ def test_round_trip_within_half_a_step(group_size, dtype):
     if group_size == 32:
         assert torch.equal(deq[7, 32:64], torch.zeros(32)) and scale[7, 1] == 0
     assert dequantize_int8(qweight, scale, group_size, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("group_size", [None, 32], ids=["per-channel", "g32"])
+def test_quantize_gives_row_major_int8_for_a_transposed_weight(group_size):
+    """A weight stored ``[in, out]`` and passed as its ``.t()`` (transformers' Conv1D) quantises to
+    the same values as its contiguous copy, laid out row-major: the Triton path would otherwise
+    copy it on every call."""
+    gen = torch.Generator().manual_seed(5)
+    stored = torch.randn(K, N, generator=gen).to(torch.bfloat16)  # [in, out]
+    weight = stored.t()
+    assert weight.stride() == (1, N)
+    qweight, scale = quantize_int8(weight, group_size)
+    expected_q, expected_scale = quantize_int8(weight.contiguous(), group_size)
+    assert qweight.is_contiguous() and scale.is_contiguous()
+    assert torch.equal(qweight, expected_q) and torch.equal(scale, expected_scale)
 
 
 @needs_interpreter
