@@ -259,11 +259,17 @@ class CachedLaunch:
     the autotuned config and ``heuristics`` (the rules given to ``triton.heuristics``) supply the
     remaining constexprs, which come last. The key is the current device, the ints and flags by
     value, each tensor's dtype and 16-byte alignment and each scalar's type and 32/64-bit width:
-    everything Triton specialises a compiled kernel, its autotune key and the grid on. The first
-    call with a key goes through Triton; its compiled kernel, grid and constexpr values are then
-    kept (up to ``_LAUNCH_CACHE_SIZE`` keys, then the cache starts over) and later calls launch
-    them directly. CPU tensors (the interpreter), calls while a launch hook is installed and
-    Triton versions whose compiled kernels lack this launcher interface always go through Triton.
+    everything Triton specialises a compiled kernel and its autotune key on. The first call with a
+    key goes through Triton; its compiled kernel and constexpr values are then kept (up to
+    ``_LAUNCH_CACHE_SIZE`` keys, then the cache starts over) and later calls launch them directly.
+    CPU tensors (the interpreter), calls while a launch hook is installed and Triton versions whose
+    compiled kernels lack this launcher interface always go through Triton.
+
+    The grid is not kept: every call computes its own, ``grid(meta)`` with the kept constexprs.
+    It depends on the batch, which no int of the key holds (the strides of ``[batch, heads, seq,
+    dim]`` tensors, and of packed ``[batch, seq, 3 * hidden]`` views, do not depend on it): a grid
+    kept from a batch-32 call launched 32 batches' programs for batch 1, whose stores ran past
+    its outputs into whatever memory lay beyond, and too few programs for a larger batch.
     """
 
     instances: list["CachedLaunch"] = []
@@ -290,13 +296,14 @@ class CachedLaunch:
         if entry is None or _launch_hooks_active():
             kernel = self.autotuned[grid](*tensors, *ints, *scalars, **flags)
             if entry is None and not interpreting():
-                self._remember(key, kernel, grid, (*tensors, *ints, *scalars), flags)
+                self._remember(key, kernel, (*tensors, *ints, *scalars), flags)
             return
-        run, function, metadata, grid_x, grid_y, tail, stream = entry
+        run, function, metadata, constexprs, tail, stream = entry
+        grid_x, grid_y = grid(constexprs)
         run(grid_x, grid_y, 1, stream(device), function, metadata, None, None, None,
             *tensors, *ints, *scalars, *tail)
 
-    def _remember(self, key, kernel, grid, runtime_args: tuple, flags: dict) -> None:
+    def _remember(self, key, kernel, runtime_args: tuple, flags: dict) -> None:
         jit = self.autotuned
         while not isinstance(jit, JITFunction):
             jit = jit.fn
@@ -305,10 +312,10 @@ class CachedLaunch:
         values.update(self.autotuned.best_config.kwargs)
         for name, rule in self.heuristics.items():
             values[name] = rule(values)
-        tail = tuple(values[name] for name in jit.arg_names[len(runtime_args):])
-        grid_x, grid_y = grid(values)
+        constexprs = {name: values[name] for name in jit.arg_names[len(runtime_args):]}
+        tail = tuple(constexprs.values())
         try:
-            entry = (kernel.run, kernel.function, kernel.packed_metadata, grid_x, grid_y, tail,
+            entry = (kernel.run, kernel.function, kernel.packed_metadata, constexprs, tail,
                      triton.runtime.driver.active.get_current_stream)
         except AttributeError:  # a Triton without this launcher interface
             self.enabled = False

@@ -456,6 +456,43 @@ def test_gpu_cached_launch_matches_triton_launch(seq_q, seq_k, head_dim, causal,
 
 
 @pytest.mark.gpu
+def test_gpu_cached_launch_grid_follows_the_batch():
+    """The launch cache's key leaves the batch out (the strides of ``[batch, heads, seq, dim]``
+    tensors do not depend on it, nor does the compiled kernel), so every call must launch its own
+    grid. Batch 2, then 1, then 4 through one key per kernel: the forward of each, written into
+    the middle of a NaN buffer, leaves the rest of the buffer NaN (a grid kept from batch 2 would
+    store batch 1's second, absent, batch past it), and forward and backward equal Triton's own
+    launch of the same inputs (a kept grid would leave batches 2 and 3 of the batch-4 call
+    unwritten)."""
+    from dslab.kernels import attention_triton
+
+    heads, seq, head_dim, pad = 3, 200, 64, 3
+    batches = (2, 1, 4)
+    inputs = {b: _inputs(b, heads, seq, seq, head_dim, torch.bfloat16, device="cuda", seed=50 + b) for b in batches}
+    attention_triton.clear_launch_caches()
+    cached = {}
+    for index, batch in enumerate(batches):
+        q, k, v, grad = inputs[batch]
+        buffer = torch.full((batch + 2 * pad, heads, seq, head_dim), float("nan"), dtype=torch.bfloat16,
+                            device="cuda")
+        out = buffer[pad:pad + batch]
+        attention_triton.attention_forward(q, k, v, None, None, True, 0.0, head_dim**-0.5, out=out)
+        cached[batch] = (out, *_forward_backward(q, k, v, grad, causal=True))
+        torch.cuda.synchronize()
+        assert torch.isnan(buffer[:pad]).all() and torch.isnan(buffer[pad + batch:]).all(), f"batch {batch}"
+        keys = {id(c): len(c.entries) for c in attention_triton.CachedLaunch.instances}
+        if index == 0:
+            first_keys = keys
+        assert keys == first_keys  # later batches take the kept launches: the same keys
+    attention_triton.clear_launch_caches()
+    for batch in batches:
+        q, k, v, grad = inputs[batch]
+        direct = _forward_backward(q, k, v, grad, causal=True)
+        for name, a, b in zip(("out (into a view)", "out", "dq", "dk", "dv"), cached[batch], (direct[0], *direct)):
+            assert torch.equal(a, b), f"batch {batch}: {name}"
+
+
+@pytest.mark.gpu
 def test_gpu_dropout_without_host_sync_and_new_masks_on_cuda_graph_replays():
     """Attention dropout (seed drawn on the device, read by the kernels) runs forward and backward
     with CUDA's sync debug mode set to error; captured in a CUDA graph, each replay draws a new
