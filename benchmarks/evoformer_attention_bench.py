@@ -2,7 +2,7 @@
 backward, at the Evoformer anchor shapes.
 
     python3 benchmarks/evoformer_attention_bench.py [--reps 20] [--warmup 3] [--shapes 256x256,512x512,1024x384]
-        [--heads 8] [--dim 32] [--arms dslab,naive,sdpa] [--pair-grad atomic|recompute] [--mask-grad]
+        [--heads 8] [--dim 32] [--arms dslab,naive,sdpa] [--pair-grad atomic|recompute] [--mask-grad] [--graph]
 
 Workload per shape ``N_seq x N_res``: q, k, v ``[1, N_seq, N_res, H, D]`` bf16 (H = 8, D = 32 by
 default), OpenFold's mask bias ``[1, N_seq, 1, 1, N_res]`` (``-1e9`` on a fifth of the keys, no
@@ -23,7 +23,9 @@ Arms:
   the sum; PyTorch picks the kernel that accepts it).
 
 What is measured (STYLE.md #9): ms is the median over ``--reps`` calls of CUDA events around each
-call, after ``--warmup`` calls (the first includes Triton's autotuning); "extra GiB" is
+call, after ``--warmup`` calls (the first includes Triton's autotuning); with ``--graph``, around
+each replay of the call captured in a CUDA graph (every arm alike: device time without the host's
+launch and autograd overhead); "extra GiB" is
 ``torch.cuda.max_memory_allocated`` during one call minus the memory allocated just before it (the
 inputs and the output gradient); "x naive" is the naive arm's ms over the arm's ms; TFLOP/s is the
 flops above over the median. Errors are against the reference in fp32 (the bf16 inputs upcast):
@@ -91,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how dslab reduces the pair-bias gradient over sequences")
     parser.add_argument("--mask-grad", action="store_true", help="the mask bias requires a gradient too")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--graph", action="store_true",
+                        help="time replays of each arm's call captured in a CUDA graph (device time) "
+                             "instead of eager calls")
     return parser.parse_args(argv)
 
 
@@ -152,6 +157,26 @@ def time_ms(call, warmup: int, reps: int) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_graph_ms(call, warmup: int, reps: int) -> float:
+    """Median ms per replay of one call captured in a CUDA graph (after ``warmup`` eager calls,
+    which include the autotuning): the device time of the call without the host's launch and
+    autograd overhead, which at small shapes is larger than the kernels' time."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # a warm-up on the capture stream, as torch.cuda.make_graphed_callables does
+        with torch.cuda.graph(graph, stream=stream):
+            result = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    ms = time_ms(graph.replay, 2, reps)
+    del result, graph
+    return ms
 
 
 def extra_peak_bytes(call) -> int:
@@ -232,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in args.arms:
             call = make_call(FUNCTIONS[arm], inputs, args.mask_grad)
             try:
-                ms = time_ms(call, args.warmup, args.reps)
+                ms = (time_graph_ms if args.graph else time_ms)(call, args.warmup, args.reps)
                 extra = extra_peak_bytes(call)
             except torch.cuda.OutOfMemoryError:
                 ms = extra = None
@@ -252,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB); "
           f"torch {torch.__version__}, triton {_triton_version()}, python {platform.python_version()}")
     print(f"config: heads={args.heads} dim={args.dim} bf16 reps={args.reps} warmup={args.warmup} "
+          f"timing={'CUDA-graph replay' if args.graph else 'eager calls'} "
           f"pair_grad={args.pair_grad} mask_grad={args.mask_grad} seed={args.seed}")
     for line in describe_tuning(args.dim):
         print(line)

@@ -72,11 +72,38 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_trial(step, device: torch.device, warmup: int, steps: int) -> dict:
+def graph_pools(device: torch.device) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{pool id: (reserved bytes, allocated bytes)}`` of the CUDA caching allocator's private pools
+    on ``device`` (the pools CUDA graphs are captured into); empty on a CPU."""
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pools: dict[tuple[int, int], tuple[int, int]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        if segment.get("device", index) != index or pool == (0, 0):
+            continue
+        reserved, allocated = pools.get(pool, (0, 0))
+        pools[pool] = (reserved + segment["total_size"], allocated + segment["allocated_size"])
+    return pools
+
+
+def run_trial(step, device: torch.device, warmup: int, steps: int,
+              pools: set[tuple[int, int]] | None = None) -> dict:
     """Warm up, then time ``steps`` calls of ``step`` one by one.
 
-    Returns ``{"step_times_ms": [...], "peak_memory_bytes": int or None, "final_loss": float}``.
+    Returns ``{"step_times_ms": [...], "peak_memory_bytes": int or None, "final_loss": float}``
+    and, when ``pools`` is given, ``"graph_pool_bytes"``.
+
+    ``pools`` is the arm's set of CUDA-graph pool ids, kept by the caller across the arm's trials:
+    the private pools that appear while this arm warms up or runs are added to it (only one arm
+    runs at a time). A replay allocates nothing, so the allocator's peak misses the activations a
+    graph writes into its pool; ``peak_memory_bytes`` therefore adds the bytes the arm's pools
+    hold beyond their allocated blocks (those already count in the peak) to the allocator's peak
+    over the trial. ``graph_pool_bytes`` is what those pools reserve in all.
     """
+    cuda = device.type == "cuda"
+    before = set(graph_pools(device)) if cuda and pools is not None else set()
     loss = None
     for _ in range(warmup):
         loss = step()
@@ -93,6 +120,12 @@ def run_trial(step, device: torch.device, warmup: int, steps: int) -> dict:
         torch.cuda.synchronize(device)
         times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
         peak = torch.cuda.max_memory_allocated(device)
+        if pools is not None:
+            usage = graph_pools(device)
+            pools |= set(usage) - before
+            owned = [usage[pool] for pool in pools if pool in usage]
+            peak += sum(reserved - allocated for reserved, allocated in owned)
+            pool_bytes = sum(reserved for reserved, _ in owned)
     else:
         times = []
         for _ in range(steps):
@@ -100,11 +133,14 @@ def run_trial(step, device: torch.device, warmup: int, steps: int) -> dict:
             loss = step()
             times.append((time.perf_counter() - t0) * 1e3)
         peak = None
-    return {
+    trial = {
         "step_times_ms": times,
         "peak_memory_bytes": peak,
         "final_loss": float(loss.detach().float()) if loss is not None else float("nan"),
     }
+    if cuda and pools is not None:
+        trial["graph_pool_bytes"] = pool_bytes
+    return trial
 
 
 def trial_metrics(trial: dict, samples: int, tokens: int, flops: int | None, peaks: dict,
@@ -124,6 +160,8 @@ def trial_metrics(trial: dict, samples: int, tokens: int, flops: int | None, pea
         metrics["step_time_p10_ms"], metrics["step_time_p90_ms"] = q[0], q[-1]
     if trial["peak_memory_bytes"] is not None:
         metrics["peak_memory_bytes"] = float(trial["peak_memory_bytes"])
+    if trial.get("graph_pool_bytes") is not None:
+        metrics["graph_pool_bytes"] = float(trial["graph_pool_bytes"])
     if flops:
         tflops = flops / (step_ms / 1e3) / 1e12
         metrics["model_tflops"] = tflops

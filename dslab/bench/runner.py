@@ -32,7 +32,8 @@ loops and are recorded as skipped. After each trial the ranks' measurements are 
 step times are the ones kept), throughput is global (``samples_per_s`` = micro-batch × world
 size / step time, likewise ``tokens_per_s``), ``model_tflops`` and MFU stay per GPU (one rank's
 flops over the step time), and each rank's peak memory is kept as ``peak_memory_bytes_rank<r>``
-(the CUDA allocator's peak over the trial; ``peak_memory_bytes`` is the largest) or, on a CPU,
+(the CUDA allocator's peak over the trial plus what the arm's CUDA-graph pools hold beyond it,
+see :func:`dslab.bench.measure.run_trial`; ``peak_memory_bytes`` is the largest) or, on a CPU,
 ``peak_rss_bytes_rank<r>`` (the process's largest resident set so far, from ``getrusage``). The
 memory tracer's model states of every rank go into its records as ``model_states_per_rank``.
 Only rank 0 prints and writes the report; each rank's profiler files go to
@@ -439,6 +440,7 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
     world.write(report, out)
 
     warmed: set[str] = set()
+    graph_pools_of: dict[str, set] = {name: set() for name in arm_names}  # see measure.run_trial
     for t in range(n_trials):
         live = [n for n in arm_names if n in built]
         if not live:
@@ -452,7 +454,8 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
                 warmup = n_warmup if name not in warmed else min(n_warmup, SETTLE_STEPS)
                 if parking:
                     built[name].unpark()
-                measured, error = run_trial(built[name].step, device, warmup, n_steps), None
+                measured, error = run_trial(built[name].step, device, warmup, n_steps,
+                                            pools=graph_pools_of[name]), None
                 warmed.add(name)
                 if parking:
                     built[name].park()

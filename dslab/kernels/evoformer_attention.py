@@ -75,6 +75,22 @@ def _triton_bwd():
     return evoformer_attention_triton_bwd
 
 
+def output_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape and dtype for the kernels to write (out, dq, dk, dv), in
+    ``t``'s memory layout where the kernels can address it: dense, unit stride along D and batch
+    dims that merge into one. A caller passing transposed views (the Evoformer's column and
+    ending-node attentions attend along the other residue axis) then gets outputs whose inverse
+    transposes are contiguous, so no copy is made around the kernels. Otherwise contiguous."""
+    out = torch.empty_like(t)
+    if out.stride(-1) == 1:
+        try:
+            out.view(math.prod(t.shape[:-4]), *t.shape[-4:])
+            return out
+        except RuntimeError:
+            pass
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def _lse_shape(q: torch.Tensor) -> tuple[int, int, int, int]:
     """``[B, N_seq, H, N_res]`` of the forward's row statistics (B the product of the batch dims)."""
     n_seq, n_res, heads, _ = q.shape[-4:]
@@ -92,7 +108,7 @@ def _forward_op(
 
 @_forward_op.register_fake
 def _(q, k, v, mask_bias, pair_bias):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=torch.float32)
+    return output_like(q), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 @torch.library.custom_op("dslab::evoformer_attention_backward", mutates_args=())
@@ -116,7 +132,7 @@ def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 def _(grad_out, q, k, v, out, lse, mask_bias, pair_bias, mask_grad, pair_grad):
     dmask = mask_bias.new_empty(mask_bias.shape) if mask_grad else q.new_empty(0)
     dpair = pair_bias.new_empty(pair_bias.shape) if pair_grad else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask, dpair
+    return output_like(q), output_like(k), output_like(v), dmask, dpair
 
 
 def _bias_grads_needed(ctx, mask_bias, pair_bias) -> tuple[bool, bool]:
@@ -230,7 +246,8 @@ def evoformer_attention(
 ) -> torch.Tensor:
     """Evoformer attention of q, k, v ``[*, N_seq, N_res, H, D]`` with ``biases`` ``[mask_bias,
     pair_bias]`` (either may be missing or None; see the module docstring) → ``[*, N_seq, N_res, H,
-    D]`` in q's dtype, contiguous. ``biases`` is not modified.
+    D]`` in q's dtype, in q's memory layout on the Triton path when q is dense with unit stride
+    along D (see :func:`output_like`), else contiguous. ``biases`` is not modified.
 
     The Triton path runs on CUDA tensors (or under the ``triton`` backend with
     ``TRITON_INTERPRET=1``); otherwise, and for empty inputs, the reference runs. Gradients reach

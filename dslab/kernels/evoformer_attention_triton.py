@@ -46,6 +46,7 @@ import triton.language as tl
 
 from dslab.kernels._grid import device_guard
 from dslab.kernels.dispatch import interpreting
+from dslab.kernels.evoformer_attention import output_like
 
 LOG2_E = 1.4426950408889634
 
@@ -280,10 +281,11 @@ def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask_bias: torch.Tensor | None, pair_bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): out like q ``[*, N_seq, N_res, H, D]`` (contiguous, q's dtype) and the fp32
+    """(out, lse): out like q ``[*, N_seq, N_res, H, D]`` (q's dtype and, where the kernel can write
+    it, q's memory layout: :func:`dslab.kernels.evoformer_attention.output_like`) and the fp32
     base-2 ``lse`` ``[B, N_seq, H, N_res]``. Inputs are validated by the caller."""
     batch_shape, batch, n_seq, n_res, heads, head_dim = dims(q)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = output_like(q)
     lse = torch.empty((batch, n_seq, heads, n_res), dtype=torch.float32, device=q.device)
     q5, k5, v5 = rows_view(q), rows_view(k), rows_view(v)
     o5 = out.view(batch, n_seq, n_res, heads, head_dim)

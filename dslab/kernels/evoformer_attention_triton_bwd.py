@@ -63,6 +63,7 @@ import triton.language as tl
 
 from dslab.kernels._grid import device_guard
 from dslab.kernels.dispatch import interpreting
+from dslab.kernels.evoformer_attention import output_like
 from dslab.kernels.evoformer_attention_triton import (
     LOG2_E,
     bias_args,
@@ -430,7 +431,8 @@ def backward(
     lse: torch.Tensor, mask_bias: torch.Tensor | None, pair_bias: torch.Tensor | None,
     mask_grad: bool, pair_grad: bool, mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dq, dk, dv, dmask, dpair): dq, dk, dv contiguous like q, k, v; dmask and dpair in the
+    """(dq, dk, dv, dmask, dpair): dq, dk, dv in q's, k's, v's memory layouts (as
+    :func:`dslab.kernels.evoformer_attention.output_like` allows); dmask and dpair in the
     biases' shapes and dtypes when ``mask_grad`` / ``pair_grad`` (else None). ``lse`` is the
     forward's; ``mode`` one of :data:`PAIR_GRAD_MODES`, by default :data:`pair_grad_mode`."""
     mode = pair_grad_mode if mode is None else mode
@@ -439,7 +441,7 @@ def backward(
     batch_shape, batch, n_seq, n_res, heads, head_dim = dims(q)
     device = q.device
     q5, k5, v5, o5, do5 = (rows_view(t) for t in (q, k, v, out, grad_out))
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=device) for t in (q, k, v))
+    dq, dk, dv = (output_like(t) for t in (q, k, v))
     dq5, dk5, dv5 = (t.view(batch, n_seq, n_res, heads, head_dim) for t in (dq, dk, dv))
     delta = torch.empty_like(lse)
     mask = None if mask_bias is None else mask_view(mask_bias, batch_shape, n_seq, n_res)

@@ -6,7 +6,7 @@ Every op the flops profiler sees is classified into one of three figures:
   baddbmm, _scaled_mm, convolution and its backward, SDPA's flash/efficient/cudnn kernels and their
   backwards, ...), counted with torch's own formulas so that the total equals
   ``FlopCounterMode``'s on aten ops, plus dslab's attention, Evoformer attention, grouped GEMM,
-  decode attention and int8 linear custom ops. A multiply-add counts 2.
+  decode attention, int8 linear and outer-product linear custom ops. A multiply-add counts 2.
 - ``ELEMENTWISE``, reported beside the total, never in it: pointwise arithmetic, activations,
   reductions, normalisations and softmax, with the small per-element constants of
   :data:`_PER_ELEMENT` (estimates: what such an op costs is its memory traffic, not its flops).
@@ -51,8 +51,14 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
   captured it cannot, and counts the whole cache, ``4 B H S_max D``, an upper bound.
 - ``int8_linear(x [M,K], qweight [N,K], scale, bias, group_size)``: ``2 M N K``, as ``addmm`` (the
   dequantisation multiplies and the bias add are not counted).
-- ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``bias_gelu(_backward)``, ``sigmoid_gate(_backward)``, ``column_sum``,
-  ``bias_dropout_residual(_backward)``, ``cross_entropy_forward/backward``: elementwise.
+- ``outer_product_linear(x [B,R,C,R,C], weight [E,C*C], bias)``: ``2 B R^2 C^2 E``, as ``addmm`` on
+  the permuted ``[B,R,R,C*C]`` input (the bias add is not counted);
+  ``outer_product_linear_backward(dout, x, weight, bias)`` (dx and dW, dbias uncounted): twice that.
+- ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``layer_norm_channels_first(_backward)``,
+  ``bias_gelu(_backward)``, ``sigmoid_gate(_backward)``, ``column_sum``, ``bias_dropout_residual(_backward)``,
+  ``cross_entropy_forward/backward``: elementwise. ``layer_norm_channels_first(x [B,C,P], weight, bias,
+  eps)`` and ``layer_norm_channels_first_backward(dy, x, weight, bias, mean, rstd)`` are priced as
+  ``layer_norm`` / ``layer_norm_backward`` on the same elements (the transpose they fuse costs 0).
 - ``moe_gating(logits [T,E], k, second_choice_noise)`` and ``moe_gating_backward(dprobs,
   dgate_weight, probs [T,E], expert_index, logits_dtype)``: elementwise, a softmax per logit (plus
   the noise add); ``moe_permute(x, row_index [T,k], num_rows)`` and its backward,
@@ -262,12 +268,29 @@ def _int8_linear(args, kwargs, out) -> int:
     return 2 * m * n * k
 
 
+def _outer_product_linear(args, kwargs, out) -> int:
+    # (x [B, R, C, R, C], weight [E, C*C], bias)
+    from dslab.kernels.outer_product_linear import outer_product_linear_flops
+
+    batch, res, c = args[0].shape[:3]
+    return outer_product_linear_flops(batch, res, c, args[1].shape[0])[0]
+
+
+def _outer_product_linear_backward(args, kwargs, out) -> int:
+    # (dout [B, R, R, E], x [B, R, C, R, C], weight [E, C*C], bias): dx and dw
+    from dslab.kernels.outer_product_linear import outer_product_linear_flops
+
+    batch, res, c = args[1].shape[:3]
+    return outer_product_linear_flops(batch, res, c, args[2].shape[0])[1]
+
+
 def _affine(weight) -> bool:
     return weight is not None
 
 
 def _layer_norm_forward(args, kwargs, out) -> int:
     # native_layer_norm(input, normalized_shape, weight, bias, eps); dslab::layer_norm(x, weight, bias, eps)
+    # and dslab::layer_norm_channels_first(x, weight, bias, eps)
     x = args[0]
     weight = args[2] if isinstance(args[1], (list, tuple)) else args[1]
     per = LAYER_NORM_FORWARD if _affine(weight) else LAYER_NORM_FORWARD_NO_AFFINE
@@ -289,6 +312,7 @@ def _native_layer_norm_backward(args, kwargs, out) -> int:
 
 def _dslab_layer_norm_backward(args, kwargs, out) -> int:
     # (dy, h, weight, bias, mean, rstd, dh): dh, when given, is added to dx (1 per element).
+    # layer_norm_channels_first_backward(dy, x, weight, bias, mean, rstd) has no dh.
     per = LAYER_NORM_BACKWARD if _affine(args[2]) else LAYER_NORM_BACKWARD_NO_AFFINE
     dh = args[6] if len(args) > 6 else None
     return (per + (1 if dh is not None and dh.numel() else 0)) * args[1].numel()
@@ -407,9 +431,13 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::grouped_mlp_backward_hidden": (MATMUL, _grouped_mlp_backward_hidden),
     "dslab::decode_attention": (MATMUL, _decode_attention),
     "dslab::int8_linear": (MATMUL, _int8_linear),
+    "dslab::outer_product_linear": (MATMUL, _outer_product_linear),
+    "dslab::outer_product_linear_backward": (MATMUL, _outer_product_linear_backward),
     "dslab::layer_norm": (ELEMENTWISE, _layer_norm_forward),
     "dslab::add_layer_norm": (ELEMENTWISE, _add_layer_norm),
     "dslab::layer_norm_backward": (ELEMENTWISE, _dslab_layer_norm_backward),
+    "dslab::layer_norm_channels_first": (ELEMENTWISE, _layer_norm_forward),
+    "dslab::layer_norm_channels_first_backward": (ELEMENTWISE, _dslab_layer_norm_backward),
     "dslab::bias_gelu": (ELEMENTWISE, _bias_gelu),
     "dslab::bias_gelu_backward": (ELEMENTWISE, _bias_gelu_backward),
     "dslab::sigmoid_gate": (ELEMENTWISE, _sigmoid_gate),

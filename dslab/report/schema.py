@@ -88,6 +88,7 @@ METRIC_DIRECTIONS = {
     "mfu_measured": "higher",
     "mfu_datasheet": "higher",
     "peak_memory_bytes": "lower",
+    "graph_pool_bytes": "lower",
     "expert_tflops": "higher",
     "prefill_ms": "lower",
     "per_token_ms_p50": "lower",

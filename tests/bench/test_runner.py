@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dslab import cli
 from dslab.bench import arms as arms_module
@@ -251,3 +252,12 @@ def test_reduce_overhead_arm_is_interleaved_and_parks(tmp_path, monkeypatch):
     assert torch.isfinite(after) and not torch.equal(before, after)
     assert any(not torch.equal(a, b) for a, b in zip(params, arm.model.parameters()))
     arm.close()
+
+
+def test_run_trial_with_pools_on_cpu_has_no_graph_pool_bytes():
+    from dslab.bench.measure import graph_pools, run_trial
+
+    pools: set = set()
+    trial = run_trial(lambda: torch.ones(()), torch.device("cpu"), warmup=1, steps=2, pools=pools)
+    assert trial["peak_memory_bytes"] is None and "graph_pool_bytes" not in trial and not pools
+    assert graph_pools(torch.device("cpu")) == {}

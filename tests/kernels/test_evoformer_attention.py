@@ -148,6 +148,11 @@ def test_strided_inputs_and_expanded_grad():
         with kernel_backend(backend):
             out = fn(*leaves[:3], [None, leaves[3]])
         results.append([out, *torch.autograd.grad(out.sum(), leaves)])
+        if fn is evoformer_attention:
+            # Outputs in the inputs' (transposed) layout: their inverse transposes are contiguous.
+            for name, got, leaf in zip(("out", "dq", "dk", "dv"), results[-1], [leaves[0], *leaves[:3]]):
+                assert got.stride() == leaf.stride(), name
+                assert got.transpose(1, 2).is_contiguous(), name
     for name, got, exact in zip(("out", "dq", "dk", "dv", "dpair"), *results):
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5, msg=name)
 

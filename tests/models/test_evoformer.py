@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+import torch.nn as nn
 
 from dslab.kernels import dispatch, kernel_backend
 from dslab.models.evoformer import (
@@ -123,11 +124,12 @@ def test_each_sublayer_matches_the_torch_set(sublayer, kernels):
 
 @pytest.mark.skipif(not (HAVE_DSLAB_ATTENTION and dispatch.triton_available() and dispatch.interpreting()),
                     reason="needs dslab.kernels.evoformer_attention, triton and TRITON_INTERPRET=1")
-@pytest.mark.parametrize("sublayer", ["msa_att_row", "tri_att_end"])
+@pytest.mark.parametrize("sublayer", ["msa_att_row", "msa_att_col", "tri_att_start", "tri_att_end"])
 def test_triton_interpreter_path_matches_the_torch_set(sublayer):
     """The dslab set with its attention and layer norms forced onto their Triton kernels
     (interpreted on CPU): the row attention with both biases and the ending-node attention on the
-    transposed pair stack (slow under the interpreter, so two sublayers only)."""
+    transposed pair stack, and the column attention, both attending down columns through transposed
+    views, and the starting-node attention (slow under the interpreter, so the attentions only)."""
     config = _config()
     models = _stacks(config, ["torch", "dslab"])
     inputs = _inputs(11, config)
@@ -414,3 +416,34 @@ def test_bad_input_shapes_name_the_expected_shape():
         model(m, z, msa_mask[:, :, :6])
     with pytest.raises(ValueError, match=r"pair_mask must be \[batch, N_res, N_res\] = \(2, 7, 7\)"):
         model(m, z, msa_mask, pair_mask[:1])
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_projections_match_separate_linears(autocast):
+    """One matmul over concatenated weights: the same outputs and gradients as the separate
+    Linears, an unused output included (its weight gets no gradient), fp32 weights under autocast."""
+    from dslab.models.evoformer_blocks import fused_projections
+
+    torch.manual_seed(3)
+    layers = [nn.Linear(12, width, bias=False) for width in (8, 16, 8)]
+    x = torch.randn(2, 5, 7, 12, requires_grad=True)
+    grads = [torch.randn(2, 5, 7, 8), torch.randn(2, 5, 7, 16), None]
+    results = []
+    for fused in (True, False):
+        for p in (x, *(layer.weight for layer in layers)):
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outs = fused_projections(x, layers) if fused else [layer(x) for layer in layers]
+        torch.autograd.backward([o for o, g in zip(outs, grads) if g is not None],
+                                [g.to(outs[0].dtype) for g in grads if g is not None])
+        results.append(([o.detach() for o in outs], x.grad.clone(), [layer.weight.grad for layer in layers]))
+    (outs, dx, dws), (ref_outs, ref_dx, ref_dws) = results
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    for got, ref in zip(outs, ref_outs):
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(dx, ref_dx, **tol)
+    assert dws[2] is None and ref_dws[2] is None
+    for got, ref in zip(dws[:2], ref_dws[:2]):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, **tol)
