@@ -25,6 +25,13 @@ quarter of the largest finite value in fp16 so that the mask bias plus a pair bi
 A query whose every key is masked out gets near-uniform weights whose exact values depend on how an
 implementation rounds ``-1e9 + logit``; no real entry is such a query when the masks come from a
 crop's padding.
+
+Already-normalised inputs: every sublayer begins with a LayerNorm of the residual stream it reads,
+and its ``forward(..., normed=True)`` (or ``forward_normed``) takes that LayerNorm's output instead
+(for the row attention, the normalised m; its pair-bias LayerNorm still reads z). The dslab set's
+block (:class:`dslab.models.evoformer.EvoformerBlock`) computes it together with the residual add
+that precedes it (:func:`add_layer_norm`); ``normed=True`` keeps the call going through the
+module, so that its hooks (the flops profiler's per-sublayer counts) still see every sublayer.
 """
 
 from __future__ import annotations
@@ -150,6 +157,17 @@ class GateLinear(nn.Linear):
     gates start mostly open."""
 
 
+def add_layer_norm(norm: LayerNorm, update: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h), h)`` with ``h = residual + update``, from one ``ops.layer_norm(residual=)`` call:
+    the dslab kernel writes ``h`` and its normalisation in one pass and adds ``h``'s incoming
+    gradient inside the LayerNorm backward, so neither the add nor the accumulation of the residual
+    stream's gradient is a kernel of its own. Both are taken in the dtype ``residual + update``
+    would have (an fp32 stream stays fp32 under autocast)."""
+    dtype = torch.promote_types(update.dtype, residual.dtype)
+    return norm.ops.layer_norm(update.to(dtype), norm.weight, norm.bias, norm.eps, residual=residual.to(dtype))
+
+
 def shared_dropout(x: torch.Tensor, p: float, shared_dim: int, training: bool) -> torch.Tensor:
     """AF2's row-/column-wise dropout: one mask for every index along ``shared_dim`` (``-3``:
     shared across rows, "DropoutRowwise"; ``-2``: across columns, "DropoutColumnwise")."""
@@ -220,10 +238,16 @@ class MSARowAttentionWithPairBias(nn.Module):
         self.linear_z = nn.Linear(c_z, heads, bias=False)
         self.mha = GatedAttention(c_m, heads, head_dim, kernels)
 
-    def forward(self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
-        x = self.layer_norm_m(m)
-        pair_bias = self.linear_z(self.layer_norm_z(z)).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
-        return self.mha(x, msa_mask, pair_bias)
+    def forward(self, m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, normed: bool = False
+                ) -> torch.Tensor:
+        """``normed``: ``m`` is already ``layer_norm_m``'s output (z is always the raw pair stream)."""
+        x = m if normed else self.layer_norm_m(m)
+        return self.forward_normed(x, self.layer_norm_z(z), msa_mask)
+
+    def forward_normed(self, x_m: torch.Tensor, x_z: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
+        """The update from ``x_m = layer_norm_m(m)`` and ``x_z = layer_norm_z(z)``."""
+        pair_bias = self.linear_z(x_z).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
+        return self.mha(x_m, msa_mask, pair_bias)
 
 
 class MSAColumnAttention(nn.Module):
@@ -234,11 +258,18 @@ class MSAColumnAttention(nn.Module):
         self.layer_norm_m = LayerNorm(c_m, LAYER_NORM_EPS, ops)
         self.mha = GatedAttention(c_m, heads, head_dim, kernels)
 
-    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
-        if self.mha.fused_gate:  # dslab: attend down the columns of m in place
-            return self.mha(self.layer_norm_m(m), msa_mask.transpose(-1, -2), transposed=True)
+    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """``normed``: ``m`` is already ``layer_norm_m(m)`` (in m's layout)."""
+        if normed or self.mha.fused_gate:
+            return self.forward_normed(m if normed else self.layer_norm_m(m), msa_mask)
         x = self.layer_norm_m(m.transpose(-2, -3))  # [B, R, S, c_m]
         return self.mha(x, msa_mask.transpose(-1, -2)).transpose(-2, -3)
+
+    def forward_normed(self, x: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
+        """The update from ``x = layer_norm_m(m)`` ``[B, S, R, c_m]`` (m's layout, not transposed)."""
+        if self.mha.fused_gate:  # dslab: attend down the columns of x in place
+            return self.mha(x, msa_mask.transpose(-1, -2), transposed=True)
+        return self.mha(x.transpose(-2, -3), msa_mask.transpose(-1, -2)).transpose(-2, -3)
 
 
 class Transition(nn.Module):
@@ -251,8 +282,13 @@ class Transition(nn.Module):
         self.linear_2 = nn.Linear(factor * c, c)
         self.fused = ops.name == "dslab"
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        hidden = F.relu(apply_linear(self.linear_1, self.layer_norm(x), self.fused))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """``normed``: ``x`` is already ``layer_norm(x)``."""
+        return self.forward_normed(x if normed else self.layer_norm(x), mask)
+
+    def forward_normed(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The masked update from ``x = layer_norm(stream)``."""
+        hidden = F.relu(apply_linear(self.linear_1, x, self.fused))
         x = apply_linear(self.linear_2, hidden, self.fused)
         return x * mask.unsqueeze(-1).to(x.dtype)
 
@@ -271,8 +307,12 @@ class OuterProductMean(nn.Module):
         self.linear_out = nn.Linear(c_hidden * c_hidden, c_z)
         self.fused = ops.name == "dslab"
 
-    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
-        x = self.layer_norm(m)
+    def forward(self, m: torch.Tensor, msa_mask: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """``normed``: ``m`` is already ``layer_norm(m)``."""
+        return self.forward_normed(m if normed else self.layer_norm(m), msa_mask)
+
+    def forward_normed(self, x: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
+        """The pair update from ``x = layer_norm(m)`` ``[B, S, R, c_m]``."""
         if self.fused:  # both projections in one matmul (see fused_projections)
             weight = torch.cat([self.linear_1.weight, self.linear_2.weight])
             bias = torch.cat([self.linear_1.bias, self.linear_2.bias])
@@ -284,7 +324,7 @@ class OuterProductMean(nn.Module):
         batch, seqs, res, c = a.shape
         # [B, R*c, S] @ [B, S, R*c]: the sum over sequences as one matmul.
         outer = torch.matmul(a.reshape(batch, seqs, res * c).transpose(-1, -2), b.reshape(batch, seqs, res * c))
-        with torch.autocast(m.device.type, enabled=False):  # counts up to N_seq, exact in fp32
+        with torch.autocast(x.device.type, enabled=False):  # counts up to N_seq, exact in fp32
             float_mask = msa_mask.float()
             count = torch.matmul(float_mask.transpose(-1, -2), float_mask)  # [B, R, R]
         if self.fused:
@@ -316,10 +356,14 @@ class TriangleMultiplication(nn.Module):
         self.linear_z = nn.Linear(c_hidden, c_z)
         self.layer_norm_out = LayerNorm(c_hidden, LAYER_NORM_EPS, ops)
 
-    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """``normed``: ``z`` is already ``layer_norm_in(z)``."""
+        return self.forward_normed(z if normed else self.layer_norm_in(z), pair_mask)
+
+    def forward_normed(self, x: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        """The update from ``x = layer_norm_in(z)``."""
         if self.fused_gate:
-            return self._forward_fused(z, pair_mask)
-        x = self.layer_norm_in(z)
+            return self._forward_fused(x, pair_mask)
         a = torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)
         b = torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)
         mask = pair_mask.unsqueeze(-1).to(a.dtype)
@@ -331,14 +375,13 @@ class TriangleMultiplication(nn.Module):
         update = self.linear_z(self.layer_norm_out(product.permute(0, 2, 3, 1)))
         return torch.sigmoid(self.linear_g(x)) * update
 
-    def _forward_fused(self, z: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
         """The same function on :func:`dslab.kernels.sigmoid_gate`: the five projections of
-        ``LN(z)`` in one matmul (:func:`fused_projections`), each gate taking its two projections
+        ``x = LN(z)`` in one matmul (:func:`fused_projections`), each gate taking its two projections
         without their biases and adding them itself, and ``a``, ``b`` come out
         channels-first (``[B, c, R, R]``), the layout the triangle product multiplies in; the
         product is normalised over c by :func:`dslab.kernels.layer_norm_channels.layer_norm_channels_first`,
         which reads it channels first and writes ``[B, R, R, c]``."""
-        x = self.layer_norm_in(z)
         a_g, a_p, b_g, b_p, g = fused_projections(
             x, [self.linear_a_g, self.linear_a_p, self.linear_b_g, self.linear_b_p, self.linear_g])
         a = sigmoid_gate(a_g, a_p, self.linear_a_g.bias, self.linear_a_p.bias, pair_mask, channels_first=True)
@@ -364,16 +407,27 @@ class TriangleAttention(nn.Module):
         self.linear = nn.Linear(c_z, heads, bias=False)
         self.mha = GatedAttention(c_z, heads, head_dim, kernels)
 
-    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
-        if not self.starting and self.mha.fused_gate:
-            # dslab: the ending node attends down the columns of z in place; its bias
-            # b[h, j, k] = linear(LN(z))[k, j, h] is the transposed projection.
-            x = self.layer_norm(z)
-            triangle_bias = self.linear(x).permute(0, 3, 2, 1).unsqueeze(1)  # [B, 1, H, R, R]
-            return self.mha(x, pair_mask.transpose(-1, -2), triangle_bias, transposed=True)
+    def forward(self, z: torch.Tensor, pair_mask: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """``normed``: ``z`` is already ``layer_norm(z)`` (z's layout, for either node)."""
+        if normed or (not self.starting and self.mha.fused_gate):
+            return self.forward_normed(z if normed else self.layer_norm(z), pair_mask)
         if not self.starting:
             z, pair_mask = z.transpose(-2, -3), pair_mask.transpose(-1, -2)
         x = self.layer_norm(z)
+        triangle_bias = self.linear(x).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
+        update = self.mha(x, pair_mask, triangle_bias)
+        return update if self.starting else update.transpose(-2, -3)
+
+    def forward_normed(self, x: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        """The update from ``x = layer_norm(z)`` ``[B, R, R, c_z]`` (z's layout: the ending node
+        is not transposed first), which the triangle bias projection reads too."""
+        if not self.starting and self.mha.fused_gate:
+            # dslab: the ending node attends down the columns of z in place; its bias
+            # b[h, j, k] = linear(LN(z))[k, j, h] is the transposed projection.
+            triangle_bias = self.linear(x).permute(0, 3, 2, 1).unsqueeze(1)  # [B, 1, H, R, R]
+            return self.mha(x, pair_mask.transpose(-1, -2), triangle_bias, transposed=True)
+        if not self.starting:
+            x, pair_mask = x.transpose(-2, -3), pair_mask.transpose(-1, -2)
         triangle_bias = self.linear(x).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
         update = self.mha(x, pair_mask, triangle_bias)
         return update if self.starting else update.transpose(-2, -3)

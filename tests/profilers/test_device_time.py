@@ -115,7 +115,7 @@ def test_timer_on_cpu_charges_each_module_its_work():
     for key in ("forward_ms", "backward_ms"):
         a, b, wide = median("0", key), median("1", key), median("2", key)
         assert 0.4 < a / b < 2.5, (key, a, b)
-        assert wide > 3 * max(a, b), (key, a, b, wide)
+        assert wide > 2 * max(a, b), (key, a, b, wide)  # 4x the work; 2x leaves room for a loaded CI host
         for block in ("0", "1", "2"):
             parts = median(f"{block}.up", key) + median(f"{block}.down", key)
             assert median(block, key) >= parts * 0.999
