@@ -22,15 +22,27 @@ def find_fio() -> str | None:
 
 def fio_command(fio: str, path: str, size: int, op: str, **job) -> list[str]:
     """The command line of one run of :data:`FIO_JOB` (``op``: "read" or "write") over the
-    first ``size`` bytes of ``path``; ``job`` overrides its keys (e.g. ``bs``, ``iodepth``)."""
+    first ``size`` bytes of ``path``; ``job`` overrides its keys (e.g. ``bs``, ``iodepth``,
+    ``ioengine``). With ``numjobs`` > 1 the jobs split the range into equal parts (whole pages)
+    and fio reports them as one (``group_reporting``)."""
     if op not in ("read", "write"):
         raise ValueError(f"op must be 'read' or 'write', got {op!r}")
     unknown = sorted(set(job) - set(FIO_JOB))
     if unknown:
         raise ValueError(f"unknown fio job key {unknown[0]!r} (keys: {', '.join(FIO_JOB)})")
-    args = [fio, f"--name=dslab-nvme-tune-{op}", f"--filename={path}", f"--size={size}",
+    spec = {**FIO_JOB, **job}
+    jobs = int(spec["numjobs"])
+    if jobs < 1:
+        raise ValueError(f"numjobs must be >= 1, got {jobs}")
+    # Several jobs split the range: job k covers [k * share, (k + 1) * share), reported as one.
+    share = size if jobs == 1 else size // jobs // 4096 * 4096
+    if share <= 0:
+        raise ValueError(f"size {size} is too small for {jobs} jobs")
+    args = [fio, f"--name=dslab-nvme-tune-{op}", f"--filename={path}", f"--size={share}",
             f"--rw={op}", "--output-format=json", "--invalidate=1"]
-    args += [f"--{key}={value}" for key, value in {**FIO_JOB, **job}.items()]
+    if jobs > 1:
+        args += [f"--offset_increment={share}", "--group_reporting"]
+    args += [f"--{key}={value}" for key, value in spec.items()]
     return args
 
 

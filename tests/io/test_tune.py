@@ -57,6 +57,27 @@ def test_fio_output_and_command():
             "--size=1073741824", "--filename=/x/f"} <= set(command)
     with pytest.raises(ValueError, match="unknown fio job key 'depth'"):
         fio_runner.fio_command("fio", "/x/f", 1, "read", depth=3)
+    # several jobs split the file in whole pages and report as one
+    split = fio_runner.fio_command("fio", "/x/f", 1 << 30, "read", numjobs=4, iodepth=16, ioengine="io_uring")
+    assert {"--size=268435456", "--offset_increment=268435456", "--group_reporting", "--numjobs=4",
+            "--ioengine=io_uring"} <= set(split)
+    with pytest.raises(ValueError, match="numjobs must be >= 1"):
+        fio_runner.fio_command("fio", "/x/f", 1 << 20, "read", numjobs=0)
+
+
+def test_matched_fio_jobs_follow_the_configuration(tmp_path):
+    config = tune.sweep_configs({"block_size": [1 << 20], "queue_depth": [8], "intra_op_parallelism": [4],
+                                 "single_submit": [False], "overlap_events": [True]})[0]
+    jobs = tune._Fio(tmp_path / "f", 1 << 20, lambda _: None, []).matched_jobs(config)
+    assert {(j["ioengine"], j["iodepth"], j["numjobs"]) for j in jobs} == {
+        ("libaio", 32, 1), ("libaio", 8, 4), ("io_uring", 32, 1), ("io_uring", 8, 4)}
+    assert all(j["bs"] == 1 << 20 for j in jobs)
+
+
+def test_the_tuner_transfers_random_bytes_not_zeros(tmp_path):
+    """A virtual disk may keep zero blocks as holes and read them back without the drive."""
+    buffer = tune._Bench(tmp_path / "f", 1 << 16, "cpu").buffer
+    assert (buffer == 0).float().mean() < 0.01
 
 
 def test_rounds_drop_the_clearly_worse():
@@ -95,7 +116,10 @@ def test_nvme_tune_on_a_few_mib_writes_a_report_the_dashboard_shows(tmp_path, ca
     assert all(len(r["trials"]) == 2 and r["GBps"] > 0 for r in record["configs"])
     assert {(r.case, r.arm) for r in report.results} >= {("read", "dslab"), ("write", "dslab")}
     if with_fio:
-        assert record["fio"]["read"]["GBps"] > 0 and record["fio"]["matched"]["write"]["iodepth"] in (4, 16)
+        matched = record["fio"]["matched"]["write"]
+        assert record["fio"]["read"]["GBps"] > 0 and matched["iodepth"] * matched["numjobs"] in (4, 16)
+        assert matched["GBps"] == max(v["GBps"] for v in matched["variants"])
+        assert {(v["iodepth"], v["numjobs"]) for v in matched["variants"]} <= {(4, 1), (2, 2), (16, 1), (8, 2)}
 
     from dashboards.app import render
     from dashboards.data import RunStore
