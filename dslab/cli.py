@@ -94,6 +94,27 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
     plot.add_argument("run", help="run id (or a prefix), suite/run_id, or a run directory")
     plot.add_argument("--reports", default="reports", help="reports root (default: reports/)")
     plot.add_argument("--out", default=None, help="output folder (default: <run directory>/plots)")
+    export = actions.add_parser("export", help="write a run's tables (runs, trials, results, profiler records) "
+                                               "as CSV, Parquet or JSON files")
+    export.add_argument("run", help="run id (or a prefix), suite/run_id, or a run directory")
+    export.add_argument("--reports", default="reports", help="reports root (default: reports/)")
+    export.add_argument("--format", default="csv", help="csv (default), parquet (needs pyarrow) or json")
+    export.add_argument("--out", default=None, help="output folder (default: <run directory>/export)")
+
+
+def _run_report_export(args: argparse.Namespace) -> int:
+    try:
+        from dslab.report import frames
+    except ImportError as err:
+        raise ValueError(f"{err.name or err} is not installed: dslab report export needs pandas "
+                         "(pip install pandas)") from None
+    from dslab.report import find_run, read_report
+
+    frames.check_format(args.format)
+    run = find_run(args.reports, args.run)
+    for path in frames.export(read_report(run), args.out or run / "export", args.format):
+        print(path)
+    return 0
 
 
 def _run_report_plot(args: argparse.Namespace) -> int:
@@ -118,6 +139,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
     if args.report_action == "plot":
         return _run_report_plot(args)
+    if args.report_action == "export":
+        return _run_report_export(args)
     if args.report_action == "list":
         runs = list_runs(args.reports, args.suite)
         if not runs:
@@ -265,7 +288,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "report",
-        "list run reports, show one, or plot one to PNG files",
+        "list run reports, show one, plot one to PNG files, or export its tables to CSV/Parquet/JSON",
         _report_arguments,
         _run_report,
     ),

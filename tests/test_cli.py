@@ -29,6 +29,7 @@ EXPECTED_COMMANDS = {
         "list": {"--suite", "--reports"},
         "show": {"--reports", "--json"},
         "plot": {"--reports", "--out"},
+        "export": {"--reports", "--format", "--out"},
     },
     "dashboard": {"--reports", "--host", "--port"},
     "trace": {"--reports", "--force"},

@@ -1,0 +1,392 @@
+"""Run reports as pandas DataFrames, and their export to CSV, Parquet or JSON files.
+
+Every function takes a :class:`RunReport`, a path (a run directory or its ``run.json``), a
+report's parsed JSON, or a list of any of those, and returns one DataFrame over all of them. A
+report that lacks a section gives no rows; a frame with no rows still has its documented columns.
+Malformed records (not an object, a field of the wrong type) are skipped or read as missing.
+
+Column types are fixed, so a frame reads back equal from any of the formats:
+
+- text: pandas' ``"string"`` dtype; an empty string is read as missing (CSV cannot tell them
+  apart, so frames never hold one: the flops profile's model itself, named ``""`` in the report,
+  has a missing ``name`` and depth 0);
+- integers: ``"Int64"`` (nullable), flags: ``"boolean"`` (nullable), other numbers: ``float64``;
+- ``created`` and ``finished`` stay ISO-8601 text (``pandas.to_datetime`` parses them).
+
+``trials`` and ``results`` add one ``float64`` column per metric the report holds, after their
+fixed columns: the metrics of :data:`METRIC_DIRECTIONS` in that order, then the others by name.
+
+:func:`export` writes each non-empty frame as ``<name>.csv`` (missing = empty field),
+``<name>.parquet`` (needs pyarrow) or ``<name>.json`` (a list of records, missing = null), each
+atomically; :func:`read_exported` reads them back with the same column types.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from dslab.report.schema import METRIC_DIRECTIONS, RunReport, report_from_dict
+from dslab.report.store import atomic_write_bytes, read_report
+
+FORMATS = ("csv", "parquet", "json")
+DTYPES = {"str": "string", "int": "Int64", "float": "float64", "bool": "boolean"}
+_INT64_MAX = 2**63 - 1
+
+
+def _spec(text: str) -> dict[str, str]:
+    """``"a b:int c:float"`` -> ``{"a": "str", "b": "int", "c": "float"}``."""
+    return dict((item.split(":") + ["str"])[:2] for item in text.split())
+
+
+# The fixed columns of each frame and their kinds (see DTYPES).
+COLUMNS: dict[str, dict[str, str]] = {
+    "runs": _spec("run_id suite status created finished schema_version:int hardware gpu_count:int "
+                  "torch_version cuda_version dslab_version git_commit git_dirty:bool scale precision "
+                  "trials:int steps:int warmup_steps:int world_size:int zero_stage:int"),
+    "trials": _spec("run_id suite case arm status trial:int step_count:int"),
+    "results": _spec("run_id suite case arm status error trial_count:int"),
+    "flops_modules": _spec("run_id case name type depth:int params:int forward_flops:int backward_flops:int "
+                           "macs:int elementwise_flops:int calls:int forward_latency_ms:float "
+                           "backward_latency_ms:float forward_device_ms:float backward_device_ms:float "
+                           "device_tflops:float"),
+    "comms_calls": _spec("run_id case rank:int op group group_size:int seq:int bytes:int dtype async:bool "
+                         "step:int arrival_ns:int host_arrival_ns:int latency_ms:float"),
+    "stragglers": _spec("run_id case rank:int straggler:bool collectives:int times_last:int last_fraction:float "
+                        "total_wait_ms:float mean_wait_ms:float max_wait_ms:float caused_wait_ms:float "
+                        "mean_caused_wait_ms:float"),
+    "memory_timeline": _spec("run_id case step:int peak_allocated:int peak_reserved:int"),
+    "telemetry_timeline": _spec("run_id case gpu_uuid gpu_index:int gpu_name t:float util_gpu:float "
+                                "util_mem:float sm_clock_mhz:float mem_used_bytes:int power_w:float "
+                                "temp_c:float throttle"),
+    "wall_clock": _spec("run_id case phase count:int mean_ms:float median_ms:float min_ms:float max_ms:float"),
+    "io_records": _spec("run_id case kind record op label block_size:int queue_depth:int "
+                        "intra_op_parallelism:int single_submit:bool overlap_events:bool GBps:float "
+                        "spread_pct:float trials:int trials_GBps round:int dropped_after_round:int count:int "
+                        "bytes:int seconds:float median_GBps:float min_GBps:float max_GBps:float wait_s:float "
+                        "step:int path"),
+}
+# Frames whose rows carry metrics: one float64 column per metric, after the fixed columns.
+METRIC_FRAMES = ("trials", "results")
+
+ReportLike = RunReport | str | Path | dict
+
+
+def load(reports: ReportLike | list[ReportLike] | tuple) -> list[RunReport]:
+    """The reports ``reports`` names: a RunReport, a run directory or ``run.json`` path, a parsed
+    report, or a list of those."""
+    items = list(reports) if isinstance(reports, (list, tuple)) else [reports]
+    out = []
+    for item in items:
+        if isinstance(item, RunReport):
+            out.append(item)
+        elif isinstance(item, dict):
+            out.append(report_from_dict(item))
+        elif isinstance(item, (str, Path)):
+            out.append(read_report(item))
+        else:
+            raise TypeError(f"expected a RunReport, a path or a report dict, not {type(item).__name__}")
+    return out
+
+
+def _coerce(value: Any, kind: str) -> Any:
+    """``value`` as a value of column kind ``kind``, or None when it is missing or not one."""
+    if value is None or value is pd.NA:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "str":
+        if isinstance(value, (dict, list)):
+            return json.dumps(value, sort_keys=True)
+        return str(value) if value != "" else None
+    if kind == "bool":
+        return value if isinstance(value, bool) else None
+    if kind == "int":
+        if number and not (isinstance(value, float) and not value.is_integer()) and abs(value) <= _INT64_MAX:
+            return int(value)
+        return None
+    return float(value) if number and not (isinstance(value, float) and math.isnan(value)) else None
+
+
+def _metric_order(names: set[str]) -> list[str]:
+    known = [m for m in METRIC_DIRECTIONS if m in names]
+    return known + sorted(names - set(known))
+
+
+def _frame(name: str, rows: list[dict]) -> pd.DataFrame:
+    """Frame ``name`` of ``rows`` with its fixed columns (and metric columns) and their dtypes."""
+    kinds = dict(COLUMNS[name])
+    if name in METRIC_FRAMES:
+        extra = {key for row in rows for key in row} - set(kinds)
+        kinds.update({metric: "float" for metric in _metric_order(extra)})
+    return pd.DataFrame({column: pd.Series([_coerce(row.get(column), kind) for row in rows],
+                                           dtype=DTYPES[kind])
+                         for column, kind in kinds.items()})
+
+
+def _section(report: RunReport, name: str) -> list[tuple[str, dict]]:
+    """``[(case, record)]`` of profiler section ``name``; records that are not objects skipped."""
+    raw = report.profilers.get(name) if isinstance(report.profilers, dict) else None
+    if not isinstance(raw, dict):
+        return []
+    return [(str(case), record) for case, record in raw.items() if isinstance(record, dict)]
+
+
+def _objects(value: Any) -> list[dict]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def runs(reports) -> pd.DataFrame:
+    """One row per run. Columns: run_id, suite, status, created, finished, schema_version,
+    hardware (the GPUs' names, or ``CPU``), gpu_count, torch_version, cuda_version, dslab_version,
+    git_commit, git_dirty, and from the config: scale, precision, trials, steps, warmup_steps,
+    world_size, zero_stage."""
+    rows = []
+    for r in load(reports):
+        env, cfg = _dict(r.environment), _dict(r.config)
+        gpus = _objects(_dict(env.get("cuda")).get("gpus"))
+        torch_env, dslab_env = _dict(env.get("torch")), _dict(env.get("dslab"))
+        rows.append({"run_id": r.run_id, "suite": r.suite, "status": r.status, "created": r.created,
+                     "finished": r.finished, "schema_version": r.schema_version,
+                     "hardware": ", ".join(str(g.get("name", "?")) for g in gpus) or "CPU",
+                     "gpu_count": len(gpus), "torch_version": torch_env.get("version"),
+                     "cuda_version": torch_env.get("cuda"), "dslab_version": dslab_env.get("version"),
+                     "git_commit": dslab_env.get("git_commit"), "git_dirty": dslab_env.get("git_dirty"),
+                     **{k: cfg.get(k) for k in ("scale", "precision", "trials", "steps", "warmup_steps",
+                                                "world_size", "zero_stage")}})
+    return _frame("runs", rows)
+
+
+def trials(reports) -> pd.DataFrame:
+    """One row per (run, case, arm, trial): run_id, suite, case, arm, status (the arm's), trial,
+    step_count (timed steps recorded), then every metric the trials hold (step_time_ms,
+    samples_per_s, tokens_per_s, model_tflops, mfu_measured, peak_memory_bytes, ...)."""
+    rows = []
+    for r in load(reports):
+        for res in r.results:
+            for t in res.trials:
+                rows.append({**t.metrics, "run_id": r.run_id, "suite": r.suite, "case": res.case, "arm": res.arm,
+                             "status": res.status, "trial": t.trial, "step_count": len(t.step_times_ms)})
+    return _frame("trials", rows)
+
+
+def results(reports) -> pd.DataFrame:
+    """One row per (run, case, arm): run_id, suite, case, arm, status, error, trial_count, then
+    the summary metrics (medians over trials)."""
+    rows = [{**res.metrics, "run_id": r.run_id, "suite": r.suite, "case": res.case, "arm": res.arm,
+             "status": res.status, "error": res.error, "trial_count": len(res.trials)}
+            for r in load(reports) for res in r.results]
+    return _frame("results", rows)
+
+
+def flops_modules(reports) -> pd.DataFrame:
+    """One row per module of each case's flops profile (``profilers["flops"][case]["modules"]``,
+    parents before children): run_id, case, name (missing for the model itself), type, depth,
+    params, forward_flops, backward_flops, macs, elementwise_flops, calls, forward_latency_ms,
+    backward_latency_ms, forward_device_ms, backward_device_ms, device_tflops."""
+    rows = [{**m, "run_id": r.run_id, "case": case}
+            for r in load(reports) for case, record in _section(r, "flops") for m in _objects(record.get("modules"))]
+    return _frame("flops_modules", rows)
+
+
+def comms_calls(reports) -> pd.DataFrame:
+    """One row per collective call of every rank (``profilers["comms"][case]["per_rank"]``):
+    run_id, case, rank, op, group (its ranks, comma-separated), group_size, seq (per group and
+    op), bytes, dtype, async, step, arrival_ns, host_arrival_ns, latency_ms."""
+    rows = []
+    for r in load(reports):
+        for case, record in _section(r, "comms"):
+            for rank, calls in _dict(record.get("per_rank")).items():
+                rows.extend({**c, "run_id": r.run_id, "case": case, "rank": _rank(rank)} for c in _objects(calls))
+    return _frame("comms_calls", rows)
+
+
+def _rank(key: Any) -> int | None:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        return None
+
+
+def stragglers(reports) -> pd.DataFrame:
+    """One row per rank of each case's straggler analysis (``comms[case]["straggler"]["ranks"]``):
+    run_id, case, rank, straggler (named one), collectives, times_last, last_fraction,
+    total_wait_ms, mean_wait_ms, max_wait_ms, caused_wait_ms, mean_caused_wait_ms."""
+    rows = []
+    for r in load(reports):
+        for case, record in _section(r, "comms"):
+            analysis = _dict(record.get("straggler"))
+            named = analysis.get("stragglers", record.get("stragglers"))
+            named = {_rank(s) for s in named} if isinstance(named, list) else set()
+            for rank, stats in _dict(analysis.get("ranks")).items():
+                if isinstance(stats, dict):
+                    rows.append({**stats, "run_id": r.run_id, "case": case, "rank": _rank(rank),
+                                 "straggler": _rank(rank) in named})
+    return _frame("stragglers", rows)
+
+
+def memory_timeline(reports) -> pd.DataFrame:
+    """One row per recorded step of each case's memory profile (``memory[case]["steps"]``):
+    run_id, case, step, peak_allocated, peak_reserved (bytes)."""
+    rows = [{"step": i, **s, "run_id": r.run_id, "case": case}
+            for r in load(reports) for case, record in _section(r, "memory")
+            for i, s in enumerate(_objects(record.get("steps")))]
+    return _frame("memory_timeline", rows)
+
+
+def telemetry_timeline(reports) -> pd.DataFrame:
+    """One row per NVML sample of each GPU (``telemetry[case]["gpus"][uuid]["samples"]``):
+    run_id, case, gpu_uuid, gpu_index, gpu_name, t (seconds from the start), util_gpu, util_mem,
+    sm_clock_mhz, mem_used_bytes, power_w, temp_c, throttle (the reasons, comma-separated;
+    missing when none)."""
+    rows = []
+    for r in load(reports):
+        for case, record in _section(r, "telemetry"):
+            for uuid, gpu in _dict(record.get("gpus")).items():
+                gpu = _dict(gpu)
+                for s in _objects(gpu.get("samples")):
+                    throttle = s.get("throttle")
+                    rows.append({**s, "run_id": r.run_id, "case": case, "gpu_uuid": uuid,
+                                 "gpu_index": gpu.get("index"), "gpu_name": gpu.get("name"),
+                                 "throttle": ",".join(map(str, throttle)) if isinstance(throttle, list) else throttle})
+    return _frame("telemetry_timeline", rows)
+
+
+def wall_clock(reports) -> pd.DataFrame:
+    """One row per phase of each case's wall-clock timers (``wall_clock[case]["phases"]``):
+    run_id, case, phase, count, mean_ms, median_ms, min_ms, max_ms."""
+    rows = [{**stats, "run_id": r.run_id, "case": case, "phase": phase}
+            for r in load(reports) for case, record in _section(r, "wall_clock")
+            for phase, stats in _dict(record.get("phases")).items() if isinstance(stats, dict)]
+    return _frame("wall_clock", rows)
+
+
+def io_records(reports) -> pd.DataFrame:
+    """The ``io`` section (``profilers["io"][case]``), one row per record, ``kind`` the producer
+    (``tune`` or ``engine``) and ``record`` the row's sort:
+
+    - ``config`` (``dslab nvme-tune``): op, label, block_size, queue_depth, intra_op_parallelism,
+      single_submit, overlap_events, GBps (median), spread_pct, trials (their count), trials_GBps
+      (their GB/s as a JSON list), round, dropped_after_round;
+    - ``operation`` (an engine run, per kind of swap or checkpoint write): op (the kind), count,
+      bytes, seconds, GBps, median_GBps, min_GBps, max_GBps, wait_s;
+    - ``event`` (an engine run's kept events): op (the kind), bytes, seconds, GBps, wait_s, step, path.
+
+    Columns: run_id, case, kind, record, then the union of the above."""
+    rows = []
+    for r in load(reports):
+        for case, record in _section(r, "io"):
+            base = {"run_id": r.run_id, "case": case, "kind": record.get("kind")}
+            for c in _objects(record.get("configs")):
+                values = c.get("trials") if isinstance(c.get("trials"), list) else None
+                rows.append({**c, **base, "record": "config", "trials": len(values) if values is not None else None,
+                             "trials_GBps": json.dumps(values) if values is not None else None})
+            for o in _objects(record.get("operations")):
+                rows.append({**o, **base, "record": "operation", "op": o.get("kind")})
+            for e in _objects(record.get("events")):
+                rows.append({**e, **base, "record": "event", "op": e.get("kind"), "bytes": e.get("nbytes")})
+    return _frame("io_records", rows)
+
+
+FRAMES: dict[str, Callable[..., pd.DataFrame]] = {
+    "runs": runs, "trials": trials, "results": results, "flops_modules": flops_modules,
+    "comms_calls": comms_calls, "stragglers": stragglers, "memory_timeline": memory_timeline,
+    "telemetry_timeline": telemetry_timeline, "wall_clock": wall_clock, "io_records": io_records,
+}
+
+
+def all_frames(reports) -> dict[str, pd.DataFrame]:
+    """Every frame of :data:`FRAMES` over ``reports`` (read once), by name."""
+    loaded = load(reports)
+    return {name: build(loaded) for name, build in FRAMES.items()}
+
+
+def check_format(fmt: str) -> str:
+    """``fmt`` when it is one of :data:`FORMATS`; else ValueError naming them."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def _require_pyarrow() -> None:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ValueError("the parquet format needs pyarrow, which is not installed "
+                         "(pip install pyarrow), or export as csv or json") from None
+
+
+def _restore(name: str, frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with the dtypes of frame ``name``'s columns (metrics: float64) and a fresh index."""
+    kinds = COLUMNS.get(name, {})
+    frame = frame.astype({c: DTYPES[kinds.get(c, "float")] for c in frame.columns})
+    return frame.reset_index(drop=True)
+
+
+def _encode(frame: pd.DataFrame, fmt: str) -> bytes:
+    if fmt == "csv":
+        return frame.to_csv(index=False, na_rep="").encode()
+    if fmt == "parquet":
+        buffer = io.BytesIO()
+        frame.to_parquet(buffer, index=False, engine="pyarrow")
+        return buffer.getvalue()
+    columns = {c: [None if v is pd.NA or (isinstance(v, float) and math.isnan(v)) else v for v in frame[c].tolist()]
+               for c in frame.columns}
+    records = [dict(zip(columns, values)) for values in zip(*columns.values())]
+    return (json.dumps(records, indent=None) + "\n").encode()
+
+
+def _decode(name: str, path: Path, fmt: str) -> pd.DataFrame:
+    kinds = COLUMNS.get(name, {})
+    if fmt == "csv":
+        header = pd.read_csv(path, nrows=0).columns
+        dtypes = {c: DTYPES[kinds.get(c, "float")] for c in header}
+        return _restore(name, pd.read_csv(path, dtype=dtypes, keep_default_na=False, na_values=[""]))
+    if fmt == "parquet":
+        return _restore(name, pd.read_parquet(path, engine="pyarrow"))
+    records = json.loads(path.read_text())
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"{path} is not a JSON list of records")
+    columns = list(records[0]) if records else list(kinds)
+    return pd.DataFrame({c: pd.Series([_coerce(r.get(c), kinds.get(c, "float")) for r in records],
+                                      dtype=DTYPES[kinds.get(c, "float")]) for c in columns})
+
+
+def export(reports, out_dir: str | Path, fmt: str = "csv") -> list[Path]:
+    """Write each non-empty frame of ``reports`` to ``<out_dir>/<name>.<fmt>`` (``fmt`` one of
+    :data:`FORMATS`), each atomically (a temp file in ``out_dir``, then a rename); returns the
+    paths written. ValueError for an unknown format, or parquet without pyarrow."""
+    check_format(fmt)
+    if fmt == "parquet":
+        _require_pyarrow()
+    out = Path(out_dir)
+    written = []
+    for name, frame in all_frames(reports).items():
+        if frame.empty:
+            continue
+        path = out / f"{name}.{fmt}"
+        atomic_write_bytes(path, _encode(frame, fmt))
+        written.append(path)
+    return written
+
+
+def read_exported(out_dir: str | Path, fmt: str = "csv") -> dict[str, pd.DataFrame]:
+    """The frames :func:`export` wrote to ``out_dir`` in format ``fmt``, by name, with their
+    dtypes restored; frames without a file are left out."""
+    check_format(fmt)
+    if fmt == "parquet":
+        _require_pyarrow()
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise FileNotFoundError(f"no exported frames at {out}")
+    return {name: _decode(name, out / f"{name}.{fmt}", fmt)
+            for name in FRAMES if (out / f"{name}.{fmt}").is_file()}

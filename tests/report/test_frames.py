@@ -1,0 +1,216 @@
+"""dslab.report.frames: run reports as DataFrames (on the checked-in GPU reports and a small report
+built here with every profiler section), their export to CSV / Parquet / JSON and back, and
+``dslab report export``.
+
+Round trips compare with ``assert_frame_equal`` exactly: the frames fix their dtypes (``string``,
+``Int64``, ``boolean``, ``float64``) and ``read_exported`` restores them, so the only
+normalisation is the one the frames make themselves (an empty string is read as missing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pd = pytest.importorskip("pandas")
+
+from dslab import cli  # noqa: E402
+from dslab.report import Result, RunReport, Trial, read_report, write_report  # noqa: E402
+from dslab.report import frames  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent.parent / "dashboards" / "fixtures" / "gpu_reports"
+FIXTURE_RUNS = sorted(p.parent for p in FIXTURES.glob("*/*/run.json"))
+
+
+def small_report() -> RunReport:
+    """Two arms of one case (one failed, without trials) and every section, two ranks of comms."""
+    r = RunReport(run_id="20261201T120000Z-abc123", suite="tiny", status="complete",
+                  created="2026-12-01T12:00:00+00:00", finished=None)
+    r.environment = {"torch": {"version": "2.13.0+cpu"}, "dslab": {"version": "0.1.0", "git_dirty": False}}
+    r.config = {"scale": "tiny", "precision": "fp32", "trials": 3, "steps": 4, "warmup_steps": 1}
+    ok = Result(case="c1", arm="dslab", trials=[
+        Trial(trial=t, step_times_ms=[10.0 + t] * 4,
+              metrics={"samples_per_s": 100.0 / (t + 1), "step_time_ms": 10.0 + t, "graph_pool_bytes": 2.0**40 + t})
+        for t in range(3)])
+    ok.summarize()
+    r.results = [ok, Result(case="c1", arm="torch", status="failed", error="out of memory\nline two, \"quoted\"")]
+    call = {"op": "all_reduce", "group": "0,1", "group_size": 2, "bytes": 4096, "dtype": "float32",
+            "async": False, "step": 0, "latency_ms": 0.25}
+    per_rank = {str(rank): [{**call, "seq": s, "arrival_ns": 1795566053992091400 + rank * 7 + s,
+                             "host_arrival_ns": 1795566053992091400 + s} for s in range(3)] for rank in (0, 1)}
+    r.profilers = {
+        "flops": {"c1": {"modules": [{"name": "", "type": "Net", "depth": 0, "params": 10, "forward_flops": 5 * 10**12},
+                                     {"name": "fc", "type": "Linear", "depth": 1, "params": 10, "calls": 2}]}},
+        "memory": {"c1": {"steps": [{"step": s, "peak_allocated": 1000 + s, "peak_reserved": 2048} for s in range(5)]}},
+        "comms": {"c1": {"rank": 0, "per_rank": per_rank, "stragglers": [1],
+                         "straggler": {"stragglers": [1], "ranks": {
+                             "0": {"collectives": 3, "times_last": 0, "total_wait_ms": 6.0},
+                             "1": {"collectives": 3, "times_last": 3, "caused_wait_ms": 6.0}}}}},
+        "telemetry": {"c1": {"gpus": {"GPU-x": {"index": 0, "name": "H100", "samples": [
+            {"t": 0.5 * i, "util_gpu": 50.0, "mem_used_bytes": 2**33, "power_w": 300.5, "temp_c": 40.0,
+             "throttle": ["sw_power_cap"] if i else []} for i in range(4)]}}}},
+        "wall_clock": {"c1": {"phases": {"forward": {"count": 4, "mean_ms": 1.5, "median_ms": 1.25,
+                                                     "min_ms": 1.0, "max_ms": 3.0}}}},
+        "io": {
+            "tune": {"kind": "tune", "configs": [
+                {"op": op, "block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 4,
+                 "single_submit": False, "overlap_events": True, "label": "bs=1M qd=32", "GBps": 2.5,
+                 "spread_pct": 1.5, "trials": [2.4, 2.5, 2.6], "round": 2, "dropped_after_round": None}
+                for op in ("read", "write")]},
+            "engine": {"kind": "engine",
+                       "operations": [{"kind": "swap_in", "count": 2, "bytes": 8192, "seconds": 0.5, "GBps": 1.6e-5,
+                                       "median_GBps": None, "min_GBps": None, "max_GBps": None, "wait_s": 0.1}],
+                       "events": [{"kind": "swap_in", "path": "/tmp/x.swp", "nbytes": 4096, "seconds": 0.25,
+                                   "wait_s": None, "step": s, "extra": {}, "GBps": 1.6e-5} for s in range(2)]},
+        },
+    }
+    return r
+
+
+def test_frames_of_the_gpu_reports_have_their_columns_and_rows():
+    assert len(FIXTURE_RUNS) == 3
+    reports = [read_report(p) for p in FIXTURE_RUNS]
+    got = frames.all_frames(FIXTURE_RUNS)
+    assert list(got) == list(frames.FRAMES)
+    for name, frame in got.items():
+        assert list(frame.columns)[:len(frames.COLUMNS[name])] == list(frames.COLUMNS[name]), name
+    assert len(got["runs"]) == 3 and list(got["runs"]["run_id"]) == [r.run_id for r in reports]
+    assert len(got["results"]) == sum(len(r.results) for r in reports)
+    assert len(got["trials"]) == sum(len(res.trials) for r in reports for res in r.results)
+    for metric in ("step_time_ms", "samples_per_s", "tokens_per_s", "model_tflops", "mfu_measured",
+                   "peak_memory_bytes"):
+        assert got["trials"][metric].dtype == "float64" and got["trials"][metric].notna().all()
+        assert got["results"][metric].notna().all()
+
+    def count(section, rows):
+        return sum(len(rows(rec)) for r in reports for rec in r.profilers[section].values())
+
+    assert len(got["flops_modules"]) == count("flops", lambda rec: rec["modules"]) > 0
+    assert got["flops_modules"]["name"].isna().sum() == count("flops", lambda rec: [0]), "one model root per case"
+    assert len(got["memory_timeline"]) == count("memory", lambda rec: rec["steps"]) > 0
+    assert len(got["telemetry_timeline"]) == count(
+        "telemetry", lambda rec: [s for g in rec["gpus"].values() for s in g["samples"]]) > 0
+    assert len(got["stragglers"]) == count("comms", lambda rec: rec["straggler"]["ranks"]) > 0
+    assert len(got["comms_calls"]) == 0 and len(got["io_records"]) == 0  # one GPU, no I/O records
+    assert len(got["wall_clock"]) == count("wall_clock", lambda rec: rec["phases"]) > 0
+
+
+def test_frames_of_a_small_report():
+    report = small_report()
+    got = frames.all_frames(report)
+    assert got["runs"].loc[0, "hardware"] == "CPU" and pd.isna(got["runs"].loc[0, "finished"])
+    assert got["runs"].loc[0, "git_dirty"] == False  # noqa: E712 (a pandas boolean)
+    trials = got["trials"]
+    assert len(trials) == 3 and list(trials["trial"]) == [0, 1, 2] and list(trials["step_count"]) == [4, 4, 4]
+    assert list(trials.columns[7:]) == ["samples_per_s", "step_time_ms", "graph_pool_bytes"]
+    results = got["results"]
+    assert list(results["arm"]) == ["dslab", "torch"] and list(results["trial_count"]) == [3, 0]
+    assert results.loc[1, "error"].startswith("out of memory") and pd.isna(results.loc[1, "samples_per_s"])
+    assert results.loc[0, "step_time_ms"] == 11.0
+    flops = got["flops_modules"]
+    assert pd.isna(flops.loc[0, "name"]) and flops.loc[0, "forward_flops"] == 5 * 10**12
+    calls = got["comms_calls"]
+    assert len(calls) == 6 and list(calls["rank"]) == [0, 0, 0, 1, 1, 1]
+    assert calls["arrival_ns"].max() == 1795566053992091400 + 7 + 2  # exact: Int64, not float
+    stragglers = got["stragglers"]
+    assert list(stragglers["straggler"]) == [False, True] and pd.isna(stragglers.loc[1, "total_wait_ms"])
+    assert len(got["memory_timeline"]) == 5
+    telemetry = got["telemetry_timeline"]
+    assert len(telemetry) == 4 and pd.isna(telemetry.loc[0, "throttle"]) and telemetry.loc[1, "throttle"] == "sw_power_cap"
+    io = got["io_records"]
+    assert list(io["record"]) == ["config", "config", "operation", "event", "event"]
+    assert list(io["kind"]) == ["tune"] * 2 + ["engine"] * 3
+    assert list(io.loc[:1, "op"]) == ["read", "write"] and list(io.loc[2:, "op"]) == ["swap_in"] * 3
+    assert io.loc[0, "trials"] == 3 and json.loads(io.loc[0, "trials_GBps"]) == [2.4, 2.5, 2.6]
+    assert io.loc[0, "block_size"] == 1 << 20 and io.loc[0, "overlap_events"] == True  # noqa: E712
+    assert io.loc[3, "bytes"] == 4096 and io.loc[4, "step"] == 1 and io.loc[3, "path"] == "/tmp/x.swp"
+
+
+def test_missing_sections_give_empty_frames_with_the_documented_columns():
+    bare = RunReport(run_id="20261201T120000Z-000000", suite="tiny")
+    bare.profilers = {"flops": None, "comms": {"c1": "not an object"}}
+    for name, frame in frames.all_frames(bare).items():
+        if name == "runs":
+            assert len(frame) == 1
+            continue
+        assert frame.empty, name
+        assert {c: str(t) for c, t in frame.dtypes.items()} == {
+            c: frames.DTYPES[k] for c, k in frames.COLUMNS[name].items()}, name
+
+
+def test_accepts_a_report_a_path_a_dict_or_a_list(tmp_path):
+    report = small_report()
+    run = write_report(report, tmp_path).parent
+    expected = frames.trials(report)
+    for source in (report, run, str(run / "run.json"), report.to_dict(), [run]):
+        pd.testing.assert_frame_equal(frames.trials(source), expected)
+    assert len(frames.runs([report, run, FIXTURE_RUNS[0]])) == 3
+    with pytest.raises(TypeError):
+        frames.runs(42)
+
+
+def _round_trip(source, out, fmt):
+    written = frames.export(source, out, fmt)
+    expected = {name: f for name, f in frames.all_frames(source).items() if not f.empty}
+    assert sorted(p.name for p in written) == sorted(f"{name}.{fmt}" for name in expected)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written), "no temp files left"
+    back = frames.read_exported(out, fmt)
+    assert list(back) == list(expected)
+    for name, frame in expected.items():
+        pd.testing.assert_frame_equal(back[name], frame, check_exact=True, obj=name)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json"])
+def test_export_round_trips(tmp_path, fmt):
+    _round_trip(small_report(), tmp_path / "small", fmt)
+    _round_trip(FIXTURE_RUNS, tmp_path / "gpu", fmt)
+    if fmt == "json":
+        records = json.loads((tmp_path / "small" / "results.json").read_text())
+        assert records[1]["arm"] == "torch" and records[1]["samples_per_s"] is None
+
+
+def test_parquet_round_trips_or_names_pyarrow(tmp_path, monkeypatch):
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="pyarrow"):
+            frames.export(small_report(), tmp_path, "parquet")
+    else:
+        _round_trip(small_report(), tmp_path / "small", "parquet")
+        monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if it were not installed
+        with pytest.raises(ValueError, match="pyarrow"):
+            frames.export(small_report(), tmp_path / "none", "parquet")
+        assert not (tmp_path / "none").exists()
+
+
+def test_unknown_format_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="csv, parquet, json"):
+        frames.export(small_report(), tmp_path, "xlsx")
+    with pytest.raises(FileNotFoundError):
+        frames.read_exported(tmp_path / "nowhere", "csv")
+
+
+def test_cli_export_writes_the_files(tmp_path, capsys):
+    report = small_report()
+    run = write_report(report, tmp_path / "reports").parent
+    assert cli.main(["report", "export", report.run_id, "--reports", str(tmp_path / "reports")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed and all(Path(p).parent == run / "export" and Path(p).is_file() for p in printed)
+    assert {Path(p).name for p in printed} == {f"{name}.csv" for name in frames.FRAMES}
+    out = tmp_path / "json"
+    assert cli.main(["report", "export", str(run), "--format", "json", "--out", str(out)]) == 0
+    assert sorted(capsys.readouterr().out.split()) == sorted(str(out / f"{n}.json") for n in frames.FRAMES)
+    pd.testing.assert_frame_equal(frames.read_exported(out, "json")["trials"], frames.trials(report))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["report", "export", "20991231T000000Z-ffffff"], "no run"),
+    (["report", "export", "tiny/20261201T120000Z-abc123", "--format", "xlsx"], "unknown export format 'xlsx'"),
+])
+def test_cli_export_errors_exit_1(tmp_path, capsys, argv, message):
+    write_report(small_report(), tmp_path)
+    assert cli.main(argv + ["--reports", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dslab: error: ") and message in err and "Traceback" not in err
