@@ -13,13 +13,19 @@ Kernels (fp32 accumulation with ``tl.dot``; a weight in fp32 under autocast is c
 dtype on the host, as ``F.linear`` under autocast does):
 
 - forward, one program per (row block, E block): ``out[g, e] = sum_{c,d} x[g, (c, d)] W[e, c*C+d]
-  (+ bias[e] in fp32)``.
+  (+ bias[e] in fp32)``, times ``scale[g]`` in fp32 with a row scale.
 - input gradient, one program per (row block, c block): ``dx[g, (c, d)] = sum_e dout[g, e] W[e, c*C+d]``,
-  stored straight into x's layout.
+  times ``scale[g]`` in fp32 with a row scale (a program's rows are dx's rows, so the scale goes on
+  its accumulator once, not on every dout tile), stored straight into x's layout.
 - weight gradient, split over rows: program (E block, c block, split) sums its ``rows_per_split``
   rows into an fp32 partial ``[split, E, C*C]``; the programs of the first c block also sum their
-  rows of dout into a bias partial ``[split, E]``. Both partials are added up in a fixed order by
+  rows of dout into a bias partial ``[split, E]``. With a row scale, each dout tile is scaled in fp32
+  as it is loaded: the bias sums take it so, the products after rounding it to x's dtype, as
+  ``tl.dot`` takes its operands. Both partials are added up in a fixed order by
   :func:`dslab.kernels._grid.column_sums`, so the gradients are deterministic.
+
+The row scale (the outer product mean's ``1 / (count + eps)``) is a contiguous ``[B, R, R]`` in
+fp32 or x's dtype, so row g's factor sits at offset g: one masked load per row block.
 
 Tiles: each launch is autotuned over a few sm_90 tiles (16-bit inputs on tensor cores; fp32
 inputs, IEEE dot products on the FMA units unless ``torch.backends.cuda.matmul.allow_tf32``, in
@@ -80,9 +86,9 @@ def _columns(c0, R, C: tl.constexpr, BLOCK_D: tl.constexpr, C_STEP: tl.constexpr
 
 @triton.jit
 def _fwd_kernel(
-    X, W, BIAS, OUT, M, R, E,
-    C: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    X, W, BIAS, SCALE, OUT, M, R, E,
+    C: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_STEP: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -106,6 +112,8 @@ def _fwd_kernel(
         acc = dot(x, w, acc, DOT_FP32, PRECISION)
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        acc *= tl.load(SCALE + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = OUT + rows.to(tl.int64)[:, None] * E + cols[None, :]
     tl.store(out_ptrs, cast_rounding(acc, OUT.dtype.element_ty, BF16_BY_HAND),
              mask=row_mask[:, None] & col_mask[None, :])
@@ -113,9 +121,9 @@ def _fwd_kernel(
 
 @triton.jit
 def _dx_kernel(
-    DOUT, W, DX, M, R, E,
-    C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    BF16_BY_HAND: tl.constexpr,
+    DOUT, W, SCALE, DX, M, R, E,
+    C: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     BLOCK_M: tl.constexpr, C_STEP: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -135,6 +143,8 @@ def _dx_kernel(
         else:
             w = tl.load(w_ptrs, mask=e_mask[:, None] & k_mask[None, :], other=0.0)
         acc = dot(dout, w, acc, DOT_FP32, PRECISION)
+    if HAS_SCALE:
+        acc *= tl.load(SCALE + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     dx_ptrs = DX + _row_bases(rows, R, C)[:, None] + x_offs[None, :]
     dx = cast_rounding(acc, DX.dtype.element_ty, BF16_BY_HAND)
     if EVEN_K:
@@ -145,9 +155,9 @@ def _dx_kernel(
 
 @triton.jit
 def _dw_kernel(
-    DOUT, X, PARTIAL, BIAS_PARTIAL, M, R, E, rows_per_split,
-    C: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DOUT, X, SCALE, PARTIAL, BIAS_PARTIAL, M, R, E, rows_per_split,
+    C: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     BLOCK_E: tl.constexpr, C_STEP: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -166,14 +176,20 @@ def _dw_kernel(
         row_mask = rows < end
         dout_t = tl.load(DOUT + rows.to(tl.int64)[None, :] * E + es[:, None],
                          mask=e_mask[:, None] & row_mask[None, :], other=0.0)
+        if HAS_SCALE:
+            scale = tl.load(SCALE + rows, mask=row_mask, other=0.0).to(tl.float32)
+            scaled = dout_t.to(tl.float32) * scale[None, :]
+            if HAS_BIAS:
+                bias_acc += tl.sum(scaled, axis=1)
+            dout_t = cast_rounding(scaled, DOUT.dtype.element_ty, BF16_BY_HAND)
+        elif HAS_BIAS:
+            bias_acc += tl.sum(dout_t.to(tl.float32), axis=1)
         x_ptrs = X + _row_bases(rows, R, C)[:, None] + x_offs[None, :]
         if EVEN_K:
             x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc = dot(dout_t, x, acc, DOT_FP32, PRECISION)
-        if HAS_BIAS:
-            bias_acc += tl.sum(dout_t.to(tl.float32), axis=1)
     partial_ptrs = PARTIAL + split.to(tl.int64) * E * (C * C) + es[:, None] * (C * C) + w_offs[None, :]
     tl.store(partial_ptrs, acc, mask=e_mask[:, None] & k_mask[None, :])
     if HAS_BIAS:
@@ -250,9 +266,11 @@ def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weight.to(dtype).contiguous()
 
 
-def forward(x5: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def forward(x5: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``out [B, R, R, E]`` in x's dtype for contiguous x ``[B, R, C, R, C]`` (not empty), weight
-    ``[E, C*C]`` and bias ``[E]`` or None, each in x's dtype or fp32."""
+    ``[E, C*C]``, bias ``[E]`` or None and contiguous row_scale ``[B, R, R]`` or None, each in x's
+    dtype or fp32."""
     batch, res, c, e, m = _dims(x5, weight)
     out = torch.empty((batch, res, res, e), dtype=x5.dtype, device=x5.device)
     w = _weight_in(weight, x5.dtype)
@@ -262,8 +280,8 @@ def forward(x5: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
     with device_guard(x5):
         _kernel("fwd", c, x5.dtype)[grid](
-            x5, w, bias, out, m, res, e, C=c, BLOCK_D=triton.next_power_of_2(c), HAS_BIAS=bias is not None,
-            **_flags(x5.dtype),
+            x5, w, bias, row_scale, out, m, res, e, C=c, BLOCK_D=triton.next_power_of_2(c),
+            HAS_BIAS=bias is not None, HAS_SCALE=row_scale is not None, **_flags(x5.dtype),
         )
     return out
 
@@ -280,10 +298,11 @@ def _split_rows(m: int, e: int, c: int, device: torch.device) -> tuple[int, int]
     return rows, triton.cdiv(m, rows)
 
 
-def backward(dout: torch.Tensor, x5: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def backward(dout: torch.Tensor, x5: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             row_scale: torch.Tensor | None = None):
     """(dx, dweight, dbias): dx contiguous in x's layout and dtype, dweight and dbias in their own
-    dtypes from fp32 sums (dbias None without a bias). ``dout`` is the output's gradient
-    ``[B, R, R, E]`` (any strides)."""
+    dtypes from fp32 sums (dbias None without a bias), all from ``dout * row_scale[..., None]``
+    with a row scale. ``dout`` is the output's gradient ``[B, R, R, E]`` (any strides)."""
     batch, res, c, e, m = _dims(x5, weight)
     dout2d = dout.reshape(m, e).to(x5.dtype).contiguous()
     w = _weight_in(weight, x5.dtype)
@@ -302,12 +321,12 @@ def backward(dout: torch.Tensor, x5: torch.Tensor, weight: torch.Tensor, bias: t
 
     with device_guard(x5):
         _kernel("dx", c, x5.dtype)[dx_grid](
-            dout2d, w, dx, m, res, e, C=c, BLOCK_D=block_d, DOT_FP32=flags["DOT_FP32"],
-            PRECISION=flags["PRECISION"], BF16_BY_HAND=flags["BF16_BY_HAND"],
+            dout2d, w, row_scale, dx, m, res, e, C=c, BLOCK_D=block_d, HAS_SCALE=row_scale is not None,
+            **flags,
         )
         _kernel("dw", c, x5.dtype)[dw_grid](
-            dout2d, x5, partial, bias_partial, m, res, e, rows_per_split, C=c, BLOCK_D=block_d,
-            HAS_BIAS=bias is not None, DOT_FP32=flags["DOT_FP32"], PRECISION=flags["PRECISION"],
+            dout2d, x5, row_scale, partial, bias_partial, m, res, e, rows_per_split, C=c, BLOCK_D=block_d,
+            HAS_BIAS=bias is not None, HAS_SCALE=row_scale is not None, **flags,
         )
         # fp32 sums, cast by torch: column_sums' own cast truncates to bf16 under the interpreter.
         (dweight,) = column_sums(partial, (torch.float32,))

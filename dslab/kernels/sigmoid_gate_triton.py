@@ -72,14 +72,18 @@ def _sigmoid_gate_fwd_kernel(
 def _sigmoid_gate_bwd_kernel(
     DY, G, X, GB, XB, MASK, DG, DX, PARTIAL, B, P, N, stride_g, stride_x, sd_b, sd_p, sd_n,
     HAS_GB: tl.constexpr, HAS_XB: tl.constexpr, HAS_MASK: tl.constexpr, BIAS_GRADS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_SUMS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     p_tiles = tl.cdiv(P, BLOCK_P)
-    dgb = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    dxb = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if TILE_SUMS:
+        dgb = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dxb = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        dgb = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        dxb = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for tile in tl.range(pid, B * p_tiles, tl.num_programs(0)):
         b = tile // p_tiles
         p = (tile % p_tiles) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -95,12 +99,20 @@ def _sigmoid_gate_bwd_kernel(
         tl.store(DX + rows64 * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(DG + rows64 * N + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
         if BIAS_GRADS:
-            dgb += dg
-            dxb += dx
+            if TILE_SUMS:
+                dgb += tl.sum(dg, axis=0)
+                dxb += tl.sum(dx, axis=0)
+            else:
+                dgb += dg
+                dxb += dx
     if BIAS_GRADS:
         programs = tl.num_programs(0)
-        tl.store(PARTIAL + pid * N + cols, tl.sum(dgb, axis=0), mask=col_mask)
-        tl.store(PARTIAL + (programs + pid) * N + cols, tl.sum(dxb, axis=0), mask=col_mask)
+        if TILE_SUMS:
+            tl.store(PARTIAL + pid * N + cols, dgb, mask=col_mask)
+            tl.store(PARTIAL + (programs + pid) * N + cols, dxb, mask=col_mask)
+        else:
+            tl.store(PARTIAL + pid * N + cols, tl.sum(dgb, axis=0), mask=col_mask)
+            tl.store(PARTIAL + (programs + pid) * N + cols, tl.sum(dxb, axis=0), mask=col_mask)
 
 
 def _config(n: int, channels_first: bool) -> tuple[int, int, int]:
@@ -108,6 +120,19 @@ def _config(n: int, channels_first: bool) -> tuple[int, int, int]:
     that the transposed store writes 64 contiguous elements or more per column."""
     block_n = min(triton.next_power_of_2(n), 64 if channels_first else 1024)
     return max(1, 4096 // block_n), block_n, 4
+
+
+def _bwd_config(n: int, channels_first: bool) -> tuple[int, int, int, bool]:
+    """(BLOCK_P, BLOCK_N, num_warps, TILE_SUMS) of the backward. Channels first it reads dy
+    transposed and keeps 2K-element tiles whose bias-gradient partials are summed per tile
+    (``[BLOCK_N]`` accumulators): on an H200 at ``[65536, 128]`` bf16 with both biases and a mask
+    this took 38 us a call against 53 us with 4K tiles and ``[BLOCK_P, BLOCK_N]`` accumulators
+    (CUDA-graph timing; 21 us is the traffic at 4 TB/s). Rows keep the forward's tiles, where
+    that change measured slower."""
+    if channels_first:
+        block_n = min(triton.next_power_of_2(n), 64)
+        return max(1, 2048 // block_n), block_n, 4, True
+    return (*_config(n, channels_first), False)
 
 
 def forward(gate, x, gate_bias, x_bias, row_mask, batch: int, channels_first: bool) -> torch.Tensor:
@@ -154,10 +179,11 @@ def backward(dy, gate, x, gate_bias, x_bias, row_mask, batch: int, channels_firs
 
     if m == 0 or n == 0:
         return dgate, dx, zeros_like(gate_bias), zeros_like(x_bias)
-    block_p, block_n, num_warps = _config(n, channels_first)
+    block_p, block_n, num_warps, tile_sums = _bwd_config(n, channels_first)
     tiles, col_tiles = batch * triton.cdiv(p, block_p), triton.cdiv(n, block_n)
     meta = dict(HAS_GB=gate_bias is not None, HAS_XB=x_bias is not None, HAS_MASK=row_mask is not None,
-                BIAS_GRADS=bias_grads, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps)
+                BIAS_GRADS=bias_grads, TILE_SUMS=tile_sums, BLOCK_P=block_p, BLOCK_N=block_n,
+                num_warps=num_warps)
     args = (gate, x, gate_bias, x_bias, row_mask, dgate, dx)
     sizes = (batch, p, n, gate.stride(0), x.stride(0), *strides)
     with _device_guard(x):

@@ -45,6 +45,7 @@ from dslab.kernels.layer_norm_channels import layer_norm_channels_first
 from dslab.kernels.outer_product_linear import outer_product_linear
 from dslab.kernels.sigmoid_gate import sigmoid_gate
 from dslab.models.ops import LayerNorm, OpSet
+from dslab.models.weight_cast import weight
 
 MASK_BIG = 1e9
 #: OpenFold's epsilon added to the count of sequences the outer product mean averages over.
@@ -92,7 +93,7 @@ ATTENTION = {"torch": attention_torch, "sdpa": attention_sdpa, "dslab": attentio
 def apply_linear(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """``layer(x)``; with ``fused`` (the dslab set) its bias gradient comes from
     :func:`dslab.kernels.column_sum.linear`'s column sums instead of PyTorch's slow row reduction."""
-    return linear_column_sum_bias(x, layer.weight, layer.bias) if fused else layer(x)
+    return linear_column_sum_bias(x, weight(layer.weight), layer.bias) if fused else layer(x)
 
 
 class _FusedProjections(torch.autograd.Function):
@@ -149,7 +150,7 @@ def fused_projections(x: torch.Tensor, layers: list[nn.Linear]) -> tuple[torch.T
     ``[65536, 640]`` concatenation took 50 to 90 us, more than the GEMMs it would merge). Widths
     should keep the product's rows 16-byte aligned (multiples of 8 in 16-bit dtypes): cuBLAS falls
     back to slower kernels otherwise, and the attention kernels read q, k, v from these rows."""
-    return _FusedProjections.apply(x, *[layer.weight for layer in layers])
+    return _FusedProjections.apply(x, *[weight(layer.weight) for layer in layers])
 
 
 class GateLinear(nn.Linear):
@@ -246,7 +247,11 @@ class MSARowAttentionWithPairBias(nn.Module):
 
     def forward_normed(self, x_m: torch.Tensor, x_z: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
         """The update from ``x_m = layer_norm_m(m)`` and ``x_z = layer_norm_z(z)``."""
-        pair_bias = self.linear_z(x_z).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
+        if self.mha.fused_gate:  # dslab: the weight from the stack's one cast (dslab.models.weight_cast)
+            pair_bias = F.linear(x_z, weight(self.linear_z.weight))
+        else:
+            pair_bias = self.linear_z(x_z)
+        pair_bias = pair_bias.permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
         return self.mha(x_m, msa_mask, pair_bias)
 
 
@@ -293,6 +298,17 @@ class Transition(nn.Module):
         return x * mask.unsqueeze(-1).to(x.dtype)
 
 
+def cast_once_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The weights the dslab set reads through :func:`dslab.models.weight_cast.weight`: every
+    Linear's weight in ``module`` except the outer product mean's ``linear_out``, whose kernel
+    (:func:`dslab.kernels.outer_product_linear.outer_product_linear`) reads the fp32 weight itself
+    and accumulates its gradient in fp32. Biases stay fp32: the gate kernels and column sums take
+    them in fp32."""
+    skip = {id(sub.linear_out.weight) for sub in module.modules() if isinstance(sub, OuterProductMean)}
+    return [sub.weight for sub in module.modules()
+            if isinstance(sub, nn.Linear) and id(sub.weight) not in skip and sub.weight.requires_grad]
+
+
 class OuterProductMean(nn.Module):
     """Algorithm 10: ``linear_out(mean_s a[s,i] (x) b[s,j])`` over the unmasked sequences, where
     ``a``, ``b`` = masked ``linear_1``, ``linear_2`` of ``LN(m)`` (width ``c_hidden``). As in
@@ -314,9 +330,9 @@ class OuterProductMean(nn.Module):
     def forward_normed(self, x: torch.Tensor, msa_mask: torch.Tensor) -> torch.Tensor:
         """The pair update from ``x = layer_norm(m)`` ``[B, S, R, c_m]``."""
         if self.fused:  # both projections in one matmul (see fused_projections)
-            weight = torch.cat([self.linear_1.weight, self.linear_2.weight])
+            both = torch.cat([weight(self.linear_1.weight), weight(self.linear_2.weight)])
             bias = torch.cat([self.linear_1.bias, self.linear_2.bias])
-            a, b = linear_column_sum_bias(x, weight, bias).chunk(2, dim=-1)  # [B, S, R, c] each
+            a, b = linear_column_sum_bias(x, both, bias).chunk(2, dim=-1)  # [B, S, R, c] each
         else:
             a, b = self.linear_1(x), self.linear_2(x)
         mask = msa_mask.to(a.dtype)
@@ -328,14 +344,48 @@ class OuterProductMean(nn.Module):
             float_mask = msa_mask.float()
             count = torch.matmul(float_mask.transpose(-1, -2), float_mask)  # [B, R, R]
         if self.fused:
-            # linear_out read straight from the product's [B, i, c, j, d] layout: no permuted copy
-            # of it forward, nor of its gradient backward.
-            update = outer_product_linear(outer.view(batch, res, c, res, c), self.linear_out.weight,
-                                          self.linear_out.bias)
-        else:
-            outer = outer.view(batch, res, c, res, c).transpose(-2, -3).reshape(batch, res, res, c * c)
-            update = apply_linear(self.linear_out, outer, self.fused)
+            # linear_out read straight from the product's [B, i, c, j, d] layout (no permuted copy
+            # of it forward, nor of its gradient backward), the mean's division by the count a
+            # row scale of its epilogue (and of the output gradient it reads backward).
+            return outer_product_linear(outer.view(batch, res, c, res, c), self.linear_out.weight,
+                                        self.linear_out.bias, row_scale=1.0 / (count + OUTER_PRODUCT_MEAN_EPS))
+        outer = outer.view(batch, res, c, res, c).transpose(-2, -3).reshape(batch, res, res, c * c)
+        update = apply_linear(self.linear_out, outer, self.fused)
         return (update / (count.unsqueeze(-1) + OUTER_PRODUCT_MEAN_EPS)).to(update.dtype)
+
+
+class _TriangleProduct(torch.autograd.Function):
+    """The triangle multiplication's ``[B, c, R, R]`` product of the channels-first ``a`` and ``b``:
+    outgoing ``a b^T`` (``sum_k a[i, k] b[j, k]``), incoming ``a^T b`` (``sum_k a[k, i] b[k, j]``),
+    with each input's gradient computed as one GEMM in the input's own layout: outgoing
+    ``da = g b``, ``db = g^T a``; incoming ``da = b g^T``, ``db = a g``. Autograd's matmul backward
+    returns the transposed operand's gradient as a transposed view, which the gate's view then
+    copies (2 copies of ``[B, c, R, R]`` per block; 0.3 ms of a 24 ms step at AlphaFold's initial
+    crop on an H200)."""
+
+    @staticmethod
+    def forward(ctx, a, b, outgoing):
+        ctx.outgoing = outgoing
+        ctx.save_for_backward(a, b)
+        return torch.matmul(a, b.transpose(-1, -2)) if outgoing else torch.matmul(a.transpose(-1, -2), b)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = g.to(a.dtype)
+        da = db = None
+        if ctx.outgoing:
+            if ctx.needs_input_grad[0]:
+                da = torch.matmul(g, b)
+            if ctx.needs_input_grad[1]:
+                db = torch.matmul(g.transpose(-1, -2), a)
+        else:
+            if ctx.needs_input_grad[0]:
+                da = torch.matmul(b, g.transpose(-1, -2))
+            if ctx.needs_input_grad[1]:
+                db = torch.matmul(a, g)
+        return da, db, None
 
 
 class TriangleMultiplication(nn.Module):
@@ -386,14 +436,11 @@ class TriangleMultiplication(nn.Module):
             x, [self.linear_a_g, self.linear_a_p, self.linear_b_g, self.linear_b_p, self.linear_g])
         a = sigmoid_gate(a_g, a_p, self.linear_a_g.bias, self.linear_a_p.bias, pair_mask, channels_first=True)
         b = sigmoid_gate(b_g, b_p, self.linear_b_g.bias, self.linear_b_p.bias, pair_mask, channels_first=True)
-        if self.outgoing:
-            product = torch.matmul(a, b.transpose(-1, -2))
-        else:
-            product = torch.matmul(a.transpose(-1, -2), b)
+        product = _TriangleProduct.apply(a, b, self.outgoing)
         # [B, c, R, R] normalised over c straight into [B, R, R, c]: no permuted copy of the product.
         norm = self.layer_norm_out
         hidden = layer_norm_channels_first(product, norm.weight, norm.bias, norm.eps)
-        return sigmoid_gate(g, F.linear(hidden, self.linear_z.weight), self.linear_g.bias, self.linear_z.bias)
+        return sigmoid_gate(g, F.linear(hidden, weight(self.linear_z.weight)), self.linear_g.bias, self.linear_z.bias)
 
 
 class TriangleAttention(nn.Module):
@@ -424,10 +471,14 @@ class TriangleAttention(nn.Module):
         if not self.starting and self.mha.fused_gate:
             # dslab: the ending node attends down the columns of z in place; its bias
             # b[h, j, k] = linear(LN(z))[k, j, h] is the transposed projection.
-            triangle_bias = self.linear(x).permute(0, 3, 2, 1).unsqueeze(1)  # [B, 1, H, R, R]
+            triangle_bias = F.linear(x, weight(self.linear.weight)).permute(0, 3, 2, 1).unsqueeze(1)
             return self.mha(x, pair_mask.transpose(-1, -2), triangle_bias, transposed=True)
         if not self.starting:
             x, pair_mask = x.transpose(-2, -3), pair_mask.transpose(-1, -2)
-        triangle_bias = self.linear(x).permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
+        if self.mha.fused_gate:
+            triangle_bias = F.linear(x, weight(self.linear.weight))
+        else:
+            triangle_bias = self.linear(x)
+        triangle_bias = triangle_bias.permute(0, 3, 1, 2).unsqueeze(1)  # [B, 1, H, R, R]
         update = self.mha(x, pair_mask, triangle_bias)
         return update if self.starting else update.transpose(-2, -3)

@@ -107,3 +107,23 @@ def test_product_is_normalised_by_the_channels_first_op():
     assert ops["dslab::layer_norm_channels_first"]["flops"] == 5 * numel
     assert ops["dslab::layer_norm_channels_first_backward"]["flops"] == 10 * numel
     assert not any(name.startswith("aten::native_layer_norm") for name in ops)
+
+
+@pytest.mark.parametrize("outgoing", [True, False])
+def test_triangle_product_gradients_are_contiguous_gemms(outgoing):
+    """The dslab set's product (``_TriangleProduct``) gives autograd's matmul gradients, each in its
+    input's own (contiguous) layout: no transposed gradient for the gates' views to copy."""
+    from dslab.models.evoformer_blocks import _TriangleProduct
+
+    torch.manual_seed(4)
+    a, b = (torch.randn(BATCH, C_HIDDEN, RES, RES, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    g = torch.randn(BATCH, C_HIDDEN, RES, RES, dtype=torch.float64)
+    ref = torch.matmul(a, b.transpose(-1, -2)) if outgoing else torch.matmul(a.transpose(-1, -2), b)
+    ref_da, ref_db = torch.autograd.grad(ref, (a, b), g)
+    out = _TriangleProduct.apply(a, b, outgoing)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    da, db = torch.autograd.grad(out, (a, b), g)
+    torch.testing.assert_close(da, ref_da, rtol=0, atol=1e-12)
+    torch.testing.assert_close(db, ref_db, rtol=0, atol=1e-12)
+    assert da.is_contiguous() and db.is_contiguous()
+    assert not (ref_db if outgoing else ref_da).is_contiguous()  # what autograd's matmul hands back

@@ -1,0 +1,120 @@
+"""Many fp32 weights cast to the autocast dtype in one pass per forward, their gradients back in one.
+
+Under autocast each Linear casts its fp32 weight to bf16 (or fp16) when it runs, one
+``aten::_to_copy`` kernel per weight, and its backward's bf16 weight gradient is cast back to
+fp32, one more kernel per weight. Each moves a few hundred KiB: the kernels are launch-sized (about
+2 us each on an H100/H200). The Evoformer's dslab set at AlphaFold's initial crop (4 blocks,
+~90 weight matrices) ran about 180 of them per training step, with the cuBLAS split-K reductions
+that bf16 weight gradients of tall-skinny products bring, ~0.9 ms of a 22.7 ms step on an H200.
+
+:func:`cast_weights` joins them: the weights are concatenated into one fp32 buffer and cast to one
+buffer of the autocast dtype (two kernels), each weight's cast a view of it; in the backward the
+views' gradients are concatenated and cast to fp32 (two kernels), each weight's gradient a view of
+that buffer. The values are the ones the per-weight casts give (the same rounding of the same
+numbers both ways), so the model trains to the same parameters.
+
+A module reads its weight through :func:`weight` (``F.linear(x, weight(self.linear.weight))``),
+which returns the cast view inside a :func:`cast_weights` scope and the parameter itself outside
+one, so the same module code runs with and without it. A weight whose consumer accumulates its
+gradient in fp32 and takes an fp32 weight directly (a kernel with master-weight support) should
+stay out of the scope: its gradient would otherwise be rounded to the autocast dtype first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+
+import torch
+
+__all__ = ["cast_weights", "use_casts", "weight", "autocast_dtype"]
+
+_local = threading.local()
+
+
+def _scopes() -> list[dict[int, torch.Tensor]]:
+    scopes = getattr(_local, "scopes", None)
+    if scopes is None:
+        scopes = _local.scopes = []
+    return scopes
+
+
+def weight(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s cast in the innermost :func:`cast_weights` / :func:`use_casts` scope that holds
+    it, else ``param`` itself."""
+    for scope in reversed(_scopes()):
+        cast = scope.get(id(param))
+        if cast is not None:
+            return cast
+    return param
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The 16-bit dtype autocast casts to on ``device_type``, or None when autocast is off there
+    or casts to another dtype."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
+class _FlatCast(torch.autograd.Function):
+    """``weights`` cast to ``dtype`` as views of one buffer; gradients cast back through one."""
+
+    @staticmethod
+    def forward(ctx, dtype, *weights):
+        ctx.shapes = [w.shape for w in weights]
+        ctx.numels = [w.numel() for w in weights]
+        ctx.source_dtype = weights[0].dtype
+        ctx.set_materialize_grads(False)  # an unused cast gives its weight no gradient, not zeros
+        flat = torch.cat([w.detach().reshape(-1) for w in weights]).to(dtype)
+        return tuple(part.view(shape) for part, shape in zip(flat.split(ctx.numels), ctx.shapes))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return (None, *([None] * len(grads)))
+        dtype = present[0].dtype
+        parts = [g.reshape(-1).to(dtype) if g is not None else present[0].new_zeros(n)
+                 for g, n in zip(grads, ctx.numels)]
+        flat = torch.cat(parts).to(ctx.source_dtype)
+        out = [part.view(shape) if g is not None else None
+               for part, shape, g in zip(flat.split(ctx.numels), ctx.shapes, grads)]
+        return (None, *out)
+
+
+@contextlib.contextmanager
+def use_casts(casts: dict[int, torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
+    """Make ``casts`` (``id(param) -> cast``, from :func:`cast_weights`) what :func:`weight`
+    returns inside the block: for code that runs again later, such as an activation
+    checkpoint's recomputation, which must see the same casts as the first run."""
+    scopes = _scopes()
+    scopes.append(casts)
+    try:
+        yield casts
+    finally:
+        scopes.pop()
+
+
+@contextlib.contextmanager
+def cast_weights(params: Iterable[torch.Tensor], dtype: torch.dtype | None) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, :func:`weight` returns each fp32 parameter of ``params`` cast to
+    ``dtype`` (all cast together, see the module docstring); yields the ``id -> cast`` mapping
+    (for :func:`use_casts`). With ``dtype`` None, or no fp32 parameter, nothing is cast and
+    :func:`weight` returns the parameters."""
+    params = [p for p in params if p.dtype == torch.float32 and p.numel() > 0]
+    if dtype is None or dtype == torch.float32 or not params:
+        yield {}
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in params:
+        by_device.setdefault(p.device, []).append(p)
+    casts: dict[int, torch.Tensor] = {}
+    for group in by_device.values():
+        for p, cast in zip(group, _FlatCast.apply(dtype, *group)):
+            casts[id(p)] = cast
+    with use_casts(casts):
+        yield casts

@@ -1,0 +1,156 @@
+"""The dslab Evoformer's one-pass weight cast (:mod:`dslab.models.weight_cast`): under autocast the
+stack casts its Linear weights in one pass and their gradients back in one; the loss and every
+gradient are bit-identical to per-weight casts (with and without activation checkpointing), and no
+per-weight cast of those weights is left in the forward or the backward."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dslab.models.evoformer as evoformer
+from dslab.bench.evoformer import EvoformerTrainModel, evoformer_batch
+from dslab.kernels import dispatch, kernel_backend
+from dslab.models.evoformer import evoformer_tiny
+from dslab.models.evoformer_blocks import OuterProductMean, cast_once_weights
+from dslab.models.weight_cast import autocast_dtype, cast_weights, use_casts, weight
+
+needs_interpreter = pytest.mark.skipif(
+    not (dispatch.triton_available() and dispatch.interpreting()),
+    reason="needs triton and TRITON_INTERPRET=1 (the dslab set's kernels on the CPU)")
+
+
+def test_weight_outside_a_scope_is_the_parameter():
+    p = nn.Parameter(torch.randn(3, 4))
+    assert weight(p) is p
+    with cast_weights([p], None) as casts:
+        assert casts == {} and weight(p) is p
+    with cast_weights([p], torch.float32) as casts:
+        assert casts == {} and weight(p) is p
+
+
+def test_cast_values_and_gradients():
+    """Each cast equals ``p.to(dtype)``; gradients come back in fp32 equal to the per-weight cast's,
+    a weight whose cast is unused gets None, nested scopes resolve innermost first."""
+    torch.manual_seed(0)
+    a, b, c = (nn.Parameter(torch.randn(*shape)) for shape in ((5, 3), (7,), (2, 2)))
+    x = torch.randn(4, 3)
+    with cast_weights([a, b, c], torch.bfloat16) as casts:
+        assert set(casts) == {id(a), id(b), id(c)}
+        for p in (a, b, c):
+            assert weight(p).dtype == torch.bfloat16
+            assert torch.equal(weight(p), p.detach().to(torch.bfloat16))
+        y = (x.to(torch.bfloat16) @ weight(a).t()).float().pow(2).sum() + weight(b).float().sum() * 3
+        inner = nn.Parameter(torch.randn(2))
+        with cast_weights([inner], torch.float16):
+            assert weight(inner).dtype == torch.float16 and weight(a).dtype == torch.bfloat16
+        assert weight(inner) is inner
+    assert weight(a) is a
+    y.backward()
+    ref_a = a.detach().to(torch.bfloat16).requires_grad_()
+    ((x.to(torch.bfloat16) @ ref_a.t()).float().pow(2).sum()).backward()
+    assert a.grad.dtype == torch.float32 and torch.equal(a.grad, ref_a.grad.float())
+    assert torch.equal(b.grad, torch.full_like(b, 3.0))
+    assert c.grad is None
+
+
+def test_use_casts_reenters_a_mapping():
+    p = nn.Parameter(torch.randn(3))
+    with cast_weights([p], torch.bfloat16) as casts:
+        cast = weight(p)
+    assert weight(p) is p
+    with use_casts(casts):
+        assert weight(p) is cast
+
+
+def test_autocast_dtype():
+    assert autocast_dtype("cpu") is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_cast_once_weights_leaves_out_the_opm_projection_and_biases():
+    model = evoformer.EvoformerStack(evoformer_tiny(blocks=1), kernels="dslab")
+    chosen = {id(p) for p in cast_once_weights(model.blocks)}
+    opm = next(m for m in model.modules() if isinstance(m, OuterProductMean))
+    assert id(opm.linear_out.weight) not in chosen
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(chosen) == len(linears) - 1
+    assert all(id(m.bias) not in chosen for m in linears if m.bias is not None)
+
+
+@contextlib.contextmanager
+def _per_weight_casts(monkeypatch):
+    """The stack without the one-pass cast: autocast casts each weight where it is used."""
+    @contextlib.contextmanager
+    def no_cast(params, dtype):
+        yield {}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(evoformer, "cast_weights", no_cast)
+        yield
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(batch["m"], batch["z"], batch["msa_mask"], batch["pair_mask"])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("checkpoint_blocks", [False, True])
+def test_bit_identical_to_per_weight_casts(monkeypatch, checkpoint_blocks):
+    config = evoformer_tiny(n_seq=4, n_res=5, checkpoint_blocks=checkpoint_blocks)
+    torch.manual_seed(3)
+    model = EvoformerTrainModel(config, kernels="dslab")
+    batch = evoformer_batch(config, 1, torch.bfloat16, 7, "cpu")
+    with kernel_backend("triton"):
+        with _per_weight_casts(monkeypatch):
+            ref_loss, ref_grads = _step(model, batch)
+        loss, grads = _step(model, batch)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and len(grads) == len(list(model.parameters()))
+    for name, ref in ref_grads.items():
+        assert grads[name].dtype == torch.float32, name
+        assert torch.equal(grads[name], ref), name
+
+
+class _CastCounter(TorchDispatchMode):
+    """Counts dtype conversions (``_to_copy``) of tensors shaped like one of ``shapes``."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.count = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
+            src = args[1] if func.overloadpacket is torch.ops.aten.copy_ else args[0]
+            dst_dtype = args[0].dtype if func.overloadpacket is torch.ops.aten.copy_ else (kwargs or {}).get("dtype")
+            if tuple(src.shape) in self.shapes and dst_dtype is not None and dst_dtype != src.dtype:
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@needs_interpreter
+def test_no_per_weight_casts_left(monkeypatch):
+    """Per-weight casts of the chosen weights, forward and backward: many without the one-pass
+    cast, none with it (the flat buffers' casts have other shapes)."""
+    config = evoformer_tiny(blocks=1, n_seq=4, n_res=5)
+    torch.manual_seed(1)
+    model = EvoformerTrainModel(config, kernels="dslab")
+    batch = evoformer_batch(config, 1, torch.bfloat16, 2, "cpu")
+    shapes = {tuple(p.shape) for p in cast_once_weights(model.stack.blocks)}
+    counts = {}
+    with kernel_backend("triton"):
+        for name, ctx in (("per_weight", _per_weight_casts(monkeypatch)), ("one_pass", contextlib.nullcontext())):
+            counter = _CastCounter(shapes)
+            with ctx, counter:
+                _step(model, batch)
+            counts[name] = counter.count
+    chosen = len(cast_once_weights(model.stack.blocks))
+    assert counts["per_weight"] >= chosen, counts
+    assert counts["one_pass"] == 0, counts
