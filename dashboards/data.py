@@ -6,8 +6,9 @@ the resolved directory must lie inside the reports root (a symlink out of it is 
 outside the reports directory is ever read.
 
 :class:`RunStore` keeps one :class:`RunSummary` per run directory, re-read only when its
-``run.json`` changes (size or mtime), and a few whole reports. The gate's files are read here as
-plain JSON (the dashboard imports ``dslab.report`` only): baselines under
+``run.json`` changes (size or mtime), and a few whole reports. Summaries are made from the
+``runs`` and ``results`` frames (:mod:`dslab.report.frames`) of every report read at once. The
+gate's files are read here as plain JSON (the dashboard imports ``dslab.report`` only): baselines under
 ``<root>/baselines/<suite>/*.json`` and change points in ``<root>/<suite>/change_points.json``.
 """
 
@@ -20,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dslab.report import RunReport, list_runs, read_report
+from dslab.report import RunReport, frames, list_runs, read_report
 from dslab.report.store import NAME_PATTERN, REPORT_FILE
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,6 @@ class RunSummary:
     cases: list[str] = field(default_factory=list)
     # {(case, arm): {metric: median over trials}}
     metrics: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
-    trials: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -87,39 +87,48 @@ class RunSummary:
         return f"{self.suite}/{self.run_id}"
 
 
-def gpu_name(report: RunReport) -> str:
-    """The first GPU's name from the environment, ``"CPU"`` without one, ``"?"`` when the
-    report does not say."""
-    cuda = report.environment.get("cuda") if isinstance(report.environment, dict) else None
-    if cuda is None:
-        return "?"
-    gpus = cuda.get("gpus") if isinstance(cuda, dict) else None
-    if isinstance(gpus, list) and gpus and isinstance(gpus[0], dict):
-        name = str(gpus[0].get("name", "?"))
-        return f"{len(gpus)}x {name}" if len(gpus) > 1 else name
-    return "CPU"
+def gpu_label(run: dict) -> str:
+    """The GPUs of a ``runs`` frame row (``"NVIDIA H100 80GB HBM3"``, ``"2x NVIDIA H100 80GB
+    HBM3"``), ``"CPU"`` without one, ``"?"`` when the report does not say."""
+    return run["hardware"] or "?"
 
 
-def commit_of(report: RunReport) -> str:
-    """The short git commit the run was made at (``+dirty`` when the tree had changes)."""
-    dslab = report.environment.get("dslab") if isinstance(report.environment, dict) else None
-    if not isinstance(dslab, dict) or not dslab.get("git_commit"):
+def commit_label(run: dict) -> str:
+    """The short git commit of a ``runs`` frame row (``+dirty`` when the tree had changes)."""
+    if not run["git_commit"]:
         return "?"
-    return str(dslab["git_commit"])[:10] + ("+dirty" if dslab.get("git_dirty") else "")
+    return run["git_commit"][:10] + ("+dirty" if run["git_dirty"] else "")
+
+
+def summarize_all(items: list[tuple[RunReport, str, str]]) -> list[RunSummary]:
+    """The summaries of ``(report, suite folder, run folder)`` items, from the ``runs`` and
+    ``results`` frames of all the reports at once (one frame of many reports costs what one of
+    one report does)."""
+    reports = [report for report, _, _ in items]
+    results = frames.results(reports)
+    metrics = frames.metric_names(results, "results")
+    rows = frames.records(results)
+    out, start = [], 0
+    for (report, suite, run_id), run in zip(items, frames.records(frames.runs(reports))):
+        mine = rows[start:start + len(report.results)]  # one row per result, in the reports' order
+        start += len(report.results)
+        summary = RunSummary(suite=suite, run_id=run_id, status=report.status, created=report.created,
+                             gpu=gpu_label(run), commit=commit_label(run),
+                             arms=list(dict.fromkeys(r["arm"] for r in mine)),
+                             cases=list(dict.fromkeys(r["case"] for r in mine)))
+        for r in mine:
+            summary.metrics[(r["case"], r["arm"])] = {m: r[m] for m in metrics if r[m] is not None}
+        if report.run_id != run_id or report.suite != suite:
+            summary.warnings.append(f"the report says {report.suite}/{report.run_id}, its folder {suite}/{run_id}")
+        summary.warnings.extend(f"lacks '{key}'" for key in report.missing)
+        summary.warnings.extend(report.warnings)
+        out.append(summary)
+    return out
 
 
 def summarize(report: RunReport, suite: str, run_id: str) -> RunSummary:
-    summary = RunSummary(suite=suite, run_id=run_id, status=report.status, created=report.created,
-                         gpu=gpu_name(report), commit=commit_of(report), arms=report.arms(),
-                         cases=report.cases())
-    for r in report.results:
-        summary.metrics[(r.case, r.arm)] = dict(r.metrics)
-        summary.trials[(r.case, r.arm)] = r.trial_values("samples_per_s")
-    if report.run_id != run_id or report.suite != suite:
-        summary.warnings.append(f"the report says {report.suite}/{report.run_id}, its folder {suite}/{run_id}")
-    summary.warnings.extend(f"lacks '{key}'" for key in report.missing)
-    summary.warnings.extend(report.warnings)
-    return summary
+    """The summary of one report (see :func:`summarize_all`)."""
+    return summarize_all([(report, suite, run_id)])[0]
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -141,30 +150,30 @@ class RunStore:
 
     def summaries(self) -> list[RunSummary]:
         """One summary per run directory, oldest first; unreadable runs carry ``error``."""
-        out = []
         try:
             paths = list_runs(self.root)
         except (OSError, ValueError) as err:
             logger.warning("cannot list runs under %s: %s", self.root, err)
             return []
         with self._lock:
-            seen = set()
+            stamps = {path: _stamp(path) for path in paths}
+            fresh: dict[Path, RunSummary] = {}
+            readable: list[tuple[Path, RunReport]] = []
             for path in paths:
-                seen.add(path)
-                stamp = _stamp(path)
                 cached = self._summaries.get(path)
-                if cached is not None and cached[0] == stamp:
-                    out.append(cached[1])
+                if cached is not None and cached[0] == stamps[path]:
                     continue
                 try:
-                    summary = summarize(read_report(path), path.parent.name, path.name)
+                    readable.append((path, read_report(path)))
                 except (OSError, ValueError) as err:
-                    summary = RunSummary(suite=path.parent.name, run_id=path.name, error=str(err))
-                self._summaries[path] = (stamp, summary)
-                out.append(summary)
-            for gone in set(self._summaries) - seen:
+                    fresh[path] = RunSummary(suite=path.parent.name, run_id=path.name, error=str(err))
+            made = summarize_all([(report, path.parent.name, path.name) for path, report in readable])
+            fresh.update((path, summary) for (path, _), summary in zip(readable, made))
+            for path, summary in fresh.items():
+                self._summaries[path] = (stamps[path], summary)
+            for gone in set(self._summaries) - set(paths):
                 del self._summaries[gone]
-        return out
+            return [self._summaries[path][1] for path in paths]
 
     def run_path(self, suite: str, run_id: str) -> Path:
         return resolve_run(self.root, suite, run_id)

@@ -1,14 +1,17 @@
-"""Plotly figures of the dashboard, drawn from :mod:`dashboards.views`' tables."""
+"""Plotly figures of the dashboard, drawn from :mod:`dashboards.views`' tables and the run's
+frames (:mod:`dslab.report.frames`)."""
 
 from __future__ import annotations
 
 import datetime
 
+import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dashboards import views
 from dashboards.data import RunSummary
+from dslab.report import frames
 
 TEMPLATE = "plotly_white"
 MARGIN = {"l": 60, "r": 20, "t": 50, "b": 50}
@@ -97,22 +100,22 @@ def throughput_history(suite: str, runs: list[RunSummary], arms: set[str] | None
     return fig
 
 
-def arms_bar(report, case: str) -> go.Figure:
-    """Median samples/s of each arm of ``case``, the whiskers spanning the trials' min to max;
-    dslab and the case's best plain-PyTorch arm in their own colours, dslab's ratio to that arm in
-    the title."""
-    spread = views.trial_spread(report).get(case, {})
-    arms = [r for r in report.results if r.case == case and "samples_per_s" in r.metrics]
+def arms_bar(results: pd.DataFrame, trials: pd.DataFrame, case: str) -> go.Figure:
+    """Median samples/s of each arm of ``case`` (a run's ``results`` frame), the whiskers spanning
+    the ``trials``' min to max; dslab and the case's best plain-PyTorch arm in their own colours,
+    dslab's ratio to that arm in the title."""
+    spread = views.trial_spread(trials).get(case, {})
+    measured = [r for r in frames.records(results) if r["case"] == case and r.get("samples_per_s") is not None]
+    arms, medians = [r["arm"] for r in measured], [r["samples_per_s"] for r in measured]
     if not arms:
         return empty(f"{case}: arms", "no arm measured samples/s")
-    best = report.best_plain_ratio(case)
-    medians = [r.metrics["samples_per_s"] for r in arms]
-    lows = [m - min(spread.get(r.arm, [m])) for r, m in zip(arms, medians)]
-    highs = [max(spread.get(r.arm, [m])) - m for r, m in zip(arms, medians)]
-    colours = [ARM_COLOURS["dslab"] if r.arm == "dslab" else
-               ARM_COLOURS["best_plain"] if best is not None and r.arm == best[0] else ARM_COLOURS["other"]
-               for r in arms]
-    fig = go.Figure(go.Bar(x=[r.arm for r in arms], y=medians, marker_color=colours,
+    best = views.best_plain_of(results, case)
+    lows = [m - min(spread.get(arm, [m])) for arm, m in zip(arms, medians)]
+    highs = [max(spread.get(arm, [m])) - m for arm, m in zip(arms, medians)]
+    colours = [ARM_COLOURS["dslab"] if arm == "dslab" else
+               ARM_COLOURS["best_plain"] if best is not None and arm == best[0] else ARM_COLOURS["other"]
+               for arm in arms]
+    fig = go.Figure(go.Bar(x=arms, y=medians, marker_color=colours,
                            error_y={"type": "data", "array": highs, "arrayminus": lows},
                            text=[f"{m:.4g}" for m in medians], textposition="outside"))
     fig.update_yaxes(title="samples/s (median of trials)")
@@ -122,9 +125,10 @@ def arms_bar(report, case: str) -> go.Figure:
     return _layout(fig, title, height=360)
 
 
-def trials_strip(report, case: str) -> go.Figure:
-    """Every trial's samples/s per arm: the spread behind each median."""
-    spread = views.trial_spread(report).get(case, {})
+def trials_strip(trials: pd.DataFrame, case: str) -> go.Figure:
+    """Every trial's samples/s per arm of ``case`` (a run's ``trials`` frame): the spread behind
+    each median."""
+    spread = views.trial_spread(trials).get(case, {})
     if not spread:
         return empty(f"{case}: trials", "no trials")
     fig = go.Figure()
@@ -273,17 +277,16 @@ def telemetry(series: list[dict], case: str) -> go.Figure:
     return _layout(fig, f"{case}: GPU telemetry (memory used in GiB)", height=180 * len(fields))
 
 
-def compare_bar(a, b, metric: str = "samples_per_s") -> go.Figure:
-    """``metric`` of every (case, arm) the two runs share, side by side."""
-    keys = [(r.case, r.arm) for r in a.results if metric in r.metrics
-            and b.result(r.case, r.arm) is not None and metric in b.result(r.case, r.arm).metrics]
-    if not keys:
+def compare_bar(a: pd.DataFrame, b: pd.DataFrame, metric: str = "samples_per_s") -> go.Figure:
+    """``metric`` of every (case, arm) the two runs' ``results`` frames share, side by side."""
+    rows = views.compare_rows(a, b, (metric,))
+    if not rows:
         return empty("compare", f"the runs share no (case, arm) with {metric}")
-    labels = [f"{c}/{arm}" for c, arm in keys]
+    labels = [f"{r['case']}/{r['arm']}" for r in rows]
     fig = go.Figure()
-    for report in (a, b):
-        fig.add_trace(go.Bar(x=labels, y=[report.result(c, arm).metrics[metric] for c, arm in keys],
-                             name=f"{report.suite}/{report.run_id}"))
+    for side, results in (("A", a), ("B", b)):
+        run = frames.records(results.head(1))[0]
+        fig.add_trace(go.Bar(x=labels, y=[r[side] for r in rows], name=f"{run['suite']}/{run['run_id']}"))
     fig.update_layout(barmode="group")
     fig.update_yaxes(title=metric)
     return _layout(fig, f"{metric}: run A beside run B", height=380)

@@ -10,34 +10,33 @@ Two producers write that section (:mod:`dslab.io`):
 - an engine run (``"kind": "engine"``): ``operations`` (per kind: ``swap_in``, ``swap_out``,
   ``checkpoint_write``; count, bytes, seconds, GB/s, the time the step waited) and ``events``.
 
-Everything here reads plain data and raises ValueError naming the field that is malformed.
+The configurations, operations and events are rows of the case's ``io_records`` frame
+(:mod:`dslab.report.frames`, built with ``strict=True`` so a malformed list raises ValueError
+naming it); the tuner's ``best`` and ``fio`` figures are read from the record itself.
 """
 
 from __future__ import annotations
 
+import pandas as pd
 import plotly.graph_objects as go
+
+from dslab.report import frames
 
 OP_COLOURS = {"read": "#1f77b4", "write": "#ff7f0e"}
 PARAMETERS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events")
 
 
-def _rows(record: dict, key: str) -> list[dict]:
-    rows = record.get(key)
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"io.{key} should be a list of objects")
-    return rows
+def _rows(io: pd.DataFrame, record: str) -> list[dict]:
+    """The rows of one sort (``config``, ``operation``, ``event``) of an ``io_records`` frame."""
+    return frames.records(io[(io["record"] == record).fillna(False)])
 
 
-def config_rows(record: dict) -> list[dict]:
+def config_rows(io: pd.DataFrame) -> list[dict]:
     """Configuration x GB/s: one row per configuration and direction, finalists first."""
-    out = []
-    for row in _rows(record, "configs"):
-        out.append({"op": row.get("op"), "configuration": row.get("label"),
-                    **{k: row.get(k) for k in PARAMETERS},
-                    "GBps": row.get("GBps"), "spread_pct": row.get("spread_pct"),
-                    "trials": len(row.get("trials") or []), "round": row.get("round"),
-                    "dropped_after_round": row.get("dropped_after_round")})
-    return out
+    return [{"op": row["op"], "configuration": row["label"], **{k: row[k] for k in PARAMETERS},
+             "GBps": row["GBps"], "spread_pct": row["spread_pct"], "trials": row["trials"] or 0,
+             "round": row["round"], "dropped_after_round": row["dropped_after_round"]}
+            for row in _rows(io, "config")]
 
 
 def comparison_rows(record: dict) -> list[dict]:
@@ -63,26 +62,24 @@ def comparison_rows(record: dict) -> list[dict]:
     return rows
 
 
-def operation_rows(record: dict) -> list[dict]:
+def operation_rows(io: pd.DataFrame) -> list[dict]:
     """An engine run's swaps and checkpoint writes by kind."""
-    return [{"kind": r.get("kind"), "count": r.get("count"), "bytes": r.get("bytes"),
-             "seconds": r.get("seconds"), "GBps": r.get("GBps"), "median_GBps": r.get("median_GBps"),
-             "min_GBps": r.get("min_GBps"), "max_GBps": r.get("max_GBps"),
-             "waited_s": r.get("wait_s")} for r in _rows(record, "operations")]
+    return [{"kind": r["op"], "count": r["count"], "bytes": r["bytes"], "seconds": r["seconds"], "GBps": r["GBps"],
+             "median_GBps": r["median_GBps"], "min_GBps": r["min_GBps"], "max_GBps": r["max_GBps"],
+             "waited_s": r["wait_s"]} for r in _rows(io, "operation")]
 
 
-def event_rows(record: dict, limit: int = 500) -> list[dict]:
+def event_rows(io: pd.DataFrame, limit: int = 500) -> list[dict]:
     """The last ``limit`` events of an engine run, newest last."""
-    events = _rows(record, "events") if "events" in record else []
-    return [{"kind": e.get("kind"), "step": e.get("step"), "bytes": e.get("nbytes"),
-             "seconds": e.get("seconds"), "GBps": e.get("GBps"), "waited_s": e.get("wait_s"),
-             "path": e.get("path")} for e in events[-limit:]]
+    return [{"kind": e["op"], "step": e["step"], "bytes": e["bytes"], "seconds": e["seconds"], "GBps": e["GBps"],
+             "waited_s": e["wait_s"], "path": e["path"]} for e in _rows(io, "event")[-limit:]]
 
 
-def config_figure(record: dict, case: str) -> go.Figure:
-    """GB/s of every configuration that reached the last round, read and write side by side,
-    with the spread as error bars and fio's 1M/iodepth-32 job as dashed lines."""
-    rows = [r for r in config_rows(record) if r["dropped_after_round"] is None]
+def config_figure(io: pd.DataFrame, record: dict, case: str) -> go.Figure:
+    """GB/s of every configuration in the ``io_records`` frame ``io`` that reached the last round,
+    read and write side by side, with the spread as error bars and fio's 1M/iodepth-32 job (from
+    the tuner's ``record``) as dashed lines."""
+    rows = [r for r in config_rows(io) if r["dropped_after_round"] is None]
     fig = go.Figure()
     for op, colour in OP_COLOURS.items():
         mine = [r for r in rows if r["op"] == op]

@@ -1,7 +1,9 @@
 """The dashboard's pages as Dash components, built from a :class:`dashboards.data.RunStore`.
 
-Every section of a page is built through :func:`guarded`: a section whose data is malformed turns
-into a warning naming the problem while the rest of the page is drawn.
+A tab builds the frames it draws (:mod:`dslab.report.frames`: the run's ``results`` and
+``trials``, the chosen case's profiler records with ``strict=True``) and hands them to
+:mod:`dashboards.views`. Every section of a page is built through :func:`guarded`: a section
+whose data is malformed turns into a warning naming the problem while the rest of the page is drawn.
 """
 
 from __future__ import annotations
@@ -12,15 +14,16 @@ from urllib.parse import quote
 import dash_ag_grid as dag
 from dash import dcc, html
 
-from dashboards import figures, io_view, views
+from dashboards import experts_view, figures, io_view, views
 from dashboards import inference as inference_view
-from dashboards.data import RunStore, RunSummary, commit_of, gpu_name
+from dashboards.data import RunStore, RunSummary, commit_label, gpu_label
+from dslab.report import frames
 
 logger = logging.getLogger(__name__)
 
 TABS = (("", "Run"), ("flops", "Flops"), ("comms", "Comms"), ("memory", "Memory"),
         ("telemetry", "Telemetry"), ("io", "I/O"))
-# Shown only for a run with MoE records (views.has_moe).
+# Shown only for a run with MoE records (experts_view.has_moe).
 EXPERTS_TAB = ("experts", "Expert load")
 # Shown only for an inference suite's run (inference_view.has_inference).
 INFERENCE_TAB = ("inference", "Inference")
@@ -189,7 +192,7 @@ def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
         *[warning(p) for p in problems],
         *[html.P(f"note: {n}", className="note") for n in report.notes],
         trace_line,
-        _nav(suite, run_id, tab, views.has_moe(report), inference_view.has_inference(report)),
+        _nav(suite, run_id, tab, experts_view.has_moe(report), inference_view.has_inference(report)),
     ]
 
 
@@ -217,20 +220,21 @@ def _run_tab(report, suite, run_id, case) -> list:
                ("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"), ("step_time_ms", "step ms"),
                ("spread_pct", "spread %"), ("model_tflops", "TFLOP/s"), ("mfu_pct", "MFU %"), ("peak_gib", "peak GiB"),
                ("dslab_over_arm", "dslab/arm"), ("best_plain", "best plain"), ("error", "error")]
-    if views.has_moe(report):
+    if experts_view.has_moe(report):
         columns.insert(9, ("expert_tflops", "expert TFLOP/s"))
-    out = guarded("dslab against the best plain-PyTorch arm", lambda: _best_plain_section(report))
-    out += guarded("Arms", lambda: table("arms-table", views.arm_rows(report), columns))
+    results, trials = frames.results(report), frames.trials(report)
+    out = guarded("dslab against the best plain-PyTorch arm", lambda: _best_plain_section(results))
+    out += guarded("Arms", lambda: table("arms-table", views.arm_rows(results, trials), columns))
     for c in report.cases():
-        out += guarded(f"Case {c}", lambda c=c: html.Div([graph(f"arms-{c}", figures.arms_bar(report, c)),
-                                                          graph(f"trials-{c}", figures.trials_strip(report, c))],
+        out += guarded(f"Case {c}", lambda c=c: html.Div([graph(f"arms-{c}", figures.arms_bar(results, trials, c)),
+                                                          graph(f"trials-{c}", figures.trials_strip(trials, c))],
                                                          className="pair"))
     out += guarded("Environment", lambda: key_value(views.environment_rows(report)))
     return out
 
 
-def _best_plain_section(report) -> list:
-    rows = views.best_plain_rows(report)
+def _best_plain_section(results) -> list:
+    rows = views.best_plain_rows(results)
     if not rows:
         return [html.P("no case has both a dslab result and an ok plain-PyTorch arm to compare", id="best-plain-empty")]
     return [table("best-plain-table", rows, [
@@ -247,13 +251,14 @@ def _flops_tab(report, suite, run_id, case) -> list:
     nodes = []
 
     def tree():
-        nodes.extend(views.flops_tree(data))
+        nodes.extend(views.flops_tree(frames.flops_modules(report, case=chosen, strict=True)))
         return graph("flops-treemap", figures.flops_treemap(nodes, chosen))
 
     out += guarded("Flops by module", tree)
     out += guarded("MFU", lambda: key_value(views.mfu_rows(data)))
+
     def breakdown():
-        rows = views.step_breakdown(data)
+        rows = views.step_breakdown(data, frames.flops_modules(report, case=chosen, strict=True))
         if not rows:
             return [html.P("this profile has no device times (recorded before dslab timed modules by their "
                            "kernels, or the timing failed)", id="flops-breakdown-empty")]
@@ -264,8 +269,8 @@ def _flops_tab(report, suite, run_id, case) -> list:
     out += guarded("Top modules per depth", lambda: table("flops-top", views.top_modules(nodes)))
 
     def roof():
-        memory = views.section(report, "memory", chosen)[2]
-        points = views.roofline_points(nodes, memory, report.config.get("precision"))
+        activations = frames.memory_activations(report, case=chosen)
+        points = views.roofline_points(nodes, activations, report.config.get("precision"))
         return [graph("flops-roofline", figures.roofline(points, views.ceilings(report, data), chosen)),
                 html.P(views.ROOFLINE_NOTE, className="note")]
 
@@ -278,11 +283,18 @@ def _comms_tab(report, suite, run_id, case) -> list:
     if data is None:
         return [html.P("no comms log in this run (comms_logger off)")]
     out = [_case_links(suite, run_id, "comms", cases, chosen)]
-    out += guarded("Per op (reporting rank)", lambda: table("comms-ops", views.comms_op_rows(data)))
+
+    def ops():
+        return views.comms_op_rows(frames.comms_ops(report, case=chosen, strict=True))
+
+    def calls():
+        return frames.comms_calls(report, case=chosen, strict=True)
+
+    out += guarded("Per op (reporting rank)", lambda: table("comms-ops", ops()))
     out += guarded("Bandwidth against message size", lambda: graph(
-        "comms-bandwidth", figures.comms_bandwidth(views.comms_op_rows(data), views.bandwidth_points(data), chosen)))
-    out += guarded("Straggler wait", lambda: graph(
-        "comms-stragglers", figures.straggler_heatmap(views.straggler_matrix(data), chosen)))
+        "comms-bandwidth", figures.comms_bandwidth(ops(), views.bandwidth_points(calls()), chosen)))
+    out += guarded("Straggler wait", lambda: graph("comms-stragglers", figures.straggler_heatmap(
+        views.straggler_matrix(calls(), frames.stragglers(report, case=chosen, strict=True)), chosen)))
     if isinstance(data.get("definitions"), str):
         out.append(html.P(data["definitions"], className="note"))
     return out
@@ -295,10 +307,10 @@ def _memory_tab(report, suite, run_id, case) -> list:
     out = [_case_links(suite, run_id, "memory", cases, chosen)]
     if data.get("note"):
         out.append(html.P(str(data["note"]), className="note"))
-    out += guarded("Timeline", lambda: graph(
-        "memory-timeline", figures.memory_timeline(views.memory_timeline(data), chosen)))
-    out += guarded("Activation memory per module", lambda: graph(
-        "memory-activations", figures.activations_bar(views.activation_rows(data), chosen)))
+    out += guarded("Timeline", lambda: graph("memory-timeline", figures.memory_timeline(
+        views.memory_timeline(frames.memory_timeline(report, case=chosen, strict=True)), chosen)))
+    out += guarded("Activation memory per module", lambda: graph("memory-activations", figures.activations_bar(
+        views.activation_rows(frames.memory_activations(report, case=chosen, strict=True)), chosen)))
     out += guarded("Measured beside the estimate", lambda: graph(
         "memory-estimate", figures.measured_vs_estimate(views.memory_measured_vs_estimate(data), chosen)))
     return out
@@ -311,8 +323,8 @@ def _telemetry_tab(report, suite, run_id, case) -> list:
     out = [_case_links(suite, run_id, "telemetry", cases, chosen)]
     if not data.get("available", True):
         out.append(html.P(f"telemetry was not available: {data.get('reason') or 'no reason given'}", className="note"))
-    out += guarded("Time series per GPU", lambda: graph(
-        "telemetry-series", figures.telemetry(views.telemetry_series(data), chosen)))
+    out += guarded("Time series per GPU", lambda: graph("telemetry-series", figures.telemetry(
+        views.telemetry_series(frames.telemetry_timeline(report, case=chosen, strict=True)), chosen)))
     return out
 
 
@@ -324,7 +336,7 @@ def _experts_tab(report, suite, run_id, case) -> list:
     load = {}
 
     def heatmap():
-        load.update(views.expert_load(data))
+        load.update(experts_view.expert_load(data))
         return graph("expert-load-heatmap", figures.expert_load_heatmap(load, chosen))
 
     out += guarded("Expert load per MoE layer", heatmap)
@@ -343,13 +355,13 @@ def _experts_tab(report, suite, run_id, case) -> list:
 
     out += guarded("Dropped assignments", summary)
     out += guarded("Expert TFLOP/s per arm", lambda: table(
-        "expert-tflops", views.expert_tflops_rows(report, chosen, data), [
+        "expert-tflops", experts_view.expert_tflops_rows(frames.results(report), chosen, data), [
             ("arm", "arm"), ("status", "status"), ("expert_gflops_per_step", "expert GFLOP per step"),
             ("step_time_ms", "step ms"), ("expert_tflops", "expert TFLOP/s")]))
-    rows = views.all_to_all_rows(data)
+    rows = experts_view.all_to_all_rows(data)
     if rows:
         out += guarded("all_to_all (expert parallelism)", lambda: table("expert-all-to-all", rows))
-    out.append(html.P(views.EXPERT_LOAD_NOTE, className="note"))
+    out.append(html.P(experts_view.EXPERT_LOAD_NOTE, className="note"))
     return out
 
 
@@ -402,14 +414,18 @@ def _io_tab(report, suite, run_id, case) -> list:
     except ValueError as err:
         return [warning(f"I/O: {err}"), *guarded("I/O tuner", lambda: key_value(views.flatten("io", data)))]
     out = [_case_links(suite, run_id, "io", cases, chosen)]
+
+    def rows():
+        return frames.io_records(report, case=chosen, strict=True)
+
     if record.get("kind") == "engine" or "operations" in record:
         out += guarded("Storage I/O of the run", lambda: table(
-            "io-operations", io_view.operation_rows(record), [
+            "io-operations", io_view.operation_rows(rows()), [
                 ("kind", "operation"), ("count", "count"), ("bytes", "bytes"), ("seconds", "seconds"),
                 ("GBps", "GB/s"), ("median_GBps", "median GB/s"), ("min_GBps", "min GB/s"),
                 ("max_GBps", "max GB/s"), ("waited_s", "step waited (s)")]))
         out += guarded("Each swap and checkpoint write", lambda: table(
-            "io-events", io_view.event_rows(record), page_size=PAGE_SIZE))
+            "io-events", io_view.event_rows(rows()), page_size=PAGE_SIZE))
         return out
     if "configs" not in record:
         return out + guarded("I/O", lambda: key_value(views.flatten("io", record)))
@@ -425,9 +441,9 @@ def _io_tab(report, suite, run_id, case) -> list:
             ("fio_1M_32_GBps", "fio 1M/iodepth 32 GB/s"), ("dslab_beside_matched_GBps", "dslab GB/s (beside matched)"),
             ("fio_matched_GBps", "fio matched GB/s"), ("fio_matched_job", "fio matched job"),
             ("dslab_over_fio_best", "dslab / fio best")]))
-    out += guarded("Finalists", lambda: graph("io-finalists", io_view.config_figure(record, chosen)))
+    out += guarded("Finalists", lambda: graph("io-finalists", io_view.config_figure(rows(), record, chosen)))
     out += guarded("Configuration x GB/s", lambda: table(
-        "io-configs", io_view.config_rows(record), page_size=PAGE_SIZE, filters=True))
+        "io-configs", io_view.config_rows(rows()), page_size=PAGE_SIZE, filters=True))
     for note in record.get("notes") or []:
         out.append(html.P(str(note), className="note"))
     return out
@@ -438,27 +454,19 @@ def _io_tab(report, suite, run_id, case) -> list:
 
 def compare_page(store: RunStore, a: tuple[str, str], b: tuple[str, str]) -> list:
     ra, rb = store.report(*a), store.report(*b)
-    metrics = ("samples_per_s", "tokens_per_s", "step_time_ms", "model_tflops")
-    rows = []
-    for r in ra.results:
-        other = rb.result(r.case, r.arm)
-        if other is None:
-            continue
-        for m in metrics:
-            if m in r.metrics and m in other.metrics:
-                rows.append({"case": r.case, "arm": r.arm, "metric": m, "A": r.metrics[m], "B": other.metrics[m],
-                             "B_over_A": other.metrics[m] / r.metrics[m] if r.metrics[m] else None})
+    results_a, results_b = frames.results(ra), frames.results(rb)
+    run_a, run_b = frames.records(frames.runs([ra, rb]))
     env = [("", f"A: {a[0]}/{a[1]}", f"B: {b[0]}/{b[1]}")]
-    env += [("GPU", gpu_name(ra), gpu_name(rb)), ("commit", commit_of(ra), commit_of(rb)),
+    env += [("GPU", gpu_label(run_a), gpu_label(run_b)), ("commit", commit_label(run_a), commit_label(run_b)),
             ("created", ra.created or "?", rb.created or "?"), ("status", ra.status, rb.status)]
     return [
         html.H2("Compare two runs"),
         html.Table([html.Tr([html.Th(k), html.Td(x), html.Td(y)]) for k, x, y in env], className="kv"),
         *guarded("dslab against the best plain-PyTorch arm", lambda: table(
-            "compare-best-plain", views.best_plain_compare_rows(ra, rb), [
+            "compare-best-plain", views.best_plain_compare_rows(results_a, results_b), [
                 ("case", "case"), ("A_arm", "A: best plain arm"), ("A", "A: dslab/best plain"),
                 ("B_arm", "B: best plain arm"), ("B", "B: dslab/best plain"), ("B_over_A", "B/A")])),
-        *guarded("Metrics", lambda: table("compare-table", rows, [
+        *guarded("Metrics", lambda: table("compare-table", views.compare_rows(results_a, results_b), [
             ("case", "case"), ("arm", "arm"), ("metric", "metric"), ("A", "A"), ("B", "B"), ("B_over_A", "B/A")])),
-        *guarded("Side by side", lambda: graph("compare-bar", figures.compare_bar(ra, rb))),
+        *guarded("Side by side", lambda: graph("compare-bar", figures.compare_bar(results_a, results_b))),
     ]

@@ -1,9 +1,10 @@
 """Static PNG figures of a run's main views, for CI artifacts (``dslab report plot RUN``).
 
-Drawn with matplotlib's Agg backend from the same :mod:`dashboards.views` tables as the Dash
-pages, so a PNG and the dashboard show the same numbers. matplotlib is imported when a figure is
-drawn, never at import time. One PNG per view and case, written atomically; a view whose data is
-missing is skipped and one whose data is malformed is reported in the returned warnings.
+Drawn with matplotlib's Agg backend from the same :mod:`dashboards.views` tables (over the same
+:mod:`dslab.report.frames`) as the Dash pages, so a PNG and the dashboard show the same numbers.
+matplotlib is imported when a figure is drawn, never at import time. One PNG per view and case,
+written atomically; a view whose data is missing (for that case) is skipped and one whose data is
+malformed is reported in the returned warnings.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from dashboards import views
-from dslab.report import RunReport
+from dashboards import experts_view, views
+from dslab.report import RunReport, frames
 
 DPI = 110
 
@@ -39,8 +40,14 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _record(report: RunReport, section: str, case: str) -> dict | None:
+    """``case``'s record of profiler ``section``; None when the section has none for it."""
+    _, chosen, data = views.section(report, section, case)
+    return data if chosen == case else None
+
+
 def _arms(plt, report: RunReport, case: str):
-    spread = views.trial_spread(report).get(case, {})
+    spread = views.trial_spread(frames.trials(report)).get(case, {})
     if not spread:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -50,7 +57,7 @@ def _arms(plt, report: RunReport, case: str):
         ax.scatter([i] * len(spread[arm]), spread[arm], s=12, color="tab:blue", zorder=3)
     ax.set_ylabel("samples/s per trial")
     title = f"{report.suite} / {case}: arms and the spread of trials"
-    best = report.best_plain_ratio(case)
+    best = views.best_plain_of(frames.results(report), case)
     if best is not None:
         title += f"\ndslab/best plain arm ({best[0]}): {best[1]:.3f}"
     ax.set_title(title)
@@ -58,13 +65,13 @@ def _arms(plt, report: RunReport, case: str):
 
 
 def _flops(plt, report: RunReport, case: str):
-    data = views.section(report, "flops", case)[2]
+    data = _record(report, "flops", case)
     if data is None:
         return None
-    nodes = views.flops_tree(data)
+    nodes = views.flops_tree(frames.flops_modules(report, case=case, strict=True))
     top = [r for r in views.top_modules(nodes, per_depth=6) if r["depth"] > 0][:24]
-    memory = views.section(report, "memory", case)[2]
-    points = views.roofline_points(nodes, memory, report.config.get("precision"))
+    activations = frames.memory_activations(report, case=case)
+    points = views.roofline_points(nodes, activations, report.config.get("precision"))
     roofs = views.ceilings(report, data)
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, max(4, 0.28 * len(top) + 1)))
     left.barh([r["module"] for r in top], [r["gflops"] for r in top],
@@ -96,11 +103,12 @@ def _flops(plt, report: RunReport, case: str):
 
 
 def _comms(plt, report: RunReport, case: str):
-    data = views.section(report, "comms", case)[2]
+    data = _record(report, "comms", case)
     if data is None:
         return None
-    rows = views.comms_op_rows(data)
-    matrix = views.straggler_matrix(data)
+    rows = views.comms_op_rows(frames.comms_ops(report, case=case, strict=True))
+    matrix = views.straggler_matrix(frames.comms_calls(report, case=case, strict=True),
+                                    frames.stragglers(report, case=case, strict=True))
     if not rows and not matrix["labels"]:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5))
@@ -124,11 +132,11 @@ def _comms(plt, report: RunReport, case: str):
 
 
 def _memory(plt, report: RunReport, case: str):
-    data = views.section(report, "memory", case)[2]
+    data = _record(report, "memory", case)
     if data is None:
         return None
-    timeline = views.memory_timeline(data)
-    acts = views.activation_rows(data)
+    timeline = views.memory_timeline(frames.memory_timeline(report, case=case, strict=True))
+    acts = views.activation_rows(frames.memory_activations(report, case=case, strict=True))
     compare = views.memory_measured_vs_estimate(data)
     fig, axes = plt.subplots(1, 3, figsize=(18, max(4, 0.22 * len(acts) + 1)))
     for key in ("peak_allocated", "peak_reserved"):
@@ -155,8 +163,9 @@ def _memory(plt, report: RunReport, case: str):
 
 
 def _telemetry(plt, report: RunReport, case: str):
-    data = views.section(report, "telemetry", case)[2]
-    series = views.telemetry_series(data) if data is not None else []
+    if _record(report, "telemetry", case) is None:
+        return None
+    series = views.telemetry_series(frames.telemetry_timeline(report, case=case, strict=True))
     if not series:
         return None
     fields = views.TELEMETRY_FIELDS
@@ -173,10 +182,10 @@ def _telemetry(plt, report: RunReport, case: str):
 
 
 def _experts(plt, report: RunReport, case: str):
-    data = views.section(report, "moe", case)[2]
+    data = _record(report, "moe", case)
     if data is None:
         return None
-    load = views.expert_load(data)
+    load = experts_view.expert_load(data)
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(load["experts"]) + 3), 1.5 + 0.5 * len(load["layers"])))
     image = ax.imshow(load["share_pct"], aspect="auto", cmap="viridis", vmin=0, interpolation="nearest")
     ax.set_xticks(range(len(load["experts"])), [e.split()[-1] for e in load["experts"]])

@@ -1,9 +1,13 @@
 """A run report as the plain tables and series the dashboard and the PNG figures draw.
 
-Pure functions over a :class:`dslab.report.RunReport` (or one profiler section of it): no Dash,
-no plotly, no matplotlib. Each raises ValueError naming the key when a section's data has the wrong
-shape, so a page can show a warning for that section and draw the rest. Profiler sections are
-stored per case (``report.profilers[section][case]``, see ``dslab.bench.runner``).
+Pure functions over the DataFrames of :mod:`dslab.report.frames` (a run's ``results``, its
+``trials``, one case's ``flops_modules``, ``comms_calls``, ...): no Dash, no plotly, no
+matplotlib, and no walking of the report's layout, which the frames own. The pages build those
+frames with ``strict=True``, so a section whose data has the wrong shape raises ValueError naming
+the key, and the page shows a warning for that section and draws the rest. What no frame holds (a
+profile's headline figures: MFU, the device-time step, the roofline's peaks, the memory estimate)
+is read from the case's record, ``report.profilers[section][case]`` (:func:`section`). The
+Expert load tab's tables are in :mod:`dashboards.experts_view`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from dslab.report import RunReport
+import pandas as pd
+
+from dslab.report import RunReport, frames
 from dslab.report.hardware import lookup_gpu
 
 ROOT_ID = "(root)"
@@ -73,60 +79,90 @@ def section(report: RunReport, name: str, case: str | None = None) -> tuple[list
 # -- run --------------------------------------------------------------------------------------
 
 
-def arm_rows(report: RunReport) -> list[dict]:
-    """One row per (case, arm): medians over trials, the spread of step time over trials (half
-    the range, % of the median), ``dslab/arm`` from the report's ratios, and ``best_plain``
-    (True on the case's best plain-PyTorch arm, see :func:`best_plain_rows`); ``expert_tflops``
-    is None outside MoE runs."""
+def _rows_by_arm(frame: pd.DataFrame) -> dict[tuple[str, str], list[dict]]:
+    """The rows (plain values) of a ``results`` or ``trials`` frame by ``(case, arm)``, in the
+    frame's order."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in frames.records(frame):
+        groups[(row["case"], row["arm"])].append(row)
+    return dict(groups)
+
+
+def trial_spread(trials: pd.DataFrame, metric: str = "samples_per_s") -> dict[str, dict[str, list[float]]]:
+    """``{case: {arm: [metric of each trial]}}`` of a run's ``trials`` frame, for the arms whose
+    trials have it."""
+    out: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for (case, arm), rows in _rows_by_arm(trials).items():
+        values = [r[metric] for r in rows if r.get(metric) is not None]
+        if values:
+            out[case][arm] = values
+    return dict(out)
+
+
+def best_plain_of(results: pd.DataFrame, case: str) -> tuple[str, float] | None:
+    """``(best plain arm, dslab over it)`` of ``case`` in a run's ``results`` frame, or None when
+    the report names none (see :meth:`dslab.report.RunReport.best_plain_ratio`)."""
+    for r in frames.records(results[(results["case"] == case).fillna(False)]):
+        if r["best_plain"] and r["dslab_over_arm"] is not None:
+            return r["arm"], r["dslab_over_arm"]
+    return None
+
+
+def arm_rows(results: pd.DataFrame, trials: pd.DataFrame) -> list[dict]:
+    """One row per (case, arm) of a run's ``results`` frame: medians over trials, the spread of
+    step time over ``trials`` (half the range, % of the median), ``dslab/arm`` from the report's
+    ratios, and ``best_plain`` (True on the case's best plain-PyTorch arm, see
+    :func:`best_plain_rows`); ``expert_tflops`` is None outside MoE runs."""
+    steps = trial_spread(trials, "step_time_ms")
     rows = []
-    for r in report.results:
-        m = r.metrics
-        steps = r.trial_values("step_time_ms")
+    for m in frames.records(results):
+        values = steps.get(m["case"], {}).get(m["arm"], [])
         spread = None
-        if len(steps) > 1 and m.get("step_time_ms"):
-            spread = (max(steps) - min(steps)) / 2 / m["step_time_ms"] * 100
-        ratios = report.ratios.get(r.case) if isinstance(report.ratios.get(r.case), dict) else {}
-        best = report.best_plain_ratio(r.case)
+        if len(values) > 1 and m.get("step_time_ms"):
+            spread = (max(values) - min(values)) / 2 / m["step_time_ms"] * 100
+        mfu = m.get("mfu_measured")
+        mfu = m.get("mfu_datasheet") if mfu is None else mfu
         rows.append({
-            "case": r.case, "arm": r.arm, "status": r.status, "trials": len(r.trials),
+            "case": m["case"], "arm": m["arm"], "status": m["status"], "trials": m["trial_count"],
             "samples_per_s": m.get("samples_per_s"), "tokens_per_s": m.get("tokens_per_s"),
             "step_time_ms": m.get("step_time_ms"), "spread_pct": spread,
             "model_tflops": m.get("model_tflops"), "expert_tflops": m.get("expert_tflops"),
-            "mfu_pct": 100 * mfu if (mfu := m.get("mfu_measured", m.get("mfu_datasheet"))) is not None else None,
+            "mfu_pct": 100 * mfu if mfu is not None else None,
             "peak_gib": m["peak_memory_bytes"] / 2**30 if m.get("peak_memory_bytes") is not None else None,
-            "dslab_over_arm": _number(ratios.get(f"dslab/{r.arm}")),
-            "best_plain": best is not None and best[0] == r.arm,
-            "error": (r.error or "").splitlines()[0][:200] if r.error else None,
+            "dslab_over_arm": m["dslab_over_arm"], "best_plain": bool(m["best_plain"]),
+            "error": m["error"].splitlines()[0][:200] if m["error"] else None,
         })
     return rows
 
 
-def best_plain_rows(report: RunReport) -> list[dict]:
-    """Per case, dslab against the case's best plain-PyTorch arm (the fastest ok arm other than
-    dslab, as the report stores it; a schema-1 report gets it derived on reading):
-    ``{"case", "best_plain_arm", "dslab_samples_per_s", "best_plain_samples_per_s",
+def best_plain_rows(results: pd.DataFrame) -> list[dict]:
+    """Per case of a run's ``results`` frame, dslab against the case's best plain-PyTorch arm (the
+    fastest ok arm other than dslab, as the report stores it; a schema-1 report gets it derived on
+    reading): ``{"case", "best_plain_arm", "dslab_samples_per_s", "best_plain_samples_per_s",
     "dslab_over_best_plain"}``. Cases without one (no dslab result, no ok plain arm, a run cut
     short before its ratios) are left out."""
+    by_arm = {key: rows[0] for key, rows in _rows_by_arm(results).items()}
     rows = []
-    for case in report.cases():
-        best = report.best_plain_ratio(case)
+    for case in dict.fromkeys(results["case"]):
+        best = best_plain_of(results, case)
         if best is None:
             continue
         arm, ratio = best
-        dslab, plain = report.result(case, "dslab"), report.result(case, arm)
+        dslab, plain = by_arm.get((case, "dslab")), by_arm.get((case, arm))
         rows.append({"case": case, "best_plain_arm": arm,
-                     "dslab_samples_per_s": dslab.metrics.get("samples_per_s") if dslab else None,
-                     "best_plain_samples_per_s": plain.metrics.get("samples_per_s") if plain else None,
+                     "dslab_samples_per_s": dslab.get("samples_per_s") if dslab else None,
+                     "best_plain_samples_per_s": plain.get("samples_per_s") if plain else None,
                      "dslab_over_best_plain": ratio})
     return rows
 
 
-def best_plain_compare_rows(a: RunReport, b: RunReport) -> list[dict]:
-    """Per case of either run, dslab over its best plain arm in run A and in run B:
-    ``{"case", "A_arm", "A", "B_arm", "B", "B_over_A"}`` (None where a run has no such ratio)."""
+def best_plain_compare_rows(a: pd.DataFrame, b: pd.DataFrame) -> list[dict]:
+    """Per case of either run (their ``results`` frames), dslab over its best plain arm in run A
+    and in run B: ``{"case", "A_arm", "A", "B_arm", "B", "B_over_A"}`` (None where a run has no
+    such ratio)."""
     rows = []
-    for case in dict.fromkeys(a.cases() + b.cases()):
-        best_a, best_b = a.best_plain_ratio(case), b.best_plain_ratio(case)
+    for case in dict.fromkeys(list(a["case"]) + list(b["case"])):
+        best_a, best_b = best_plain_of(a, case), best_plain_of(b, case)
         if best_a is None and best_b is None:
             continue
         rows.append({"case": case,
@@ -136,14 +172,23 @@ def best_plain_compare_rows(a: RunReport, b: RunReport) -> list[dict]:
     return rows
 
 
-def trial_spread(report: RunReport, metric: str = "samples_per_s") -> dict[str, dict[str, list[float]]]:
-    """``{case: {arm: [metric of each trial]}}`` for results that have trials."""
-    out: dict[str, dict[str, list[float]]] = defaultdict(dict)
-    for r in report.results:
-        values = r.trial_values(metric)
-        if values:
-            out[r.case][r.arm] = values
-    return dict(out)
+COMPARED_METRICS = ("samples_per_s", "tokens_per_s", "step_time_ms", "model_tflops")
+
+
+def compare_rows(a: pd.DataFrame, b: pd.DataFrame, metrics: tuple[str, ...] = COMPARED_METRICS) -> list[dict]:
+    """Each (case, arm) of run A's ``results`` frame that run B has too, one row per metric of
+    ``metrics`` both measured: ``{"case", "arm", "metric", "A", "B", "B_over_A"}``."""
+    theirs = {key: rows[0] for key, rows in _rows_by_arm(b).items()}
+    rows = []
+    for mine in frames.records(a):
+        other = theirs.get((mine["case"], mine["arm"]))
+        if other is None:
+            continue
+        for m in metrics:
+            if mine.get(m) is not None and other.get(m) is not None:
+                rows.append({"case": mine["case"], "arm": mine["arm"], "metric": m, "A": mine[m], "B": other[m],
+                             "B_over_A": other[m] / mine[m] if mine[m] else None})
+    return rows
 
 
 def flatten(prefix: str, value) -> list[tuple[str, str]]:
@@ -178,8 +223,8 @@ def _parent(name: str, names: set[str]) -> str | None:
     return "" if name and "" in names else None
 
 
-def flops_tree(data: dict) -> list[dict]:
-    """The flops profile's modules as tree nodes, parents before children.
+def flops_tree(modules: pd.DataFrame) -> list[dict]:
+    """One case's ``flops_modules`` frame as tree nodes, parents before children.
 
     Each node: ``id`` (the module's dotted name, ``(root)`` for the model), ``parent`` (``""`` at
     the top), ``label``, ``type``, ``depth``, ``params``, ``flops`` (forward + backward, raised to
@@ -187,28 +232,24 @@ def flops_tree(data: dict) -> list[dict]:
     ``own_flops`` (as recorded), ``latency_ms`` (forward + backward: the device time of the
     module's kernels where the profile has it, else the CUDA-event spans of the counted step),
     ``timing`` (``"device"`` or ``"events"``) and ``tflops`` (achieved: own flops / latency; None
-    without a latency)."""
-    modules = _list(_dict(data, "flops").get("modules"), "flops.modules")
+    without a latency). A module named twice is taken once, its first record."""
     records = {}
-    for i, m in enumerate(modules):
-        m = _dict(m, f"flops.modules[{i}]")
-        name = m.get("name")
-        if not isinstance(name, str) or name in records:
-            continue
-        records[name] = m
+    for m in frames.records(modules):
+        name = m["name"] or ""  # the model itself has no name
+        records.setdefault(name, m)
     names = set(records)
     nodes = {}
     for name, m in records.items():
-        fwd, bwd = _number(m.get("forward_flops")) or 0.0, _number(m.get("backward_flops")) or 0.0
-        timing = "device" if _number(m.get("forward_device_ms")) is not None else "events"
+        fwd, bwd = float(m["forward_flops"] or 0), float(m["backward_flops"] or 0)
+        timing = "device" if m["forward_device_ms"] is not None else "events"
         prefix = "device" if timing == "device" else "latency"
-        latency = (_number(m.get(f"forward_{prefix}_ms")) or 0.0) + (_number(m.get(f"backward_{prefix}_ms")) or 0.0)
+        latency = (m[f"forward_{prefix}_ms"] or 0.0) + (m[f"backward_{prefix}_ms"] or 0.0)
         parent = _parent(name, names)
         nodes[name] = {
             "id": name or ROOT_ID, "name": name, "parent": "" if parent is None else (parent or ROOT_ID),
-            "label": name.rsplit(".", 1)[-1] if name else ROOT_ID, "type": str(m.get("type", "?")),
-            "depth": int(m.get("depth", name.count(".") + 1 if name else 0)),
-            "params": _number(m.get("params")) or 0.0, "own_flops": fwd + bwd, "flops": fwd + bwd,
+            "label": name.rsplit(".", 1)[-1] if name else ROOT_ID, "type": m["type"] or "?",
+            "depth": m["depth"] if m["depth"] is not None else (name.count(".") + 1 if name else 0),
+            "params": float(m["params"] or 0), "own_flops": fwd + bwd, "flops": fwd + bwd,
             "latency_ms": latency, "timing": timing,
             "tflops": (fwd + bwd) / (latency * 1e-3) / 1e12 if latency > 0 else None,
         }
@@ -303,29 +344,26 @@ def mfu_rows(data: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def step_breakdown(data: dict) -> list[dict]:
+def step_breakdown(data: dict, modules: pd.DataFrame) -> list[dict]:
     """Where the device-timed step's time went, against the steady-state step: one row each for
-    the model's top-level submodules together, the model's own ops outside them (a functional
-    LM head, the loss), the optimizer step, work outside the model, and the rest of the steady
-    step (the device idle, or waiting on the host). ``[]`` without device times."""
+    the model's top-level submodules together (from the case's ``flops_modules`` frame), the
+    model's own ops outside them (a functional LM head, the loss), the optimizer step, work
+    outside the model, and the rest of the steady step (the device idle, or waiting on the host).
+    The step's figures come from the profile's record ``data``. ``[]`` without device times."""
     data = _dict(data, "flops")
     device = data.get("device_time") if isinstance(data.get("device_time"), dict) else {}
     if _number(device.get("forward_ms")) is None:
         return []
-    modules = [m for m in _list(data.get("modules"), "flops.modules") if isinstance(m, dict)]
-    root = next((m for m in modules if m.get("name") == ""), None)
-
-    def device_ms(m) -> float:
-        return (_number(m.get("forward_device_ms")) or 0.0) + (_number(m.get("backward_device_ms")) or 0.0)
-
+    top = modules[(modules["depth"] == 1).fillna(False)]
+    has_root = bool(modules["name"].isna().any())  # the model itself, named "" in the report
     model_ms = (_number(device.get("forward_ms")) or 0.0) + (_number(device.get("backward_ms")) or 0.0)
-    children_ms = sum(device_ms(m) for m in modules if m.get("depth") == 1)
+    children_ms = float(top["forward_device_ms"].fillna(0).sum() + top["backward_device_ms"].fillna(0).sum())
     unattributed = device.get("unattributed_ms") if isinstance(device.get("unattributed_ms"), dict) else {}
     steady = data.get("steady_state") if isinstance(data.get("steady_state"), dict) else {}
     step_ms = _number(steady.get("step_ms"))
     rows = [
-        ("top-level submodules (forward + backward)", children_ms if root is not None else model_ms),
-        ("the model's own ops outside them", model_ms - children_ms if root is not None else 0.0),
+        ("top-level submodules (forward + backward)", children_ms if has_root else model_ms),
+        ("the model's own ops outside them", model_ms - children_ms if has_root else 0.0),
         ("optimizer step", _number(device.get("optimizer_ms")) or 0.0),
         ("outside the model and the optimizer", sum(v for v in unattributed.values() if _number(v) is not None)),
     ]
@@ -366,14 +404,14 @@ def ceilings(report: RunReport, flops_data: dict | None) -> dict:
     return out
 
 
-def roofline_points(nodes: list[dict], memory_data: dict | None, precision: str | None) -> list[dict]:
-    """Per module with flops and a latency: ``{"module", "type", "intensity"`` (flop/byte),
-    ``"tflops"``, ``"bytes"}``; bytes are the estimate of :data:`ROOFLINE_NOTE`."""
+def roofline_points(nodes: list[dict], activations: pd.DataFrame | None, precision: str | None) -> list[dict]:
+    """Per module of :func:`flops_tree`'s ``nodes`` with flops and a latency: ``{"module", "type",
+    "intensity"`` (flop/byte), ``"tflops"``, ``"bytes"}``; bytes are the estimate of
+    :data:`ROOFLINE_NOTE`, the activations from the case's ``memory_activations`` frame (None
+    without a memory trace)."""
     per_elem = PARAM_BYTES.get(str(precision), 4)
-    activations = []
-    if isinstance(memory_data, dict) and isinstance(memory_data.get("activations"), list):
-        activations = [(str(a.get("module", "")), _number(a.get("bytes")) or 0.0)
-                       for a in memory_data["activations"] if isinstance(a, dict)]
+    activations = [(a["module"] or "", a["bytes"] or 0) for a in frames.records(activations)] \
+        if activations is not None else []
     points = []
     for n in nodes:
         if not n["own_flops"] or not n["tflops"]:
@@ -392,61 +430,44 @@ def roofline_points(nodes: list[dict], memory_data: dict | None, precision: str 
 # -- comms ------------------------------------------------------------------------------------
 
 
-def comms_op_rows(data: dict) -> list[dict]:
-    """The comms logger's per (op, message size) summary rows of the reporting rank."""
-    rows = []
-    for i, row in enumerate(_list(_dict(data, "comms").get("ops", []), "comms.ops")):
-        row = _dict(row, f"comms.ops[{i}]")
-        rows.append({"op": str(row.get("op", "?")), "size_bytes": _number(row.get("size_bytes")),
-                     "count": _number(row.get("count")), "avg_latency_ms": _number(row.get("avg_latency_ms")),
-                     "algbw_GBps": _number(row.get("algbw_GBps")), "busbw_GBps": _number(row.get("busbw_GBps"))})
-    return rows
+def comms_op_rows(ops: pd.DataFrame) -> list[dict]:
+    """The comms logger's per (op, message size) summary rows of the reporting rank, from one
+    case's ``comms_ops`` frame."""
+    return [{"op": r["op"] or "?", "size_bytes": r["size_bytes"], "count": r["count"],
+             "avg_latency_ms": r["avg_latency_ms"], "algbw_GBps": r["algbw_GBps"], "busbw_GBps": r["busbw_GBps"]}
+            for r in frames.records(ops)]
 
 
-def comms_records(data: dict) -> dict[int, list[dict]]:
-    """``{rank: [record]}`` of every rank's collectives, records without an op or bytes left out."""
-    per_rank = _dict(_dict(data, "comms").get("per_rank", {}), "comms.per_rank")
-    out = {}
-    for key, records in per_rank.items():
-        try:
-            rank = int(key)
-        except ValueError:
-            raise ValueError(f"comms.per_rank has a rank {key!r} that is not an integer") from None
-        out[rank] = [r for r in _list(records, f"comms.per_rank.{key}")
-                     if isinstance(r, dict) and isinstance(r.get("op"), str) and _number(r.get("bytes")) is not None]
-    return dict(sorted(out.items()))
+def _timed(calls: pd.DataFrame) -> list[dict]:
+    """The calls of a ``comms_calls`` frame that name their op and payload, as plain rows."""
+    return frames.records(calls[calls["op"].notna() & calls["bytes"].notna() & calls["rank"].notna()])
 
 
-def bandwidth_points(data: dict) -> list[dict]:
-    """One point per timed call with a payload: ``{"rank", "op", "bytes", "algbw_GBps"}``
-    (algbw = bytes / latency, 1e9 bytes/s)."""
+def bandwidth_points(calls: pd.DataFrame) -> list[dict]:
+    """One point per timed call with a payload in one case's ``comms_calls`` frame: ``{"rank",
+    "op", "bytes", "algbw_GBps"}`` (algbw = bytes / latency, 1e9 bytes/s)."""
     points = []
-    for rank, records in comms_records(data).items():
-        for r in records:
-            latency = _number(r.get("latency_ms"))
-            if latency and latency > 0 and r["bytes"] > 0:
-                points.append({"rank": rank, "op": r["op"], "bytes": r["bytes"],
-                               "algbw_GBps": r["bytes"] / (latency * 1e-3) / 1e9})
+    for r in _timed(calls):
+        latency = r["latency_ms"]
+        if latency and latency > 0 and r["bytes"] > 0:
+            points.append({"rank": r["rank"], "op": r["op"], "bytes": r["bytes"],
+                           "algbw_GBps": r["bytes"] / (latency * 1e-3) / 1e9})
     return points
 
 
-def straggler_matrix(data: dict, limit: int = 120) -> dict:
-    """Straggler wait per rank and collective: ``{"ranks", "labels", "wait_ms"[rank][col]}``.
+def straggler_matrix(calls: pd.DataFrame, stragglers: pd.DataFrame, limit: int = 120) -> dict:
+    """Straggler wait per rank and collective of one case: ``{"ranks", "labels",
+    "wait_ms"[rank][col], "stragglers"}`` from its ``comms_calls`` and ``stragglers`` frames.
 
     Collectives are matched across ranks by ``(group, op, seq)`` as the comms analysis does; a
-    rank's wait is the last arrival minus its own (arrivals on the reference clock, minus
-    ``clock_offsets_ns``); None where the rank is not in the group. The last ``limit``
-    collectives by time are kept. ``stragglers`` are the ranks the comms analysis named."""
-    data = _dict(data, "comms")
-    offsets = data.get("clock_offsets_ns") if isinstance(data.get("clock_offsets_ns"), dict) else {}
-    per_rank = comms_records(data)
-    collectives: dict[tuple, dict[int, float]] = defaultdict(dict)
-    for rank, records in per_rank.items():
-        offset = _number(offsets.get(str(rank))) or 0.0
-        for r in records:
-            arrival = _number(r.get("arrival_ns"))
-            if arrival is not None:
-                collectives[(str(r.get("group", "")), r["op"], r.get("seq"))][rank] = arrival - offset
+    rank's wait is the last arrival minus its own (arrivals on the reference clock:
+    ``arrival_ns - clock_offset_ns``); None where the rank is not in the group. The last
+    ``limit`` collectives by time are kept. ``stragglers`` are the ranks the comms analysis named."""
+    collectives: dict[tuple, dict[int, int]] = defaultdict(dict)
+    for r in _timed(calls):
+        if r["arrival_ns"] is not None:
+            key = (r["group"] or "", r["op"], r["seq"])
+            collectives[key][r["rank"]] = r["arrival_ns"] - (r["clock_offset_ns"] or 0)
     columns = []
     for (group, op, seq), arrivals in collectives.items():
         members = {int(x) for x in group.split(",") if x.strip().isdigit()} or set(arrivals)
@@ -456,36 +477,28 @@ def straggler_matrix(data: dict, limit: int = 120) -> dict:
         columns.append((min(arrivals.values()), f"{op} #{seq}", {r: (last - t) / 1e6 for r, t in arrivals.items()}))
     columns.sort(key=lambda c: c[0])
     columns = columns[-limit:]
-    ranks = sorted(per_rank)
-    stragglers = data.get("stragglers") if isinstance(data.get("stragglers"), list) else []
+    ranks = sorted(int(r) for r in calls["rank"].dropna().unique())
+    named = stragglers[stragglers["straggler"].fillna(False).astype(bool)]["rank"].dropna()
     return {"ranks": ranks, "labels": [c[1] for c in columns],
             "wait_ms": [[c[2].get(rank) for c in columns] for rank in ranks],
-            "stragglers": [s for s in stragglers if isinstance(s, int)]}
+            "stragglers": sorted(int(r) for r in named)}
 
 
 # -- memory -----------------------------------------------------------------------------------
 
 
-def memory_timeline(data: dict) -> dict:
-    """``{"step", "peak_allocated", "peak_reserved"}`` lists (bytes) over steps."""
-    steps = _list(_dict(data, "memory").get("steps", []), "memory.steps")
-    out = {"step": [], "peak_allocated": [], "peak_reserved": []}
-    for i, s in enumerate(steps):
-        s = _dict(s, f"memory.steps[{i}]")
-        out["step"].append(_number(s.get("step")) if s.get("step") is not None else i)
-        out["peak_allocated"].append(_number(s.get("peak_allocated")))
-        out["peak_reserved"].append(_number(s.get("peak_reserved")))
-    return out
+def memory_timeline(steps: pd.DataFrame) -> dict:
+    """``{"step", "peak_allocated", "peak_reserved"}`` lists (bytes) over the steps of one case's
+    ``memory_timeline`` frame."""
+    rows = frames.records(steps)
+    return {key: [r[key] for r in rows] for key in ("step", "peak_allocated", "peak_reserved")}
 
 
-def activation_rows(data: dict) -> list[dict]:
-    """Bytes saved for backward per module, in the order of the forward pass."""
-    rows = []
-    for i, a in enumerate(_list(_dict(data, "memory").get("activations", []), "memory.activations")):
-        a = _dict(a, f"memory.activations[{i}]")
-        rows.append({"module": str(a.get("module", "?")), "bytes": _number(a.get("bytes")) or 0.0,
-                     "shared_bytes": _number(a.get("shared_bytes")) or 0.0})
-    return rows
+def activation_rows(activations: pd.DataFrame) -> list[dict]:
+    """Bytes saved for backward per module, in the order of the forward pass, from one case's
+    ``memory_activations`` frame."""
+    return [{"module": a["module"] or "?", "bytes": a["bytes"] or 0, "shared_bytes": a["shared_bytes"] or 0}
+            for a in frames.records(activations)]
 
 
 def memory_measured_vs_estimate(data: dict) -> dict:
@@ -508,101 +521,17 @@ def memory_measured_vs_estimate(data: dict) -> dict:
 # -- telemetry --------------------------------------------------------------------------------
 
 
-def telemetry_series(data: dict) -> list[dict]:
-    """Per GPU: ``{"gpu": label, "t": [s], field: [value]}`` for each of :data:`TELEMETRY_FIELDS`."""
-    gpus = _dict(_dict(data, "telemetry").get("gpus", {}), "telemetry.gpus")
-    out = []
-    for uuid, gpu in gpus.items():
-        gpu = _dict(gpu, f"telemetry.gpus.{uuid}")
-        samples = [s for s in _list(gpu.get("samples", []), f"telemetry.gpus.{uuid}.samples") if isinstance(s, dict)]
-        series = {"gpu": f"GPU {gpu.get('index', '?')} {gpu.get('name', '')}".strip(), "uuid": uuid,
-                  "t": [_number(s.get("t")) for s in samples]}
+def telemetry_series(samples: pd.DataFrame) -> list[dict]:
+    """Per GPU of one case's ``telemetry_timeline`` frame: ``{"gpu": label, "uuid", "t": [s],
+    field: [value]}`` for each of :data:`TELEMETRY_FIELDS`."""
+    out: dict[str, dict] = {}
+    for s in frames.records(samples):
+        series = out.get(s["gpu_uuid"])
+        if series is None:
+            index = "?" if s["gpu_index"] is None else s["gpu_index"]
+            series = out[s["gpu_uuid"]] = {"gpu": f"GPU {index} {s['gpu_name'] or ''}".strip(), "uuid": s["gpu_uuid"],
+                                           "t": [], **{name: [] for name, _ in TELEMETRY_FIELDS}}
+        series["t"].append(s["t"])
         for name, _ in TELEMETRY_FIELDS:
-            series[name] = [_number(s.get(name)) for s in samples]
-        out.append(series)
-    return out
-
-
-# -- experts (MoE) ----------------------------------------------------------------------------
-
-EXPERT_LOAD_NOTE = (
-    "Routing of the dslab arm's last timed step (rank 0's tokens): each cell is the share of the layer's "
-    "(token, expert) assignments that chose the expert, before capacity dropping; a uniform router gives "
-    "1 / experts in every cell. Dropped: assignments past their expert's capacity (none when dropless). "
-    "Expert TFLOP/s: the arm's expert flops per step over its step time (12 x hidden x ffn per kept "
-    "assignment and MoE layer; the hf arm's gated experts do three matrices)."
-)
-
-
-def has_moe(report: RunReport) -> bool:
-    """Whether the report holds MoE records (``profilers["moe"]`` with a case)."""
-    raw = report.profilers.get("moe") if isinstance(report.profilers, dict) else None
-    return isinstance(raw, dict) and any(isinstance(v, dict) for v in raw.values())
-
-
-def expert_load(data: dict) -> dict:
-    """One case's MoE record (``profilers["moe"][case]``) as a layer x expert table.
-
-    Returns ``{"layers": ["layer 1", ...], "experts": ["expert 0", ...], "counts": [[int]],
-    "share_pct": [[% of the layer's assignments]], "rows": [per layer: "layer", "assignments",
-    "dropped", "dropped_pct", "max_over_mean", "capacity"], "dropped_pct": over every layer,
-    "num_experts", "k", "tokens_per_step", "drop_tokens"}``. Raises ValueError when the record
-    has no layers or a layer's counts are not a list of numbers of one length."""
-    data = _dict(data, "moe")
-    layers = _list(data.get("layers"), "moe.layers")
-    if not layers:
-        raise ValueError("moe.layers is empty")
-    labels, counts, shares, rows = [], [], [], []
-    width = None
-    for i, layer in enumerate(layers):
-        layer = _dict(layer, f"moe.layers[{i}]")
-        values = _list(layer.get("exp_counts"), f"moe.layers[{i}].exp_counts")
-        if not values or any(_number(v) is None for v in values):
-            raise ValueError(f"moe.layers[{i}].exp_counts should be a list of numbers")
-        if width is not None and len(values) != width:
-            raise ValueError(f"moe.layers[{i}].exp_counts has {len(values)} experts, the first layer {width}")
-        width = len(values)
-        total = sum(values)
-        dropped = _number(layer.get("dropped")) or 0.0
-        labels.append(f"layer {layer.get('layer', i)}")
-        counts.append([int(v) for v in values])
-        shares.append([100 * v / total if total else 0.0 for v in values])
-        rows.append({"layer": labels[-1], "assignments": total, "dropped": dropped,
-                     "dropped_pct": 100 * dropped / total if total else 0.0,
-                     "max_over_mean": max(values) * len(values) / total if total else None,
-                     "capacity": _number(layer.get("capacity"))})
-    fraction = _number(data.get("dropped_fraction"))
-    if fraction is None:
-        assigned = sum(r["assignments"] for r in rows)
-        fraction = sum(r["dropped"] for r in rows) / assigned if assigned else 0.0
-    def count(key):
-        value = _number(data.get(key))
-        return None if value is None else int(value)
-
-    return {"layers": labels, "experts": [f"expert {e}" for e in range(width)], "counts": counts,
-            "share_pct": shares, "rows": rows, "dropped_pct": 100 * fraction,
-            "num_experts": count("num_experts") or width, "k": count("k"),
-            "tokens_per_step": count("tokens_per_step"), "drop_tokens": data.get("drop_tokens")}
-
-
-def expert_tflops_rows(report: RunReport, case: str, data: dict | None = None) -> list[dict]:
-    """Per arm of ``case``: its expert flops per step (from the MoE record, where it has them),
-    median step time and expert TFLOP/s (median over trials)."""
-    flops = (data or {}).get("expert_flops_per_step") if isinstance((data or {}).get("expert_flops_per_step"),
-                                                                      dict) else {}
-    rows = []
-    for r in report.results:
-        if r.case != case:
-            continue
-        rows.append({"arm": r.arm, "status": r.status,
-                     "expert_gflops_per_step": _number(flops.get(r.arm)) / 1e9 if _number(flops.get(r.arm)) else None,
-                     "step_time_ms": r.metrics.get("step_time_ms"), "expert_tflops": r.metrics.get("expert_tflops")})
-    return rows
-
-
-def all_to_all_rows(data: dict) -> list[dict]:
-    """The record's ``all_to_all`` rows (expert parallelism), in the comms table's columns."""
-    raw = _dict(data, "moe").get("all_to_all")
-    if raw is None:
-        return []
-    return comms_op_rows({"ops": _list(raw, "moe.all_to_all")})
+            series[name].append(s[name])
+    return list(out.values())

@@ -65,6 +65,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="ZeRO stage of the dslab arm's engine (overrides the suite's "
                              "zero_optimization.stage); start under torchrun / dslab launch to shard")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print the profilers' text reports (the flops profile, ...) to the terminal; "
+                             "they are always written to the run's directory (profiles/<case>/)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -73,7 +76,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
     report, _ = run_suite(args.suite, scale=args.scale, arms=arms, cases=cases, trials=args.trials, steps=args.steps,
-                          warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage)
+                          warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage, verbose=args.verbose)
     failed = [f"{r.case}/{r.arm}" for r in report.results if r.status == "failed"]
     if failed and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
         print(f"dslab: {len(failed)} arm(s) failed: {', '.join(failed)} (errors are in the report)",
@@ -102,12 +105,20 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
     export.add_argument("--out", default=None, help="output folder (default: <run directory>/export)")
 
 
-def _run_report_export(args: argparse.Namespace) -> int:
+def _report_frames():
+    """:mod:`dslab.report.frames`, which every ``dslab report`` action reads reports through; a
+    ValueError saying what to install where pandas is missing (an environment made before dslab
+    depended on it)."""
     try:
         from dslab.report import frames
     except ImportError as err:
-        raise ValueError(f"{err.name or err} is not installed: dslab report export needs pandas "
-                         "(pip install pandas)") from None
+        raise ValueError(f"{err.name or err} is not installed: dslab report needs pandas, a dependency of "
+                         "dslab (pip install pandas, or run bin/bootstrap)") from None
+    return frames
+
+
+def _run_report_export(args: argparse.Namespace) -> int:
+    frames = _report_frames()
     from dslab.report import find_run, read_report
 
     frames.check_format(args.format)
@@ -118,11 +129,13 @@ def _run_report_export(args: argparse.Namespace) -> int:
 
 
 def _run_report_plot(args: argparse.Namespace) -> int:
-    from dashboards.plots import write_plots
     from dslab.report import find_run, read_report
 
     run = find_run(args.reports, args.run)
+    _report_frames()
     try:
+        from dashboards.plots import write_plots
+
         written, warnings = write_plots(read_report(run), args.out or run / "plots")
     except ImportError as err:
         raise _missing_extra(err, "dashboard") from None
@@ -135,13 +148,13 @@ def _run_report_plot(args: argparse.Namespace) -> int:
 
 def _run_report(args: argparse.Namespace) -> int:
     from dslab.report import find_run, list_runs, read_report
-    from dslab.report.summary import describe, results_table
 
     if args.report_action == "plot":
         return _run_report_plot(args)
     if args.report_action == "export":
         return _run_report_export(args)
     if args.report_action == "list":
+        frames = _report_frames()
         runs = list_runs(args.reports, args.suite)
         if not runs:
             print(f"no runs under {args.reports}" + (f" for suite {args.suite}" if args.suite else ""))
@@ -152,16 +165,20 @@ def _run_report(args: argparse.Namespace) -> int:
             except ValueError as err:
                 print(f"{path.parent.name:<12} {path.name:<24} unreadable: {err}")
                 continue
-            best = r.result(r.cases()[0], "dslab") if r.cases() else None
-            figure = f"{best.metrics['samples_per_s']:.1f} samples/s" if best and "samples_per_s" in best.metrics else "-"
-            gpus = (r.environment.get("cuda") or {}).get("gpus") or []
-            hw = gpus[0].get("name", "?") if gpus else "CPU"
+            results = frames.records(frames.results(r))
+            first_case = results[0]["case"] if results else None
+            best = next((row for row in results if row["case"] == first_case and row["arm"] == "dslab"), None)
+            figure = f"{best['samples_per_s']:.1f} samples/s" if best and best.get("samples_per_s") is not None else "-"
+            hw = frames.records(frames.runs(r))[0]["hardware"] or "?"
             print(f"{r.suite:<12} {r.run_id:<24} {r.status:<10} {hw:<24} {figure}")
         return 0
     report = read_report(find_run(args.reports, args.run))
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
+        _report_frames()  # the summary reads the report through its frames
+        from dslab.report.summary import describe, results_table
+
         print(describe(report))
         print(results_table(report), end="")
     return 0

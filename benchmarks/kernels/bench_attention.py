@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common import Case  # benchmarks/kernels/ is on sys.path (run.py puts it there)
+from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
 from dslab.kernels.attention import attention
 
 SHAPES = [

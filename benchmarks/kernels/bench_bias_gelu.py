@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common import Case  # benchmarks/kernels/ is on sys.path (run.py puts it there)
+from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
 from dslab.kernels.bias_gelu import bias_gelu
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from common import Case  # benchmarks/kernels/ is on sys.path (run.py puts it there)
+from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
 from dslab.kernels import kernel_backend
 from dslab.kernels.fused_adam import FusedAdam
 

@@ -1,17 +1,26 @@
-"""Shared pieces of the kernel benchmark: the case description and the timer.
+"""Shared pieces of the kernel benchmarks: the case description, the bench modules, and the timer.
 
-Each ``bench_<op>.py`` beside this file defines ``cases(device) -> list[Case]``; ``run.py`` measures
-the device's ceilings once, times every case's dslab and PyTorch callables interleaved, and prints
-one table.
+Each ``bench_<op>.py`` beside this file defines ``cases(device) -> list[Case]``. Two drivers use
+them, and both time device work with :class:`EventTimer`:
+
+- ``run.py`` measures the device's ceilings once, times every case's dslab and PyTorch callables
+  interleaved, and prints one table (with CUDA-graph replay times and peak memory);
+- ``test_kernels_bench.py`` runs every case and arm as a pytest-benchmark test, whose JSON
+  ``dslab gate --pytest-benchmark`` judges against a baseline.
 """
 
 from __future__ import annotations
 
+import importlib
+import re
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+HERE = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -37,20 +46,110 @@ class Case:
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
+    @property
+    def label(self) -> str:
+        """``"<op> | <shape>"``: what the two arms share (the pytest-benchmark group)."""
+        return f"{self.op} | {self.shape}"
+
+    @property
+    def slug(self) -> str:
+        """The label as a test id: runs of characters other than letters, digits, ``+ . =`` become
+        ``_`` (``layer_norm forward | 65536x1024 bf16`` -> ``layer_norm_forward_65536x1024_bf16``)."""
+        return re.sub(r"[^0-9A-Za-z+.=]+", "_", f"{self.op} {self.shape}").strip("_")
+
+
+def bench_ops() -> list[str]:
+    """The ``<op>`` of every ``bench_<op>.py`` beside this file, sorted."""
+    return sorted(path.stem[len("bench_"):] for path in HERE.glob("bench_*.py"))
+
+
+def op_cases(op: str, device) -> list[Case]:
+    """The cases of ``bench_<op>.py`` with their inputs built on ``device``. The module is imported
+    by name: this folder is on ``sys.path`` wherever ``common`` is importable."""
+    return importlib.import_module(f"bench_{op}").cases(device)
+
+
+class EventTimer:
+    """Per-call device time from CUDA events, also readable as a clock.
+
+    ``timed(fn)`` returns a callable that runs ``fn`` between two CUDA events recorded on the
+    current stream and does not synchronise, so that calls issued back to back queue on the device
+    as they would in a training step. ``collect_ms()`` waits for the events recorded so far and
+    returns each call's start-to-end time in ms: the device's time for the call when the device is
+    the bottleneck, the host's time to issue it when the host is (the time a caller would see).
+
+    ``timer()`` collects and returns, in seconds, the sum of every call collected so far: a clock
+    that advances only by intervals CUDA events measured. It is the ``timer`` pytest-benchmark
+    reads before and after each round of timed calls (see ``test_kernels_bench.py``).
+
+    Events are taken from a pool and reused. CUDA creates an event at its first ``record``, so
+    :meth:`reserve` creates those of the calls about to be timed ahead, and no ``cudaEventCreate``
+    falls between a call's start and end events. ``event_type`` is what makes an event
+    (``torch.cuda.Event`` unless given; the CPU tests pass a stand-in).
+    """
+
+    def __init__(self, event_type: Callable[..., object] | None = None):
+        self._event_type = event_type
+        self._free: list[tuple] = []
+        self._pending: list[tuple] = []
+        self._seconds = 0.0
+
+    def __repr__(self) -> str:
+        return "EventTimer(CUDA events around each call)"
+
+    def _new_pair(self) -> tuple:
+        make = self._event_type or torch.cuda.Event
+        return make(enable_timing=True), make(enable_timing=True)
+
+    def reserve(self, calls: int) -> None:
+        """Create (by recording each once) the events of ``calls`` timed calls."""
+        for _ in range(calls - len(self._free)):
+            pair = self._new_pair()
+            for event in pair:
+                event.record()
+            self._free.append(pair)
+
+    def timed(self, fn: Callable[[], object]) -> Callable[[], None]:
+        """``fn`` between a start and an end event; the pair is collected by the next
+        :meth:`collect_ms` or ``timer()``."""
+
+        def call() -> None:
+            start, end = self._free.pop() if self._free else self._new_pair()
+            start.record()
+            fn()
+            end.record()
+            self._pending.append((start, end))
+
+        return call
+
+    def collect_ms(self) -> list[float]:
+        """Wait for the pending calls' end events; their times in ms, in call order."""
+        pending, self._pending = self._pending, []
+        times = []
+        for start, end in pending:
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        self._free.extend(pending)
+        self._seconds += sum(times) / 1e3
+        return times
+
+    def __call__(self) -> float:
+        self.collect_ms()
+        return self._seconds
+
 
 def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> list[float]:
-    """Per-call times in ms from CUDA events around each call (after ``warmup`` calls)."""
+    """Per-call times in ms from CUDA events around each call (:class:`EventTimer`), ``iters``
+    calls back to back after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
+    timer = EventTimer()
+    timer.reserve(iters)
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    timed = timer.timed(fn)
+    for _ in range(iters):
+        timed()
+    return timer.collect_ms()
 
 
 def median(xs: list[float]) -> float:

@@ -8,6 +8,9 @@ a round after warm-up); the figure per side is the median over all calls. Each s
 captured once in a CUDA graph and its replays timed: the device time of its kernels without the
 host's launch overhead (``graph d/t``; ``-`` where a side cannot be captured). GB/s counts the fewest
 bytes the op must move; TFLOP/s the flops it must do; ratio = PyTorch time / dslab time.
+
+The cases and the CUDA-event timer are ``common.py``'s, shared with ``test_kernels_bench.py``
+(the same cases as pytest-benchmark tests, for ``dslab gate --pytest-benchmark``).
 """
 
 from __future__ import annotations
@@ -21,25 +24,20 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import graph_time_ms, median, peak_extra_memory_bytes, time_ms  # noqa: E402
+from common import bench_ops, graph_time_ms, median, op_cases, peak_extra_memory_bytes, time_ms  # noqa: E402
 
 from dslab.bench.measure import measure_peaks  # noqa: E402
 
 
 def load_cases(ops: list[str] | None, device):
     cases, errors = [], []
-    for path in sorted(HERE.glob("bench_*.py")):
-        op = path.stem[len("bench_"):]
+    for op in bench_ops():
         if ops and op not in ops:
             continue
         try:
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            cases.extend(module.cases(device))
+            cases.extend(op_cases(op, device))
         except Exception as err:
             errors.append((op, err))
             traceback.print_exc()

@@ -22,6 +22,14 @@
 
 Every arm exposes ``step()`` (one optimizer step) and ``close()``; building an arm may raise, and
 the runner records that arm as failed (or, out of GPU memory, as ``oom``) and goes on.
+
+A deliberate slowdown, for checking a gate or the straggler analysis: ``DSLAB_INJECT_STEP_SLEEP_MS``
+(milliseconds, >= 0) makes the ``dslab`` arm wait for the device and then sleep that long at the
+end of every step. ``DSLAB_INJECT_STEP_SLEEP_RANKS`` (comma-separated global ranks, e.g. ``1`` or
+``0,2``) limits the sleep to those ranks of a distributed run; unset or empty, every rank sleeps.
+A rank that sleeps reaches the next step's collectives late, so the others wait for it there and
+the comms logger names it a straggler. Ranks must lie in ``0 .. WORLD_SIZE-1``, and naming ranks
+without a sleep is an error (:func:`injected_sleep_ms`).
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ import time
 
 import torch
 
+from dslab import comm
 from dslab.bench.parking import park_training_state, unpark_training_state
 from dslab.bench.suite import check_arms
 from dslab.bench.workloads import Workload
 
 INJECT_SLEEP_ENV = "DSLAB_INJECT_STEP_SLEEP_MS"
+INJECT_SLEEP_RANKS_ENV = "DSLAB_INJECT_STEP_SLEEP_RANKS"
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -62,6 +72,7 @@ def _optimizer_settings(engine_cfg: dict) -> dict:
 
 
 def inject_sleep_ms() -> float:
+    """``DSLAB_INJECT_STEP_SLEEP_MS``: the sleep per step the slowed ranks take (0 when unset)."""
     raw = os.environ.get(INJECT_SLEEP_ENV, "").strip()
     if not raw:
         return 0.0
@@ -74,13 +85,67 @@ def inject_sleep_ms() -> float:
     return value
 
 
+def inject_sleep_ranks(world_size: int) -> tuple[int, ...] | None:
+    """The ranks ``DSLAB_INJECT_STEP_SLEEP_RANKS`` names (sorted, each once), or None when it is
+    unset or empty: then every rank sleeps. Raises ValueError for an item that is not a rank of
+    ``world_size`` processes."""
+    raw = os.environ.get(INJECT_SLEEP_RANKS_ENV, "").strip()
+    if not raw:
+        return None
+    ranks = set()
+    for item in raw.split(","):
+        item = item.strip()
+        if not (item.isascii() and item.isdigit()):
+            raise ValueError(f"{INJECT_SLEEP_RANKS_ENV}={raw!r}: {item!r} is not a rank; give comma-separated "
+                             f"ranks such as '1' or '0,2'")
+        rank = int(item)
+        if rank >= world_size:
+            raise ValueError(f"{INJECT_SLEEP_RANKS_ENV}={raw!r} names rank {rank}, but the run has {world_size} "
+                             f"process(es) (ranks 0..{world_size - 1})")
+        ranks.add(rank)
+    return tuple(sorted(ranks))
+
+
+def _injection(world_size: int) -> tuple[float, tuple[int, ...] | None]:
+    """``(sleep ms, ranks or None for all)`` from both variables, checked together."""
+    ms, ranks = inject_sleep_ms(), inject_sleep_ranks(world_size)
+    if ranks is not None and not ms:
+        raise ValueError(f"{INJECT_SLEEP_RANKS_ENV} is set but {INJECT_SLEEP_ENV} is unset or 0: set the "
+                         f"sleep (milliseconds per step) as well")
+    return ms, ranks
+
+
+def injected_sleep_ms(rank: int, world_size: int) -> float:
+    """The sleep per step of ``rank``: ``DSLAB_INJECT_STEP_SLEEP_MS`` where
+    ``DSLAB_INJECT_STEP_SLEEP_RANKS`` selects the rank (or is unset: every rank), else 0.
+    Naming ranks without a sleep raises ValueError."""
+    ms, ranks = _injection(world_size)
+    return ms if ranks is None or rank in ranks else 0.0
+
+
+def describe_injected_sleep(world_size: int) -> str | None:
+    """One line saying which ranks of the dslab arm sleep how long in every step (for the
+    progress output and the report's notes), or None when nothing is injected. Checks both
+    variables as :func:`injected_sleep_ms` does."""
+    ms, ranks = _injection(world_size)
+    if not ms:
+        return None
+    if ranks is None:
+        return (f"{INJECT_SLEEP_ENV}={ms:g}: the dslab arm sleeps that long in every step "
+                f"(a deliberate slowdown for checking a gate)")
+    named = ", ".join(str(r) for r in ranks)
+    return (f"{INJECT_SLEEP_ENV}={ms:g} on rank{'s' if len(ranks) > 1 else ''} {named} only "
+            f"({INJECT_SLEEP_RANKS_ENV}): the dslab arm sleeps that long in every step there, a deliberate "
+            f"straggler that the other ranks wait for at their next collective")
+
+
 class EngineArm:
     """The ``dslab`` arm: dslab kernels inside the dslab engine."""
 
     name = "dslab"
 
     def __init__(self, workload: Workload, device: torch.device, precision: str, engine_cfg: dict,
-                 profile_dir=None, measured_peak_tflops: float | None = None):
+                 profile_dir=None, measured_peak_tflops: float | None = None, echo_profile_text: bool = False):
         import dslab
 
         config = dict(engine_cfg)
@@ -92,12 +157,12 @@ class EngineArm:
         model = workload.build_model(kernels="dslab", device=device)
         self.engine, _, _, _ = dslab.initialize(model=model, config=config, dist_init_required=False)
         if profile_dir is not None:
-            self.engine.set_profile_output_dir(profile_dir)
+            self.engine.set_profile_output_dir(profile_dir, echo_text=echo_profile_text)
         if measured_peak_tflops:
             self.engine.set_measured_peak(measured_peak_tflops)
         self.batch = workload.make_batch(self.engine.device)
         self.loss_fn = workload.loss_fn()
-        self.sleep_s = inject_sleep_ms() / 1e3
+        self.sleep_s = injected_sleep_ms(comm.get_rank(), comm.get_world_size()) / 1e3
         self.model_for_counting = model
 
     def step(self) -> torch.Tensor:
@@ -105,8 +170,9 @@ class EngineArm:
         self.engine.backward(loss)
         self.engine.step()
         if self.sleep_s:
-            # A deliberate slowdown for checking a gate: wait for the device, then sleep, so the
-            # measured step grows by at least this much.
+            # A deliberate slowdown for checking a gate or the straggler analysis (module
+            # docstring): wait for the device, then sleep, so the measured step grows by at least
+            # this much.
             if self.engine.device.type == "cuda":
                 torch.cuda.synchronize()
             time.sleep(self.sleep_s)
@@ -237,7 +303,8 @@ class PlainArm:
 
 
 def build_arm(name: str, workload: Workload, device: torch.device, precision: str, engine_cfg: dict,
-              profile_dir=None, measured_peak_tflops: float | None = None, world_size: int = 1):
+              profile_dir=None, measured_peak_tflops: float | None = None, world_size: int = 1,
+              echo_profile_text: bool = False):
     """The arm ``name``. With ``world_size`` > 1 (a distributed run) only the ``dslab`` arm runs:
     the others are single-process loops and raise :class:`ArmSkipped`."""
     if name != "dslab" and world_size > 1:
@@ -246,7 +313,7 @@ def build_arm(name: str, workload: Workload, device: torch.device, precision: st
         raise ArmSkipped(f"ep_size={workload.model_config().ep_size}: expert parallelism is the dslab arm's; "
                          f"the plain arms keep every expert on one rank")
     if name == "dslab":
-        return EngineArm(workload, device, precision, engine_cfg, profile_dir, measured_peak_tflops)
+        return EngineArm(workload, device, precision, engine_cfg, profile_dir, measured_peak_tflops, echo_profile_text)
     if name == "hf":
         try:
             import transformers  # noqa: F401

@@ -38,6 +38,13 @@ see :func:`dslab.bench.measure.run_trial`; ``peak_memory_bytes`` is the largest)
 memory tracer's model states of every rank go into its records as ``model_states_per_rank``.
 Only rank 0 prints and writes the report; each rank's profiler files go to
 ``profiles/<case>/rank<r>``. Every rank trains on the same synthetic batch.
+
+The terminal gets the progress lines (one per arm and trial) and the summary table. The text
+reports the dslab arm's profilers would print in a training script (the flops profile, the comms
+logger's verbose lines) go to files of the run's directory instead, ``profiles/<case>/`` (per rank as
+above): ``flops_profile.txt`` and ``comms_calls.txt``. The profiler's record names its file as
+``text_file``, relative to the run's directory, and one progress line per file says where it is.
+With ``verbose`` the text is printed as well (to standard output, as the engine prints it).
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from typing import TextIO
 import torch
 
 from dslab import comm
-from dslab.bench.arms import PRECISION_DTYPES, ArmSkipped, build_arm, inject_sleep_ms
+from dslab.bench.arms import PRECISION_DTYPES, ArmSkipped, build_arm, describe_injected_sleep, inject_sleep_ms
 from dslab.bench.measure import count_step_flops, measure_peaks, run_trial, trial_metrics
 from dslab.bench.moe_report import expert_tflops, moe_record, stats_to_host
 from dslab.bench.suite import SuiteConfig, load_suite, select_arms
@@ -69,6 +76,8 @@ from dslab.report.summary import describe, results_table
 
 
 SETTLE_STEPS = 2
+# The progress line's name of each profiler section's text report.
+TEXT_REPORTS = {"flops": "flops profile", "comms": "comms log"}
 OOM_STATUS = "oom"
 OOM_PREFIX = "out of memory"
 
@@ -235,10 +244,13 @@ def run_suite(
     out: str | Path = "reports",
     stream: TextIO | None = None,
     zero_stage: int | None = None,
+    verbose: bool = False,
 ) -> tuple[RunReport, Path]:
     """Run the suite at ``suite_path``; returns the report and the path of its run.json.
 
     Progress and the summary table go to ``stream`` (standard error by default; rank 0 only).
+    The profilers' text reports go to files of the run's directory, and to standard output too with
+    ``verbose`` (module docstring).
     ``zero_stage`` overrides the suite engine's ``zero_optimization.stage``. Under torchrun
     (``WORLD_SIZE`` > 1) every rank must call it (module docstring). An inference suite
     (``"kind": "inference"``) runs :func:`dslab.bench.inference.run_inference_suite` instead."""
@@ -266,9 +278,9 @@ def run_suite(
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     sleep_ms = inject_sleep_ms()
-    if sleep_ms:
-        progress.line(f"DSLAB_INJECT_STEP_SLEEP_MS={sleep_ms:g}: the dslab arm sleeps that long in every step "
-                      f"(a deliberate slowdown for checking a gate)")
+    slowdown = describe_injected_sleep(world.size)  # None unless DSLAB_INJECT_STEP_SLEEP_MS is set
+    if slowdown:
+        progress.line(slowdown)
 
     run_id = new_run_id()
     if world.size > 1:  # one run, one id: rank 0's
@@ -294,6 +306,8 @@ def run_suite(
         "inject_step_sleep_ms": sleep_ms,
     }
     report.data = {"kind": "synthetic", "description": workloads[0].data_description}
+    if slowdown:
+        report.notes.append(slowdown)
     path = world.write(report, out)
     ranks = f" x {world.size} ranks" if world.size > 1 else ""
     progress.line(f"run {report.run_id}: {len(workloads)} case(s) x {len(arm_names)} arm(s) x {n_trials} trial(s) "
@@ -305,7 +319,7 @@ def run_suite(
             report.peaks["datasheet_bf16_tflops"] = datasheet
         for workload in workloads:
             _run_case(report, suite, engine, workload, arm_names, device, n_trials, n_steps, n_warmup,
-                      datasheet, out, progress, world)
+                      datasheet, out, progress, world, verbose)
         report.compute_ratios("dslab", "samples_per_s")
         report.status = "complete"
     except KeyboardInterrupt:
@@ -324,6 +338,23 @@ def run_suite(
         progress.line(describe(report) + "\n" + results_table(report))
         progress.line(f"report: {path}")
     return report, path
+
+
+def _text_files_in_run(records: dict[str, dict], run_path: Path) -> list[tuple[str, Path]]:
+    """The text report files the profilers' ``records`` name (``text_file``), as ``(section, path)``;
+    each record's ``text_file`` becomes relative to the run's directory (a file outside it, such as
+    a ``flops_profiler.output_file`` the suite names, stays as given)."""
+    files = []
+    for section, record in records.items():
+        named = record.get("text_file") if isinstance(record, dict) else None
+        if not named:
+            continue
+        files.append((section, Path(named)))
+        try:
+            record["text_file"] = Path(named).resolve().relative_to(run_path.resolve()).as_posix()
+        except ValueError:
+            pass
+    return files
 
 
 def _steady_state_from_trials(report: RunReport, case: str) -> None:
@@ -391,8 +422,9 @@ def _needs_parking(workload: Workload, n_arms: int, device: torch.device) -> boo
 
 def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Workload, arm_names: list[str],
               device: torch.device, n_trials: int, n_steps: int, n_warmup: int,
-              datasheet: float | None, out, progress: Progress, world: World) -> None:
+              datasheet: float | None, out, progress: Progress, world: World, verbose: bool = False) -> None:
     case = workload.case.name
+    run_path = run_dir(out, report.suite, report.run_id)
     samples, tokens = workload.samples_and_tokens()
     samples, tokens = samples * world.size, tokens * world.size  # every rank steps a micro-batch
     flops = None
@@ -417,11 +449,11 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
         result = Result(case=case, arm=name)
         report.results.append(result)
         try:
-            profile_dir = run_dir(out, report.suite, report.run_id) / "profiles" / case
+            profile_dir = run_path / "profiles" / case
             if world.size > 1:
                 profile_dir = profile_dir / f"rank{world.rank}"
             built[name] = build_arm(name, workload, device, suite.precision, engine,
-                                    **({"profile_dir": profile_dir,
+                                    **({"profile_dir": profile_dir, "echo_profile_text": verbose,
                                         "measured_peak_tflops": report.peaks.get("bf16_matmul_tflops")}
                                        if name == "dslab" else {"world_size": world.size}))
             if parking:
@@ -480,9 +512,11 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
             progress.line(f"[{suite.name} {case}] trial {t + 1}/{n_trials} {name:<13} "
                           f"{metrics['samples_per_s']:>10.1f} samples/s  {metrics['step_time_ms']:>9.2f} ms/step")
         world.write(report, out)
+    text_files: list[tuple[str, Path]] = []
     if "dslab" in built:
         try:
             records = built["dslab"].records()
+            text_files = _text_files_in_run(records, run_path)
             if world.size > 1 and records.get("memory") is not None:
                 per_rank = comm.all_gather_object(records["memory"].get("model_states"))
                 records["memory"] = {**records["memory"], "model_states_per_rank": per_rank}
@@ -500,6 +534,8 @@ def _run_case(report: RunReport, suite: SuiteConfig, engine: dict, workload: Wor
     if workload.is_moe:
         _record_moe(report, workload, built.get("dslab"), arm_names, progress, suite.name)
     for arm in built.values():
-        arm.close()
+        arm.close()  # the flops profile is written at the latest here
     built.clear()
     _free(device)
+    for section, file in text_files:
+        progress.line(f"[{suite.name} {case}] {TEXT_REPORTS.get(section, section)} text: {file}")

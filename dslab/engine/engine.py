@@ -439,9 +439,12 @@ class DslabEngine(nn.Module):
             if flops.profiler is not None:
                 flops.profiler.measured_peak_tflops = bf16_matmul_tflops
 
-    def set_profile_output_dir(self, path) -> None:
-        """Directory for the files profilers write (e.g. the memory tracer's allocator snapshot)."""
-        self.profilers.set_output_dir(path)
+    def set_profile_output_dir(self, path, echo_text: bool = False) -> None:
+        """Directory for the files profilers write: the memory tracer's allocator snapshot, and the
+        text reports that otherwise print to standard output (the flops profile unless
+        ``flops_profiler.output_file`` names a file, the comms logger's verbose lines).
+        ``echo_text`` prints those reports as well."""
+        self.profilers.set_output_dir(path, echo_text=echo_text)
 
     def profiler_records(self) -> dict[str, dict]:
         """Each running profiler's records, keyed by its run-report section."""

@@ -86,11 +86,12 @@ class ProfilerHooks:
         gathers every rank's records): call it on all ranks."""
         return {p.section: p.records() for p in self.profilers}
 
-    def set_output_dir(self, path) -> None:
-        """Where profilers that write files (the memory snapshot, traces) put them."""
+    def set_output_dir(self, path, echo_text: bool = False) -> None:
+        """Where the profilers put their files (the memory snapshot) and their text reports (the
+        flops profile, the comms logger's verbose lines), which then print only with
+        ``echo_text`` (:class:`dslab.profilers.base.Profiler`)."""
         for p in self.profilers:
-            if hasattr(p, "set_output_dir"):
-                p.set_output_dir(path)
+            p.set_output_dir(path, echo_text=echo_text)
 
     def close(self) -> None:
         for p in self.profilers:

@@ -10,9 +10,13 @@ Each benchmark is one row: case = its ``fullname`` (``name`` when absent), arm =
 (empty when none), metric ``time``, lower is better. The two files must agree on the machine:
 ``machine``, ``processor``, ``system``, ``python_implementation``, the major.minor of
 ``python_version``, and ``cpu.brand_raw`` and ``cpu.count`` where py-cpuinfo recorded them (the
-host name and kernel release are left out). Rounds of one pytest process are not independent
-trials the way separate benchmark trials are, so the p-value is optimistic; the threshold and
-the interval test are what keep a microbenchmark gate quiet on noise.
+host name and kernel release are left out); and on what dslab's kernel benchmarks
+(``benchmarks/kernels/conftest.py``) add to ``machine_info``: ``gpu.name``, the major.minor of
+``torch.version`` and ``torch.cuda``, and ``dslab_kernels`` (the ``DSLAB_KERNELS`` variable). Those
+four are compared as recorded, a missing one as null, so that a GPU file is never judged against
+one without a GPU. Rounds of one pytest process are not independent trials the way separate
+benchmark trials are, so the p-value is optimistic; the threshold and the interval test are what
+keep a microbenchmark gate quiet on noise.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ def machine_fingerprint(machine_info: dict) -> dict:
     for key in ("brand_raw", "count"):
         if key in cpu:
             out[f"cpu.{key}"] = cpu[key]
+    gpu = info.get("gpu") if isinstance(info.get("gpu"), dict) else {}
+    stack = info.get("torch") if isinstance(info.get("torch"), dict) else {}
+    out["gpu.name"] = gpu.get("name")
+    out["torch.version"] = major_minor(stack.get("version"))
+    out["torch.cuda"] = major_minor(stack.get("cuda"))
+    out["dslab_kernels"] = info.get("dslab_kernels")
     return out
 
 

@@ -11,9 +11,16 @@ The engine calls the hooks in this order for each micro-step::
 optimizer steps). Hooks must not synchronise the device on the steady-state path; a profiler that
 needs a synchronisation (to read CUDA events, say) does it on the one step it profiles or at
 :meth:`Profiler.records`.
+
+A profiler's text reports (the flops profile, the comms logger's per-call lines) go through
+:meth:`Profiler.write_text`: to standard output, as DeepSpeed prints them, until an output directory
+is set (:meth:`Profiler.set_output_dir`, which a benchmark run does); then into a file of that
+directory, and to standard output as well only with ``echo_text``.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch.nn as nn
 
@@ -23,6 +30,32 @@ class Profiler:
 
     #: The run report's ``profilers`` section this profiler fills.
     section: str = ""
+    #: Where the profiler's files go (None: no files; text reports print to standard output).
+    output_dir: Path | None = None
+    #: With an output directory, whether text reports print to standard output too.
+    echo_text: bool = False
+
+    def set_output_dir(self, path: str | Path, echo_text: bool = False) -> None:
+        """Write files (and text reports) under ``path`` from now on; ``echo_text`` prints the
+        text reports as well."""
+        self.output_dir = Path(path)
+        self.echo_text = echo_text
+
+    def text_path(self, filename: str) -> Path | None:
+        """Where :meth:`write_text` puts a report named ``filename``; None when it prints it."""
+        return None if self.output_dir is None else self.output_dir / filename
+
+    def write_text(self, filename: str, text: str) -> Path | None:
+        """Append ``text`` (and a newline) to ``<output_dir>/<filename>``, printing it too with
+        ``echo_text``; without an output directory print it. Returns the file written, or None."""
+        path = self.text_path(filename)
+        if path is None or self.echo_text:
+            print(text, flush=True)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(text + "\n")
+        return path
 
     def attach(self, model: nn.Module, optimizer=None) -> None:
         """Called once by the engine with the wrapped model and the optimizer."""

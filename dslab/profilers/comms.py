@@ -88,6 +88,8 @@ DEEPSPEED_OP_NAMES = {
 }
 #: barrier rounds used to align the ranks' clocks when records are gathered
 CLOCK_SYNC_ROUNDS = 5
+#: the file of the verbose per-call lines in a profile output directory
+TEXT_FILE = "comms_calls.txt"
 #: modules skipped when ``debug`` looks for the caller of a collective
 _CALLER_SKIP = ("dslab.comm", "dslab.engine", "dslab.profilers.comms")
 
@@ -97,7 +99,9 @@ class CommsLoggerConfig(ConfigSection):
 
     ``prof_all`` logs every collective; with ``prof_all: false`` only the ops named in
     ``prof_ops`` (dslab's names, or DeepSpeed's such as ``all_gather_into_tensor``). ``verbose``
-    prints each call once its latency is known (on CUDA: at the end of the step it ran in).
+    prints each call once its latency is known (on CUDA: at the end of the step it ran in); with
+    a profile output directory set (a benchmark run) the lines go to its ``comms_calls.txt``
+    instead, which the records name as ``text_file`` once a line went there.
     ``debug`` records the caller of each collective (file:line and function of the first frame
     outside dslab.comm and dslab.engine) and splits the summary by caller.
     """
@@ -184,6 +188,7 @@ class CommsLogger(Profiler):
         self._rank: int | None = None
         self._step: int | None = None
         self._suspended = False
+        self._text_file = None  # the file the verbose lines went to, once one went there
         comm.add_observer(self)
         comm.set_summary_provider(self.log_summary)
 
@@ -280,8 +285,8 @@ class CommsLogger(Profiler):
             self._summary.add(label, record["op"], record["bytes"], record["group_size"], latency_ms)
         if self.config.verbose:
             algbw, busbw = bandwidth(record["op"], record["bytes"], latency_ms, record["group_size"])
-            print(format_call(self._rank or 0, label, record["bytes"], latency_ms, algbw, busbw),
-                  flush=True)
+            self._text_file = self.write_text(TEXT_FILE, format_call(self._rank or 0, label, record["bytes"],
+                                                                     latency_ms, algbw, busbw))
 
     def _on_cuda(self, call) -> bool:
         """Whether the call runs on a CUDA device: the call's ``device`` when the comm layer
@@ -438,6 +443,7 @@ class CommsLogger(Profiler):
             "clock_offsets_ns": {str(r): o for r, o in sorted(offsets.items())},
             "dropped_records": dropped,
             "definitions": DEFINITIONS,
+            "text_file": None if self._text_file is None else str(self._text_file),
         }
 
     def close(self) -> None:

@@ -27,12 +27,21 @@ What it cannot do: the hooks make a model that replays CUDA graphs run eagerly f
 (the graph's kernels carry no module), so the figures are those of the eager kernels. The records
 say so (``mode``), and put the step's busy time beside the steady-state step time where the caller
 knows it, so the reader sees how far the timed step is from the steady state.
+
+Kineto writes a line to the process's standard error at every profiler start and stop
+(``USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start``), past ``sys.stderr``, and the only
+``KINETO_LOG_LEVEL`` that hides them hides its errors too. The timer starts and stops the profiler
+with file descriptor 2 sent to a temporary file and writes back every line but those two.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
 import re
+import sys
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -40,6 +49,7 @@ import torch
 import torch.nn as nn
 
 MODULE_RANGE = "dslab.module::"
+KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
 PHASE_RANGE = "dslab.phase::"
 BACKWARD_RANGE = "autograd::engine::evaluate_function: "
 
@@ -251,6 +261,31 @@ def _self_times(host_ops) -> list[Activity]:
     return work
 
 
+@contextlib.contextmanager
+def without_kineto_markers():
+    """Run the block with file descriptor 2 sent to a temporary file, then write back to it every
+    line written there but kineto's profiler start/stop markers (:data:`KINETO_MARKER`)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no descriptor 2 to borrow: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = [line for line in capture.read().splitlines(keepends=True) if not KINETO_MARKER.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 @dataclass
 class ModuleDeviceTimer:
     """Times one stretch of work on ``model`` (a training step) by device activity.
@@ -281,7 +316,8 @@ class ModuleDeviceTimer:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(device)
         self._profile = torch.profiler.profile(activities=activities)
-        self._profile.__enter__()
+        with without_kineto_markers():
+            self._profile.__enter__()
 
     def _enter(self, label: str):
         def pre_hook(module, args):
@@ -325,6 +361,7 @@ class ModuleDeviceTimer:
             profile, self._profile = self._profile, None
             if self.device_type == "cuda":
                 torch.cuda.synchronize()
-            profile.__exit__(None, None, None)
+            with without_kineto_markers():
+                profile.__exit__(None, None, None)
         events = profile.profiler.kineto_results.events()
         return attribute(activities_from_profile(events, self.device_type), serial=self.device_type == "cpu")

@@ -17,14 +17,19 @@ be measured truthfully.
    TFLOP/s and MFU are its counted flops over their median step time. A benchmark that timed the
    run itself replaces this figure with its own (``steady_state.source`` says whose it is).
 
-The profile text is printed (rank 0) once the timed step is done, or after the counted step when
-``device_time`` is off.
+The profile text is written (rank 0) once step ``profile_step + 2`` is done, or after the counted
+step when ``device_time`` is off, or at :meth:`FlopsStepProfiler.close` when the run stops before:
+to ``output_file`` when the config names one (DeepSpeed's key, appended to), else into
+``flops_profile.txt`` of the engine's profile output directory when one is set
+(``engine.set_profile_output_dir``, as ``dslab bench`` does), else to standard output as DeepSpeed
+prints it. The records name the file as ``text_file`` (None when the text goes to standard output).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -37,6 +42,7 @@ from dslab.profilers.device_time import ModuleDeviceTimer
 from dslab.profilers.flops import FlopsProfiler, FlopsProfilerConfig
 
 STEADY_STEPS = 8
+TEXT_FILE = "flops_profile.txt"
 
 
 def _module_hooks_present(model: nn.Module) -> bool:
@@ -244,6 +250,15 @@ class FlopsStepProfiler(Profiler):
             return [a.elapsed_time(b) for a, b in pairs]
         return [(b - a) * 1e3 for a, b in pairs]
 
+    def text_file(self) -> Path | None:
+        """Where this rank's profile text goes (module docstring); None for standard output or,
+        on a rank other than 0, for no text at all."""
+        if get_rank() != 0:
+            return None
+        if self.config.output_file:
+            return Path(self.config.output_file)
+        return self.text_path(TEXT_FILE)
+
     def _print(self) -> None:
         if self._printed or get_rank() != 0:
             return
@@ -253,8 +268,10 @@ class FlopsStepProfiler(Profiler):
         if self.config.output_file:
             with open(self.config.output_file, "a", encoding="utf-8") as f:
                 f.write(text + "\n")
+            if self.echo_text:
+                print(text, flush=True)
         else:
-            print(text)
+            self.write_text(TEXT_FILE, text)
 
     def records_now(self) -> dict:
         records = dict(self._records)
@@ -269,7 +286,8 @@ class FlopsStepProfiler(Profiler):
     def records(self) -> dict:
         if self._records is None:
             return {"profiled": False, "profile_step": self.config.profile_step}
-        return {"profiled": True, **self.records_now()}
+        text_file = self.text_file()
+        return {"profiled": True, **self.records_now(), "text_file": None if text_file is None else str(text_file)}
 
     def close(self) -> None:
         if self.profiler is not None:

@@ -241,10 +241,6 @@ class MemoryTracer(Profiler):
         return cls(profile_step=cfg.profile_step, snapshot=cfg.snapshot,
                    snapshot_max_entries=cfg.snapshot_max_entries, output_dir=output_dir)
 
-    def set_output_dir(self, path: str | Path) -> None:
-        """Where the snapshot file goes (the run's report directory); set before profile_step."""
-        self.output_dir = Path(path)
-
     def set_zero_stage(self, stage: int, world_size: int | None = None, runtime=None) -> None:
         """The ZeRO stage the engine runs (``model_states.zero_estimate.stage`` and
         ``.compared``), its data-parallel world size (default: the process group's) and its ZeRO

@@ -1,9 +1,17 @@
 """Run reports as pandas DataFrames, and their export to CSV, Parquet or JSON files.
 
 Every function takes a :class:`RunReport`, a path (a run directory or its ``run.json``), a
-report's parsed JSON, or a list of any of those, and returns one DataFrame over all of them. A
-report that lacks a section gives no rows; a frame with no rows still has its documented columns.
+report's parsed JSON, or a list of any of those, and returns one DataFrame over all of them, its
+rows in the order of the reports given and, within a report, in the report's own order. A report
+that lacks a section gives no rows; a frame with no rows still has its documented columns.
 Malformed records (not an object, a field of the wrong type) are skipped or read as missing.
+
+The frames of a profiler section (every frame but ``runs``, ``trials`` and ``results``) take two
+keyword arguments: ``case`` keeps that case's record only, and ``strict=True`` raises ValueError
+naming the key (``flops.modules should be a list, not str``, ``memory.steps[0] should be an
+object, not int``) where a container or a record has the wrong type, instead of skipping it: the
+dashboard draws what it can and says what it could not. A field of the wrong type is read as
+missing either way.
 
 Column types are fixed, so a frame reads back equal from any of the formats:
 
@@ -14,7 +22,8 @@ Column types are fixed, so a frame reads back equal from any of the formats:
 - ``created`` and ``finished`` stay ISO-8601 text (``pandas.to_datetime`` parses them).
 
 ``trials`` and ``results`` add one ``float64`` column per metric the report holds, after their
-fixed columns: the metrics of :data:`METRIC_DIRECTIONS` in that order, then the others by name.
+fixed columns: the metrics of :data:`METRIC_DIRECTIONS` in that order, then the others by name
+(:func:`metric_names`). :func:`records` gives a frame's rows as plain Python values.
 
 :func:`export` writes each non-empty frame as ``<name>.csv`` (missing = empty field),
 ``<name>.parquet`` (needs pyarrow) or ``<name>.json`` (a list of records, missing = null), each
@@ -32,7 +41,7 @@ from typing import Any
 
 import pandas as pd
 
-from dslab.report.schema import METRIC_DIRECTIONS, RunReport, report_from_dict
+from dslab.report.schema import METRIC_DIRECTIONS, RATIO_ARM, RunReport, report_from_dict
 from dslab.report.store import atomic_write_bytes, read_report
 
 FORMATS = ("csv", "parquet", "json")
@@ -51,17 +60,21 @@ COLUMNS: dict[str, dict[str, str]] = {
                   "torch_version cuda_version dslab_version git_commit git_dirty:bool scale precision "
                   "trials:int steps:int warmup_steps:int world_size:int zero_stage:int"),
     "trials": _spec("run_id suite case arm status trial:int step_count:int"),
-    "results": _spec("run_id suite case arm status error trial_count:int"),
+    "results": _spec("run_id suite case arm status error trial_count:int dslab_over_arm:float best_plain:bool"),
     "flops_modules": _spec("run_id case name type depth:int params:int forward_flops:int backward_flops:int "
                            "macs:int elementwise_flops:int calls:int forward_latency_ms:float "
                            "backward_latency_ms:float forward_device_ms:float backward_device_ms:float "
                            "device_tflops:float"),
     "comms_calls": _spec("run_id case rank:int op group group_size:int seq:int bytes:int dtype async:bool "
-                         "step:int arrival_ns:int host_arrival_ns:int latency_ms:float"),
+                         "step:int arrival_ns:int host_arrival_ns:int latency_ms:float clock_offset_ns:int"),
+    "comms_ops": _spec("run_id case rank:int op size_bytes:int count:int timed_count:int avg_latency_ms:float "
+                       "min_latency_ms:float max_latency_ms:float total_latency_ms:float algbw_GBps:float "
+                       "busbw_GBps:float"),
     "stragglers": _spec("run_id case rank:int straggler:bool collectives:int times_last:int last_fraction:float "
                         "total_wait_ms:float mean_wait_ms:float max_wait_ms:float caused_wait_ms:float "
                         "mean_caused_wait_ms:float"),
     "memory_timeline": _spec("run_id case step:int peak_allocated:int peak_reserved:int"),
+    "memory_activations": _spec("run_id case module bytes:int shared_bytes:int tensors:int storages:int"),
     "telemetry_timeline": _spec("run_id case gpu_uuid gpu_index:int gpu_name t:float util_gpu:float "
                                 "util_mem:float sm_clock_mhz:float mem_used_bytes:int power_w:float "
                                 "temp_c:float throttle"),
@@ -129,36 +142,74 @@ def _frame(name: str, rows: list[dict]) -> pd.DataFrame:
                          for column, kind in kinds.items()})
 
 
-def _section(report: RunReport, name: str) -> list[tuple[str, dict]]:
-    """``[(case, record)]`` of profiler section ``name``; records that are not objects skipped."""
+def _section(report: RunReport, name: str, case: str | None = None, strict: bool = False) -> list[tuple[str, dict]]:
+    """``[(case, record)]`` of profiler section ``name`` (only ``case``'s when given); records
+    that are not objects skipped, or ValueError when ``strict``."""
     raw = report.profilers.get(name) if isinstance(report.profilers, dict) else None
-    if not isinstance(raw, dict):
+    out = []
+    for key, record in _dict(raw, f"profilers.{name}", strict).items():
+        if case is not None and str(key) != case:
+            continue
+        if isinstance(record, dict):
+            out.append((str(key), record))
+        elif strict and record is not None:
+            raise ValueError(f"profilers.{name}.{key} should be an object, not {type(record).__name__}")
+    return out
+
+
+def _objects(value: Any, where: str = "", strict: bool = False) -> list[dict]:
+    """The objects of list ``value``; with ``strict``, ValueError naming ``where`` when ``value``
+    is not a list (and not missing) or holds something else."""
+    if not isinstance(value, list):
+        if strict and value is not None:
+            raise ValueError(f"{where} should be a list, not {type(value).__name__}")
         return []
-    return [(str(case), record) for case, record in raw.items() if isinstance(record, dict)]
+    if strict:
+        for i, v in enumerate(value):
+            if not isinstance(v, dict):
+                raise ValueError(f"{where}[{i}] should be an object, not {type(v).__name__}")
+    return [v for v in value if isinstance(v, dict)]
 
 
-def _objects(value: Any) -> list[dict]:
-    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+def _dict(value: Any, where: str = "", strict: bool = False) -> dict:
+    """``value`` if it is an object, else ``{}``; with ``strict``, ValueError naming ``where`` when
+    it is something else than an object or missing."""
+    if isinstance(value, dict):
+        return value
+    if strict and value is not None:
+        raise ValueError(f"{where} should be an object, not {type(value).__name__}")
+    return {}
 
 
-def _dict(value: Any) -> dict:
-    return value if isinstance(value, dict) else {}
+def _hardware(env: dict) -> tuple[str | None, int | None]:
+    """``(label, GPU count)`` of an environment record: ``"2x NVIDIA H100 80GB HBM3"`` for GPUs of
+    one name, the names comma-separated for mixed ones, ``"CPU"`` when it records CUDA without a
+    GPU; ``(None, None)`` when it has no CUDA record."""
+    cuda = env.get("cuda")
+    if not isinstance(cuda, dict):
+        return None, None
+    names = [str(g.get("name", "?")) for g in _objects(cuda.get("gpus"))]
+    if not names:
+        return "CPU", 0
+    if len(set(names)) == 1:
+        return (names[0] if len(names) == 1 else f"{len(names)}x {names[0]}"), len(names)
+    return ", ".join(names), len(names)
 
 
 def runs(reports) -> pd.DataFrame:
     """One row per run. Columns: run_id, suite, status, created, finished, schema_version,
-    hardware (the GPUs' names, or ``CPU``), gpu_count, torch_version, cuda_version, dslab_version,
-    git_commit, git_dirty, and from the config: scale, precision, trials, steps, warmup_steps,
-    world_size, zero_stage."""
+    hardware (``"NVIDIA H100 80GB HBM3"``, ``"2x NVIDIA H100 80GB HBM3"``, the names
+    comma-separated for GPUs of several kinds, or ``CPU``; missing when the environment does not
+    record CUDA), gpu_count, torch_version, cuda_version, dslab_version, git_commit, git_dirty, and
+    from the config: scale, precision, trials, steps, warmup_steps, world_size, zero_stage."""
     rows = []
     for r in load(reports):
         env, cfg = _dict(r.environment), _dict(r.config)
-        gpus = _objects(_dict(env.get("cuda")).get("gpus"))
+        hardware, gpu_count = _hardware(env)
         torch_env, dslab_env = _dict(env.get("torch")), _dict(env.get("dslab"))
         rows.append({"run_id": r.run_id, "suite": r.suite, "status": r.status, "created": r.created,
                      "finished": r.finished, "schema_version": r.schema_version,
-                     "hardware": ", ".join(str(g.get("name", "?")) for g in gpus) or "CPU",
-                     "gpu_count": len(gpus), "torch_version": torch_env.get("version"),
+                     "hardware": hardware, "gpu_count": gpu_count, "torch_version": torch_env.get("version"),
                      "cuda_version": torch_env.get("cuda"), "dslab_version": dslab_env.get("version"),
                      "git_commit": dslab_env.get("git_commit"), "git_dirty": dslab_env.get("git_dirty"),
                      **{k: cfg.get(k) for k in ("scale", "precision", "trials", "steps", "warmup_steps",
@@ -180,34 +231,68 @@ def trials(reports) -> pd.DataFrame:
 
 
 def results(reports) -> pd.DataFrame:
-    """One row per (run, case, arm): run_id, suite, case, arm, status, error, trial_count, then
-    the summary metrics (medians over trials)."""
-    rows = [{**res.metrics, "run_id": r.run_id, "suite": r.suite, "case": res.case, "arm": res.arm,
-             "status": res.status, "error": res.error, "trial_count": len(res.trials)}
-            for r in load(reports) for res in r.results]
+    """One row per (run, case, arm): run_id, suite, case, arm, status, error, trial_count,
+    dslab_over_arm (the report's ratio of the dslab arm's samples/s over this arm's,
+    ``ratios[case]["dslab/<arm>"]``), best_plain (True on the case's best plain-PyTorch arm, see
+    :meth:`RunReport.best_plain_ratio`), then the summary metrics (medians over trials)."""
+    rows = []
+    for r in load(reports):
+        best = {case: r.best_plain_ratio(case) for case in r.cases()}
+        for res in r.results:
+            ratios = _dict(_dict(r.ratios).get(res.case))
+            rows.append({**res.metrics, "run_id": r.run_id, "suite": r.suite, "case": res.case, "arm": res.arm,
+                         "status": res.status, "error": res.error, "trial_count": len(res.trials),
+                         "dslab_over_arm": ratios.get(f"{RATIO_ARM}/{res.arm}"),
+                         "best_plain": best[res.case] is not None and best[res.case][0] == res.arm})
     return _frame("results", rows)
 
 
-def flops_modules(reports) -> pd.DataFrame:
+def metric_names(frame: pd.DataFrame, name: str) -> list[str]:
+    """The metric columns of frame ``name`` (``trials`` or ``results``): those after its fixed
+    columns, in their order."""
+    return [c for c in frame.columns if c not in COLUMNS[name]]
+
+
+def flops_modules(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """One row per module of each case's flops profile (``profilers["flops"][case]["modules"]``,
     parents before children): run_id, case, name (missing for the model itself), type, depth,
     params, forward_flops, backward_flops, macs, elementwise_flops, calls, forward_latency_ms,
     backward_latency_ms, forward_device_ms, backward_device_ms, device_tflops."""
-    rows = [{**m, "run_id": r.run_id, "case": case}
-            for r in load(reports) for case, record in _section(r, "flops") for m in _objects(record.get("modules"))]
+    rows = [{**m, "run_id": r.run_id, "case": c}
+            for r in load(reports) for c, record in _section(r, "flops", case, strict)
+            for m in _objects(record.get("modules"), "flops.modules", strict)]
     return _frame("flops_modules", rows)
 
 
-def comms_calls(reports) -> pd.DataFrame:
+def comms_calls(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """One row per collective call of every rank (``profilers["comms"][case]["per_rank"]``):
     run_id, case, rank, op, group (its ranks, comma-separated), group_size, seq (per group and
-    op), bytes, dtype, async, step, arrival_ns, host_arrival_ns, latency_ms."""
+    op), bytes, dtype, async, step, arrival_ns, host_arrival_ns (both on the rank's clock),
+    latency_ms, clock_offset_ns (the rank's clock minus the reference clock,
+    ``comms[case]["clock_offsets_ns"]``: ``arrival_ns - clock_offset_ns`` is on the reference clock)."""
     rows = []
     for r in load(reports):
-        for case, record in _section(r, "comms"):
-            for rank, calls in _dict(record.get("per_rank")).items():
-                rows.extend({**c, "run_id": r.run_id, "case": case, "rank": _rank(rank)} for c in _objects(calls))
+        for c, record in _section(r, "comms", case, strict):
+            offsets = _dict(record.get("clock_offsets_ns"))
+            for rank, calls in _dict(record.get("per_rank"), "comms.per_rank", strict).items():
+                number = _rank(rank)
+                if number is None and strict:
+                    raise ValueError(f"comms.per_rank has a rank {rank!r} that is not an integer")
+                rows.extend({**call, "run_id": r.run_id, "case": c, "rank": number,
+                             "clock_offset_ns": offsets.get(str(rank))}
+                            for call in _objects(calls, f"comms.per_rank.{rank}", strict))
     return _frame("comms_calls", rows)
+
+
+def comms_ops(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
+    """The comms logger's summary of the reporting rank, one row per (op, message size)
+    (``profilers["comms"][case]["ops"]``): run_id, case, rank (the reporting rank), op,
+    size_bytes, count, timed_count, avg_latency_ms, min_latency_ms, max_latency_ms,
+    total_latency_ms, algbw_GBps, busbw_GBps (1e9 bytes/s, nccl-tests' definitions)."""
+    rows = [{**row, "run_id": r.run_id, "case": c, "rank": record.get("rank")}
+            for r in load(reports) for c, record in _section(r, "comms", case, strict)
+            for row in _objects(record.get("ops"), "comms.ops", strict)]
+    return _frame("comms_ops", rows)
 
 
 def _rank(key: Any) -> int | None:
@@ -217,60 +302,75 @@ def _rank(key: Any) -> int | None:
         return None
 
 
-def stragglers(reports) -> pd.DataFrame:
+def stragglers(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """One row per rank of each case's straggler analysis (``comms[case]["straggler"]["ranks"]``):
     run_id, case, rank, straggler (named one), collectives, times_last, last_fraction,
     total_wait_ms, mean_wait_ms, max_wait_ms, caused_wait_ms, mean_caused_wait_ms."""
     rows = []
     for r in load(reports):
-        for case, record in _section(r, "comms"):
-            analysis = _dict(record.get("straggler"))
+        for c, record in _section(r, "comms", case, strict):
+            analysis = _dict(record.get("straggler"), "comms.straggler", strict)
             named = analysis.get("stragglers", record.get("stragglers"))
             named = {_rank(s) for s in named} if isinstance(named, list) else set()
-            for rank, stats in _dict(analysis.get("ranks")).items():
+            for rank, stats in _dict(analysis.get("ranks"), "comms.straggler.ranks", strict).items():
+                _dict(stats, f"comms.straggler.ranks.{rank}", strict)
                 if isinstance(stats, dict):
-                    rows.append({**stats, "run_id": r.run_id, "case": case, "rank": _rank(rank),
+                    rows.append({**stats, "run_id": r.run_id, "case": c, "rank": _rank(rank),
                                  "straggler": _rank(rank) in named})
     return _frame("stragglers", rows)
 
 
-def memory_timeline(reports) -> pd.DataFrame:
+def memory_timeline(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """One row per recorded step of each case's memory profile (``memory[case]["steps"]``):
-    run_id, case, step, peak_allocated, peak_reserved (bytes)."""
-    rows = [{"step": i, **s, "run_id": r.run_id, "case": case}
-            for r in load(reports) for case, record in _section(r, "memory")
-            for i, s in enumerate(_objects(record.get("steps")))]
+    run_id, case, step (the record's, else its position), peak_allocated, peak_reserved (bytes)."""
+    rows = [{**s, "step": s["step"] if s.get("step") is not None else i, "run_id": r.run_id, "case": c}
+            for r in load(reports) for c, record in _section(r, "memory", case, strict)
+            for i, s in enumerate(_objects(record.get("steps"), "memory.steps", strict))]
     return _frame("memory_timeline", rows)
 
 
-def telemetry_timeline(reports) -> pd.DataFrame:
+def memory_activations(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
+    """The bytes each module saved for backward, in the order of the forward pass
+    (``memory[case]["activations"]``): run_id, case, module, bytes (charged to it), shared_bytes
+    (storage it shares with an earlier module's, not charged again), tensors, storages."""
+    rows = [{**a, "run_id": r.run_id, "case": c}
+            for r in load(reports) for c, record in _section(r, "memory", case, strict)
+            for a in _objects(record.get("activations"), "memory.activations", strict)]
+    return _frame("memory_activations", rows)
+
+
+def telemetry_timeline(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """One row per NVML sample of each GPU (``telemetry[case]["gpus"][uuid]["samples"]``):
     run_id, case, gpu_uuid, gpu_index, gpu_name, t (seconds from the start), util_gpu, util_mem,
     sm_clock_mhz, mem_used_bytes, power_w, temp_c, throttle (the reasons, comma-separated;
     missing when none)."""
     rows = []
     for r in load(reports):
-        for case, record in _section(r, "telemetry"):
-            for uuid, gpu in _dict(record.get("gpus")).items():
-                gpu = _dict(gpu)
-                for s in _objects(gpu.get("samples")):
+        for c, record in _section(r, "telemetry", case, strict):
+            for uuid, gpu in _dict(record.get("gpus"), "telemetry.gpus", strict).items():
+                gpu = _dict(gpu, f"telemetry.gpus.{uuid}", strict)
+                for s in _objects(gpu.get("samples"), f"telemetry.gpus.{uuid}.samples", strict):
                     throttle = s.get("throttle")
-                    rows.append({**s, "run_id": r.run_id, "case": case, "gpu_uuid": uuid,
+                    rows.append({**s, "run_id": r.run_id, "case": c, "gpu_uuid": uuid,
                                  "gpu_index": gpu.get("index"), "gpu_name": gpu.get("name"),
                                  "throttle": ",".join(map(str, throttle)) if isinstance(throttle, list) else throttle})
     return _frame("telemetry_timeline", rows)
 
 
-def wall_clock(reports) -> pd.DataFrame:
+def wall_clock(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """One row per phase of each case's wall-clock timers (``wall_clock[case]["phases"]``):
     run_id, case, phase, count, mean_ms, median_ms, min_ms, max_ms."""
-    rows = [{**stats, "run_id": r.run_id, "case": case, "phase": phase}
-            for r in load(reports) for case, record in _section(r, "wall_clock")
-            for phase, stats in _dict(record.get("phases")).items() if isinstance(stats, dict)]
+    rows = []
+    for r in load(reports):
+        for c, record in _section(r, "wall_clock", case, strict):
+            for phase, stats in _dict(record.get("phases"), "wall_clock.phases", strict).items():
+                _dict(stats, f"wall_clock.phases.{phase}", strict)
+                if isinstance(stats, dict):
+                    rows.append({**stats, "run_id": r.run_id, "case": c, "phase": phase})
     return _frame("wall_clock", rows)
 
 
-def io_records(reports) -> pd.DataFrame:
+def io_records(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """The ``io`` section (``profilers["io"][case]``), one row per record, ``kind`` the producer
     (``tune`` or ``engine``) and ``record`` the row's sort:
 
@@ -284,24 +384,34 @@ def io_records(reports) -> pd.DataFrame:
     Columns: run_id, case, kind, record, then the union of the above."""
     rows = []
     for r in load(reports):
-        for case, record in _section(r, "io"):
-            base = {"run_id": r.run_id, "case": case, "kind": record.get("kind")}
-            for c in _objects(record.get("configs")):
-                values = c.get("trials") if isinstance(c.get("trials"), list) else None
-                rows.append({**c, **base, "record": "config", "trials": len(values) if values is not None else None,
+        for c, record in _section(r, "io", case, strict):
+            base = {"run_id": r.run_id, "case": c, "kind": record.get("kind")}
+            for config in _objects(record.get("configs"), "io.configs", strict):
+                values = config.get("trials") if isinstance(config.get("trials"), list) else None
+                rows.append({**config, **base, "record": "config",
+                             "trials": len(values) if values is not None else None,
                              "trials_GBps": json.dumps(values) if values is not None else None})
-            for o in _objects(record.get("operations")):
+            for o in _objects(record.get("operations"), "io.operations", strict):
                 rows.append({**o, **base, "record": "operation", "op": o.get("kind")})
-            for e in _objects(record.get("events")):
+            for e in _objects(record.get("events"), "io.events", strict):
                 rows.append({**e, **base, "record": "event", "op": e.get("kind"), "bytes": e.get("nbytes")})
     return _frame("io_records", rows)
 
 
 FRAMES: dict[str, Callable[..., pd.DataFrame]] = {
     "runs": runs, "trials": trials, "results": results, "flops_modules": flops_modules,
-    "comms_calls": comms_calls, "stragglers": stragglers, "memory_timeline": memory_timeline,
+    "comms_calls": comms_calls, "comms_ops": comms_ops, "stragglers": stragglers,
+    "memory_timeline": memory_timeline, "memory_activations": memory_activations,
     "telemetry_timeline": telemetry_timeline, "wall_clock": wall_clock, "io_records": io_records,
 }
+
+
+def records(frame: pd.DataFrame) -> list[dict]:
+    """``frame``'s rows as dicts of plain Python values (str, int, float, bool), None where a
+    value is missing."""
+    columns = {c: [None if v is pd.NA or (isinstance(v, float) and math.isnan(v)) else v for v in frame[c].tolist()]
+               for c in frame.columns}
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
 def all_frames(reports) -> dict[str, pd.DataFrame]:
@@ -339,10 +449,7 @@ def _encode(frame: pd.DataFrame, fmt: str) -> bytes:
         buffer = io.BytesIO()
         frame.to_parquet(buffer, index=False, engine="pyarrow")
         return buffer.getvalue()
-    columns = {c: [None if v is pd.NA or (isinstance(v, float) and math.isnan(v)) else v for v in frame[c].tolist()]
-               for c in frame.columns}
-    records = [dict(zip(columns, values)) for values in zip(*columns.values())]
-    return (json.dumps(records, indent=None) + "\n").encode()
+    return (json.dumps(records(frame), indent=None) + "\n").encode()
 
 
 def _decode(name: str, path: Path, fmt: str) -> pd.DataFrame:

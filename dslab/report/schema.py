@@ -40,6 +40,13 @@ assignments), the expert flops per step of each arm and, with expert parallelism
 ``all_to_all`` rows of the comms logger; those results also carry ``expert_tflops``. Being an
 optional section and an optional metric, they left the layout (and its version) unchanged.
 
+A profiler's record may name the text report it wrote as ``text_file``: a path relative to the
+run's directory (``profiles/<case>/flops_profile.txt`` for the flops profile,
+``profiles/<case>/comms_calls.txt`` for the comms logger's verbose lines; ``profiles/<case>/rank<r>/``
+in a distributed run), or as the config gave it when the file lies outside the run's directory
+(``flops_profiler.output_file``); None when the text went to standard output only. An optional key
+of a record, it left the layout unchanged too.
+
 ``ratios[case]["dslab/<arm>"]`` is the dslab arm's samples/s over that arm's. The best plain arm
 of a case is the fastest arm other than dslab (every other arm runs plain PyTorch: ``torch``,
 ``torch-compile``, ``torch-compile-ro``, and transformers' model in ``hf``) among those whose

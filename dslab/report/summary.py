@@ -1,8 +1,13 @@
-"""Plain-text tables of a run report, for the terminal (``dslab bench`` and ``dslab report``)."""
+"""Plain-text tables of a run report, for the terminal (``dslab bench`` and ``dslab report``).
+
+The header and the arms' table are read from the report's frames (:mod:`dslab.report.frames`:
+``runs``, ``results`` and ``trials``); the MoE routing and the inference figures, which no frame
+holds, from their records."""
 
 from __future__ import annotations
 
-from dslab.report.schema import RunReport
+from dslab.report import frames
+from dslab.report.schema import RATIO_ARM, RATIO_METRIC, RunReport
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
@@ -73,30 +78,39 @@ def results_table(report: RunReport) -> str:
     (the fastest ok arm other than dslab, :meth:`RunReport.fastest_other`). A case with MoE
     records adds each arm's expert TFLOP/s and the dslab arm's routing; an inference case its
     prefill and per-token times and the greedy-token comparison."""
+    results = frames.results(report)
+    metrics = frames.metric_names(results, "results")
+    by_arm: dict[tuple[str, str], dict] = {}
+    for row in frames.records(results):
+        by_arm.setdefault((row["case"], row["arm"]), row)
+    steps: dict[tuple[str, str], list[float]] = {}
+    for trial in frames.records(frames.trials(report)):
+        if trial.get("step_time_ms") is not None:
+            steps.setdefault((trial["case"], trial["arm"]), []).append(trial["step_time_ms"])
+    arms = list(dict.fromkeys(arm for _, arm in by_arm))
     lines = []
-    for case in report.cases():
+    for case in dict.fromkeys(case for case, _ in by_arm):
         lines.append(f"{report.suite} / {case}")
         rows = []
         problems = []
-        base = report.result(case, "dslab")
-        experts = any("expert_tflops" in r.metrics for r in report.results if r.case == case)
-        for arm in report.arms():
-            r = report.result(case, arm)
-            if r is None:
+        base = by_arm.get((case, RATIO_ARM))
+        experts = any(m.get("expert_tflops") is not None for (c, _), m in by_arm.items() if c == case)
+        for arm in arms:
+            m = by_arm.get((case, arm))
+            if m is None:
                 continue
-            if r.status != "ok" or not r.metrics:
-                rows.append([arm, r.status, "", "", "", "", "", "", ""] + ([""] if experts else []))
-                if r.error:
-                    problems.append(f"    {arm}: {r.status}: {r.error.splitlines()[0][:160]}")
+            if m["status"] != "ok" or all(m[name] is None for name in metrics):
+                rows.append([arm, m["status"], "", "", "", "", "", "", ""] + ([""] if experts else []))
+                if m["error"]:
+                    problems.append(f"    {arm}: {m['status']}: {m['error'].splitlines()[0][:160]}")
                 continue
-            m = r.metrics
             spread = "-"
-            step_medians = r.trial_values("step_time_ms")
+            step_medians = steps.get((case, arm), [])
             if len(step_medians) > 1:
                 spread = f"±{(max(step_medians) - min(step_medians)) / 2 / m['step_time_ms'] * 100:.1f}%"
             ratio = "-"
-            if arm != "dslab" and base is not None and base.metrics.get("samples_per_s") and m.get("samples_per_s"):
-                ratio = f"{base.metrics['samples_per_s'] / m['samples_per_s']:.3f}"
+            if arm != RATIO_ARM and base is not None and base.get(RATIO_METRIC) and m.get(RATIO_METRIC):
+                ratio = f"{base[RATIO_METRIC] / m[RATIO_METRIC]:.3f}"
             rows.append([
                 arm,
                 _fmt(m.get("samples_per_s"), ",.1f"),
@@ -111,9 +125,9 @@ def results_table(report: RunReport) -> str:
         header = ["arm", "samples/s", "tokens/s", "step ms", "spread", "TFLOP/s", "MFU", "peak GiB", "dslab/arm"]
         header += ["expert TFLOP/s"] if experts else []
         lines.extend("  " + line for line in _table(header, rows))
-        best = report.fastest_other(case, "dslab", "samples_per_s")
-        if best is not None and base is not None and base.metrics.get("samples_per_s"):
-            ratio = base.metrics["samples_per_s"] / best.metrics["samples_per_s"]
+        best = report.fastest_other(case, RATIO_ARM, RATIO_METRIC)
+        if best is not None and base is not None and base.get(RATIO_METRIC):
+            ratio = base[RATIO_METRIC] / best.metrics[RATIO_METRIC]
             lines.append(f"  dslab/best plain arm ({best.arm}): {ratio:.3f}")
         lines.extend(_moe_lines(report, case))
         lines.extend(_inference_lines(report, case))
@@ -124,24 +138,23 @@ def results_table(report: RunReport) -> str:
 
 def describe(report: RunReport) -> str:
     """The header of a report: identity, status, hardware, versions, and what is missing."""
-    env = report.environment or {}
-    gpus = (env.get("cuda") or {}).get("gpus") or []
-    hardware = ", ".join(g.get("name", "?") for g in gpus) or "CPU"
-    torch_v = (env.get("torch") or {}).get("version", "?")
-    dslab = env.get("dslab") or {}
-    commit = dslab.get("git_commit") or "unknown commit"
-    if dslab.get("git_dirty"):
+    run = frames.records(frames.runs(report))[0]
+
+    def shown(key: str) -> str:
+        return "?" if run[key] is None else str(run[key])
+
+    commit = run["git_commit"] or "unknown commit"
+    if run["git_dirty"]:
         commit += " (dirty)"
-    cfg = report.config or {}
     lines = [
         f"run {report.run_id}  suite {report.suite}  status {report.status}",
         f"  created {report.created or '?'}  finished {report.finished or '-'}",
-        f"  hardware {hardware}  torch {torch_v}  dslab {dslab.get('version', '?')} @ {commit}",
-        f"  scale {cfg.get('scale', '?')}  precision {cfg.get('precision', '?')}  trials {cfg.get('trials', '?')}  "
-        f"steps {cfg.get('steps', '?')} (+{cfg.get('warmup_steps', '?')} warm-up)",
+        f"  hardware {shown('hardware')}  torch {shown('torch_version')}  dslab {shown('dslab_version')} @ {commit}",
+        f"  scale {shown('scale')}  precision {shown('precision')}  trials {shown('trials')}  "
+        f"steps {shown('steps')} (+{shown('warmup_steps')} warm-up)",
     ]
-    if (cfg.get("world_size") or 1) > 1 or cfg.get("zero_stage"):
-        lines.append(f"  processes {cfg.get('world_size') or 1}  ZeRO stage {cfg.get('zero_stage') or 0}")
+    if (run["world_size"] or 1) > 1 or run["zero_stage"]:
+        lines.append(f"  processes {run['world_size'] or 1}  ZeRO stage {run['zero_stage'] or 0}")
     peaks = report.peaks or {}
     if peaks.get("bf16_matmul_tflops"):
         lines.append(f"  measured peaks: bf16 matmul {peaks['bf16_matmul_tflops']:.0f} TFLOP/s, "

@@ -19,7 +19,7 @@ from dslab.bench.runner import run_suite
 from dslab.bench.suite import load_suite, select_arms
 from dslab.bench.workloads import workloads_for
 from dslab.models.evoformer import evoformer_flops
-from dslab.report import list_runs, read_report
+from dslab.report import frames, list_runs, read_report
 
 REPO = Path(__file__).resolve().parents[2]
 SUITE = REPO / "suites" / "evoformer"
@@ -113,7 +113,7 @@ def test_tiny_scale_end_to_end_writes_a_report_the_dashboard_shows(tmp_path):
 
     page = str(render(RunStore(tmp_path / "reports"), f"/run/evoformer/{report.run_id}"))
     assert "sdpa" in page and "finetune" in page
-    rows = views.arm_rows(back)
+    rows = views.arm_rows(frames.results(back), frames.trials(back))
     assert {(row["case"], row["arm"]) for row in rows if row["status"] == "ok"} == {
         (c, a) for c in ("initial", "finetune") for a in EAGER_ARMS}
 
@@ -184,7 +184,7 @@ def test_an_arm_out_of_gpu_memory_is_recorded_and_the_run_goes_on(tmp_path, monk
 
     from dashboards import views
 
-    rows = {(row["case"], row["arm"]): row for row in views.arm_rows(back)}
+    rows = {(row["case"], row["arm"]): row for row in views.arm_rows(frames.results(back), frames.trials(back))}
     assert rows[("initial", "torch")]["status"] == "oom"
     assert rows[("initial", "sdpa")]["error"].startswith("out of memory (trial 2)")
 

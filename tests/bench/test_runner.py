@@ -161,6 +161,28 @@ def test_cli_bench_and_report_commands(tmp_path, capsys):
     assert cli.main(["report", "show", "nope", "--reports", str(out)]) == 1
 
 
+def test_bench_writes_profiler_text_to_the_run_directory_and_prints_it_only_when_verbose(tmp_path, capsys):
+    """The flops profile (here written when the engine closes: 1 warm-up + 2 steps end before the
+    steps after the counted one) goes to profiles/<case>/flops_profile.txt, the report names it,
+    and the terminal says where it is; --verbose prints the text too."""
+    header = "dslab Flops Profiler"
+    args = ["bench", str(tiny_suite(tmp_path)), "--arms", "dslab", "--cases", "b", "--trials", "1", "--steps", "2"]
+    assert cli.main([*args, "--out", str(tmp_path / "quiet")]) == 0
+    captured = capsys.readouterr()
+    assert header not in captured.out and header not in captured.err
+    (run,) = list_runs(tmp_path / "quiet")
+    text = run / "profiles" / "b" / "flops_profile.txt"
+    assert text.read_text().count(header) == 1 and "Profile Summary at step 1" in text.read_text()
+    assert read_report(run).profilers["flops"]["b"]["text_file"] == "profiles/b/flops_profile.txt"
+    assert f"[gpt2_test b] flops profile text: {text}" in captured.err.splitlines()
+    assert "trial 1/1 dslab" in captured.err and "gpt2_test / b" in captured.err
+
+    assert cli.main([*args, "--out", str(tmp_path / "loud"), "--verbose"]) == 0
+    assert capsys.readouterr().out.count(header) == 1
+    (run,) = list_runs(tmp_path / "loud")
+    assert header in (run / "profiles" / "b" / "flops_profile.txt").read_text()
+
+
 @pytest.mark.slow
 def test_readme_suite_bert_large_tiny_runs_all_arms(tmp_path):
     """The README's main job: suites/bert_large at the tiny scale, every arm, on the CPU."""

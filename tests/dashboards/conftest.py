@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -35,18 +34,8 @@ def reports_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(reports_root):
-    """The dashboard over ``reports_root`` on 127.0.0.1 (a free port); yields its base URL."""
-    from werkzeug.serving import make_server
-
-    from dashboards.app import create_app
-
-    app = create_app(reports_root)
-    httpd = make_server("127.0.0.1", 0, app.server, threaded=True)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_port}"
-    httpd.shutdown()
-    thread.join(timeout=10)
+    """The dashboard over ``reports_root``; yields its base URL."""
+    yield from factory.serve_dashboard(reports_root)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import zlib
 from pathlib import Path
 
@@ -281,3 +282,18 @@ def partial_report() -> dict:
         "io": {"results": [{"block_size": 1 << 20, "queue_depth": 8, "read_GBps": 6.1}]},
     }
     return data
+
+
+def serve_dashboard(root: Path):
+    """Generator for a fixture: the dashboard over ``root`` on 127.0.0.1 (a free port); yields its
+    base URL, stops the server when resumed."""
+    from werkzeug.serving import make_server
+
+    from dashboards.app import create_app
+
+    httpd = make_server("127.0.0.1", 0, create_app(root).server, threaded=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    thread.join(timeout=10)

@@ -13,7 +13,7 @@ from report_factory import (NOT_JSON, PARTIAL, RUN_IDS, STRAGGLER_RANK, SUITE, m
 from dashboards import figures, pages, views
 from dashboards.app import DEFAULT_HOST, create_app, render
 from dashboards.data import RunStore, parse_ref, resolve_run
-from dslab.report import report_from_dict
+from dslab.report import frames, report_from_dict
 
 
 def _text(components) -> str:
@@ -115,7 +115,7 @@ def test_gate_files_are_read(reports_root):
 
 def test_flops_tree_sizes_add_up():
     report = report_from_dict(make_report(RUN_IDS[0]))
-    nodes = views.flops_tree(views.section(report, "flops")[2])
+    nodes = views.flops_tree(frames.flops_modules(report, case="seq128"))
     by_id = {n["id"]: n for n in nodes}
     assert by_id["(root)"]["parent"] == "" and by_id["layers.0.mlp.fc_in"]["parent"] == "layers.0.mlp"
     for node in nodes:
@@ -125,7 +125,7 @@ def test_flops_tree_sizes_add_up():
     assert fc["tflops"] == pytest.approx(fc["own_flops"] / (fc["latency_ms"] * 1e-3) / 1e12)
     top = views.top_modules(nodes, per_depth=2)
     assert [r["module"] for r in top if r["depth"] == 1] == ["layers", "lm_head"]
-    points = views.roofline_points(nodes, views.section(report, "memory")[2], "bf16")
+    points = views.roofline_points(nodes, frames.memory_activations(report, case="seq128"), "bf16")
     head = next(p for p in points if p["module"] == "lm_head")
     assert head["bytes"] == 3 * 32000 * 1024 * 2 + 2 * (250 << 20)
     assert views.ceilings(report, views.section(report, "flops")[2]) == {
@@ -134,7 +134,7 @@ def test_flops_tree_sizes_add_up():
 
 def test_straggler_matrix_shows_who_waited():
     report = report_from_dict(make_report(RUN_IDS[0]))
-    matrix = views.straggler_matrix(views.section(report, "comms")[2])
+    matrix = views.straggler_matrix(frames.comms_calls(report, case="seq128"), frames.stragglers(report, case="seq128"))
     assert matrix["ranks"] == [0, 1, 2, 3] and matrix["stragglers"] == [STRAGGLER_RANK]
     assert len(matrix["labels"]) == 16
     assert all(w == 0.0 for w in matrix["wait_ms"][STRAGGLER_RANK])
@@ -143,10 +143,10 @@ def test_straggler_matrix_shows_who_waited():
 
 def test_arm_rows_and_trial_spread():
     report = report_from_dict(make_report(RUN_IDS[0]))
-    rows = {(r["case"], r["arm"]): r for r in views.arm_rows(report)}
+    rows = {(r["case"], r["arm"]): r for r in views.arm_rows(frames.results(report), frames.trials(report))}
     assert rows[("seq128", "torch")]["dslab_over_arm"] == pytest.approx(report.ratios["seq128"]["dslab/torch"])
     assert rows[("seq512", "hf")]["status"] == "failed" and "out of memory" in rows[("seq512", "hf")]["error"]
-    assert len(views.trial_spread(report)["seq128"]["dslab"]) == 3
+    assert len(views.trial_spread(frames.trials(report))["seq128"]["dslab"]) == 3
 
 
 def test_trace_route_serves_only_existing_traces(reports_root):
@@ -198,18 +198,20 @@ def test_best_plain_rows_of_an_old_and_a_current_report():
     assert old.schema_version == 1 and not old.missing
     current = report_from_dict(old.to_dict() | {"schema_version": 2})
     for report in (old, current):
-        rows = {r["case"]: r for r in views.best_plain_rows(report)}
+        rows = {r["case"]: r for r in views.best_plain_rows(frames.results(report))}
         assert set(rows) == {"seq128", "seq512"}
         for case, row in rows.items():
             assert row["best_plain_arm"] == "torch-compile"  # 0.95x dslab; torch is 0.8x, hf failed
             assert row["dslab_over_best_plain"] == pytest.approx(report.ratios[case]["dslab/torch-compile"])
             speeds = row["dslab_samples_per_s"] / row["best_plain_samples_per_s"]
             assert row["dslab_over_best_plain"] == pytest.approx(speeds)
-        flagged = {(r["case"], r["arm"]) for r in views.arm_rows(report) if r["best_plain"]}
+        flagged = {(r["case"], r["arm"]) for r in views.arm_rows(frames.results(report), frames.trials(report))
+                   if r["best_plain"]}
         assert flagged == {("seq128", "torch-compile"), ("seq512", "torch-compile")}
     text = _text(pages._run_tab(current, SUITE, RUN_IDS[0], None))
     assert "best-plain-table" in text and "dslab against the best plain-PyTorch arm" in text
-    assert "dslab/best plain arm (torch-compile)" in str(figures.arms_bar(current, "seq128").layout.title.text)
+    bar = figures.arms_bar(frames.results(current), frames.trials(current), "seq128")
+    assert "dslab/best plain arm (torch-compile)" in str(bar.layout.title.text)
 
 
 def test_best_plain_compare_rows_and_page(reports_root):
@@ -217,7 +219,7 @@ def test_best_plain_compare_rows_and_page(reports_root):
     b = report_from_dict(make_report(RUN_IDS[1], throughput=400, seed=1))
     b.results = [r for r in b.results if not (r.case == "seq512" and r.arm != "dslab")]
     b.compute_ratios()
-    rows = {r["case"]: r for r in views.best_plain_compare_rows(a, b)}
+    rows = {r["case"]: r for r in views.best_plain_compare_rows(frames.results(a), frames.results(b))}
     assert rows["seq128"]["A_arm"] == rows["seq128"]["B_arm"] == "torch-compile"
     assert rows["seq128"]["B_over_A"] == pytest.approx(rows["seq128"]["B"] / rows["seq128"]["A"])
     assert rows["seq512"]["B_arm"] is None and rows["seq512"]["B_over_A"] is None

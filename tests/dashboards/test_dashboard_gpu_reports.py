@@ -6,10 +6,10 @@ errors."""
 from __future__ import annotations
 
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
+from report_factory import serve_dashboard
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu_reports"
 RUNS = {"bert_large/20261123T195220Z-eb4df9": ("seq128", "seq512"),
@@ -34,16 +34,7 @@ def gpu_reports(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gpu_server(gpu_reports):
-    from werkzeug.serving import make_server
-
-    from dashboards.app import create_app
-
-    httpd = make_server("127.0.0.1", 0, create_app(gpu_reports).server, threaded=True)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_port}"
-    httpd.shutdown()
-    thread.join(timeout=10)
+    yield from serve_dashboard(gpu_reports)
 
 
 @pytest.mark.browser
@@ -98,12 +89,12 @@ def test_real_reports_of_schema_1_show_their_best_plain_arm(gpu_reports):
     from dashboards import views
     from dashboards.app import render
     from dashboards.data import RunStore
-    from dslab.report import read_report
+    from dslab.report import frames, read_report
 
     for run, cases in RUNS.items():
         report = read_report(gpu_reports / run / "run.json")
         assert report.schema_version == 1 and not report.missing
-        rows = {r["case"]: r for r in views.best_plain_rows(report)}
+        rows = {r["case"]: r for r in views.best_plain_rows(frames.results(report))}
         assert set(rows) == set(cases)
         for case, row in rows.items():
             # torch-compile was the fastest plain arm of every case of these runs

@@ -8,11 +8,11 @@ import copy
 import pytest
 from report_factory import make_report, write_run
 
-from dashboards import pages, views
+from dashboards import experts_view, pages, views
 from dashboards.app import render
 from dashboards.data import RunStore
 from dashboards.plots import write_plots
-from dslab.report import report_from_dict
+from dslab.report import frames, report_from_dict
 
 RUN_ID = "20261201T100000Z-aaaa00"
 CASE = "gpt2_moe_top2"
@@ -45,10 +45,10 @@ def moe_report(run_id: str = RUN_ID) -> dict:
 
 def test_expert_load_table():
     report = report_from_dict(moe_report())
-    assert views.has_moe(report)
+    assert experts_view.has_moe(report)
     cases, chosen, data = views.section(report, "moe")
     assert cases == [CASE] and chosen == CASE
-    load = views.expert_load(data)
+    load = experts_view.expert_load(data)
     assert load["layers"] == ["layer 1", "layer 3"] and load["experts"] == [f"expert {e}" for e in range(4)]
     assert load["counts"][1] == [64, 16, 16, 32]
     assert load["share_pct"][0] == pytest.approx([31.25, 15.625, 23.4375, 29.6875])
@@ -57,11 +57,12 @@ def test_expert_load_table():
     rows = {r["layer"]: r for r in load["rows"]}
     assert rows["layer 3"]["dropped_pct"] == pytest.approx(18.75) and rows["layer 3"]["capacity"] == 40
     assert rows["layer 3"]["max_over_mean"] == pytest.approx(2.0)
-    arms = {r["arm"]: r for r in views.expert_tflops_rows(report, CASE, data)}
+    arms = {r["arm"]: r for r in experts_view.expert_tflops_rows(frames.results(report), CASE, data)}
     assert arms["dslab"]["expert_tflops"] == pytest.approx(2 * arms["torch"]["expert_tflops"])
     assert arms["dslab"]["expert_gflops_per_step"] == pytest.approx(232 * 12 * 128 * 512 / 1e9)
-    assert views.all_to_all_rows(data) == []
-    assert {r["arm"]: r["expert_tflops"] for r in views.arm_rows(report)}["torch"] == arms["torch"]["expert_tflops"]
+    assert experts_view.all_to_all_rows(data) == []
+    rows = views.arm_rows(frames.results(report), frames.trials(report))
+    assert {r["arm"]: r["expert_tflops"] for r in rows}["torch"] == arms["torch"]["expert_tflops"]
 
 
 @pytest.mark.parametrize("layers,problem", [
@@ -72,7 +73,7 @@ def test_expert_load_table():
 ])
 def test_malformed_records_raise_naming_the_key(layers, problem):
     with pytest.raises(ValueError, match=problem):
-        views.expert_load({"layers": layers})
+        experts_view.expert_load({"layers": layers})
 
 
 def test_the_tab_is_shown_only_for_moe_runs(tmp_path):
@@ -90,7 +91,7 @@ def test_the_tab_is_shown_only_for_moe_runs(tmp_path):
     assert "expert-load-heatmap" in page and "Expert load per MoE layer" in page and "expert-tflops" in page
     assert "Expert load" in str(render(store, f"/run/moe/{RUN_ID}"))  # the tab's link
     assert "expert TFLOP/s" in str(render(store, f"/run/moe/{RUN_ID}"))  # the arms table's column
-    assert not views.has_moe(report_from_dict(dense))
+    assert not experts_view.has_moe(report_from_dict(dense))
     run_page = str(render(store, "/run/gpt2/20261201T100000Z-bbbb00"))
     assert "Expert load" not in run_page and "expert TFLOP/s" not in run_page
     assert "no MoE records in this run" in str(render(store, "/run/gpt2/20261201T100000Z-bbbb00/experts"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dashboards import views
-from dslab.report import read_report
+from dslab.report import frames, read_report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu_reports" / "bert_large"
 RUN = FIXTURES / "20261125T002038Z-fe42e8" / "run.json"
@@ -40,7 +40,7 @@ def test_model_tflops_on_the_page_is_the_runs(report, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_identical_layers_read_the_same_time(report, case):
-    nodes = {n["name"]: n for n in views.flops_tree(report.profilers["flops"][case])}
+    nodes = {n["name"]: n for n in views.flops_tree(frames.flops_modules(report, case=case, strict=True))}
     layers = [nodes[f"layers.{i}"] for i in range(24)]
     assert all(n["timing"] == "device" for n in layers)
     times = [n["latency_ms"] for n in layers]
@@ -59,7 +59,7 @@ def test_the_report_before_device_timing_shows_what_it_measured():
     rows = dict(views.mfu_rows(flops))
     assert rows["steady state"].startswith("not in this report")
     assert rows["module times"] == "CUDA-event spans on the counted step (host gaps included)"
-    nodes = {n["name"]: n for n in views.flops_tree(flops)}
+    nodes = {n["name"]: n for n in views.flops_tree(frames.flops_modules(before, case="seq128", strict=True))}
     spans = [nodes[f"layers.{i}"]["latency_ms"] for i in range(24)]
     assert max(spans) > 1.5 * min(spans)  # why the device timing exists
     assert all(nodes[f"layers.{i}"]["timing"] == "events" for i in range(24))
@@ -71,7 +71,8 @@ def test_the_step_breakdown_accounts_for_the_steady_step(report, case):
     to the steady-state step; on BERT the rest (the device idle around the sparse-MLM sync, or
     waiting on the host) is a tenth of the step, and the page shows the table."""
     flops = report.profilers["flops"][case]
-    rows = {r["part"]: r for r in views.step_breakdown(flops)}
+    modules = frames.flops_modules(report, case=case, strict=True)
+    rows = {r["part"]: r for r in views.step_breakdown(flops, modules)}
     step = flops["steady_state"]["step_ms"]
     assert sum(r["device_ms"] for r in rows.values()) == pytest.approx(step, rel=0.01)
     layers = next(m for m in flops["modules"] if m["name"] == "layers")

@@ -35,6 +35,16 @@ def test_plots_of_every_view(tmp_path):
     assert not [p for p in (tmp_path / "plots").iterdir() if p.name.startswith(".")]
 
 
+def test_a_case_without_profiler_records_gets_only_its_arms(tmp_path):
+    data = make_report(RUN_ID)
+    data["profilers"] = {name: {"seq128": section["seq128"]} for name, section in data["profilers"].items()}
+    data["profilers"]["memory"] = {"seq512": make_report(RUN_ID)["profilers"]["memory"]["seq512"]}
+    written, warnings = write_plots(report_from_dict(data), tmp_path)
+    assert warnings == []
+    assert sorted(p.name for p in written) == ["arms_seq128.png", "arms_seq512.png", "comms_seq128.png",
+                                               "flops_seq128.png", "memory_seq512.png", "telemetry_seq128.png"]
+
+
 def test_malformed_sections_become_warnings(tmp_path):
     written, warnings = write_plots(report_from_dict(one_case(partial_report())), tmp_path)
     assert [p.name for p in written] == ["arms_seq128.png"]

@@ -156,7 +156,7 @@ def test_threshold_parsing():
             parse_threshold(bad)
 
 
-def bench_file(path, scale=1.0, save_data=True, cpu="AMD EPYC 9654", seed=0):
+def bench_file(path, scale=1.0, save_data=True, cpu="AMD EPYC 9654", seed=0, extra_machine_info=None):
     rng = np.random.default_rng(seed)
     benchmarks = []
     for name in ("test_layer_norm", "test_softmax"):
@@ -168,7 +168,7 @@ def bench_file(path, scale=1.0, save_data=True, cpu="AMD EPYC 9654", seed=0):
     path.write_text(json.dumps({
         "machine_info": {"node": f"host{seed}", "machine": "x86_64", "processor": "x86_64", "system": "Linux",
                          "python_implementation": "CPython", "python_version": "3.12.3",
-                         "cpu": {"brand_raw": cpu, "count": 16}},
+                         "cpu": {"brand_raw": cpu, "count": 16}, **(extra_machine_info or {})},
         "benchmarks": benchmarks, "version": "5.1.0"}))
     return str(path)
 
@@ -187,6 +187,28 @@ def test_pytest_benchmark_gating(tmp_path, capsys):
     assert code == 2 and "machine_info.cpu.brand_raw" in out.out
     code, out = gate(capsys, "--pytest-benchmark", base, str(tmp_path / "absent.json"))
     assert code == 2 and "absent.json" in out.out
+
+
+def kernel_machine_info(gpu="NVIDIA H100 80GB HBM3", torch_version="2.13.0+cu128", kernels=None):
+    """What benchmarks/kernels/conftest.py adds to pytest-benchmark's machine_info."""
+    return {"gpu": {"name": gpu, "count": 8, "measured_peaks": {"copy_gbps": 3000.0 + 100 * len(gpu)}},
+            "torch": {"version": torch_version, "cuda": "12.8", "triton": "3.5.0"}, "dslab_kernels": kernels}
+
+
+def test_pytest_benchmark_gating_compares_the_gpu_stack(tmp_path, capsys):
+    base = bench_file(tmp_path / "base.json", seed=1, extra_machine_info=kernel_machine_info())
+    same = bench_file(tmp_path / "same.json", seed=2, extra_machine_info=kernel_machine_info(torch_version="2.13.1"))
+    code, out = gate(capsys, "--pytest-benchmark", base, same)
+    assert code == 0, out.out  # a patch release of torch, other measured peaks: comparable
+    for name, info, field in (
+        ("gpu", kernel_machine_info(gpu="NVIDIA H200"), "machine_info.gpu.name"),
+        ("torch", kernel_machine_info(torch_version="2.14.0+cu128"), "machine_info.torch.version"),
+        ("reference", kernel_machine_info(kernels="torch"), "machine_info.dslab_kernels"),
+        ("cpu-only", {}, "machine_info.gpu.name"),
+    ):
+        code, out = gate(capsys, "--pytest-benchmark", base, bench_file(tmp_path / f"{name}.json", seed=3,
+                                                                        extra_machine_info=info))
+        assert code == 2 and field in out.out, out.out
 
 
 def test_injected_sleep_is_caught_and_never_becomes_history(reports, capsys):

@@ -149,6 +149,23 @@ def test_verbose_prints_each_call(one_rank_group, make_logger, capsys):
     assert "| msg size: 1.00 KB | algbw (Gbps): " in line
 
 
+def test_verbose_lines_go_to_the_output_dir_when_one_is_set(one_rank_group, make_logger, capsys, tmp_path):
+    """A benchmark run sets an output directory: the per-call lines go to its comms_calls.txt (named
+    in the records), and to stdout as well only with echo_text."""
+    logger = make_logger(verbose=True)
+    assert logger.records()["text_file"] is None
+    logger.set_output_dir(tmp_path / "profiles")
+    comm.all_reduce(torch.ones(256))
+    assert capsys.readouterr().out == ""
+    path = tmp_path / "profiles" / "comms_calls.txt"
+    assert path.read_text().startswith("rank=0 | comm op: all_reduce | time (ms): ")
+    assert logger.records()["text_file"] == str(path)
+    logger.set_output_dir(tmp_path / "profiles", echo_text=True)
+    comm.broadcast(torch.ones(4), src=0)
+    assert capsys.readouterr().out.startswith("rank=0 | comm op: broadcast")
+    assert len(path.read_text().splitlines()) == 2
+
+
 def test_records_are_bounded_but_the_summary_counts_every_call(one_rank_group, make_logger):
     logger = make_logger(max_records=3)
     for _ in range(5):

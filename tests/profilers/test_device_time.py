@@ -3,6 +3,7 @@ optimizer (on hand-built records whose answer is known), and the timer on a real
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from dslab.profilers.device_time import (
-    BACKWARD_RANGE, MODULE_RANGE, PHASE_RANGE, Activity, ModuleDeviceTimer, attribute,
+    BACKWARD_RANGE, MODULE_RANGE, PHASE_RANGE, Activity, ModuleDeviceTimer, attribute, without_kineto_markers,
 )
 
 MAIN, AUTOGRAD = 1, 2
@@ -184,9 +185,11 @@ def test_a_failed_device_timing_is_recorded_and_training_goes_on(monkeypatch, tm
     assert "forward_device_ms" not in records["modules"][1]
     assert "device time of step 1: not measured (ValueError: no activity records)" in out.read_text()
     from dashboards import views
+    from dslab.report import RunReport, frames
     rows = dict(views.mfu_rows(records))
     assert "failed (ValueError: no activity records)" in rows["module times"]
-    assert all(n["timing"] == "events" for n in views.flops_tree(records))
+    report = RunReport(run_id="20261201T000000Z-000000", suite="test", profilers={"flops": {"case": records}})
+    assert all(n["timing"] == "events" for n in views.flops_tree(frames.flops_modules(report, strict=True)))
     driver.close()
 
 
@@ -213,3 +216,18 @@ def test_the_unhooked_step_says_when_another_profiler_hooked_it(tmp_path):
     rows = dict(views.mfu_rows(driver.records()))
     assert any(key.startswith("device busy in step 2 (another profiler's hooks: eager)") for key in rows)
     driver.close()
+
+
+def test_kineto_start_and_stop_markers_are_dropped_from_stderr_and_other_lines_kept(capfd):
+    """Kineto writes its markers to file descriptor 2 from C++; the timer's start and stop drop
+    them, and anything else written there meanwhile still reaches stderr."""
+    with without_kineto_markers():
+        os.write(2, b"USDT:2026-11-26 02:04:39 7867:7867 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"WARNING: something a user must see\n")
+        os.write(2, b"USDT:2026-11-26 02:04:40 7867:7867 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    assert capfd.readouterr().err == "WARNING: something a user must see\n"
+    timer = ModuleDeviceTimer(nn.Linear(4, 4))
+    timer.start()
+    nn.Linear(4, 4)(torch.ones(2, 4))
+    timer.stop()
+    assert "profiler_st" not in capfd.readouterr().err

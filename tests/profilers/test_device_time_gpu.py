@@ -39,9 +39,9 @@ def test_flops_page_shows_the_steady_state(bert_run):
 
 def test_identical_layers_read_the_same_device_time(bert_run):
     from dashboards import views
+    from dslab.report import frames
 
-    flops = bert_run.profilers["flops"]["seq128"]
-    nodes = {n["name"]: n for n in views.flops_tree(flops)}
+    nodes = {n["name"]: n for n in views.flops_tree(frames.flops_modules(bert_run, case="seq128", strict=True))}
     layers = [nodes[f"layers.{i}"] for i in range(24)]
     assert all(n["timing"] == "device" for n in layers)
     times = [n["latency_ms"] for n in layers]

@@ -28,7 +28,8 @@ def small_report() -> RunReport:
     """Two arms of one case (one failed, without trials) and every section, two ranks of comms."""
     r = RunReport(run_id="20261201T120000Z-abc123", suite="tiny", status="complete",
                   created="2026-12-01T12:00:00+00:00", finished=None)
-    r.environment = {"torch": {"version": "2.13.0+cpu"}, "dslab": {"version": "0.1.0", "git_dirty": False}}
+    r.environment = {"torch": {"version": "2.13.0+cpu"}, "dslab": {"version": "0.1.0", "git_dirty": False},
+                     "cuda": {"available": False, "device_count": 0, "gpus": []}}
     r.config = {"scale": "tiny", "precision": "fp32", "trials": 3, "steps": 4, "warmup_steps": 1}
     ok = Result(case="c1", arm="dslab", trials=[
         Trial(trial=t, step_times_ms=[10.0 + t] * 4,
@@ -43,8 +44,13 @@ def small_report() -> RunReport:
     r.profilers = {
         "flops": {"c1": {"modules": [{"name": "", "type": "Net", "depth": 0, "params": 10, "forward_flops": 5 * 10**12},
                                      {"name": "fc", "type": "Linear", "depth": 1, "params": 10, "calls": 2}]}},
-        "memory": {"c1": {"steps": [{"step": s, "peak_allocated": 1000 + s, "peak_reserved": 2048} for s in range(5)]}},
-        "comms": {"c1": {"rank": 0, "per_rank": per_rank, "stragglers": [1],
+        "memory": {"c1": {"steps": [{"step": s, "peak_allocated": 1000 + s, "peak_reserved": 2048} for s in range(5)],
+                          "activations": [{"module": "fc", "bytes": 4096, "tensors": 1, "storages": 1,
+                                           "shared_bytes": 0}]}},
+        "comms": {"c1": {"rank": 0, "per_rank": per_rank, "stragglers": [1], "clock_offsets_ns": {"0": 0, "1": 7},
+                         "ops": [{"op": "all_reduce", "size_bytes": 4096, "count": 3, "timed_count": 3,
+                                  "avg_latency_ms": 0.25, "algbw_GBps": 0.016, "busbw_GBps": 0.016,
+                                  "algbw_gbps": 0.13}],
                          "straggler": {"stragglers": [1], "ranks": {
                              "0": {"collectives": 3, "times_last": 0, "total_wait_ms": 6.0},
                              "1": {"collectives": 3, "times_last": 3, "caused_wait_ms": 6.0}}}}},
@@ -94,6 +100,9 @@ def test_frames_of_the_gpu_reports_have_their_columns_and_rows():
         "telemetry", lambda rec: [s for g in rec["gpus"].values() for s in g["samples"]]) > 0
     assert len(got["stragglers"]) == count("comms", lambda rec: rec["straggler"]["ranks"]) > 0
     assert len(got["comms_calls"]) == 0 and len(got["io_records"]) == 0  # one GPU, no I/O records
+    assert len(got["comms_ops"]) == count("comms", lambda rec: rec["ops"])
+    assert len(got["memory_activations"]) == count("memory", lambda rec: rec["activations"]) > 0
+    assert got["memory_activations"]["bytes"].notna().all()
     assert len(got["wall_clock"]) == count("wall_clock", lambda rec: rec["phases"]) > 0
 
 
@@ -109,11 +118,19 @@ def test_frames_of_a_small_report():
     assert list(results["arm"]) == ["dslab", "torch"] and list(results["trial_count"]) == [3, 0]
     assert results.loc[1, "error"].startswith("out of memory") and pd.isna(results.loc[1, "samples_per_s"])
     assert results.loc[0, "step_time_ms"] == 11.0
+    assert not results["best_plain"].any() and results["dslab_over_arm"].isna().all()  # no ratios: torch failed
+    assert frames.metric_names(results, "results") == ["samples_per_s", "step_time_ms", "graph_pool_bytes"]
     flops = got["flops_modules"]
     assert pd.isna(flops.loc[0, "name"]) and flops.loc[0, "forward_flops"] == 5 * 10**12
     calls = got["comms_calls"]
     assert len(calls) == 6 and list(calls["rank"]) == [0, 0, 0, 1, 1, 1]
     assert calls["arrival_ns"].max() == 1795566053992091400 + 7 + 2  # exact: Int64, not float
+    assert list(calls["clock_offset_ns"]) == [0, 0, 0, 7, 7, 7]
+    ops = got["comms_ops"]
+    assert list(ops["op"]) == ["all_reduce"] and ops.loc[0, "rank"] == 0 and ops.loc[0, "size_bytes"] == 4096
+    assert "algbw_gbps" not in ops.columns  # the Gbit/s duplicates are left out
+    activations = got["memory_activations"]
+    assert list(activations["module"]) == ["fc"] and activations.loc[0, "bytes"] == 4096
     stragglers = got["stragglers"]
     assert list(stragglers["straggler"]) == [False, True] and pd.isna(stragglers.loc[1, "total_wait_ms"])
     assert len(got["memory_timeline"]) == 5
@@ -214,3 +231,77 @@ def test_cli_export_errors_exit_1(tmp_path, capsys, argv, message):
     assert cli.main(argv + ["--reports", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("dslab: error: ") and message in err and "Traceback" not in err
+
+
+def _environment(gpus):
+    return {"cuda": {"available": bool(gpus), "gpus": [{"index": i, "name": n} for i, n in enumerate(gpus)]}}
+
+
+@pytest.mark.parametrize("environment, hardware, count", [
+    (_environment([]), "CPU", 0),
+    (_environment(["NVIDIA H100 80GB HBM3"]), "NVIDIA H100 80GB HBM3", 1),
+    (_environment(["NVIDIA H100 80GB HBM3"] * 8), "8x NVIDIA H100 80GB HBM3", 8),
+    (_environment(["NVIDIA H100", "NVIDIA A100"]), "NVIDIA H100, NVIDIA A100", 2),
+    ({"torch": {"version": "2.13.0"}}, None, None),  # the environment does not say
+])
+def test_runs_hardware(environment, hardware, count):
+    report = RunReport(run_id="20261201T120000Z-000000", suite="tiny", environment=environment)
+    row = frames.records(frames.runs(report))[0]
+    assert (row["hardware"], row["gpu_count"]) == (hardware, count)
+
+
+def test_results_carry_the_ratios_and_the_best_plain_arm():
+    report = RunReport(run_id="20261201T120000Z-000000", suite="tiny")
+    for arm, speed in (("dslab", 120.0), ("torch", 80.0), ("torch-compile", 100.0), ("dslab-int8", 150.0)):
+        result = Result(case="c1", arm=arm, trials=[Trial(trial=0, metrics={"samples_per_s": speed})])
+        result.summarize()
+        report.results.append(result)
+    report.compute_ratios()
+    rows = {r["arm"]: r for r in frames.records(frames.results(report))}
+    assert [arm for arm, r in rows.items() if r["best_plain"]] == ["torch-compile"]
+    assert rows["torch"]["dslab_over_arm"] == report.ratios["c1"]["dslab/torch"] == 1.5
+    assert rows["dslab"]["dslab_over_arm"] is None
+
+
+def test_records_are_plain_python_values():
+    rows = frames.records(frames.comms_calls(small_report()))
+    assert len(rows) == 6 and rows[0]["rank"] == 0 and type(rows[0]["bytes"]) is int
+    assert rows[0]["async"] is False and rows[0]["latency_ms"] == 0.25 and rows[0]["host_arrival_ns"] > 0
+    assert frames.records(frames.runs(small_report()))[0]["finished"] is None
+
+
+def test_case_keeps_one_case():
+    report = small_report()
+    report.profilers["memory"]["c2"] = {"steps": [{"step": 9, "peak_allocated": 1}]}
+    assert set(frames.memory_timeline(report)["case"]) == {"c1", "c2"}
+    only = frames.memory_timeline(report, case="c2")
+    assert list(only["case"]) == ["c2"] and list(only["step"]) == [9]
+    assert frames.memory_timeline(report, case="c3").empty
+
+
+@pytest.mark.parametrize("section, record, frame, message", [
+    ("flops", {"modules": "not a list"}, "flops_modules", "flops.modules should be a list, not str"),
+    ("flops", {"modules": [{"name": ""}, 3]}, "flops_modules", r"flops.modules\[1\] should be an object, not int"),
+    ("comms", {"per_rank": {"rank-zero": []}}, "comms_calls", "rank 'rank-zero' that is not an integer"),
+    ("comms", {"per_rank": {"0": "x"}}, "comms_calls", "comms.per_rank.0 should be a list"),
+    ("comms", {"ops": [1]}, "comms_ops", r"comms.ops\[0\] should be an object"),
+    ("comms", {"straggler": {"ranks": []}}, "stragglers", "comms.straggler.ranks should be an object, not list"),
+    ("memory", {"steps": [1, 2]}, "memory_timeline", r"memory.steps\[0\] should be an object, not int"),
+    ("memory", {"activations": "x"}, "memory_activations", "memory.activations should be a list"),
+    ("telemetry", {"gpus": {"GPU-x": {"samples": {}}}}, "telemetry_timeline",
+     "telemetry.gpus.GPU-x.samples should be a list, not dict"),
+    ("wall_clock", {"phases": {"forward": 3}}, "wall_clock", "wall_clock.phases.forward should be an object"),
+    ("io", {"kind": "tune", "configs": {"read": 1}}, "io_records", "io.configs should be a list"),
+    ("io", "not an object", "io_records", "profilers.io.c1 should be an object, not str"),
+])
+def test_strict_names_the_malformed_key(section, record, frame, message):
+    report = RunReport(run_id="20261201T120000Z-000000", suite="tiny")
+    report.profilers = {section: {"c1": record}}
+    build = frames.FRAMES[frame]
+    assert len(build(report)) <= 1  # tolerant: what is malformed is skipped
+    with pytest.raises(ValueError, match=message):
+        build(report, case="c1", strict=True)
+    report.profilers = {section: "garbage"}
+    with pytest.raises(ValueError, match=f"profilers.{section} should be an object, not str"):
+        build(report, strict=True)
+    assert build(report).empty

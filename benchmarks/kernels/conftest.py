@@ -1,0 +1,160 @@
+"""pytest set-up of the kernel benchmarks (``test_kernels_bench.py``): the cases each test runs,
+how many rounds it times, and the GPU and software stack recorded in the JSON's ``machine_info``.
+
+Options (each has a default, so that the folder also runs when its conftest is not an initial one)::
+
+    --kernel-rounds N          timed rounds per benchmark (default 30): the samples the gate compares
+    --kernel-iterations N      calls per round (default 10); a round's value is their mean
+    --kernel-warmup-rounds N   untimed rounds first (default 3): Triton's autotuning and compilation
+
+Test ids come from the cases themselves: on a GPU, every ``bench_<op>.py`` builds its cases once
+at collection to name them (``<op> <shape>`` as an id) and drops them; at run time the cases of one
+module at a time are built again (:class:`CaseStore`), so that only one module's inputs are on the
+device. Without CUDA nothing is built, and each module's tests are collected as one skipped test.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import bench_ops, op_cases  # noqa: E402
+
+if importlib.util.find_spec("pytest_benchmark") is None:
+    raise ImportError("the kernel benchmarks are pytest-benchmark tests: pip install -e '.[dev]' "
+                      "(or pip install pytest-benchmark)")
+
+ARMS = ("dslab", "torch")
+NO_CUDA = "needs a CUDA GPU: the kernel benchmarks time device work with CUDA events"
+PEAKS_KEY = pytest.StashKey[dict]()
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How :func:`test_kernels_bench.test_kernel` drives ``benchmark.pedantic``."""
+
+    rounds: int
+    iterations: int
+    warmup_rounds: int
+
+
+class CaseRef(NamedTuple):
+    """One case as collected: its module's ``op``, its index in ``cases()``, and its ``slug``.
+    ``error`` holds why the module's cases could not be built (the test then fails with it)."""
+
+    op: str
+    index: int | None
+    slug: str
+    error: str | None = None
+
+
+DEFAULT_TIMING = Timing(rounds=30, iterations=10, warmup_rounds=3)
+OPTION_HELP = {"rounds": "timed rounds per benchmark", "iterations": "calls per round; a round's value is their mean",
+               "warmup_rounds": "untimed rounds before the timed ones"}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("dslab kernel benchmarks")
+    for name, text in OPTION_HELP.items():
+        default = getattr(DEFAULT_TIMING, name)
+        group.addoption(f"--kernel-{name.replace('_', '-')}", type=int, default=default,
+                        help=f"{text} (default {default})")
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _op_params(op: str) -> list:
+    if not torch.cuda.is_available():
+        return [pytest.param(CaseRef(op, None, op), None, id=op, marks=pytest.mark.skip(reason=NO_CUDA))]
+    try:
+        slugs = [case.slug for case in op_cases(op, torch.device("cuda"))]
+    except Exception as err:  # reported by the module's one test, as run.py reports it in its table
+        return [pytest.param(CaseRef(op, None, f"{op}-error", f"{type(err).__name__}: {err}"), None,
+                             id=f"{op}-error")]
+    finally:
+        _free_device_memory()
+    return [pytest.param(CaseRef(op, index, slug), arm, id=f"{slug}-{arm}")
+            for index, slug in enumerate(slugs) for arm in ARMS]
+
+
+def pytest_generate_tests(metafunc):
+    if {"case_ref", "arm"} <= set(metafunc.fixturenames):
+        metafunc.parametrize(("case_ref", "arm"), [param for op in bench_ops() for param in _op_params(op)])
+
+
+class CaseStore:
+    """The cases of the bench module in use, built on first use and freed when the tests move on
+    to another module (tests run module by module, in collection order)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.op: str | None = None
+        self.cases: list = []
+
+    def get(self, ref: CaseRef):
+        if ref.error is not None:
+            pytest.fail(f"bench_{ref.op}.py could not build its cases: {ref.error}", pytrace=False)
+        if ref.op != self.op:
+            self.op, self.cases = None, []
+            _free_device_memory()
+            self.cases, self.op = op_cases(ref.op, self.device), ref.op
+        case = self.cases[ref.index]
+        if case.slug != ref.slug:
+            pytest.fail(f"bench_{ref.op}.py case {ref.index} is {case.slug!r} now, {ref.slug!r} at collection",
+                        pytrace=False)
+        return case
+
+
+@pytest.fixture(scope="session")
+def case_store():
+    store = CaseStore(torch.device("cuda"))
+    yield store
+    store.cases = []
+    _free_device_memory()
+
+
+@pytest.fixture(scope="session")
+def timing(pytestconfig) -> Timing:
+    values = {name: pytestconfig.getoption(f"kernel_{name}", getattr(DEFAULT_TIMING, name)) for name in OPTION_HELP}
+    for name, value in values.items():
+        least = 0 if name == "warmup_rounds" else 1
+        if value < least:
+            raise ValueError(f"--kernel-{name.replace('_', '-')} must be at least {least}, got {value}")
+    return Timing(**values)
+
+
+@pytest.fixture(scope="session")
+def device_peaks(pytestconfig) -> dict:
+    """The measured bf16 matmul and copy ceilings (``dslab.bench.measure.measure_peaks``), once per
+    session; also written to the JSON's ``machine_info.gpu.measured_peaks``."""
+    from dslab.bench.measure import measure_peaks
+
+    peaks = measure_peaks(torch.device("cuda"))
+    pytestconfig.stash[PEAKS_KEY] = peaks
+    return peaks
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """What ``dslab gate --pytest-benchmark`` must find equal besides pytest-benchmark's own host
+    fields: the GPU's name, torch and CUDA (major.minor), and ``DSLAB_KERNELS`` (which forces the
+    reference kernels). Triton's version and the measured ceilings are recorded, not compared."""
+    triton_spec = importlib.util.find_spec("triton")
+    machine_info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
+                             "triton": __import__("triton").__version__ if triton_spec else None}
+    machine_info["dslab_kernels"] = os.environ.get("DSLAB_KERNELS")
+    if torch.cuda.is_available():
+        machine_info["gpu"] = {"name": torch.cuda.get_device_name(), "count": torch.cuda.device_count(),
+                               "measured_peaks": config.stash.get(PEAKS_KEY, None)}

@@ -1,0 +1,158 @@
+"""The kernel benchmarks' harness (benchmarks/kernels) on a CPU: ``common.EventTimer`` on a
+simulated stream, alone and as pytest-benchmark's timer, and how the folder is collected without
+a GPU. The benchmarks themselves need one (``pytest benchmarks/kernels -m gpu``)."""
+
+import importlib.util
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("pytest_benchmark")
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[2]
+KERNEL_BENCHMARKS = REPO / "benchmarks" / "kernels"
+
+
+def _load_common():
+    spec = importlib.util.spec_from_file_location("kernel_bench_common", KERNEL_BENCHMARKS / "common.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load_common()
+
+
+class SimulatedStream:
+    """A CUDA stream's stand-in: its clock advances only by the kernels run on it, and an event
+    records that clock (as a CUDA event records when the stream reaches it)."""
+
+    def __init__(self):
+        self.now_ms = 0.0
+        self.events_made = 0
+
+    def kernel(self, ms: float) -> None:
+        self.now_ms += ms
+
+    def event(self, enable_timing: bool = False):
+        self.events_made += 1
+        return SimulatedEvent(self)
+
+
+class SimulatedEvent:
+    def __init__(self, stream: SimulatedStream):
+        self.stream, self.ms = stream, None
+
+    def record(self):
+        self.ms = self.stream.now_ms
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end: "SimulatedEvent") -> float:
+        return end.ms - self.ms
+
+
+def test_event_timer_measures_between_events_and_reuses_them():
+    stream = SimulatedStream()
+    timer = common.EventTimer(event_type=stream.event)
+    timer.reserve(3)
+    assert stream.events_made == 6
+    durations = iter([1.0, 2.0, 3.0])
+
+    def call():
+        stream.kernel(next(durations))
+        time.sleep(0.002)  # host time: not the stream's
+
+    start = timer()
+    timed = timer.timed(call)
+    for _ in range(3):
+        timed()
+    stream.kernel(50.0)  # between calls, outside every pair of events
+    assert timer() - start == pytest.approx(6e-3)
+    assert stream.events_made == 6, "a timed call created an event after reserve()"
+    assert timer.collect_ms() == []
+
+
+def test_event_timer_collects_each_call_in_order():
+    stream = SimulatedStream()
+    timer = common.EventTimer(event_type=stream.event)
+    sizes = iter([0.5, 1.5, 0.25])
+    timed = timer.timed(lambda: stream.kernel(next(sizes)))
+    for _ in range(3):
+        timed()
+    assert timer.collect_ms() == [0.5, 1.5, 0.25]
+    assert timer() == pytest.approx(2.25e-3)
+
+
+BENCH_FILE = f"""
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, {str(KERNEL_BENCHMARKS)!r})
+from common import EventTimer
+from simulated_stream import SimulatedStream
+
+STREAM = SimulatedStream()
+DEVICE_CLOCK = EventTimer(event_type=STREAM.event)
+
+
+@pytest.mark.benchmark(timer=DEVICE_CLOCK)
+def test_simulated_kernel(benchmark):
+    def call():
+        STREAM.kernel(2.0)
+        time.sleep(0.001)
+
+    DEVICE_CLOCK.reserve(4)
+    benchmark.pedantic(DEVICE_CLOCK.timed(call), rounds=6, iterations=4, warmup_rounds=1)
+"""
+
+
+def test_pytest_benchmark_records_the_event_intervals(pytester):
+    """The kernel benchmarks' arrangement (test_kernels_bench.py): an EventTimer as the benchmark's
+    ``timer`` and its ``timed`` calls as the target. Each round's value is the stream's 2 ms per
+    call, though every call also sleeps 1 ms on the host."""
+    pytester.makepyfile(simulated_stream=_source_of_stream(), test_simulated=BENCH_FILE)
+    pytester.syspathinsert()
+    out = pytester.path / "bench.json"
+    result = pytester.runpytest_inprocess("-p", "no:dash", "-p", "no:cacheprovider", f"--benchmark-json={out}",
+                                          "--benchmark-save-data", "-q")
+    result.assert_outcomes(passed=1)
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    assert bench["stats"]["iterations"] == 4 and bench["options"]["timer"] == repr(common.EventTimer())
+    assert bench["stats"]["data"] == pytest.approx([2e-3] * 6, rel=1e-9)
+
+
+def _source_of_stream() -> str:
+    return "\n\n".join(inspect.getsource(cls) for cls in (SimulatedStream, SimulatedEvent))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the folder builds and runs the real cases")
+def test_without_cuda_each_module_is_one_skipped_test(pytester):
+    ops = sorted(p.stem[len("bench_"):] for p in KERNEL_BENCHMARKS.glob("bench_*.py"))
+    assert ops == ["attention", "bias_dropout_residual", "bias_gelu", "cross_entropy", "fused_adam", "layer_norm"]
+    args = [str(KERNEL_BENCHMARKS), "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "-p", "no:cacheprovider"]
+    result = pytester.runpytest_inprocess(*args)  # the project's addopts: -m 'not gpu'
+    result.assert_outcomes(deselected=len(ops))
+    result = pytester.runpytest_inprocess(*args, "-m", "gpu", "-rs", "-v")
+    result.assert_outcomes(skipped=len(ops))
+    result.stdout.fnmatch_lines([f"*test_kernel?{op}? SKIPPED*" for op in ops] +
+                                ["*needs a CUDA GPU: the kernel benchmarks time device work with CUDA events*"])
+
+
+def test_case_slug_names_op_and_shape():
+    case = common.Case(op="layer_norm forward+backward", shape="65536x1024 bf16 p=0.1", dslab=None, torch=None)
+    assert case.label == "layer_norm forward+backward | 65536x1024 bf16 p=0.1"
+    assert case.slug == "layer_norm_forward+backward_65536x1024_bf16_p=0.1"
+    attention = common.Case(op="attention fwd+bwd", shape="BERT-large seq 128: b64 h16 s128 d64", dslab=None,
+                            torch=None)
+    assert attention.slug == "attention_fwd+bwd_BERT_large_seq_128_b64_h16_s128_d64"

@@ -1,0 +1,88 @@
+"""The Comms page on a report of real processes: ``dslab bench suites/gpt2`` at the tiny scale on
+three gloo processes, rank 1 slowed by 150 ms a step (``fixtures/comms_reports``, whose README gives
+the command). The views and the trace read every rank from it; in Chromium the per-op table has
+rows, the bandwidth plot has a point per timed call of every rank, and the straggler view names
+rank 1."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from report_factory import serve_dashboard
+
+from dashboards import views
+from dslab.profilers.trace import build_trace
+from dslab.report import frames, read_report
+
+FIXTURES = Path(__file__).parent / "fixtures" / "comms_reports"
+SUITE, RUN_ID, CASE = "gpt2", "20261126T020306Z-cbf34f", "124m"
+WORLD, SLOW_RANK = 3, 1
+
+
+@pytest.fixture(scope="module")
+def comms() -> dict:
+    return json.loads((FIXTURES / SUITE / RUN_ID / "run.json").read_text())["profilers"]["comms"][CASE]
+
+
+def _timed_calls(comms: dict) -> int:
+    """The calls with a payload and a latency, over every rank: one bandwidth point each."""
+    return sum(1 for records in comms["per_rank"].values() for r in records
+               if r["bytes"] > 0 and (r["latency_ms"] or 0) > 0)
+
+
+def test_the_fixture_is_a_three_rank_run_with_rank_1_slowed(comms):
+    report = read_report(FIXTURES / SUITE / RUN_ID)
+    assert report.config["world_size"] == WORLD and report.config["inject_step_sleep_ms"] == 150
+    assert comms["stragglers"] == [SLOW_RANK] and set(comms["per_rank"]) == {"0", "1", "2"}
+    calls = frames.comms_calls(report, case=CASE, strict=True)
+    assert views.comms_op_rows(frames.comms_ops(report, case=CASE, strict=True))
+    assert len(views.bandwidth_points(calls)) == _timed_calls(comms) > WORLD
+    matrix = views.straggler_matrix(calls, frames.stragglers(report, case=CASE, strict=True))
+    assert matrix["ranks"] == [0, 1, 2] and matrix["stragglers"] == [SLOW_RANK]
+    assert len(matrix["labels"]) == comms["straggler"]["matched"]
+    assert all(wait == 0.0 for wait in matrix["wait_ms"][SLOW_RANK][1:])  # last to arrive after its first sleep
+
+
+def test_the_trace_has_a_process_per_rank():
+    trace_pb2 = pytest.importorskip("perfetto.protos.perfetto.trace.perfetto_trace_pb2")
+    trace = trace_pb2.Trace.FromString(build_trace(read_report(FIXTURES / SUITE / RUN_ID)))
+    processes = [p.track_descriptor.process.process_name for p in trace.packet
+                 if p.HasField("track_descriptor") and p.track_descriptor.HasField("process")]
+    assert processes == [f"{CASE} rank {r}" for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def comms_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comms_reports")
+    shutil.copytree(FIXTURES / SUITE, root / SUITE)
+    yield from serve_dashboard(root)
+
+
+@pytest.mark.browser
+def test_comms_page_shows_every_rank_and_names_the_straggler(browser, comms_server, tmp_path, comms):
+    from test_dashboard_browser import _check_page, _wait
+
+    page = _check_page(browser, comms_server, tmp_path, "comms_three_ranks", f"/run/{SUITE}/{RUN_ID}/comms", 2,
+                       "Per op (reporting rank)")
+    assert f"stragglers named: rank {SLOW_RANK}" in page
+
+    rows = _wait(browser).until(lambda d: d.execute_script(
+        "return Array.from(document.querySelectorAll('#comms-ops .ag-center-cols-container .ag-row'))"
+        ".map(r => r.innerText)"))
+    assert len(rows) == len(comms["ops"]) and any("all_reduce" in row for row in rows)
+
+    def plotted(graph_id):
+        return browser.execute_script(
+            "const g = document.querySelector(arguments[0] + ' .js-plotly-plot');"
+            "return g && g._fullData ? g._fullData.map(t => ({name: t.name, type: t.type, n: (t.x || []).length,"
+            " y: t.y})) : null", f"#{graph_id}")
+
+    bandwidth = plotted("comms-bandwidth")
+    per_call = [t for t in bandwidth if t["name"].endswith("algbw per call")]
+    assert sum(t["n"] for t in per_call) == _timed_calls(comms)
+    (heatmap,) = plotted("comms-stragglers")
+    assert heatmap["type"] == "heatmap" and heatmap["n"] == comms["straggler"]["matched"]
+    assert heatmap["y"] == [f"rank {r}" for r in range(WORLD)]
