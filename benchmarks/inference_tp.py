@@ -1,0 +1,85 @@
+"""GPT-2 decode with tensor parallelism: ``dslab.init_inference`` at tp_size 1 and at tp_size =
+WORLD_SIZE on the same random model, per-token time and whether the greedy tokens agree.
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/inference_tp.py \\
+        [--preset gpt2_774m] [--batches 1,32] [--prompt 32] [--new 128] [--trials 3]
+
+Every rank builds transformers' ``GPT2LMHeadModel`` of the preset from one seed (bf16) and injects
+it twice: alone (tp_size 1, the per-token step in CUDA graphs) and sliced over all ranks (each rank
+holds its share of the heads and MLP columns; two all_reduces per layer through ``dslab.comm``; the
+step runs eagerly, as the engine does not capture collectives). Each generation is timed by
+:class:`dslab.inference.TokenClock` (CUDA events per token); the table on rank 0 gives the median
+per-token gap of ``--trials`` generations after one warm-up, and the first new token where the two
+greedy sequences differ (bf16: the sliced sums round differently, so a near-tie of a random model
+can flip). The tp_size-1 engine on each rank is the same computation; rank 0's is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from dslab import comm
+from dslab.bench.inference import build_hf_gpt2, make_prompts
+from dslab.inference import TokenClock, init_inference
+
+
+def per_token_ms(engine, prompts, new_tokens: int, trials: int) -> tuple[float, torch.Tensor]:
+    clock = TokenClock(prompts.device)
+    engine.token_clock = clock
+    mask = torch.ones_like(prompts)
+    engine.generate(prompts, attention_mask=mask, max_new_tokens=new_tokens)  # warm-up, graph capture
+    gaps, tokens = [], None
+    for _ in range(trials):
+        tokens = engine.generate(prompts, attention_mask=mask, max_new_tokens=new_tokens)
+        gaps.append(statistics.median(clock.result()["per_token_ms"]))
+    return statistics.median(gaps), tokens
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> int | None:
+    """The first new-token position where any row of ``a`` and ``b`` differ, else None."""
+    differ = (a[:, prompt_len:] != b[:, prompt_len:]).any(dim=0).nonzero()
+    return int(differ[0]) if differ.numel() else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2_774m", help="a dslab.models.gpt2 preset whose heads the world size divides (GPT-2 1.5B has 25 heads: tp_size 5 only)")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    comm.init_distributed()
+    world, rank = comm.get_world_size(), comm.get_rank()
+    if not torch.cuda.is_available():
+        raise SystemExit("inference_tp.py times CUDA devices; none is visible")
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = build_hf_gpt2(args.preset, {}, args.seed, torch.bfloat16, device)
+    max_out = args.prompt + args.new
+    alone = init_inference(model, dtype=torch.bfloat16, max_out_tokens=max_out)
+    sliced = init_inference(model, dtype=torch.bfloat16, max_out_tokens=max_out, tensor_parallel={"tp_size": world})
+    del model
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = make_prompts(batch, args.prompt, alone.module.vocab_size, args.seed, device)
+        t1, tokens1 = per_token_ms(alone, prompts, args.new, args.trials)
+        comm.barrier()
+        tn, tokens_n = per_token_ms(sliced, prompts, args.new, args.trials)
+        rows.append((batch, t1, tn, first_difference(tokens1, tokens_n, args.prompt)))
+    if rank == 0:
+        print(f"\n{args.preset} on {world} x {torch.cuda.get_device_name(device)}, bf16, prompt {args.prompt} "
+              f"+ {args.new} new tokens, median of {args.trials} generations")
+        print(f"{'batch':>5} {'tp1 ms/token':>13} {f'tp{world} ms/token':>13} {'tp1/tp' + str(world):>9} "
+              f"{'first differing token':>22}")
+        for batch, t1, tn, diff in rows:
+            print(f"{batch:>5} {t1:>13.3f} {tn:>13.3f} {t1 / tn:>9.2f} {('none' if diff is None else diff):>22}")
+    comm.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
