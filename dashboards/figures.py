@@ -261,6 +261,23 @@ def measured_vs_estimate(data: dict, case: str) -> go.Figure:
     return _layout(fig, f"{case}: measured beside the estimate", height=380)
 
 
+def rank_memory_bar(rows: list[dict], case: str) -> go.Figure:
+    """Each rank's peak (and model states, where the tracer has them) side by side, one bar per
+    arm and rank, from :func:`dashboards.views.rank_memory_rows`."""
+    if not rows:
+        return empty(f"{case}: memory per rank", "no per-rank peaks")
+    fig = go.Figure()
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        ranks = [f"rank {r['rank']}" for r in mine]
+        fig.add_trace(go.Bar(x=ranks, y=[r["peak_gib"] for r in mine], name=f"{arm}: {mine[0]['kind']}"))
+        if any(r["model_states_gib"] is not None for r in mine):
+            fig.add_trace(go.Bar(x=ranks, y=[r["model_states_gib"] for r in mine], name=f"{arm}: model states"))
+    fig.update_layout(barmode="group")
+    fig.update_yaxes(title="GiB")
+    return _layout(fig, f"{case}: memory per rank", height=340)
+
+
 def telemetry(series: list[dict], case: str) -> go.Figure:
     """One panel per NVML field, one line per GPU, over seconds since sampling began."""
     if not series:

@@ -518,6 +518,45 @@ def memory_measured_vs_estimate(data: dict) -> dict:
     }
 
 
+RANK_MEMORY_KINDS = {"cuda_peak": "CUDA peak", "host_rss": "host RSS"}
+RANK_MEMORY_NOTE = (
+    "Each rank's largest peak over the arm's trials. CUDA peak: the allocator's peak over a trial plus "
+    "what the arm's CUDA graph pools hold beyond it. Host RSS (a CPU run): the process's largest "
+    "resident set since it started, the interpreter and libraries included, so it never falls from one "
+    "trial to the next. Model states: the rank's parameters, gradients and optimizer states as the "
+    "memory tracer measured them (dslab arm only). Peak / mean: the rank's peak over the mean of its "
+    "arm's ranks."
+)
+
+
+def rank_count(ranks: pd.DataFrame) -> int:
+    """How many ranks a ``rank_memory`` frame has peaks of."""
+    return int(ranks["rank"].dropna().nunique())
+
+
+def rank_memory_rows(ranks: pd.DataFrame) -> list[dict]:
+    """Per (arm, rank) of one case's ``rank_memory`` frame, in its order: ``{"arm", "rank",
+    "kind"`` (:data:`RANK_MEMORY_KINDS`' label), ``"trials"``, ``"peak_gib"`` (the largest over
+    the trials), ``"model_states_gib"`` (None where the tracer has none), ``"peak_over_mean"``
+    (the peak over the mean of the arm's ranks' peaks)``}``."""
+    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for row in frames.records(ranks):
+        if row["rank"] is not None and row["peak_bytes"] is not None:
+            groups[(row["arm"], row["rank"])].append(row)
+    rows = []
+    for (arm, rank), trials in groups.items():
+        states = next((t["model_state_bytes"] for t in trials if t["model_state_bytes"] is not None), None)
+        rows.append({"arm": arm, "rank": rank, "kind": RANK_MEMORY_KINDS.get(trials[0]["kind"], trials[0]["kind"]),
+                     "trials": len(trials), "peak_gib": max(t["peak_bytes"] for t in trials) / 2**30,
+                     "model_states_gib": states / 2**30 if states is not None else None})
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        mean = sum(r["peak_gib"] for r in mine) / len(mine)
+        for r in mine:
+            r["peak_over_mean"] = r["peak_gib"] / mean if mean else None
+    return rows
+
+
 # -- telemetry --------------------------------------------------------------------------------
 
 

@@ -6,12 +6,12 @@ rows in the order of the reports given and, within a report, in the report's own
 that lacks a section gives no rows; a frame with no rows still has its documented columns.
 Malformed records (not an object, a field of the wrong type) are skipped or read as missing.
 
-The frames of a profiler section (every frame but ``runs``, ``trials`` and ``results``) take two
-keyword arguments: ``case`` keeps that case's record only, and ``strict=True`` raises ValueError
-naming the key (``flops.modules should be a list, not str``, ``memory.steps[0] should be an
-object, not int``) where a container or a record has the wrong type, instead of skipping it: the
-dashboard draws what it can and says what it could not. A field of the wrong type is read as
-missing either way.
+The frames of a profiler section (every frame but ``runs``, ``trials`` and ``results``;
+``rank_memory`` reads the trials too) take two keyword arguments: ``case`` keeps that case's rows
+only, and ``strict=True`` raises ValueError naming the key (``flops.modules should be a list, not
+str``, ``memory.steps[0] should be an object, not int``) where a container or a record has the
+wrong type, instead of skipping it: the dashboard draws what it can and says what it could not. A
+field of the wrong type is read as missing either way.
 
 Column types are fixed, so a frame reads back equal from any of the formats:
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ COLUMNS: dict[str, dict[str, str]] = {
                         "mean_caused_wait_ms:float"),
     "memory_timeline": _spec("run_id case step:int peak_allocated:int peak_reserved:int"),
     "memory_activations": _spec("run_id case module bytes:int shared_bytes:int tensors:int storages:int"),
+    "rank_memory": _spec("run_id suite case arm trial:int rank:int kind peak_bytes:int model_state_bytes:int"),
     "telemetry_timeline": _spec("run_id case gpu_uuid gpu_index:int gpu_name t:float util_gpu:float "
                                 "util_mem:float sm_clock_mhz:float mem_used_bytes:int power_w:float "
                                 "temp_c:float throttle"),
@@ -339,6 +341,67 @@ def memory_activations(reports, *, case: str | None = None, strict: bool = False
     return _frame("memory_activations", rows)
 
 
+# A trial's per-rank peak metrics (dslab.bench.runner.gather_trial) and the kind each one is.
+RANK_PEAK_METRICS = {"peak_memory_bytes": "cuda_peak", "peak_rss_bytes": "host_rss"}
+# The arm whose profiler records the bench runner keeps.
+PROFILED_ARM = RATIO_ARM
+_RANK_METRIC = re.compile(r"(peak_memory_bytes|peak_rss_bytes)_rank(\d+)")
+
+
+def _model_states_per_rank(record: dict, strict: bool) -> dict[int, Any]:
+    """``{rank: model-state bytes}`` of a memory record's ``model_states_per_rank`` (a list by
+    rank, each the rank's ``model_states`` or null); with ``strict``, ValueError naming the key
+    where the list or an entry has the wrong type."""
+    per_rank = record.get("model_states_per_rank")
+    if not isinstance(per_rank, list):
+        if strict and per_rank is not None:
+            raise ValueError(f"memory.model_states_per_rank should be a list, not {type(per_rank).__name__}")
+        return {}
+    out = {}
+    for rank, states in enumerate(per_rank):
+        if isinstance(states, dict):
+            out[rank] = states.get("total")
+        elif strict and states is not None:
+            raise ValueError(f"memory.model_states_per_rank[{rank}] should be an object, not {type(states).__name__}")
+    return out
+
+
+def rank_memory(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
+    """Each rank's peak memory in every trial of a multi-process run, one row per (run, case,
+    arm, trial, rank), ranks in order: run_id, suite, case, arm, trial, rank, kind, peak_bytes,
+    model_state_bytes.
+
+    From the trial's metrics ``peak_memory_bytes_rank<r>`` (kind ``cuda_peak``: the CUDA
+    allocator's peak over the trial plus what the arm's CUDA-graph pools hold beyond it) or
+    ``peak_rss_bytes_rank<r>`` (kind ``host_rss``: the process's largest resident set so far); a
+    trial records one kind for all its ranks (were both there, the CUDA peak is kept).
+    model_state_bytes is the ``total`` of the rank's model states (parameters, gradients and
+    optimizer states, each storage counted once) as the memory tracer recorded them in
+    ``memory[case]["model_states_per_rank"]``: on the dslab arm's rows only, the arm the profilers
+    trace; missing elsewhere. A single-process run has no rows."""
+    rows = []
+    for r in load(reports):
+        states = {c: _model_states_per_rank(record, strict) for c, record in _section(r, "memory", case, strict)}
+        for res in r.results:
+            if case is not None and res.case != case:
+                continue
+            for t in res.trials:
+                peaks: dict[int, tuple[str, float]] = {}
+                for metric, value in t.metrics.items():
+                    match = _RANK_METRIC.fullmatch(metric)
+                    if match is None:
+                        continue
+                    kind, rank = RANK_PEAK_METRICS[match.group(1)], int(match.group(2))
+                    if rank not in peaks or kind == "cuda_peak":
+                        peaks[rank] = (kind, value)
+                model_states = states.get(res.case, {}) if res.arm == PROFILED_ARM else {}
+                rows.extend({"run_id": r.run_id, "suite": r.suite, "case": res.case, "arm": res.arm,
+                             "trial": t.trial, "rank": rank, "kind": kind, "peak_bytes": value,
+                             "model_state_bytes": model_states.get(rank)}
+                            for rank, (kind, value) in sorted(peaks.items()))
+    return _frame("rank_memory", rows)
+
+
 def telemetry_timeline(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """One row per NVML sample of each GPU (``telemetry[case]["gpus"][uuid]["samples"]``):
     run_id, case, gpu_uuid, gpu_index, gpu_name, t (seconds from the start), util_gpu, util_mem,
@@ -401,7 +464,7 @@ def io_records(reports, *, case: str | None = None, strict: bool = False) -> pd.
 FRAMES: dict[str, Callable[..., pd.DataFrame]] = {
     "runs": runs, "trials": trials, "results": results, "flops_modules": flops_modules,
     "comms_calls": comms_calls, "comms_ops": comms_ops, "stragglers": stragglers,
-    "memory_timeline": memory_timeline, "memory_activations": memory_activations,
+    "memory_timeline": memory_timeline, "memory_activations": memory_activations, "rank_memory": rank_memory,
     "telemetry_timeline": telemetry_timeline, "wall_clock": wall_clock, "io_records": io_records,
 }
 

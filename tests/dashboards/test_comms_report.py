@@ -1,8 +1,8 @@
 """The Comms page on a report of real processes: ``dslab bench suites/gpt2`` at the tiny scale on
 three gloo processes, rank 1 slowed by 150 ms a step (``fixtures/comms_reports``, whose README gives
 the command). The views and the trace read every rank from it; in Chromium the per-op table has
-rows, the bandwidth plot has a point per timed call of every rank, and the straggler view names
-rank 1."""
+rows, the bandwidth plot has a point per timed call of every rank, the straggler view names
+rank 1, and the Memory page has a row and a bar per rank."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from report_factory import serve_dashboard
 
-from dashboards import views
+from dashboards import figures, pages, views
+from dashboards.app import render
+from dashboards.data import RunStore
 from dslab.profilers.trace import build_trace
 from dslab.report import frames, read_report
 
@@ -54,6 +56,41 @@ def test_the_trace_has_a_process_per_rank():
     assert processes == [f"{CASE} rank {r}" for r in range(WORLD)]
 
 
+def test_memory_per_rank_has_each_ranks_peak_and_model_states():
+    report = read_report(FIXTURES / SUITE / RUN_ID)
+    ranks = frames.rank_memory(report, case=CASE, strict=True)
+    assert views.rank_count(ranks) == WORLD
+    rows = views.rank_memory_rows(ranks)
+    (trial,) = report.result(CASE, "dslab").trials
+    states = report.profilers["memory"][CASE]["model_states_per_rank"]
+    assert [(r["arm"], r["rank"], r["kind"], r["trials"]) for r in rows] == [("dslab", r, "host RSS", 1)
+                                                                             for r in range(WORLD)]
+    assert [r["peak_gib"] * 2**30 for r in rows] == [trial.metrics[f"peak_rss_bytes_rank{r}"] for r in range(WORLD)]
+    assert [r["model_states_gib"] * 2**30 for r in rows] == [s["total"] for s in states]
+    assert sum(r["peak_over_mean"] for r in rows) == pytest.approx(WORLD)
+    bar = figures.rank_memory_bar(rows, CASE)
+    assert [t.name for t in bar.data] == ["dslab: host RSS", "dslab: model states"]
+    assert list(bar.data[0].x) == [f"rank {r}" for r in range(WORLD)]
+
+    page = str(render(RunStore(FIXTURES), f"/run/{SUITE}/{RUN_ID}/memory"))
+    assert "Memory per rank" in page and "memory-ranks-bar" in page and "could not be drawn" not in page
+    assert "memory-ranks" not in str(render(RunStore(FIXTURES), f"/run/{SUITE}/{RUN_ID}/comms"))
+    del report.profilers["memory"]  # no memory trace: the peaks per rank still shown, without model states
+    page = str(pages._memory_tab(report, SUITE, RUN_ID, None))
+    assert "no memory trace in this run" in page and "memory-ranks-bar" in page
+
+
+def test_memory_per_rank_is_left_out_for_one_rank():
+    gpu_reports = FIXTURES.parent / "gpu_reports"
+    store = RunStore(gpu_reports)
+    for run in sorted(gpu_reports.glob("*/*/run.json")):
+        suite, run_id = run.parent.parent.name, run.parent.name
+        assert frames.rank_memory(read_report(run.parent)).empty
+        page = str(render(store, f"/run/{suite}/{run_id}/memory"))
+        assert "Timeline" in page  # the memory trace is drawn
+        assert "Memory per rank" not in page and "memory-ranks" not in page
+
+
 @pytest.fixture(scope="module")
 def comms_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("comms_reports")
@@ -86,3 +123,25 @@ def test_comms_page_shows_every_rank_and_names_the_straggler(browser, comms_serv
     (heatmap,) = plotted("comms-stragglers")
     assert heatmap["type"] == "heatmap" and heatmap["n"] == comms["straggler"]["matched"]
     assert heatmap["y"] == [f"rank {r}" for r in range(WORLD)]
+
+
+@pytest.mark.browser
+def test_memory_page_shows_a_row_and_a_bar_per_rank(browser, comms_server, tmp_path):
+    from test_dashboard_browser import _load, _severe, _text, _wait
+
+    browser.get_log("browser")  # drop what earlier pages logged
+    _load(browser, f"{comms_server}/run/{SUITE}/{RUN_ID}/memory", tmp_path, "memory_three_ranks")
+    page = _text(browser)
+    assert "Memory per rank" in page and "could not be drawn" not in page
+    rows = _wait(browser).until(lambda d: d.execute_script(
+        "return Array.from(document.querySelectorAll('#memory-ranks .ag-center-cols-container .ag-row'))"
+        ".map(r => ({rank: r.querySelector('[col-id=\"rank\"]').innerText,"
+        " kind: r.querySelector('[col-id=\"kind\"]').innerText}))"))
+    assert sorted(r["rank"] for r in rows) == [str(r) for r in range(WORLD)]
+    assert {r["kind"] for r in rows} == {"host RSS"}
+    bars = browser.execute_script(
+        "const g = document.querySelector('#memory-ranks-bar .js-plotly-plot');"
+        "return g && g._fullData ? g._fullData.map(t => ({name: t.name, x: t.x})) : null")
+    assert [b["name"] for b in bars] == ["dslab: host RSS", "dslab: model states"]
+    assert all(b["x"] == [f"rank {r}" for r in range(WORLD)] for b in bars)
+    assert _severe(browser) == []

@@ -22,10 +22,13 @@ from dslab.report import frames  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "dashboards" / "fixtures" / "gpu_reports"
 FIXTURE_RUNS = sorted(p.parent for p in FIXTURES.glob("*/*/run.json"))
+# A 3-rank gloo run on a CPU (tests/dashboards/fixtures/comms_reports/README.md).
+COMMS_RUN = FIXTURES.parent / "comms_reports" / "gpt2" / "20261126T020306Z-cbf34f"
 
 
 def small_report() -> RunReport:
-    """Two arms of one case (one failed, without trials) and every section, two ranks of comms."""
+    """Two arms of one case (one failed, without trials) and every section, two ranks of comms
+    and of peak memory."""
     r = RunReport(run_id="20261201T120000Z-abc123", suite="tiny", status="complete",
                   created="2026-12-01T12:00:00+00:00", finished=None)
     r.environment = {"torch": {"version": "2.13.0+cpu"}, "dslab": {"version": "0.1.0", "git_dirty": False},
@@ -33,7 +36,8 @@ def small_report() -> RunReport:
     r.config = {"scale": "tiny", "precision": "fp32", "trials": 3, "steps": 4, "warmup_steps": 1}
     ok = Result(case="c1", arm="dslab", trials=[
         Trial(trial=t, step_times_ms=[10.0 + t] * 4,
-              metrics={"samples_per_s": 100.0 / (t + 1), "step_time_ms": 10.0 + t, "graph_pool_bytes": 2.0**40 + t})
+              metrics={"samples_per_s": 100.0 / (t + 1), "step_time_ms": 10.0 + t, "graph_pool_bytes": 2.0**40 + t,
+                       "peak_memory_bytes_rank0": 2.0**36 + t, "peak_memory_bytes_rank1": 2.0**35})
         for t in range(3)])
     ok.summarize()
     r.results = [ok, Result(case="c1", arm="torch", status="failed", error="out of memory\nline two, \"quoted\"")]
@@ -46,7 +50,8 @@ def small_report() -> RunReport:
                                      {"name": "fc", "type": "Linear", "depth": 1, "params": 10, "calls": 2}]}},
         "memory": {"c1": {"steps": [{"step": s, "peak_allocated": 1000 + s, "peak_reserved": 2048} for s in range(5)],
                           "activations": [{"module": "fc", "bytes": 4096, "tensors": 1, "storages": 1,
-                                           "shared_bytes": 0}]}},
+                                           "shared_bytes": 0}],
+                          "model_states_per_rank": [{"total": 3 * 2**30}, {"total": 2**30}]}},
         "comms": {"c1": {"rank": 0, "per_rank": per_rank, "stragglers": [1], "clock_offsets_ns": {"0": 0, "1": 7},
                          "ops": [{"op": "all_reduce", "size_bytes": 4096, "count": 3, "timed_count": 3,
                                   "avg_latency_ms": 0.25, "algbw_GBps": 0.016, "busbw_GBps": 0.016,
@@ -99,7 +104,7 @@ def test_frames_of_the_gpu_reports_have_their_columns_and_rows():
     assert len(got["telemetry_timeline"]) == count(
         "telemetry", lambda rec: [s for g in rec["gpus"].values() for s in g["samples"]]) > 0
     assert len(got["stragglers"]) == count("comms", lambda rec: rec["straggler"]["ranks"]) > 0
-    assert len(got["comms_calls"]) == 0 and len(got["io_records"]) == 0  # one GPU, no I/O records
+    assert len(got["comms_calls"]) == len(got["rank_memory"]) == len(got["io_records"]) == 0  # one GPU, no I/O
     assert len(got["comms_ops"]) == count("comms", lambda rec: rec["ops"])
     assert len(got["memory_activations"]) == count("memory", lambda rec: rec["activations"]) > 0
     assert got["memory_activations"]["bytes"].notna().all()
@@ -113,13 +118,14 @@ def test_frames_of_a_small_report():
     assert got["runs"].loc[0, "git_dirty"] == False  # noqa: E712 (a pandas boolean)
     trials = got["trials"]
     assert len(trials) == 3 and list(trials["trial"]) == [0, 1, 2] and list(trials["step_count"]) == [4, 4, 4]
-    assert list(trials.columns[7:]) == ["samples_per_s", "step_time_ms", "graph_pool_bytes"]
+    per_rank = ["peak_memory_bytes_rank0", "peak_memory_bytes_rank1"]
+    assert list(trials.columns[7:]) == ["samples_per_s", "step_time_ms", "graph_pool_bytes", *per_rank]
     results = got["results"]
     assert list(results["arm"]) == ["dslab", "torch"] and list(results["trial_count"]) == [3, 0]
     assert results.loc[1, "error"].startswith("out of memory") and pd.isna(results.loc[1, "samples_per_s"])
     assert results.loc[0, "step_time_ms"] == 11.0
     assert not results["best_plain"].any() and results["dslab_over_arm"].isna().all()  # no ratios: torch failed
-    assert frames.metric_names(results, "results") == ["samples_per_s", "step_time_ms", "graph_pool_bytes"]
+    assert frames.metric_names(results, "results") == ["samples_per_s", "step_time_ms", "graph_pool_bytes", *per_rank]
     flops = got["flops_modules"]
     assert pd.isna(flops.loc[0, "name"]) and flops.loc[0, "forward_flops"] == 5 * 10**12
     calls = got["comms_calls"]
@@ -134,6 +140,10 @@ def test_frames_of_a_small_report():
     stragglers = got["stragglers"]
     assert list(stragglers["straggler"]) == [False, True] and pd.isna(stragglers.loc[1, "total_wait_ms"])
     assert len(got["memory_timeline"]) == 5
+    ranks = got["rank_memory"]
+    assert list(ranks["trial"]) == [0, 0, 1, 1, 2, 2] and list(ranks["rank"]) == [0, 1] * 3
+    assert set(ranks["kind"]) == {"cuda_peak"} and list(ranks["peak_bytes"][:2]) == [2**36, 2**35]
+    assert list(ranks["model_state_bytes"][:2]) == [3 * 2**30, 2**30]
     telemetry = got["telemetry_timeline"]
     assert len(telemetry) == 4 and pd.isna(telemetry.loc[0, "throttle"]) and telemetry.loc[1, "throttle"] == "sw_power_cap"
     io = got["io_records"]
@@ -183,6 +193,7 @@ def _round_trip(source, out, fmt):
 def test_export_round_trips(tmp_path, fmt):
     _round_trip(small_report(), tmp_path / "small", fmt)
     _round_trip(FIXTURE_RUNS, tmp_path / "gpu", fmt)
+    _round_trip(COMMS_RUN, tmp_path / "ranks", fmt)
     if fmt == "json":
         records = json.loads((tmp_path / "small" / "results.json").read_text())
         assert records[1]["arm"] == "torch" and records[1]["samples_per_s"] is None
@@ -288,6 +299,10 @@ def test_case_keeps_one_case():
     ("comms", {"straggler": {"ranks": []}}, "stragglers", "comms.straggler.ranks should be an object, not list"),
     ("memory", {"steps": [1, 2]}, "memory_timeline", r"memory.steps\[0\] should be an object, not int"),
     ("memory", {"activations": "x"}, "memory_activations", "memory.activations should be a list"),
+    ("memory", {"model_states_per_rank": {"0": {}}}, "rank_memory",
+     "memory.model_states_per_rank should be a list, not dict"),
+    ("memory", {"model_states_per_rank": [{"total": 1}, None, 3]}, "rank_memory",
+     r"memory.model_states_per_rank\[2\] should be an object, not int"),
     ("telemetry", {"gpus": {"GPU-x": {"samples": {}}}}, "telemetry_timeline",
      "telemetry.gpus.GPU-x.samples should be a list, not dict"),
     ("wall_clock", {"phases": {"forward": 3}}, "wall_clock", "wall_clock.phases.forward should be an object"),
@@ -305,3 +320,44 @@ def test_strict_names_the_malformed_key(section, record, frame, message):
     with pytest.raises(ValueError, match=f"profilers.{section} should be an object, not str"):
         build(report, strict=True)
     assert build(report).empty
+
+
+def _ranked_report() -> RunReport:
+    """Two cases; in c1 the dslab arm's trials have CUDA peaks of two ranks (the second trial a
+    host RSS too) and the torch arm's host RSS of ranks 2 and 10; the memory tracer's model states
+    of rank 0 only."""
+    report = RunReport(run_id="20261201T120000Z-000000", suite="tiny")
+    cuda = {"peak_memory_bytes": 9.0, "peak_memory_bytes_rank1": 2.0**34, "peak_memory_bytes_rank0": 2.0**35}
+    report.results = [
+        Result(case="c1", arm="dslab", trials=[Trial(trial=0, metrics=cuda),
+                                               Trial(trial=1, metrics={**cuda, "peak_rss_bytes_rank0": 5.0})]),
+        Result(case="c1", arm="torch", trials=[Trial(trial=0, metrics={"peak_rss_bytes_rank10": 8.0,
+                                                                      "peak_rss_bytes_rank2": 7.0})]),
+        Result(case="c2", arm="dslab", trials=[Trial(trial=0, metrics={"step_time_ms": 1.0})]),
+    ]
+    report.profilers = {"memory": {"c1": {"model_states_per_rank": [{"total": 2**30}, None]},
+                                   "c2": {"model_states_per_rank": [{"total": 1}]}}}
+    return report
+
+
+def test_rank_memory_has_a_row_per_trial_and_rank():
+    rows = frames.records(frames.rank_memory(_ranked_report()))
+    assert [(r["arm"], r["trial"], r["rank"], r["kind"], r["peak_bytes"]) for r in rows] == [
+        ("dslab", 0, 0, "cuda_peak", 2**35), ("dslab", 0, 1, "cuda_peak", 2**34),
+        ("dslab", 1, 0, "cuda_peak", 2**35), ("dslab", 1, 1, "cuda_peak", 2**34),
+        ("torch", 0, 2, "host_rss", 7), ("torch", 0, 10, "host_rss", 8)]  # ranks by number
+    # the tracer's model states belong to the dslab arm; rank 1's entry is null
+    assert [r["model_state_bytes"] for r in rows] == [2**30, None, 2**30, None, None, None]
+    assert {r["case"] for r in rows} == {"c1"}  # c2 has no per-rank peaks: one process
+    assert frames.rank_memory(_ranked_report(), case="c2").empty
+    assert len(frames.rank_memory(_ranked_report(), case="c1", strict=True)) == 6
+
+
+def test_rank_memory_of_a_three_rank_cpu_run():
+    report = read_report(COMMS_RUN)
+    ranks = frames.rank_memory(report, case="124m", strict=True)
+    (trial,) = report.result("124m", "dslab").trials
+    states = report.profilers["memory"]["124m"]["model_states_per_rank"]
+    assert list(ranks["rank"]) == [0, 1, 2] and set(ranks["kind"]) == {"host_rss"}
+    assert list(ranks["peak_bytes"]) == [trial.metrics[f"peak_rss_bytes_rank{r}"] for r in range(3)]
+    assert list(ranks["model_state_bytes"]) == [s["total"] for s in states]
