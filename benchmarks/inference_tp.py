@@ -5,9 +5,10 @@ WORLD_SIZE on the same random model, per-token time and whether the greedy token
         [--preset gpt2_774m] [--batches 1,32] [--prompt 32] [--new 128] [--trials 3]
 
 Every rank builds transformers' ``GPT2LMHeadModel`` of the preset from one seed (bf16) and injects
-it twice: alone (tp_size 1, the per-token step in CUDA graphs) and sliced over all ranks (each rank
-holds its share of the heads and MLP columns; two all_reduces per layer through ``dslab.comm``; the
-step runs eagerly, as the engine does not capture collectives). Each generation is timed by
+it twice: alone (tp_size 1) and sliced over all ranks (each rank holds its share of the heads and
+MLP columns; two all_reduces per layer through ``dslab.comm``); both run the per-token step from
+CUDA graphs (the sliced step's graph holds its NCCL all_reduces), and ``--eager`` adds the sliced
+step without graphs for comparison. Each generation is timed by
 :class:`dslab.inference.TokenClock` (CUDA events per token); the table on rank 0 gives the median
 per-token gap of ``--trials`` generations after one warm-up, and the first new token where the two
 greedy sequences differ (bf16: the sliced sums round differently, so a near-tie of a random model
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eager", action="store_true", help="also time the sliced step without CUDA graphs")
     args = parser.parse_args()
     comm.init_distributed()
     world, rank = comm.get_world_size(), comm.get_rank()
@@ -62,6 +64,8 @@ def main() -> None:
     max_out = args.prompt + args.new
     alone = init_inference(model, dtype=torch.bfloat16, max_out_tokens=max_out)
     sliced = init_inference(model, dtype=torch.bfloat16, max_out_tokens=max_out, tensor_parallel={"tp_size": world})
+    eager = init_inference(model, dtype=torch.bfloat16, max_out_tokens=max_out, tensor_parallel={"tp_size": world},
+                           enable_cuda_graph=False) if args.eager else None
     del model
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -69,14 +73,17 @@ def main() -> None:
         t1, tokens1 = per_token_ms(alone, prompts, args.new, args.trials)
         comm.barrier()
         tn, tokens_n = per_token_ms(sliced, prompts, args.new, args.trials)
-        rows.append((batch, t1, tn, first_difference(tokens1, tokens_n, args.prompt)))
+        te = per_token_ms(eager, prompts, args.new, args.trials)[0] if eager is not None else float("nan")
+        rows.append((batch, t1, tn, te, first_difference(tokens1, tokens_n, args.prompt)))
     if rank == 0:
         print(f"\n{args.preset} on {world} x {torch.cuda.get_device_name(device)}, bf16, prompt {args.prompt} "
               f"+ {args.new} new tokens, median of {args.trials} generations")
+        print(f"graphs: tp1 {alone.cuda_graph_stats}, tp{world} {sliced.cuda_graph_stats}; notes {sliced.notes}")
         print(f"{'batch':>5} {'tp1 ms/token':>13} {f'tp{world} ms/token':>13} {'tp1/tp' + str(world):>9} "
-              f"{'first differing token':>22}")
-        for batch, t1, tn, diff in rows:
-            print(f"{batch:>5} {t1:>13.3f} {tn:>13.3f} {t1 / tn:>9.2f} {('none' if diff is None else diff):>22}")
+              f"{f'tp{world} eager':>11} {'first differing token':>22}")
+        for batch, t1, tn, te, diff in rows:
+            print(f"{batch:>5} {t1:>13.3f} {tn:>13.3f} {t1 / tn:>9.2f} {te:>11.3f} "
+                  f"{('none' if diff is None else diff):>22}")
     comm.barrier()
     torch.distributed.destroy_process_group()
 

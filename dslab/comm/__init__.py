@@ -1,8 +1,9 @@
 """The one door to ``torch.distributed``.
 
 Every collective dslab issues goes through the functions here, so that observers (the comms
-logger, tests) see each call with its size, group and handle. Nothing else in dslab calls
-``torch.distributed`` collectives directly.
+logger, tests) see each call with its size, group and handle, and each replay of a CUDA graph that
+holds collectives, as its owner announces it (:func:`recording_calls`, :func:`announce_replay`).
+Nothing else in dslab calls ``torch.distributed`` collectives directly.
 """
 
 from dslab.comm.collectives import (
@@ -13,9 +14,11 @@ from dslab.comm.collectives import (
     all_gather_object,
     all_reduce,
     all_to_all_single,
+    announce_replay,
     averaging_op,
     barrier,
     broadcast,
+    recording_calls,
     reduce_scatter_tensor,
     remove_observer,
 )
@@ -36,6 +39,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_to_all_single",
+    "announce_replay",
     "averaging_op",
     "barrier",
     "broadcast",
@@ -46,6 +50,7 @@ __all__ = [
     "is_initialized",
     "new_group",
     "log_summary",
+    "recording_calls",
     "reduce_scatter_tensor",
     "remove_observer",
     "set_summary_provider",

@@ -7,11 +7,22 @@ call). Observers must not synchronize the device; they record and move on.
 
 In a single process (no process group) the collectives are the identity and observers are not
 called: nothing was communicated.
+
+A collective issued while a CUDA graph is captured does not run then: it runs at each replay of
+the graph. Observers still see it at capture (``before``/``after``, inside the capture), and can
+tell by ``torch.cuda.is_current_stream_capturing()``. The graph's owner records the calls issued
+while it captures (:func:`recording_calls`) and announces them at each replay
+(:func:`announce_replay`) to the observers that have a ``replayed(call)`` method; the comm layer
+cannot see a replay by itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,12 +56,25 @@ class CollectiveCall:
 
 
 class CommObserver(Protocol):
+    """``before`` and ``after`` every collective issued. An observer may also have
+    ``replayed(call)``, called by :func:`announce_replay` for each collective of a replayed CUDA
+    graph; those without it are not told of replays."""
+
     def before(self, call: CollectiveCall) -> None: ...
 
     def after(self, call: CollectiveCall, work) -> None: ...
 
 
+class _Recordings(threading.local):
+    """The lists of the :func:`recording_calls` blocks open on this thread (a capture records the
+    collectives its own thread issues, never another thread's)."""
+
+    def __init__(self):
+        self.lists: list[list[CollectiveCall]] = []
+
+
 _observers: list[CommObserver] = []
+_recordings = _Recordings()
 _seq = itertools.count()
 
 
@@ -62,6 +86,34 @@ def add_observer(observer: CommObserver) -> None:
 def remove_observer(observer: CommObserver) -> None:
     if observer in _observers:
         _observers.remove(observer)
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[CollectiveCall]]:
+    """A list that receives every collective this thread issues inside the block, observers or
+    not (nested blocks each receive them). A CUDA graph's owner wraps its capture in it and passes
+    the list to :func:`announce_replay` at each replay. Without a process group nothing is issued
+    and the list stays empty."""
+    calls: list[CollectiveCall] = []
+    _recordings.lists.append(calls)
+    try:
+        yield calls
+    finally:
+        _recordings.lists[:] = [other for other in _recordings.lists if other is not calls]
+
+
+def announce_replay(calls: Iterable[CollectiveCall]) -> None:
+    """Tell the observers that have a ``replayed(call)`` method that ``calls`` (recorded by
+    :func:`recording_calls` while a CUDA graph was captured) ran again: the graph was just
+    replayed. Each announcement is a copy of the recorded call with a fresh ``seq``, so every run
+    of a collective is a distinct call, as an eager one is."""
+    listeners = [obs for obs in _observers if hasattr(obs, "replayed")]
+    if not listeners:
+        return
+    for recorded in calls:
+        call = dataclasses.replace(recorded, seq=next(_seq))
+        for obs in listeners:
+            obs.replayed(call)
 
 
 def _group_ranks(group) -> list[int]:
@@ -78,8 +130,9 @@ def _group_name(group) -> str:
 
 
 def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, **extra):
-    """Run ``fn`` (the torch.distributed call) between the observers' hooks."""
-    if not _observers:
+    """Run ``fn`` (the torch.distributed call) between the observers' hooks, and record it in
+    the open :func:`recording_calls` lists."""
+    if not _observers and not _recordings.lists:
         return fn()
     ranks = _group_ranks(group)
     call = CollectiveCall(
@@ -95,6 +148,8 @@ def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, **extra):
         group_name=_group_name(group),
         extra=extra,
     )
+    for calls in _recordings.lists:
+        calls.append(call)
     for obs in _observers:
         obs.before(call)
     work = fn()

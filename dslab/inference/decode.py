@@ -20,7 +20,11 @@ cache positions they wrote lie beyond every position read before they are writte
 captures it into a graph with its own memory pool; every later step is ``graph.replay()``, whose
 static output is the logits buffer. The caller writes the next tokens into ``tokens`` in place.
 torch's cached cuBLAS workspaces are cleared before and after each capture, so a graph owns the
-workspace it replays into (:mod:`dslab.models.graphs` says why). The step runs eagerly instead,
+workspace it replays into (:mod:`dslab.models.graphs` says why). Under tensor parallelism the
+graph holds the step's NCCL all_reduces: the collectives issued while it is captured are recorded
+(:func:`dslab.comm.recording_calls`) and announced to the comm observers after each replay
+(:func:`dslab.comm.announce_replay`), so the comms logger counts them once per token, as it counts
+the eager step's. The step runs eagerly instead,
 with the same buffers, off CUDA, without graphs, or while a dispatch mode (the flops profiler's
 counter) is active.
 """
@@ -31,6 +35,7 @@ from collections import Counter
 
 import torch
 
+from dslab import comm
 from dslab.inference.kv_cache import KVCache
 from dslab.inference.modules import InferenceTransformer
 
@@ -61,6 +66,7 @@ class DecodeSlot:
         self.valid_start = torch.zeros(bucket, dtype=torch.int32, device=device)
         self.graph = None
         self.logits = None
+        self.collectives: list[comm.CollectiveCall] = []  # those the graph holds, announced at each replay
 
     def start(self, first_tokens: torch.Tensor, prompt_len: int, valid_start: torch.Tensor) -> None:
         """Rows ``0 .. len(first_tokens) - 1`` feed ``first_tokens`` at position ``prompt_len``."""
@@ -118,11 +124,12 @@ class DecodeRunner:
         torch.cuda.current_stream().wait_stream(stream)
         _clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        with comm.recording_calls() as collectives, torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
             slot.logits = self._body(slot)
         _clear_cublas_workspaces()
         slot.write_pos.copy_(saved)  # the capture recorded the advance without running it
         slot.graph = graph
+        slot.collectives = collectives
         self.stats["captures"] += 1
 
     def step(self, slot: DecodeSlot) -> torch.Tensor:
@@ -135,6 +142,8 @@ class DecodeRunner:
         if slot.graph is None:
             self._capture(slot)
         slot.graph.replay()
+        if slot.collectives:
+            comm.announce_replay(slot.collectives)
         self.stats["replays"] += 1
         return slot.logits
 

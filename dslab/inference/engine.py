@@ -21,8 +21,10 @@ What happens (keys in :mod:`dslab.inference.config`):
 3. ``engine(input_ids, attention_mask=None, token_type_ids=None)`` runs the forward without
    autograd and returns what the source model returns (logits for language models).
    ``engine.generate(...)`` decodes with the static KV cache (:mod:`dslab.inference.generate`),
-   CUDA graphs per batch bucket when on CUDA with ``enable_cuda_graph`` (and ``tp_size`` 1: the
-   tensor-parallel step stays eager, its all_reduces are not captured) and eagerly otherwise.
+   CUDA graphs per batch bucket when on CUDA with ``enable_cuda_graph`` and eagerly otherwise.
+   With ``tp_size`` > 1 the graph holds the step's all_reduces, which needs the tensor-parallel
+   group to be NCCL's (torch captures NCCL collectives, not gloo's); over another backend the step
+   runs eagerly, with a note in ``engine.notes`` saying so.
 
 The KV cache of a batch bucket holds ``min(max_out_tokens, the model's positions)`` positions;
 ``prompt + max_new_tokens`` beyond that is an error naming both. ``engine.memory_records()`` gives
@@ -35,6 +37,7 @@ import logging
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from dslab.inference.checkpoint import load_checkpoint
@@ -100,11 +103,11 @@ class InferenceEngine:
         self.module = InferenceTransformer(spec, self.tp, config.compute_dtype, self.device, quant).eval()
         self.max_seq = min(config.max_out_tokens, spec.max_positions)
         if spec.causal:
-            graphs = config.enable_cuda_graph and self.device.type == "cuda" and self.tp.size == 1
+            eager_reason = self._eager_reason() if config.enable_cuda_graph else None
+            if eager_reason is not None:
+                self.notes.append(f"enable_cuda_graph: the per-token step runs eagerly ({eager_reason})")
+            graphs = config.enable_cuda_graph and eager_reason is None
             self._runner = DecodeRunner(self.module, self.max_seq, graphs)
-            if config.enable_cuda_graph and not graphs:
-                why = "tensor_parallel.tp_size > 1" if self.device.type == "cuda" else f"no CUDA device ({self.device})"
-                self.notes.append(f"enable_cuda_graph: the per-token step runs eagerly ({why})")
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -122,6 +125,18 @@ class InferenceEngine:
         check_shapes(spec)
         self.policy = policy.name
         return spec
+
+    def _eager_reason(self) -> str | None:
+        """Why the per-token step cannot be captured in a CUDA graph, or None. A tensor-parallel
+        step holds all_reduces, which a graph can capture only as NCCL collectives."""
+        if self.device.type != "cuda":
+            return f"no CUDA device ({self.device})"
+        if self.tp.size > 1:
+            backend = dist.get_backend(self.tp.group)
+            if backend != "nccl":
+                return (f"tensor_parallel.tp_size={self.tp.size} over a {backend} group: a CUDA graph captures "
+                        f"only NCCL collectives")
+        return None
 
     def _run_unchanged(self, model: nn.Module) -> None:
         config = self._config

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dslab.inference.config import WeightQuantConfig
+from dslab.inference.fused_decode import fused_decode_step, unfused_reason
 from dslab.inference.kv_cache import DecodeAttention, PrefillAttention
 from dslab.inference.policies import LayerSpec, ModelSpec
 from dslab.inference.tensor_parallel import TensorParallel, columns, qkv_shard, row_parallel_bias, rows
@@ -181,6 +182,11 @@ class InferenceTransformer(nn.Module):
             self.mlm.decoder_bias = _param(spec.mlm["decoder_bias"], dtype, device)
         self.pooler = InferenceLinear(*spec.pooler, dtype, device) if spec.pooler else None
         self.nsp = InferenceLinear(*spec.nsp, dtype, device) if spec.nsp else None
+        #: Whether :meth:`decode_step` may run the fused step (:mod:`dslab.inference.fused_decode`),
+        #: and up to how many rows; off, every step runs op by op (the A/B of
+        #: benchmarks/decode_profile.py).
+        self.fused_decode = True
+        self.fused_decode_rows = 1
 
     # --- pieces ----------------------------------------------------------------------------------
 
@@ -250,7 +256,10 @@ class InferenceTransformer(nn.Module):
                     cache) -> torch.Tensor:
         """One token per row: ``tokens`` int64 ``[batch]`` at cache position ``write_pos`` (its
         position id ``write_pos - valid_start``) -> logits ``[batch, vocab]``. Static shapes, no
-        host synchronisation: the body of the decode CUDA graph."""
+        host synchronisation: the body of the decode CUDA graph. Fused
+        (:mod:`dslab.inference.fused_decode`) unless ``unfused_reason`` names a reason."""
+        if unfused_reason(self, tokens.shape[0]) is None:
+            return fused_decode_step(self, tokens, write_pos, valid_start, cache)
         positions = write_pos - valid_start
         x = self.embed(tokens[:, None], positions[:, None])
         hidden = self.run_layers(x, DecodeAttention(cache, write_pos, valid_start))

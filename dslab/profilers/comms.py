@@ -2,7 +2,8 @@
 and who made whom wait. DeepSpeed's ``comms_logger`` section, measured without stalling the device.
 
 It observes :mod:`dslab.comm` (``before(call)`` just before an op is issued on the current stream,
-``after(call, work)`` right after) and never synchronises per op.
+``after(call, work)`` right after, ``replayed(call)`` after a replay of a CUDA graph that holds it)
+and never synchronises per op.
 
 Latency of one call
     CUDA (NCCL). A start event is recorded on the current stream in ``before()``; NCCL's stream
@@ -21,8 +22,13 @@ Latency of one call
       event fires when the op completes. Only that pool stream waits.
 
     Events are read later: completed ones at ``on_step_end`` (``query()``, non-blocking), the
-    rest at ``records()`` / ``log_summary()``, which wait for those end events only. Calls made
-    while a CUDA graph is being captured are counted but not timed.
+    rest at ``records()`` / ``log_summary()``, which wait for those end events only.
+
+    CUDA graphs. A call issued while a CUDA graph is captured has not run and is not counted.
+    It is counted, untimed, at each replay of the graph that the graph's owner announces
+    (:func:`dslab.comm.announce_replay`; the inference engine's decode step does), as a record
+    with ``graph_replay: true``, its arrival the host's clock at the announcement and, with
+    ``debug``, its caller the replay's.
 
     CPU (gloo). Host clock: a blocking op is timed around the call; an async op's completion is
     stamped by a callback on ``work.get_future()``.
@@ -204,9 +210,12 @@ class CommsLogger(Profiler):
 
     # ----------------------------------------------------------------------------- observing --
 
-    def before(self, call: comm.CollectiveCall) -> None:
-        if self._suspended or (self._ops is not None and call.op not in self._ops):
-            return
+    def _logs(self, call: comm.CollectiveCall) -> bool:
+        return not self._suspended and (self._ops is None or call.op in self._ops)
+
+    def _record(self, call: comm.CollectiveCall) -> dict:
+        """The record of one call that runs now, its per-(group, op) ``seq`` taken; arrival on
+        the host's clock (a CUDA call's is put on the device's when its events are read)."""
         if self._rank is None:
             self._rank = comm.get_rank()
         group = ",".join(str(r) for r in call.group_ranks)
@@ -220,10 +229,22 @@ class CommsLogger(Profiler):
                   "host_arrival_ns": now, "latency_ms": None}
         if self.config.debug:
             record["caller"] = _caller()
-        if self._on_cuda(call):
-            if torch.cuda.is_current_stream_capturing():
-                self._open[call.seq] = (record, None)
-                return
+        return record
+
+    def _keep(self, record: dict) -> None:
+        with self._lock:
+            if len(self._records) == self._records.maxlen:
+                self._dropped += 1
+            self._records.append(record)
+
+    def before(self, call: comm.CollectiveCall) -> None:
+        if not self._logs(call):
+            return
+        on_cuda = self._on_cuda(call)
+        if on_cuda and torch.cuda.is_current_stream_capturing():
+            return  # it runs at the graph's replays, which its owner announces (replayed())
+        record = self._record(call)
+        if on_cuda:
             device = torch.cuda.current_device()
             ref = self._reference(device)
             start = torch.cuda.Event(enable_timing=True)
@@ -237,18 +258,24 @@ class CommsLogger(Profiler):
         if timing is None:
             return
         record = timing.record if isinstance(timing, _CudaTiming) else timing[0]
-        with self._lock:
-            if len(self._records) == self._records.maxlen:
-                self._dropped += 1
-            self._records.append(record)
+        self._keep(record)
         if isinstance(timing, _CudaTiming):
             self._end_cuda(timing, call, work)
-        elif timing[1] is None:
-            self._finish(record, None)
         elif work is None:
             self._finish(record, (time.perf_counter_ns() - timing[1]) / 1e6)
         else:
             self._end_host_async(record, timing[1], work)
+
+    def replayed(self, call: comm.CollectiveCall) -> None:
+        """``call``, captured in a CUDA graph, ran: its owner replayed the graph. Counted as any
+        call (every rank replays the same graph, so the per-group ``seq`` still matches across
+        ranks), untimed: its kernel runs inside the graph's launch, which no event brackets."""
+        if not self._logs(call):
+            return
+        record = self._record(call)
+        record["graph_replay"] = True
+        self._keep(record)
+        self._finish(record, None)
 
     def _end_cuda(self, timing: _CudaTiming, call, work) -> None:
         if work is None or not call.async_op:

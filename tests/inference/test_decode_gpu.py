@@ -56,6 +56,15 @@ def test_graphs_equal_eager_bf16_and_int8(model):
         assert graphed.cuda_graph_stats["captures"] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_fused_step_matches_the_op_by_op_step(model, dtype):
+    """The fused step (decode_linear's autotuned kernels, under graphs) against the op-by-op step
+    over several tokens: test_fused_decode's comparison, on the GPU."""
+    from test_fused_decode import compare_steps
+
+    compare_steps(model, dtype)
+
+
 def test_buckets_and_sampling_under_graphs(model):
     engine = dslab.init_inference(model, dtype=torch.bfloat16, max_out_tokens=64)
     for batch in (1, 2, 3, 5):

@@ -253,3 +253,58 @@ def test_cuda_path_reads_events_late_and_times_async_ops_by_their_future(make_lo
     # the starts were recorded at device times 4 ms and 8 ms
     assert records[1]["arrival_ns"] - records[0]["arrival_ns"] == pytest.approx(4e6)
     assert logger.summary()["all_reduce"][4096]["timed_count"] == 2
+
+
+def _cuda_call(seq, op="all_reduce", numel=1024):
+    return collectives.CollectiveCall(op=op, seq=seq, numel=numel, dtype=torch.float32, element_size=4,
+                                      group_size=2, group_ranks=[0, 1], async_op=False,
+                                      device=torch.device("cuda", 0))
+
+
+def test_calls_inside_a_graph_count_at_each_replay_not_at_capture(make_logger, monkeypatch):
+    """A call issued while a CUDA graph is captured has not run: not counted. Each replay the
+    graph's owner announces counts it, untimed, with the next per-group seq."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    logger = make_logger()
+    captured = _cuda_call(0)
+    logger.before(captured)
+    logger.after(captured, None)
+    assert logger.local_records() == [] and logger.summary() == {}
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for seq in range(1, 4):
+        logger.replayed(_cuda_call(seq))
+    records = logger.local_records()
+    assert [(r["op"], r["seq"], r["bytes"], r["group"], r["graph_replay"]) for r in records] == [
+        ("all_reduce", 0, 4096, "0,1", True), ("all_reduce", 1, 4096, "0,1", True),
+        ("all_reduce", 2, 4096, "0,1", True)]
+    assert all(r["latency_ms"] is None for r in records)
+    stats = logger.summary()["all_reduce"][4096]
+    assert (stats["count"], stats["timed_count"], stats["avg_latency_ms"]) == (3, 0, None)
+    json.dumps(logger.records(gather=False))
+
+
+def test_replays_follow_prof_ops_and_suspension(make_logger):
+    logger = make_logger(prof_all=False, prof_ops=["all_reduce"])
+    logger.replayed(_cuda_call(0, op="broadcast"))
+    logger.replayed(_cuda_call(1))
+    logger._suspended = True
+    logger.replayed(_cuda_call(2))
+    logger._suspended = False
+    assert [(r["op"], r["seq"]) for r in logger.local_records()] == [("all_reduce", 0)]
+
+
+def test_replays_and_eager_calls_share_the_per_group_seq(one_rank_group, make_logger, capsys):
+    """Announced through the comm layer: the eager calls and the replays of one group and op are
+    numbered in the order they ran; the summary and the printed table take the untimed replays."""
+    logger = make_logger()
+    with comm.recording_calls() as calls:
+        comm.all_reduce(torch.ones(4))  # eager here (gloo, no graph): counted and timed
+    comm.announce_replay(calls)
+    comm.announce_replay(calls)
+    records = logger.local_records()
+    assert [(r["seq"], r.get("graph_replay", False), r["latency_ms"] is None) for r in records] == [
+        (0, False, False), (1, True, True), (2, True, True)]
+    stats = comm.log_summary(return_dict=True)["all_reduce"][16]
+    assert (stats["count"], stats["timed_count"]) == (3, 1)
+    assert "all_reduce" in capsys.readouterr().out

@@ -1,0 +1,161 @@
+"""Where a decode step's time goes: the inference engine's per-token step, fused
+(:mod:`dslab.inference.fused_decode`) and op by op, timed and profiled kernel by kernel.
+
+    python3 benchmarks/decode_profile.py [--presets gpt2_124m,gpt2_1558m] [--batches 1,32]
+        [--dtypes bf16,int8] [--replays 100] [--trials 5] [--top 8]
+
+For each preset x batch x dtype it injects one random transformers GPT-2 (bf16, the suite's seed),
+prefills a 32-token prompt and captures the step's CUDA graph for both variants (fused at every
+batch here; the engine fuses batch 1 only, the fastest choice these rows show), then:
+
+- ``ms/step``: the graph replayed ``--replays`` times back to back between CUDA events (the step
+  alone: no token choice, no host work between steps), median of ``--trials``; both variants
+  interleaved trial by trial;
+- agreement: the fused step's logits against the op-by-op step's over 8 steps from the same cache
+  (max |difference| over max |logit|) and whether their greedy tokens agree;
+- kernels: ``torch.profiler`` over 20 replays of each graph (CUPTI reports the kernels inside a
+  graph): launches per step and the ``--top`` kernels by device time per step;
+- the weights-read floor: the weight bytes at the measured device-to-device copy bandwidth
+  (``Tensor.copy_`` of 1 GiB, bytes read + written per second: what the memory system moves), about
+  the best a batch-1 step can do.
+
+A short table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from inference_kernels_bench import copy_bandwidth_gbs  # noqa: E402
+
+from dslab.bench.inference import build_hf_gpt2, make_prompts  # noqa: E402
+from dslab.inference import init_inference  # noqa: E402
+from dslab.inference.decode import DecodeRunner  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
+PROMPT = 32
+
+
+class Variant:
+    """One engine's slot at a batch, its step captured with the step fused or not."""
+
+    def __init__(self, engine, prompts, fused: bool):
+        self.engine, self.fused = engine, fused
+        self.runner = DecodeRunner(engine.module, engine.max_seq, True)  # its own slot and graph
+        engine.module.fused_decode = fused
+        engine.module.fused_decode_rows = 64  # fused at every batch here (the engine fuses batch 1 only)
+        self.slot = self.runner.slot(prompts.shape[0])
+        self.prompts = prompts
+        self.reset()
+        self.runner.step(self.slot)  # captures
+        engine.module.fused_decode, engine.module.fused_decode_rows = True, 1
+
+    def reset(self):
+        with torch.no_grad():
+            logits = self.engine.module.prefill(self.prompts, None, self.slot.cache)
+        self.slot.start(logits.argmax(-1), self.prompts.shape[1],
+                        torch.zeros(self.prompts.shape[0], dtype=torch.int32, device=self.prompts.device))
+
+    def steps(self, n: int) -> list[torch.Tensor]:
+        out = []
+        for _ in range(n):
+            logits = self.runner.step(self.slot)[:self.prompts.shape[0]].float().clone()
+            self.slot.tokens[:self.prompts.shape[0]].copy_(logits.argmax(-1))
+            out.append(logits)
+        return out
+
+    def time_ms(self, replays: int) -> float:
+        self.reset()
+        graph = self.slot.graph
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / replays
+
+    def kernels(self, replays: int = 20) -> dict[str, list[float]]:
+        self.reset()
+        graph = self.slot.graph
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        per_name = defaultdict(lambda: [0, 0.0])
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in event.name.lower():
+                entry = per_name[event.name]
+                entry[0] += 1
+                entry[1] += event.device_time_total
+        return {name: [count / replays, us / replays] for name, (count, us) in per_name.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="gpt2_124m,gpt2_1558m")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--dtypes", default="bf16")
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--top", type=int, default=8)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    read_gbs = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}: copy {read_gbs:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    for preset in args.presets.split(","):
+        model = build_hf_gpt2(preset, {}, 0, torch.bfloat16, device)
+        for dtype_name in args.dtypes.split(","):
+            engine = init_inference(model, dtype=DTYPES[dtype_name], max_out_tokens=PROMPT + 2 * args.replays + 16)
+            weight_bytes = engine.memory_records()["weights_bytes"]
+            for batch in (int(b) for b in args.batches.split(",")):
+                prompts = make_prompts(batch, PROMPT, engine.module.vocab_size, 0, device)
+                fused, plain = Variant(engine, prompts, True), Variant(engine, prompts, False)
+                fused.reset()
+                plain.reset()
+                a, b = fused.steps(8), plain.steps(8)
+                scale = max(x.abs().max().item() for x in b)
+                diff = max((x - y).abs().max().item() for x, y in zip(a, b)) / scale
+                same = all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b))
+                times = {True: [], False: []}
+                for _ in range(args.trials):
+                    for variant in (fused, plain):
+                        times[variant.fused].append(variant.time_ms(args.replays))
+                t_fused, t_plain = statistics.median(times[True]), statistics.median(times[False])
+                label = f"{preset} b{batch} {dtype_name}"
+                print(f"\n== {label}: fused {t_fused:.4f} ms/step, op by op {t_plain:.4f} "
+                      f"(trials {', '.join(f'{t:.4f}' for t in times[True])} | "
+                      f"{', '.join(f'{t:.4f}' for t in times[False])}); logits rel diff {diff:.2e}, "
+                      f"greedy same {same}", flush=True)
+                for variant in (fused, plain):
+                    kernels = variant.kernels()
+                    launches = sum(c for c, _ in kernels.values())
+                    busy = sum(us for _, us in kernels.values())
+                    print(f"  {'fused' if variant.fused else 'op by op'}: {launches:.0f} kernels/step, "
+                          f"{busy:.1f} us kernel time/step")
+                    for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]:
+                        print(f"    {us:8.1f} us {count:5.0f}x  {name[:110]}")
+                floor = weight_bytes / read_gbs / 1e6
+                rows.append((label, t_fused, t_plain, floor, diff, same))
+                engine.release_cuda_graphs()
+            del engine
+        del model
+        torch.cuda.empty_cache()
+    print(f"\n{'case':<24} {'fused ms':>9} {'op-by-op':>9} {'speedup':>8} {'floor ms':>9} {'rel diff':>9} greedy")
+    for label, tf, tp, floor, diff, same in rows:
+        print(f"{label:<24} {tf:>9.4f} {tp:>9.4f} {tp / tf:>8.2f} {floor:>9.4f} {diff:>9.1e} {same}")
+
+
+if __name__ == "__main__":
+    main()

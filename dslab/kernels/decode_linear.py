@@ -1,0 +1,229 @@
+"""``decode_linear``: one linear layer of a decode step with the ops around it folded in.
+
+::
+
+    a = x[x_rows] + residual[residual_rows - residual_row_offset]     (each part optional)
+    h = layer_norm(a, *norm)                                         (optional)
+    y = activation(h @ weight.T + bias)                              (activation: GELU or none)
+    returns y, or (y, a) with return_sum=True; with kv=..., y's q part (see below)
+
+A decode step at batch 1..64 spends its time reading weights and launching small kernels; a
+GPT-2 layer written op by op launches about a dozen (layer norm, QKV GEMM, two cache scatters, a
+copy of q, attention, output GEMM, layer norm, MLP GEMM, bias + GELU, MLP GEMM). With this op it
+launches five: ``decode_linear`` for QKV (the residual add and layer norm in front, the cache
+writes behind), attention, the output projection, the MLP's first GEMM (add, norm, bias, GELU), its
+second. :mod:`dslab.kernels.decode_linear_triton` says how the kernel does it.
+
+Arguments (``M`` rows, ``K`` inputs, ``N`` outputs; activations bf16, fp16 or fp32):
+
+- ``x`` ``[M, K]``, or a table ``[V, K]`` with ``x_rows`` int ``[M]`` choosing its rows (a word
+  embedding lookup);
+- ``residual`` ``[M, K]`` in x's dtype, or a table with ``residual_rows`` (and optionally
+  ``residual_row_offset``, subtracted: GPT-2's position ids ``write_pos - valid_start``);
+  ``a = x + residual`` is rounded to x's dtype, as the separate add would round it;
+- ``norm`` ``(weight [K], bias [K], eps)``: LayerNorm of ``a`` (fp32 statistics), rounded to x's dtype;
+- ``weight`` ``[N, K]`` contiguous, x's dtype, or int8 with ``scale`` fp32 ``[N]`` (per output
+  channel, :func:`dslab.kernels.quantize_int8`); ``bias`` ``[N]`` or None;
+- ``activation``: None, ``"gelu"`` (exact) or ``"gelu_tanh"``;
+- ``kv`` ``(q_out [M, N / 3], k_cache, v_cache, write_pos [M], head_dim)``: ``y`` is a fused QKV
+  projection; its q third goes to ``q_out``, its k and v thirds into the layer's caches
+  ``[batch >= M, heads, max_seq, head_dim]`` at ``[m, head, write_pos[m]]``; returns ``q_out``.
+
+Paths: the Triton kernel when :func:`dslab.kernels.dispatch.use_triton` says so (CUDA tensors, or
+the interpreter) and the rows fit :data:`MAX_ROWS`; otherwise :func:`decode_linear_reference`, the
+same computation op by op in PyTorch. Forward-only, and not a registered custom op: the inference
+engine runs the unfused layer (whose ops the flops profiler counts one by one) while a dispatch
+mode is active.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from dslab.kernels.dispatch import interpreting, use_triton
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ACTIVATIONS = (None, "gelu", "gelu_tanh")
+#: The kernel's row tiles: 1 (batch 1) or a tensor-core tile of up to this many rows.
+MAX_ROWS = 64
+
+
+def _rows(table: torch.Tensor, rows: torch.Tensor | None, offset: torch.Tensor | None) -> torch.Tensor:
+    if rows is None:
+        return table
+    index = rows.long() - offset.long() if offset is not None else rows.long()
+    return table[index]
+
+
+def decode_linear_reference(x, weight, bias=None, *, scale=None, x_rows=None, residual=None, residual_rows=None,
+                            residual_row_offset=None, norm=None, activation=None, return_sum=False, kv=None):
+    """The op in PyTorch (see the module docstring); the kernel is held to it."""
+    a = _rows(x, x_rows, None)
+    if residual is not None:
+        a = a + _rows(residual, residual_rows, residual_row_offset)
+    h = F.layer_norm(a, a.shape[-1:], norm[0], norm[1], norm[2]) if norm is not None else a
+    w = weight if scale is None else (weight.float() * scale[:, None]).to(h.dtype)
+    y = F.linear(h, w, bias)
+    if activation is not None:
+        y = F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if kv is not None:
+        q_out, k_cache, v_cache, write_pos, head_dim = kv
+        q, k, v = y.chunk(3, dim=-1)
+        m = y.shape[0]
+        q_out.copy_(q)
+        heads = k.shape[-1] // head_dim
+        index = write_pos.long().view(m, 1, 1, 1).expand(m, heads, 1, head_dim)
+        k_cache[:m].scatter_(2, index, k.reshape(m, heads, 1, head_dim).to(k_cache.dtype))
+        v_cache[:m].scatter_(2, index, v.reshape(m, heads, 1, head_dim).to(v_cache.dtype))
+        y = q_out
+    return (y, a) if return_sum else y
+
+
+def _check(x, weight, bias, scale, x_rows, residual, residual_rows, residual_row_offset, norm, activation, kv):
+    def fail(message):
+        raise ValueError(f"decode_linear: {message}")
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        fail(f"x must be a floating-point matrix [M, K] (or a table with x_rows), got "
+             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        fail("weight must be a matrix [N, K]")
+    n, k = weight.shape
+    if x.shape[1] != k:
+        fail(f"x's last dimension {x.shape[1]} must equal weight's K = {k} (weight is [N, K])")
+    if weight.dtype == torch.int8:
+        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (n,):
+            fail(f"an int8 weight needs scale, fp32 of shape ({n},) (one per output channel)")
+    elif weight.dtype != x.dtype or scale is not None:
+        fail(f"weight must be in x's dtype {x.dtype} (or int8 with scale), got {weight.dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        fail(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    m = x_rows.shape[0] if x_rows is not None else x.shape[0]
+    for name, idx in (("x_rows", x_rows), ("residual_rows", residual_rows), ("residual_row_offset", residual_row_offset)):
+        if idx is not None and (idx.dim() != 1 or idx.shape[0] != m or idx.is_floating_point()):
+            fail(f"{name} must be an integer vector of the {m} rows")
+    if residual_row_offset is not None and residual_rows is None:
+        fail("residual_row_offset needs residual_rows")
+    if residual is not None:
+        if residual.dim() != 2 or residual.shape[1] != k or residual.dtype != x.dtype:
+            fail(f"residual must be [rows, {k}] in x's dtype {x.dtype}, got {residual.dtype} {tuple(residual.shape)}")
+        if residual_rows is None and residual.shape[0] != m:
+            fail(f"residual has {residual.shape[0]} rows, x {m}")
+    if norm is not None and (len(norm) != 3 or norm[0].shape != (k,) or norm[1].shape != (k,)):
+        fail(f"norm must be (weight [{k}], bias [{k}], eps)")
+    if activation not in ACTIVATIONS:
+        fail(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if kv is not None:
+        q_out, k_cache, v_cache, write_pos, head_dim = kv
+        if n % 3 or (n // 3) % head_dim:
+            fail(f"kv: the fused QKV weight's N = {n} must be 3 * heads * head_dim (head_dim {head_dim})")
+        heads = n // 3 // head_dim
+        if tuple(q_out.shape) != (m, n // 3):
+            fail(f"kv: q_out must be [{m}, {n // 3}], got {tuple(q_out.shape)}")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dim() != 4 or cache.shape[0] < m or cache.shape[1] != heads or cache.shape[3] != head_dim \
+                    or cache.stride(3) != 1:
+                fail(f"kv: {name} must be [batch >= {m}, {heads}, max_seq, {head_dim}] with unit stride in the "
+                     f"last dimension, got {tuple(cache.shape)}")
+        if write_pos.shape != (m,):
+            fail(f"kv: write_pos must have the {m} rows' positions")
+    return m, n, k
+
+
+#: Split-K tile counters per device (zero between launches: the last split of a tile resets its own).
+COUNTERS = 1 << 16
+_counter_buffers: dict = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _counter_buffers:
+        _counter_buffers[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counter_buffers[key]
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """Programs to fill the device: two per SM (four under the interpreter, so CPU tests split K)."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _triton_module():
+    from dslab.kernels import decode_linear_triton
+
+    return decode_linear_triton
+
+
+def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_row_offset, norm, activation,
+            return_sum, kv, m, n, k):
+    from dslab.kernels._grid import device_guard
+
+    kernels = _triton_module()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    weight = weight.contiguous()
+    a_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if return_sum else None
+    dummy = weight
+    if kv is not None:
+        q_out, k_cache, v_cache, write_pos, head_dim = kv
+        y = q_out
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        q_out = k_cache = v_cache = write_pos = None
+        head_dim = 1
+        cache_strides = (0,) * 6
+    block_m = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
+    programs = _programs_wanted(x.device)
+    partial_size = kernels.partial_elements(m, n, k, block_m, programs, interpreting(), weight.dtype == torch.int8)
+    partial = torch.empty(partial_size, dtype=torch.float32, device=x.device) if partial_size else dummy
+    counters = _counters(x.device) if partial_size else dummy
+    bf16_by_hand = interpreting() and x.dtype == torch.bfloat16
+    strict_fp32 = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    or_dummy = (lambda t: dummy if t is None else t)
+    args = (
+        x, or_dummy(x_rows), or_dummy(residual), or_dummy(residual_rows), or_dummy(residual_row_offset),
+        or_dummy(a_out), or_dummy(norm[0] if norm else None), or_dummy(norm[1] if norm else None), weight,
+        or_dummy(scale), or_dummy(bias), y, or_dummy(q_out), or_dummy(k_cache), or_dummy(v_cache), or_dummy(write_pos),
+        partial, counters,
+        m, n, k, x.stride(0), residual.stride(0) if residual is not None else 0, k, y.stride(0),
+        q_out.stride(0) if q_out is not None else 0, *cache_strides,
+        float(norm[2]) if norm else 0.0, head_dim,
+    )
+    meta = dict(
+        HAS_X_ROWS=x_rows is not None, HAS_R=residual is not None, HAS_R_ROWS=residual_rows is not None,
+        HAS_R_OFFSET=residual_row_offset is not None, WRITE_A=return_sum, HAS_NORM=norm is not None,
+        INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None,
+        ACT={None: 0, "gelu": 1, "gelu_tanh": 2}[activation], KV_SCATTER=kv is not None,
+        DOT_FP32=bf16_by_hand or (interpreting() and weight.dtype == torch.int8),
+        PRECISION="ieee" if strict_fp32 else "tf32", BF16_BY_HAND=bf16_by_hand,
+        STATS_BLOCK=32 if interpreting() else min(1 << (k - 1).bit_length(), 4096 // block_m),
+    )
+    with device_guard(x):
+        kernels.launch(block_m, interpreting(), -(-m // block_m), n, programs, args, meta)
+    return (y, a_out) if return_sum else y
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  scale: torch.Tensor | None = None, x_rows: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, residual_rows: torch.Tensor | None = None,
+                  residual_row_offset: torch.Tensor | None = None, norm=None, activation: str | None = None,
+                  return_sum: bool = False, kv=None):
+    """See the module docstring. Bad arguments raise ValueError naming the argument."""
+    m, n, k = _check(x, weight, bias, scale, x_rows, residual, residual_rows, residual_row_offset, norm,
+                     activation, kv)
+    tensors = (x, weight, bias, scale, residual)
+    if 0 < m <= MAX_ROWS and n > 0 and k > 0 and x.dtype in TRITON_DTYPES and use_triton(*tensors):
+        return _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_row_offset, norm,
+                       activation, return_sum, kv, m, n, k)
+    return decode_linear_reference(x, weight, bias, scale=scale, x_rows=x_rows, residual=residual,
+                                   residual_rows=residual_rows, residual_row_offset=residual_row_offset, norm=norm,
+                                   activation=activation, return_sum=return_sum, kv=kv)

@@ -1,0 +1,126 @@
+"""Collectives inside a CUDA graph run at each replay, not at capture: the graph's owner records
+the calls it issued while capturing (``recording_calls``) and announces them after each replay
+(``announce_replay``) to the observers that have ``replayed``. Checked here on a one-rank gloo
+group, with no graph: the comm layer's side does not depend on one."""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dslab import comm
+from dslab.comm import collectives
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    comm.init_distributed(dist_backend="gloo", init_method=f"file://{tmp_path / 'store'}",
+                          rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Recorder:
+    """Sees every call before and after it is issued."""
+
+    def __init__(self):
+        self.seen = []
+
+    def before(self, call):
+        self.seen.append(("before", call.op, call.seq))
+
+    def after(self, call, work):
+        self.seen.append(("after", call.op, call.seq))
+
+
+class ReplayRecorder(Recorder):
+    """Also told of replays."""
+
+    def __init__(self):
+        super().__init__()
+        self.replays = []
+
+    def replayed(self, call):
+        self.replays.append(call)
+
+
+@pytest.fixture
+def observe():
+    added = []
+
+    def add(observer):
+        comm.add_observer(observer)
+        added.append(observer)
+        return observer
+
+    yield add
+    for observer in added:
+        comm.remove_observer(observer)
+
+
+def test_records_the_calls_issued_inside_the_block_without_observers(one_rank_group):
+    assert collectives._observers == []
+    comm.all_reduce(torch.ones(3))
+    with comm.recording_calls() as calls:
+        comm.all_reduce(torch.ones(4, dtype=torch.float16))
+        with comm.recording_calls() as inner:
+            comm.broadcast(torch.ones(2), src=0)
+    comm.all_reduce(torch.ones(5))
+    assert [(c.op, c.numel, c.nbytes, c.group_ranks) for c in calls] == [
+        ("all_reduce", 4, 8, [0]), ("broadcast", 2, 8, [0])]
+    assert inner == calls[1:]
+    assert calls[1].extra == {"src": 0}
+    assert collectives._recordings.lists == []
+
+
+def test_observers_still_see_the_recorded_calls(one_rank_group, observe):
+    recorder = observe(Recorder())
+    with comm.recording_calls() as calls:
+        comm.all_reduce(torch.ones(4))
+    (call,) = calls
+    assert recorder.seen == [("before", "all_reduce", call.seq), ("after", "all_reduce", call.seq)]
+
+
+def test_without_a_process_group_nothing_is_issued_or_recorded():
+    assert not comm.is_initialized()
+    with comm.recording_calls() as calls:
+        comm.all_reduce(torch.ones(4))
+        comm.broadcast(torch.ones(4), src=0)
+    assert calls == []
+
+
+def test_records_only_the_calls_of_its_own_thread(one_rank_group):
+    with comm.recording_calls() as calls:
+        other = threading.Thread(target=lambda: comm.all_reduce(torch.ones(7)))
+        other.start()
+        other.join()
+        comm.all_reduce(torch.ones(4))
+    assert [c.numel for c in calls] == [4]
+
+
+def test_announce_replay_tells_the_observers_with_replayed_only(one_rank_group, observe):
+    with comm.recording_calls() as calls:
+        comm.all_reduce(torch.ones(4))
+        comm.broadcast(torch.ones(2), src=0)
+    plain, replaying = observe(Recorder()), observe(ReplayRecorder())
+    for _ in range(3):
+        comm.announce_replay(calls)
+    assert plain.seen == [] and replaying.seen == []
+    assert [(c.op, c.numel, c.group_ranks, c.extra) for c in replaying.replays] == 3 * [
+        ("all_reduce", 4, [0], {}), ("broadcast", 2, [0], {"src": 0})]
+    # each announcement is a distinct call: a copy with a fresh seq, the recorded calls untouched
+    seqs = [c.seq for c in replaying.replays]
+    assert len(set(seqs)) == 6 and min(seqs) > max(c.seq for c in calls)
+    assert all(c is not r for c in calls for r in replaying.replays)
+    assert [c.op for c in calls] == ["all_reduce", "broadcast"]
+
+
+def test_announce_replay_without_listeners_takes_no_seq(one_rank_group, observe):
+    with comm.recording_calls() as calls:
+        comm.all_reduce(torch.ones(4))
+    observe(Recorder())
+    comm.announce_replay(calls)
+    with comm.recording_calls() as later:
+        comm.all_reduce(torch.ones(4))
+    assert later[0].seq == calls[0].seq + 1
