@@ -73,6 +73,8 @@ def main() -> None:
         t1, tokens1 = per_token_ms(alone, prompts, args.new, args.trials)
         comm.barrier()
         tn, tokens_n = per_token_ms(sliced, prompts, args.new, args.trials)
+        if rank == 0:
+            print(f"batch {batch}: tp1 {t1:.3f} ms/token, tp{world} {tn:.3f}", flush=True)
         te = per_token_ms(eager, prompts, args.new, args.trials)[0] if eager is not None else float("nan")
         rows.append((batch, t1, tn, te, first_difference(tokens1, tokens_n, args.prompt)))
     if rank == 0:
@@ -84,6 +86,10 @@ def main() -> None:
         for batch, t1, tn, te, diff in rows:
             print(f"{batch:>5} {t1:>13.3f} {tn:>13.3f} {t1 / tn:>9.2f} {te:>11.3f} "
                   f"{('none' if diff is None else diff):>22}")
+    for engine in (alone, sliced, eager):  # graphs holding NCCL work go before the communicator does
+        if engine is not None:
+            engine.release_cuda_graphs()
+    torch.cuda.synchronize()
     comm.barrier()
     torch.distributed.destroy_process_group()
 

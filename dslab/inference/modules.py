@@ -49,6 +49,15 @@ def _param(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(t.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=False)
 
 
+VOCAB_PAD = 64
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to a multiple of ``multiple`` rows."""
+    extra = -t.shape[0] % multiple
+    return torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t
+
+
 class InferenceLinear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` ``[out, in]`` in the compute dtype, or int8 with scales.
 
@@ -162,7 +171,12 @@ class InferenceTransformer(nn.Module):
         self.hidden, self.heads, self.head_dim = spec.hidden, spec.heads, spec.head_dim
         self.tp = tp
         self.dtype, self.device = dtype, device
-        self.word_embeddings = _param(spec.word_embeddings, dtype, device)
+        tied = spec.lm_head is not None and spec.lm_head.data_ptr() == spec.word_embeddings.data_ptr() \
+            and spec.lm_head.shape == spec.word_embeddings.shape
+        # The word embeddings (and an untied head) get zero rows up to a multiple of 64: a head
+        # GEMM over GPT-2's 50257 rows takes cuBLAS's unaligned kernels (110 us of a 750 us
+        # batch-32 step on an H200); the logits are cut back to the vocabulary.
+        self.word_embeddings = _param(_pad_rows(spec.word_embeddings, VOCAB_PAD), dtype, device)
         self.position_embeddings = _param(spec.position_embeddings, dtype, device)
         self.token_type_embeddings = _param(spec.token_type_embeddings, dtype, device)
         self.embedding_norm = InferenceNorm(spec.embedding_norm, spec.eps, dtype, device) if spec.embedding_norm else None
@@ -170,16 +184,16 @@ class InferenceTransformer(nn.Module):
         self.final_norm = InferenceNorm(spec.final_norm, spec.eps, dtype, device) if spec.final_norm else None
         if spec.lm_head is None:
             self.lm_head = None
-        elif spec.lm_head.data_ptr() == spec.word_embeddings.data_ptr() and spec.lm_head.shape == spec.word_embeddings.shape:
+        elif tied:
             self.lm_head = self.word_embeddings  # tied, as in the source model
         else:
-            self.lm_head = _param(spec.lm_head, dtype, device)
+            self.lm_head = _param(_pad_rows(spec.lm_head, VOCAB_PAD), dtype, device)
         self.mlm = None
         if spec.mlm:
             self.mlm = nn.Module()
             self.mlm.dense = InferenceLinear(spec.mlm["dense_weight"], spec.mlm["dense_bias"], dtype, device)
             self.mlm.norm = InferenceNorm((spec.mlm["norm_weight"], spec.mlm["norm_bias"]), spec.eps, dtype, device)
-            self.mlm.decoder_bias = _param(spec.mlm["decoder_bias"], dtype, device)
+            self.mlm.decoder_bias = _param(_pad_rows(spec.mlm["decoder_bias"], VOCAB_PAD), dtype, device)
         self.pooler = InferenceLinear(*spec.pooler, dtype, device) if spec.pooler else None
         self.nsp = InferenceLinear(*spec.nsp, dtype, device) if spec.nsp else None
         #: Whether :meth:`decode_step` may run the fused step (:mod:`dslab.inference.fused_decode`),

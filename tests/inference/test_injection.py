@@ -47,6 +47,29 @@ def test_hf_gpt2_logits_with_and_without_left_padding():
     _close(engine(ids, attention_mask=mask), padded, mask)
 
 
+def test_an_odd_vocabulary_is_padded_for_the_head_and_cut_from_the_logits():
+    """GPT-2's 50257 rows would put the head GEMM on cuBLAS's unaligned kernels: the embeddings
+    (tied head) and BERT's decoder bias are padded to a multiple of 64 rows, the logits cut back."""
+    model = hf_gpt2(vocab_size=250)
+    engine = dslab.init_inference(model, dtype=torch.float32, max_out_tokens=24)
+    assert engine.module.word_embeddings.shape == (256, HIDDEN) and engine.module.lm_head is engine.module.word_embeddings
+    ids, mask = prompts(2, 9, vocab=250, pads=[0, 3])
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        expected = model(ids, attention_mask=mask, position_ids=positions).logits
+    logits = engine(ids, attention_mask=mask)
+    assert logits.shape == (2, 9, 250)
+    _close(logits, expected, mask)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=6), want)
+    assert torch.equal(engine.generate(ids[:1], max_new_tokens=6), want[:1])  # batch 1: the fused step's head
+    mlm = hf_bert("BertForMaskedLM", vocab_size=250)
+    engine = dslab.init_inference(mlm, dtype=torch.float32)
+    with torch.no_grad():
+        expected = mlm(ids).logits
+    _close(engine(ids), expected)
+
+
 def test_dslab_gpt2_logits():
     model = dslab_gpt2()
     engine = dslab.init_inference(model, dtype=torch.float32)

@@ -19,9 +19,9 @@ VARIED_INIT = 0.3
 def hf_gpt2(seed: int = 0, initializer_range: float = VARIED_INIT, **overrides):
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                                     n_positions=POSITIONS, initializer_range=initializer_range,
-                                     bos_token_id=0, eos_token_id=1, **overrides)
+    config = transformers.GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                                 n_positions=POSITIONS, initializer_range=initializer_range,
+                                                 bos_token_id=0, eos_token_id=1), **overrides})
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config).eval()
 
@@ -29,10 +29,10 @@ def hf_gpt2(seed: int = 0, initializer_range: float = VARIED_INIT, **overrides):
 def hf_bert_config(**overrides):
     import transformers
 
-    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                                   num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
-                                   max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0,
-                                   attention_probs_dropout_prob=0.0, **overrides)
+    return transformers.BertConfig(**{**dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                             num_attention_heads=HEADS, intermediate_size=2 * HIDDEN,
+                                             max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0,
+                                             attention_probs_dropout_prob=0.0), **overrides})
 
 
 def hf_bert(cls_name: str = "BertModel", seed: int = 0, **overrides):
