@@ -258,6 +258,10 @@ class InferenceEngine:
                 "tp_size": self.tp.size}
 
     def release_cuda_graphs(self) -> None:
-        """Free the decode graphs and KV caches (they are made again on the next ``generate``)."""
+        """Free the decode graphs and KV caches (they are made again on the next ``generate``).
+        Under tensor parallelism over NCCL the graphs hold collectives on the group's
+        communicator: release them before ``torch.distributed.destroy_process_group()``
+        (``benchmarks/inference_tp.py`` does; a run that tore the group down with its graphs alive
+        did not exit)."""
         if self._runner is not None:
             self._runner.release()
