@@ -16,6 +16,11 @@ written to ``DIR/profile-<variant>.txt`` with a cProfile of 3 more steps (the ho
 functions by own and cumulative time), and a summary row: host busy time per step (the
 profiler's span of the step on the host) beside the device's kernel time per step. A step whose
 device time is well under its wall time is host-bound.
+
+Last, the kernels' device time per step by category (:func:`kernel_category`: attention forward
+and backward, GEMMs, cross-entropy, layer norm, optimizer, casts and copies, other fused or
+elementwise work), one column per variant and the difference of each to the first: the size of
+each lever between dslab and a plain arm.
 """
 
 from __future__ import annotations
@@ -58,8 +63,48 @@ def build(variant: str, workload, device, suite):
     return PlainArm(variant, workload, device, suite.precision, cfg)
 
 
-def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, float]:
-    """(host ms per step, device kernel ms per step) over 3 profiled steps; tables to a file."""
+#: (category, substrings of a kernel's lower-cased name, or ``=name`` for the whole name: dslab's
+#: cross-entropy kernels are ``_forward_kernel`` and ``_backward_kernel``), tried in order: the
+#: first match wins.
+CATEGORIES = (
+    ("attention bwd", ("attn_bwd", "attention_bwd", "_bwd_kernel_dq", "_bwd_kernel_dk", "flash_bwd",
+                       "fmha_bwd", "mha_bwd", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop")),
+    ("attention fwd", ("attn_fwd", "attention_fwd", "flash_fwd", "fmha_fwd", "mha_fwd", "_attn_kernel",
+                       "sdpa_sm90_flash_fprop", "flash_attn")),
+    ("cross-entropy", ("cross_entropy", "log_softmax", "nll_loss", "=_forward_kernel", "=_backward_kernel")),
+    ("layer norm", ("layer_norm", "layernorm")),
+    ("optimizer", ("adam", "multi_tensor", "_foreach")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "sm90_", "sm80_")),
+    ("casts and copies", ("copy", "_to_copy", "cast", "cat_", "memcpy", "memset")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The :data:`CATEGORIES` entry of a kernel, by name; ``other`` (fused or elementwise work:
+    bias + GELU, dropout, residual adds, inductor's pointwise and reduction kernels) otherwise."""
+    lower = name.lower()
+    for category, keys in CATEGORIES:
+        if any(lower == key[1:] if key.startswith("=") else key in lower for key in keys):
+            return category
+    return "other"
+
+
+def category_table(per_variant: dict[str, dict[str, float]]) -> str:
+    """Rows of ms/step by category, a column per variant, then each column minus the first."""
+    names = list(per_variant)
+    categories = [c for c, _ in CATEGORIES] + ["other"]
+    lines = [f"{'category':<18}" + "".join(f"{n:>16}" for n in names)
+             + "".join(f"{n + ' - ' + names[0]:>28}" for n in names[1:])]
+    for category in categories + ["total"]:
+        values = [sum(v.values()) if category == "total" else v.get(category, 0.0) for v in per_variant.values()]
+        lines.append(f"{category:<18}" + "".join(f"{x:>16.2f}" for x in values)
+                     + "".join(f"{x - values[0]:>28.2f}" for x in values[1:]))
+    return "\n".join(lines)
+
+
+def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, float, dict[str, float]]:
+    """(host ms per step, device kernel ms per step, kernel ms per step by category) over 3
+    profiled steps; tables to a file."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     steps = 3
@@ -70,6 +115,11 @@ def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, flo
         torch.cuda.synchronize()
     averages = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CPU)
+    by_category: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            category = kernel_category(event.name)
+            by_category[category] = by_category.get(category, 0.0) + event.device_time_total / steps / 1e3
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     host_us = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) if events else 0
     import cProfile
@@ -96,7 +146,7 @@ def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, flo
                 sort_by="self_device_time_total", row_limit=80, max_name_column_width=40, max_shapes_column_width=90))
         f.write(f"\n\ncProfile of {steps} more steps (host functions):\n")
         f.write(stream.getvalue())
-    return host_us / steps / 1e3, device_us / steps / 1e3
+    return host_us / steps / 1e3, device_us / steps / 1e3, by_category
 
 
 def main() -> None:
@@ -116,7 +166,7 @@ def main() -> None:
     (workload,) = workloads_for(suite, "full", [args.case])
     device = torch.device("cuda")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    rows = []
+    rows, categories = [], {}
     for name in variants:
         try:
             arm = build(name, workload, device, suite)
@@ -124,7 +174,7 @@ def main() -> None:
             for _ in range(args.trials):
                 trial = run_trial(arm.step, device, args.warmup, args.steps)
                 times.append(statistics.median(trial["step_times_ms"]))
-            host, dev = profile(arm, out, name, args.shapes)
+            host, dev, categories[name] = profile(arm, out, name, args.shapes)
             rows.append((name, statistics.median(times), host, dev))
             print(f"{name}: {statistics.median(times):.2f} ms/step", flush=True)
             del arm
@@ -136,6 +186,9 @@ def main() -> None:
     print(f"{'variant':<16} {'step ms':>8} {'host ms':>8} {'device ms':>10}")
     for name, step, host, dev in rows:
         print(f"{name:<16} {step:>8.2f} {host:>8.2f} {dev:>10.2f}")
+    if categories:
+        print("\nkernel time per step by category (ms):")
+        print(category_table(categories))
 
 
 if __name__ == "__main__":

@@ -202,7 +202,7 @@ def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_ro
         HAS_X_ROWS=x_rows is not None, HAS_R=residual is not None, HAS_R_ROWS=residual_rows is not None,
         HAS_R_OFFSET=residual_row_offset is not None, WRITE_A=return_sum, HAS_NORM=norm is not None,
         INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None,
-        ACT={None: 0, "gelu": 1, "gelu_tanh": 2}[activation], KV_SCATTER=kv is not None,
+        ACT=kernels.ACTIVATION_CODES[activation], KV_SCATTER=kv is not None,
         DOT_FP32=bf16_by_hand or (interpreting() and weight.dtype == torch.int8),
         PRECISION="ieee" if strict_fp32 else "tf32", BF16_BY_HAND=bf16_by_hand,
         STATS_BLOCK=32 if interpreting() else min(1 << (k - 1).bit_length(), 4096 // block_m),

@@ -48,7 +48,8 @@ import triton.language as tl
 from dslab.kernels._triton_compat import cast_rounding
 from dslab.kernels.bias_gelu_triton import _gelu_and_grad
 
-ACT_NONE, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
+#: The kernel's ``ACT`` codes by decode_linear's ``activation``.
+ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2}
 
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) that benchmarks/decode_linear_bench.py sweeps at batch 1.
 SWEEP_ROW = [

@@ -1,0 +1,48 @@
+"""benchmarks/profile_arms.py's kernel categories: the kernel names dslab's, cuBLAS's, cuDNN's and
+Inductor's kernels carry on a GPU land in the lever they belong to, and the table gives each
+variant's time and its difference to the first."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from profile_arms import category_table, kernel_category  # noqa: E402
+
+
+@pytest.mark.parametrize("name,category", [
+    ("_attention_fwd_kernel", "attention fwd"),
+    ("_attention_bwd_kernel", "attention bwd"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention fwd"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7", "attention bwd"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention bwd"),
+    ("_forward_kernel", "cross-entropy"),
+    ("_backward_kernel", "cross-entropy"),
+    ("triton_red_fused__log_softmax_backward_data_nll_loss_backward_0", "cross-entropy"),
+    ("_layer_norm_bwd_kernel", "layer norm"),
+    ("triton_per_fused_native_layer_norm_3", "layer norm"),
+    ("_adam_kernel", "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),
+    ("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda...>", "casts and copies"),
+    ("_bias_gelu_fwd_kernel", "other"),
+    ("triton_poi_fused_add_gelu_5", "other"),
+])
+def test_kernel_names_land_in_their_category(name, category):
+    assert kernel_category(name) == category
+
+
+def test_category_table_gives_each_variant_and_its_difference_to_the_first():
+    table = category_table({"dslab-eager": {"gemm": 20.0, "attention fwd": 5.0},
+                            "torch-compile": {"gemm": 19.0, "attention fwd": 2.5, "other": 1.0}})
+    lines = {line.split()[0] + (" " + line.split()[1] if line.split()[1].isalpha() else ""): line
+             for line in table.splitlines()[1:]}
+    assert lines["attention fwd"].split()[-3:] == ["5.00", "2.50", "-2.50"]
+    assert lines["gemm"].split()[-3:] == ["20.00", "19.00", "-1.00"]
+    assert lines["total"].split()[-3:] == ["25.00", "22.50", "-2.50"]
+    assert "torch-compile - dslab-eager" in table.splitlines()[0]
