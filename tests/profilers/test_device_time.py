@@ -117,9 +117,10 @@ def test_timer_on_cpu_charges_each_module_its_work():
         a, b, wide = median("0", key), median("1", key), median("2", key)
         assert 0.4 < a / b < 2.5, (key, a, b)
         assert wide > 2 * max(a, b), (key, a, b, wide)  # 4x the work; 2x leaves room for a loaded CI host
-        for block in ("0", "1", "2"):
-            parts = median(f"{block}.up", key) + median(f"{block}.down", key)
-            assert median(block, key) >= parts * 0.999
+        for block in ("0", "1", "2"):  # within each run (medians of separate figures may come from other runs)
+            for r in results:
+                parts = r["modules"][f"{block}.up"][key] + r["modules"][f"{block}.down"][key]
+                assert r["modules"][block][key] >= parts * 0.999, (key, block, r["modules"][block][key], parts)
     r = results[-1]
     assert "" not in r["modules"]  # the Sequential itself is never called here
     blocks = sum(r["modules"][name][k] for name in ("0", "1", "2") for k in ("forward_ms", "backward_ms"))
