@@ -3,7 +3,7 @@
     python3 benchmarks/kernels/attention_sweep.py [--out DIR] [--shapes 0,1,2,3] [--paths]
         [--profile] [--launch]
 
-For each shape of ``bench_attention.SHAPES`` (bf16, self-attention) and for dslab and SDPA
+For each dropout-free shape of ``bench_attention.SHAPES`` (bf16, self-attention) and for dslab and SDPA
 (``SDPBackend.FLASH_ATTENTION``), three callables are timed: the forward, the backward alone
 (``torch.autograd.grad`` on a saved output, ``retain_graph=True``), and forward + backward. Each is
 measured four ways (medians over ``--iters`` calls):
@@ -372,14 +372,18 @@ def main():
     header = (f"{torch.cuda.get_device_name()} ({props.multi_processor_count} SMs) | torch {torch.__version__} | "
               f"triton {triton.__version__}")
     print(header)
-    indices = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(SHAPES))
+    dropout_free = [i for i, shape in enumerate(SHAPES) if not shape[-1]]
+    indices = [int(i) for i in args.shapes.split(",")] if args.shapes else dropout_free
+    for idx in indices:
+        if idx not in dropout_free:
+            parser.error(f"--shapes: {idx} is a dropout shape; the sweep covers {dropout_free}")
     report = {"device": header, "shapes": []}
     if args.launch:
         report["autograd_overhead_ms"] = autograd_overhead(100)
         print("autograd host ms:", report["autograd_overhead_ms"])
     table = []
     for idx in indices:
-        label, batch, heads, seq, head_dim, causal, target = SHAPES[idx]
+        label, batch, heads, seq, head_dim, causal, target, _ = SHAPES[idx]
         q, k, v, grad = shape_inputs(batch, heads, seq, head_dim)
         scale = 1 / math.sqrt(head_dim)
         entry = {"label": label, "shape": [batch, heads, seq, head_dim, causal]}

@@ -19,7 +19,8 @@ with q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, heads, seq_k, head
   kernels read the seed from device memory, and the backward regenerates the mask from the saved
   seed tensor instead of storing it. :func:`triton_dropout_keep_mask` materialises it for tests.
   The reference draws its mask with ``F.dropout``, or from a generator seeded with ``seed``'s value
-  (read on the host) when one is passed.
+  (read on the host) when one is passed. The Triton kernels apply ``dropout_p`` rounded to a
+  multiple of ``2**-16`` (:func:`dslab.kernels.attention_triton.kernel_dropout_p`).
 - ``scale`` defaults to ``1 / sqrt(head_dim)`` and must be positive.
 
 The same attention straight from a packed ``[batch, seq, 3 * hidden]`` projection is

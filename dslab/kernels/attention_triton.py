@@ -16,11 +16,13 @@ probabilities ``exp2(s - lse)`` are exactly 0 there.
 Memory traffic of the forward, per (batch, head): q and o once, k and v once per query block
 (``ceil(seq_q / BLOCK_M)`` times, mostly from L2), lse ``4 * seq_q`` bytes.
 
-Dropout keeps a probability when a Philox draw keyed by a 64-bit seed, with counter
-``(key index, query index, batch * heads + head, 0)``, is above ``dropout_p``; the backward
-regenerates the same draws, so no mask is stored. The seed is an int64 ``[1]`` tensor on the device
-that the kernels load (``SEED``), not a host scalar, so a captured CUDA graph picks up the value
-written on each replay.
+Dropout keeps a probability when its 16-bit draw is at least ``p * 2**16``: a Philox-4x32-10 call
+keyed by a 64-bit seed, with counter ``(key index // 8, query index, batch * heads + head, 0)``,
+gives the draws of 8 adjacent keys (:func:`_dropout_keep`), so the rate the kernels apply is ``p``
+rounded to a multiple of ``2**-16`` (:func:`kernel_dropout_p`; FlashAttention-2 rounds to
+``1/256``). The backward regenerates the same draws, so no mask is stored. The seed is an int64
+``[1]`` tensor on the device that the kernels load (``SEED``), not a host scalar, so a captured
+CUDA graph picks up the value written on each replay.
 
 Host side: every launch of the forward and backward goes through :class:`CachedLaunch`, which
 skips Triton's per-call Python once a call's key has been seen. At BERT's seq 128 the whole
@@ -52,13 +54,43 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
+#: Each keep draw is 16 bits of a Philox output, so the kernels' dropout rate is a multiple of
+#: ``1 / DROPOUT_LEVELS`` (:func:`kernel_dropout_p`).
+DROPOUT_LEVELS = 65536
+#: Keys per Philox call: its four 32-bit outputs give eight 16-bit draws for eight adjacent keys.
+DROPOUT_GROUP = 8
+
+
+def kernel_dropout_p(dropout_p: float) -> float:
+    """The dropout rate the kernels apply for ``dropout_p``: rounded to the nearest multiple of
+    ``2**-16`` (at most ``1 - 2**-16``), and used for both the draws and the ``1 / (1 - p)``
+    rescaling, so that the expected output is exact."""
+    levels = min(round(dropout_p * DROPOUT_LEVELS), DROPOUT_LEVELS - 1)
+    return levels / DROPOUT_LEVELS
+
+
 @triton.jit
-def _dropout_keep(seed, bh, rows, cols, dropout_p):
-    """Keep-mask for query indices ``rows`` and key indices ``cols`` (int32 blocks that broadcast
-    against each other) of flattened head ``bh``: Philox(seed; key, query, bh, 0) > dropout_p."""
-    zero = rows * 0 + cols * 0
-    bits, _, _, _ = tl.philox(seed, cols + zero, rows + zero, zero + bh, zero)
-    return tl.uint_to_uniform_float(bits) > dropout_p
+def _dropout_keep(seed, bh, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr):
+    """Keep-mask ``[len(offs_m), BLOCK_N]`` for query indices ``offs_m`` (int32 vector) and key
+    indices ``start_n + arange(BLOCK_N)`` (``start_n`` a multiple of 8) of flattened head ``bh``.
+
+    One Philox-4x32-10 call per query and group of 8 keys, counter ``(key // 8, query, bh, 0)``:
+    its four outputs split into eight 16-bit draws, one per key of the group, each kept when it is
+    at least ``dropout_p * 2**16`` (``dropout_p`` is a multiple of ``2**-16``:
+    :func:`kernel_dropout_p`). A key's draw depends only on (seed, bh, query, key), never on the
+    tile sizes, so the forward and both backward roles rebuild the same mask. Eight draws per call
+    instead of one take the random numbers off the attention's critical path.
+    """
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    zero = offs_m[:, None] * 0 + groups[None, :] * 0
+    r0, r1, r2, r3 = tl.philox(seed, groups[None, :] + zero, offs_m[:, None] + zero, zero + bh, zero)
+    threshold = tl.cast(dropout_p * 65536.0, tl.uint32)
+    a = tl.join(((r0 & 0xFFFF) >= threshold).to(tl.int8), ((r0 >> 16) >= threshold).to(tl.int8))
+    b = tl.join(((r1 & 0xFFFF) >= threshold).to(tl.int8), ((r1 >> 16) >= threshold).to(tl.int8))
+    c = tl.join(((r2 & 0xFFFF) >= threshold).to(tl.int8), ((r2 >> 16) >= threshold).to(tl.int8))
+    d = tl.join(((r3 & 0xFFFF) >= threshold).to(tl.int8), ((r3 >> 16) >= threshold).to(tl.int8))
+    keep = tl.join(tl.join(a, b), tl.join(c, d))
+    return tl.reshape(keep, (offs_m.shape[0], BLOCK_N)) != 0
 
 
 @triton.jit
@@ -100,7 +132,7 @@ def _fwd_key_loop(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         acc = _dot(p.to(v.dtype), v, acc, DOT_FP32)
         m_i = m_new
@@ -191,7 +223,7 @@ def _dropout_mask_kernel(OUT, SEED, seq_q, seq_k, dropout_p, BLOCK_M: tl.constex
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     bh = tl.program_id(2)
     seed = tl.load(SEED)
-    keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+    keep = _dropout_keep(seed, bh, offs_m, tl.program_id(1) * BLOCK_N, dropout_p, BLOCK_N)
     ptrs = OUT + bh.to(tl.int64) * seq_q * seq_k + offs_m[:, None] * seq_k + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seq_q) & (offs_n[None, :] < seq_k))
 
@@ -388,6 +420,7 @@ def attention_forward(
     out by :func:`empty_rows_like`. Inputs are already validated."""
     if out is None:
         out = empty_rows_like(q)
+    dropout_p = kernel_dropout_p(dropout_p)
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
@@ -414,5 +447,5 @@ def dropout_keep_mask(
     out = torch.empty((batch * heads, seq_q, seq_k), dtype=torch.uint8, device=seed.device)
     block = 64
     grid = (triton.cdiv(seq_q, block), triton.cdiv(seq_k, block), batch * heads)
-    _dropout_mask_kernel[grid](out, seed, seq_q, seq_k, float(dropout_p), BLOCK_M=block, BLOCK_N=block)
+    _dropout_mask_kernel[grid](out, seed, seq_q, seq_k, kernel_dropout_p(dropout_p), BLOCK_M=block, BLOCK_N=block)
     return out.view(batch, heads, seq_q, seq_k).bool()

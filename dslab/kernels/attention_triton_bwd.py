@@ -44,6 +44,7 @@ from dslab.kernels.attention_triton import (
     _dot,
     _dropout_keep,
     empty_rows_like,
+    kernel_dropout_p,
     padding_as_bytes,
     seed_or_standin,
     seq_bucket,
@@ -54,7 +55,7 @@ from dslab.kernels.dispatch import interpreting
 
 @triton.jit
 def _dkdv_query_loop(
-    dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+    dk, dv, k, v, key_pad, key_start, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
     stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
     qk_scale, sm_scale, dropout_p, seed, start, end,
     DIAGONAL: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
@@ -64,7 +65,8 @@ def _dkdv_query_loop(
     """Accumulate dK, dV of one key block over query blocks ``[start, end)``, in transposed tiles
     ``[BLOCK_N1 keys, BLOCK_M1 queries]``. ``DIAGONAL`` blocks apply the causal mask. Query rows past
     ``seq_q`` load q = dO = 0, lse = +inf, so they add nothing and need no mask. ``delta`` is read
-    from ``delta_base``, or with ``DELTA_FROM_O`` recomputed from O and dO of each query block."""
+    from ``delta_base``, or with ``DELTA_FROM_O`` recomputed from O and dO of each query block.
+    ``key_start`` is the block's first key (``offs_n[0]``), where its dropout draws start."""
     for start_m in range(start, end, BLOCK_M1):
         offs_m = start_m + tl.arange(0, BLOCK_M1)
         row_valid = offs_m < seq_q
@@ -83,7 +85,7 @@ def _dkdv_query_loop(
             if not EVEN_N:
                 p_t = tl.where(offs_n[:, None] < seq_k, p_t, 0.0)
         if HAS_DROPOUT:
-            keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+            keep_t = tl.trans(_dropout_keep(seed, bh, offs_m, key_start, dropout_p, BLOCK_N1))
             inv_keep = 1.0 / (1.0 - dropout_p)
             pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
         else:
@@ -141,7 +143,7 @@ def _dq_key_loop(
             p = tl.where(pad[None, :] != 0, 0.0, p)
         dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M2, BLOCK_N2], dtype=tl.float32), DOT_FP32)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, BLOCK_N2)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(k.dtype), k, dq, DOT_FP32)
@@ -242,7 +244,7 @@ def _dkdv_role(
         # Queries before start_n see none of these keys; [start_n, start_n + BLOCK_N1) is the diagonal.
         diag_end = tl.minimum(start_n + BLOCK_N1, seq_q)
         dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+            dk, dv, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
             stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
             qk_scale, sm_scale, dropout_p, seed, start_n, diag_end,
             True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
@@ -251,7 +253,7 @@ def _dkdv_role(
     else:
         rest_start = 0
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, key_pad, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+        dk, dv, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
         stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
         qk_scale, sm_scale, dropout_p, seed, rest_start, seq_q,
         False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
@@ -486,6 +488,7 @@ def attention_backward(
     seq_k = k.shape[2]
     batch_heads = batch * heads
     kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
+    dropout_p = kernel_dropout_p(dropout_p)
     interpret = interpreting()
     roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal, interpret)
     block_n1 = fused_block_n(seq_k, seq_q, batch_heads, interpret) if roles == (FUSED,) else None

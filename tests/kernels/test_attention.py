@@ -153,6 +153,28 @@ def test_dropout_mask_statistics_and_reproducibility():
     assert abs(keep.float().mean(dim=(0, 1, 3)) - 0.7).max().item() < 0.15
 
 
+def test_dropout_draws_within_a_key_group_are_independent_and_tile_free():
+    """Eight adjacent keys share one Philox call (two 16-bit draws from each 32-bit output): each
+    pair of them is kept together at the rate of independent draws, and the mask does not depend
+    on the tile sizes the kernels run (the forward and the backward roles use different ones)."""
+    from dslab.kernels.attention_triton import _dropout_mask_kernel, kernel_dropout_p
+
+    seed = torch.tensor([2**33 + 5])
+    with kernel_backend("triton"):
+        keep = triton_dropout_keep_mask(seed, 1, 4, 128, 256, 0.5, "cpu")
+        small_tiles = torch.empty((4, 128, 256), dtype=torch.uint8)
+        _dropout_mask_kernel[(128 // 16, 256 // 32, 4)](small_tiles, seed, 128, 256, 0.5, BLOCK_M=16, BLOCK_N=32)
+    assert torch.equal(keep.view(4, 128, 256), small_tiles.bool())
+    groups = keep.reshape(-1, 8).float()  # 16,384 groups of 8 adjacent keys
+    assert abs(groups.mean().item() - 0.5) < 0.01
+    for i in range(8):
+        for j in range(i + 1, 8):  # 16,384 pairs each: the joint rate's standard deviation is 0.0034
+            assert abs((groups[:, i] * groups[:, j]).mean().item() - 0.25) < 0.02, (i, j)
+    assert kernel_dropout_p(0.1) == 6554 / 65536
+    assert kernel_dropout_p(0.0) == 0.0
+    assert kernel_dropout_p(1 - 1e-7) == 65535 / 65536  # never 1: the kernels divide by 1 - p
+
+
 def test_dropout_seed_comes_from_torch_generator():
     q, k, v, _ = _inputs(1, 2, 20, 24, 32, torch.float16)
     with kernel_backend("triton"):
