@@ -14,8 +14,19 @@ Sparse MLM (``BertConfig.sparse_mlm``, on by default): with labels, the MLM head
 LayerNorm and the ``hidden x vocab`` decoder) runs only on the rows whose label is not -100 — about
 15% of the tokens in BERT pretraining — which saves ~85% of the head's flops and of the
 ``[tokens, vocab]`` logits memory. The loss is unchanged (ignored rows contribute nothing to
-cross-entropy). Finding those rows (``nonzero``) costs one device-to-host synchronisation per
-forward. NVIDIA's BERT pretraining code does the same.
+cross-entropy). NVIDIA's BERT pretraining code does the same.
+
+Selecting those rows needs their number K on the host (it sizes the gathered tensor). Learning it
+after the encoder, as ``nonzero`` does, makes the host wait for the whole encoder's forward and
+then leaves the GPU idle while the host issues the head, the loss and the start of the backward
+(~5 ms of a 43-60 ms BERT-large step on an H200). So on CUDA, ``forward`` queues the count of
+labelled positions and its copy into pinned host memory before the encoder (:class:`LabelCount`),
+and the loss waits only for that copy, which the GPU reaches right after the previous step's tail
+while the encoder's kernels are still queued behind it; ``torch.nonzero_static`` with that K then
+picks the rows, in ``nonzero``'s order, without reading anything back (:func:`labelled_rows`).
+The plain ``nonzero`` path remains on CPU, under ``torch.compile`` (the traced graph is left as it
+was), inside a CUDA-graph capture, on torch < 2.7 (CUDA's ``nonzero_static`` came with 2.6 at the
+earliest) and for :meth:`BertForPreTraining.mlm_loss` called without a count.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 from dslab.models import hf_mapping
 from dslab.models.graphs import CudaGraphLayers
@@ -102,6 +114,54 @@ def bert_tiny(**overrides) -> BertConfig:
         BertConfig(vocab_size=1000, hidden=128, layers=2, heads=4, intermediate=512, max_position=128),
         **overrides,
     )
+
+
+# CUDA's nonzero_static, a kernel that writes the first K indices without reading K back, came with
+# torch 2.6 at the earliest; on older releases the count is not prepared and the loss takes nonzero.
+_NONZERO_STATIC_ON_CUDA = TorchVersion(torch.__version__) >= (2, 7)
+
+
+def labelled_rows(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """Indices (int64, ascending) of the True entries of the 1-D bool ``mask``, as
+    ``mask.nonzero(as_tuple=True)[0]``. ``count``, the number of True entries already known on
+    the host, sizes the result without a device-to-host synchronisation (``torch.nonzero_static``);
+    without it, ``nonzero`` reads the number back from the device. ``count`` must be exact: a
+    smaller one drops the last rows, a larger one pads with -1."""
+    if count is None:
+        return mask.nonzero(as_tuple=True)[0]
+    if not 0 <= count <= mask.numel():
+        raise ValueError(f"count={count} is not a number of entries of a mask of {mask.numel()}")
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
+class LabelCount:
+    """The number of labelled positions (label not -100) of one batch's ``labels``, on its way to
+    the host: ``host`` (a pinned int64 scalar) holds it once ``event``, if any, has completed.
+    :meth:`queue` starts the count and its copy on the labels' CUDA device; :meth:`get` waits for
+    the copy and returns the number. The count belongs to ``labels`` (this very tensor) and to the
+    forward that prepared it: :meth:`BertForPreTraining.mlm_loss` refuses it for other labels."""
+
+    def __init__(self, labels: torch.Tensor, host: torch.Tensor, event: torch.cuda.Event | None = None):
+        self.labels = labels
+        self.host = host
+        self.event = event
+
+    @classmethod
+    def queue(cls, labels: torch.Tensor) -> LabelCount:
+        """Queue, on the current stream of ``labels``' CUDA device, the count and its
+        non-blocking copy into a fresh pinned tensor, and record an event after the copy."""
+        with torch.cuda.device(labels.device):
+            host = torch.empty((), dtype=torch.int64, pin_memory=True)
+            host.copy_((labels != IGNORE_INDEX).sum(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return cls(labels, host, event)
+
+    def get(self) -> int:
+        """The number of labelled positions; waits for the copy (not for the stream's later work)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host)
 
 
 class BertEmbeddings(nn.Module):
@@ -182,27 +242,46 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
         """NSP logits ``[batch, 2]`` from the [CLS] (first) position: ``tanh(h_cls Wp + bp) Wc + bc``."""
         return self.nsp_classifier(torch.tanh(self.pooler(hidden[:, 0])))
 
-    def mlm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def mlm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, *,
+                 label_count: LabelCount | None = None) -> torch.Tensor:
         """Mean MLM cross-entropy over the positions whose label is not -100 (see the module
-        docstring for ``sparse_mlm``)."""
+        docstring for ``sparse_mlm``). ``label_count``, prepared for this ``labels`` tensor by
+        :meth:`label_count_ahead`, spares the sparse path its synchronisation after the encoder."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         targets = labels.reshape(-1)
         if self.config.sparse_mlm:
-            keep = (targets != IGNORE_INDEX).nonzero(as_tuple=True)[0]
+            if label_count is not None and label_count.labels is not labels:
+                raise ValueError("label_count was prepared for another labels tensor")
+            count = None if label_count is None else label_count.get()
+            keep = labelled_rows(targets != IGNORE_INDEX, count)
             rows, targets = rows.index_select(0, keep), targets.index_select(0, keep)
         return self.ops.softmax_cross_entropy(self.mlm_head(rows), targets, IGNORE_INDEX)
+
+    def label_count_ahead(self, labels: torch.Tensor | None) -> LabelCount | None:
+        """The count of ``labels``' labelled positions, queued now for :meth:`mlm_loss` (call it
+        before the encoder), or None where the loss is to take the plain ``nonzero`` path: no
+        labels, dense MLM, labels off CUDA, under ``torch.compile``, inside a CUDA-graph capture,
+        or a torch without CUDA ``nonzero_static``."""
+        if (labels is None or not self.config.sparse_mlm or torch.compiler.is_compiling()
+                or not labels.is_cuda or not _NONZERO_STATIC_ON_CUDA):
+            return None
+        with torch.cuda.device(labels.device):
+            if torch.cuda.is_current_stream_capturing():
+                return None
+        return LabelCount.queue(labels)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, masked_lm_labels: torch.Tensor | None = None,
                 next_sentence_label: torch.Tensor | None = None):
         self._check_inputs(input_ids, token_type_ids, attention_mask, masked_lm_labels, next_sentence_label)
+        label_count = self.label_count_ahead(masked_lm_labels)
         hidden = self.encode(input_ids, token_type_ids, key_padding_mask_of(attention_mask))
         nsp_logits = self.nsp_head(hidden)
         if masked_lm_labels is None and next_sentence_label is None:
             return self.mlm_head(hidden), nsp_logits
         losses = []
         if masked_lm_labels is not None:
-            losses.append(self.mlm_loss(hidden, masked_lm_labels))
+            losses.append(self.mlm_loss(hidden, masked_lm_labels, label_count=label_count))
         if next_sentence_label is not None:
             losses.append(self.ops.softmax_cross_entropy(nsp_logits, next_sentence_label, IGNORE_INDEX))
         return losses[0] if len(losses) == 1 else losses[0] + losses[1]
