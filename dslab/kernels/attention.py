@@ -136,16 +136,27 @@ def _attention_forward_op(
     causal: bool,
     dropout_p: float,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward: (out, base-2 logsumexp ``[batch, heads, seq_q]`` fp32); ``seed`` int64 ``[1]``
-    on q's device, None without dropout."""
-    return attention_triton.attention_forward(q, k, v, key_padding_mask, seed, causal, dropout_p, scale)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton forward: (out, base-2 logsumexp ``[batch, heads, seq_q]`` fp32, the dropout mask's bits
+    for the backward: uint8 ``[batch * heads, seq_q, ceil(seq_k / 8)]``, ``[0]`` without dropout);
+    ``seed`` int64 ``[1]`` on q's device, None without dropout."""
+    keep = _keep_buffer(q, k.shape[2], dropout_p)
+    out, lse = attention_triton.attention_forward(q, k, v, key_padding_mask, seed, causal, dropout_p, scale,
+                                                  keep=keep)
+    return out, lse, keep
+
+
+def _keep_buffer(q: torch.Tensor, seq_k: int, dropout_p: float) -> torch.Tensor:
+    """Where the forward stores its dropout bits (an empty uint8 tensor without dropout)."""
+    if dropout_p > 0.0:
+        return attention_triton.empty_keep_bits(q, seq_k)
+    return q.new_empty((0,), dtype=torch.uint8)
 
 
 @_attention_forward_op.register_fake
 def _attention_forward_fake(q, k, v, key_padding_mask, seed, causal, dropout_p, scale):
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    return attention_triton.empty_rows_like(q), lse
+    return attention_triton.empty_rows_like(q), lse, _keep_buffer(q, k.shape[2], dropout_p)
 
 
 @torch.library.custom_op("dslab::attention_backward", mutates_args=())
@@ -161,32 +172,36 @@ def _attention_backward_op(
     causal: bool,
     dropout_p: float,
     scale: float,
+    keep: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward: (dq, dk, dv), the dropout mask regenerated from the forward's ``seed``."""
+    """Triton backward: (dq, dk, dv), the dropout mask loaded from the forward's bits ``keep``, or
+    drawn again from its ``seed`` without them."""
     return attention_triton_bwd.attention_backward(
-        grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p, scale
+        grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p, scale, keep=keep
     )
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p, scale):
+def _attention_backward_fake(grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p, scale,
+                             keep=None):
     empty = attention_triton.empty_rows_like
     return empty(q), empty(k), empty(v)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, key_padding_mask, seed, causal, dropout_p, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed)
+    out, lse, keep = output
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed, keep)
     ctx.causal, ctx.dropout_p, ctx.scale = causal, dropout_p, scale
+    ctx.mark_non_differentiable(lse, keep)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, key_padding_mask, seed = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_lse, grad_keep):
+    q, k, v, out, lse, key_padding_mask, seed, keep = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = _attention_backward_op(
-        grad_out, q, k, v, out, lse, key_padding_mask, seed, ctx.causal, ctx.dropout_p, ctx.scale
+        grad_out, q, k, v, out, lse, key_padding_mask, seed, ctx.causal, ctx.dropout_p, ctx.scale, keep
     )
     return dq, dk, dv, None, None, None, None, None
 
@@ -201,8 +216,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, seed, causal, dropout_p, scale):
-        out, lse = attention_triton.attention_forward(q, k, v, key_padding_mask, seed, causal, dropout_p, scale)
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed)
+        keep = _keep_buffer(q, k.shape[2], dropout_p)
+        out, lse = attention_triton.attention_forward(q, k, v, key_padding_mask, seed, causal, dropout_p, scale,
+                                                      keep=keep)
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, seed, keep)
         ctx.params = (causal, dropout_p, scale)
         return out
 
@@ -216,9 +233,9 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def _eager_backward(ctx, grad_out):
-    q, k, v, out, lse, key_padding_mask, seed = ctx.saved_tensors
+    q, k, v, out, lse, key_padding_mask, seed, keep = ctx.saved_tensors
     dq, dk, dv = attention_triton_bwd.attention_backward(
-        grad_out, q, k, v, out, lse, key_padding_mask, seed, *ctx.params
+        grad_out, q, k, v, out, lse, key_padding_mask, seed, *ctx.params, keep=keep
     )
     return dq, dk, dv, None, None, None, None, None
 

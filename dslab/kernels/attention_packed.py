@@ -26,6 +26,7 @@ from dslab.kernels.attention import (
     TRITON_DTYPES,
     _describe,
     _function_apply,
+    _keep_buffer,
     _seed_tensor,
     _validate_options,
     attention_reference,
@@ -69,18 +70,19 @@ def _packed_forward(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale
     batch, seq, width = qkv.shape
     out = qkv.new_empty((batch, seq, width // 3))
     q, k, v = _split_heads(qkv, heads)
+    keep = _keep_buffer(q, seq, dropout_p)
     _, lse = attention_triton.attention_forward(
-        q, k, v, key_padding_mask, seed, causal, dropout_p, scale, out=_as_heads(out, heads)
+        q, k, v, key_padding_mask, seed, causal, dropout_p, scale, out=_as_heads(out, heads), keep=keep
     )
-    return out, lse
+    return out, lse, keep
 
 
-def _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale):
+def _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale, keep=None):
     grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     q, k, v = _split_heads(qkv, heads)
     attention_triton_bwd.attention_backward(
         _as_heads(grad_out, heads), q, k, v, _as_heads(out, heads), lse, key_padding_mask, seed,
-        causal, dropout_p, scale, grads=_split_heads(grad_qkv, heads),
+        causal, dropout_p, scale, grads=_split_heads(grad_qkv, heads), keep=keep,
     )
     return grad_qkv
 
@@ -94,16 +96,19 @@ def _attention_packed_forward_op(
     causal: bool,
     dropout_p: float,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton forward on qkv ``[batch, seq, 3 * hidden]``: (out ``[batch, seq, hidden]``, base-2
-    logsumexp ``[batch, heads, seq]`` fp32)."""
+    logsumexp ``[batch, heads, seq]`` fp32, the dropout bits for the backward as
+    :func:`dslab.kernels.attention._attention_forward_op` returns them)."""
     return _packed_forward(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale)
 
 
 @_attention_packed_forward_op.register_fake
 def _attention_packed_forward_fake(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale):
     batch, seq, width = qkv.shape
-    return qkv.new_empty((batch, seq, width // 3)), qkv.new_empty((batch, heads, seq), dtype=torch.float32)
+    keep = (qkv.new_empty((batch * heads, seq, -(-seq // 8)), dtype=torch.uint8) if dropout_p > 0.0
+            else qkv.new_empty((0,), dtype=torch.uint8))
+    return qkv.new_empty((batch, seq, width // 3)), qkv.new_empty((batch, heads, seq), dtype=torch.float32), keep
 
 
 @torch.library.custom_op("dslab::attention_packed_backward", mutates_args=())
@@ -118,28 +123,32 @@ def _attention_packed_backward_op(
     causal: bool,
     dropout_p: float,
     scale: float,
+    keep: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Triton backward: the gradient of qkv, ``[batch, seq, 3 * hidden]``."""
-    return _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale)
+    """Triton backward: the gradient of qkv, ``[batch, seq, 3 * hidden]`` (the dropout mask from the
+    forward's bits ``keep``, else drawn again from ``seed``)."""
+    return _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale, keep)
 
 
 @_attention_packed_backward_op.register_fake
-def _attention_packed_backward_fake(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale):
+def _attention_packed_backward_fake(grad_out, qkv, out, lse, key_padding_mask, seed, heads, causal, dropout_p, scale,
+                                    keep=None):
     return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
 
 
 def _packed_setup_context(ctx, inputs, output):
     qkv, key_padding_mask, seed, heads, causal, dropout_p, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(qkv, out, lse, key_padding_mask, seed)
+    out, lse, keep = output
+    ctx.save_for_backward(qkv, out, lse, key_padding_mask, seed, keep)
     ctx.params = (heads, causal, dropout_p, scale)
+    ctx.mark_non_differentiable(lse, keep)
 
 
-def _packed_backward_autograd(ctx, grad_out, grad_lse):
-    qkv, out, lse, key_padding_mask, seed = ctx.saved_tensors
+def _packed_backward_autograd(ctx, grad_out, grad_lse, grad_keep):
+    qkv, out, lse, key_padding_mask, seed, keep = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grad_qkv = _attention_packed_backward_op(grad_out, qkv, out, lse, key_padding_mask, seed, *ctx.params)
+    grad_qkv = _attention_packed_backward_op(grad_out, qkv, out, lse, key_padding_mask, seed, *ctx.params, keep)
     return grad_qkv, None, None, None, None, None, None
 
 
@@ -151,8 +160,8 @@ class _EagerAttentionPacked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, key_padding_mask, seed, heads, causal, dropout_p, scale):
-        out, lse = _packed_forward(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale)
-        ctx.save_for_backward(qkv, out, lse, key_padding_mask, seed)
+        out, lse, keep = _packed_forward(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale)
+        ctx.save_for_backward(qkv, out, lse, key_padding_mask, seed, keep)
         ctx.params = (heads, causal, dropout_p, scale)
         return out
 
@@ -164,8 +173,8 @@ class _EagerAttentionPacked(torch.autograd.Function):
 
 
 def _eager_packed_backward(ctx, grad_out):
-    qkv, out, lse, key_padding_mask, seed = ctx.saved_tensors
-    grad_qkv = _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, *ctx.params)
+    qkv, out, lse, key_padding_mask, seed, keep = ctx.saved_tensors
+    grad_qkv = _packed_backward(grad_out, qkv, out, lse, key_padding_mask, seed, *ctx.params, keep)
     return grad_qkv, None, None, None, None, None, None
 
 

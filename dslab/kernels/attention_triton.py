@@ -69,36 +69,81 @@ def kernel_dropout_p(dropout_p: float) -> float:
     return levels / DROPOUT_LEVELS
 
 
-@triton.jit
-def _dropout_keep(seed, bh, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr):
-    """Keep-mask ``[len(offs_m), BLOCK_N]`` for query indices ``offs_m`` (int32 vector) and key
-    indices ``start_n + arange(BLOCK_N)`` (``start_n`` a multiple of 8) of flattened head ``bh``.
+# What a kernel does for the dropout mask of a tile (its KEEP_MODE constexpr).
+KEEP_DRAW = 0  # draw it from Philox
+KEEP_DRAW_STORE = 1  # draw it and store its bits (the forward, for the backward to load)
+KEEP_LOAD = 2  # load the bits the forward stored
 
-    One Philox-4x32-10 call per query and group of 8 keys, counter ``(key // 8, query, bh, 0)``:
-    its four outputs split into eight 16-bit draws, one per key of the group, each kept when it is
-    at least ``dropout_p * 2**16`` (``dropout_p`` is a multiple of ``2**-16``:
-    :func:`kernel_dropout_p`). A key's draw depends only on (seed, bh, query, key), never on the
-    tile sizes, so the forward and both backward roles rebuild the same mask. Eight draws per call
-    instead of one take the random numbers off the attention's critical path.
+
+@triton.jit
+def _dropout_bits(seed, bh, offs_m, groups, dropout_p):
+    """uint8 ``[len(offs_m), len(groups)]``: bit ``j`` of byte ``(i, g)`` keeps query ``offs_m[i]``'s
+    probability of key ``8 * groups[g] + j`` in flattened head ``bh``.
+
+    One Philox-4x32-10 call per query and group of 8 keys, counter ``(group, query, bh, 0)``: its
+    four 32-bit outputs split into eight 16-bit draws (draw ``2w`` the low half of output ``w``,
+    ``2w + 1`` the high half), and key ``j`` of the group is kept when draw ``j`` is at least
+    ``dropout_p * 2**16`` (``dropout_p`` is a multiple of ``2**-16``: :func:`kernel_dropout_p`).
+    A key's draw depends only on (seed, bh, query, key), never on the tile sizes, so the forward,
+    both backward roles and the debug kernel agree.
     """
-    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
     zero = offs_m[:, None] * 0 + groups[None, :] * 0
     r0, r1, r2, r3 = tl.philox(seed, groups[None, :] + zero, offs_m[:, None] + zero, zero + bh, zero)
     threshold = tl.cast(dropout_p * 65536.0, tl.uint32)
-    a = tl.join(((r0 & 0xFFFF) >= threshold).to(tl.int8), ((r0 >> 16) >= threshold).to(tl.int8))
-    b = tl.join(((r1 & 0xFFFF) >= threshold).to(tl.int8), ((r1 >> 16) >= threshold).to(tl.int8))
-    c = tl.join(((r2 & 0xFFFF) >= threshold).to(tl.int8), ((r2 >> 16) >= threshold).to(tl.int8))
-    d = tl.join(((r3 & 0xFFFF) >= threshold).to(tl.int8), ((r3 >> 16) >= threshold).to(tl.int8))
-    keep = tl.join(tl.join(a, b), tl.join(c, d))
-    return tl.reshape(keep, (offs_m.shape[0], BLOCK_N)) != 0
+    bits = ((r0 & 0xFFFF) >= threshold).to(tl.uint8)
+    bits |= ((r0 >> 16) >= threshold).to(tl.uint8) << 1
+    bits |= ((r1 & 0xFFFF) >= threshold).to(tl.uint8) << 2
+    bits |= ((r1 >> 16) >= threshold).to(tl.uint8) << 3
+    bits |= ((r2 & 0xFFFF) >= threshold).to(tl.uint8) << 4
+    bits |= ((r2 >> 16) >= threshold).to(tl.uint8) << 5
+    bits |= ((r3 & 0xFFFF) >= threshold).to(tl.uint8) << 6
+    bits |= ((r3 >> 16) >= threshold).to(tl.uint8) << 7
+    return bits
+
+
+@triton.jit
+def _expand_bits(bits, BLOCK_N: tl.constexpr):
+    """The bool keep-mask ``[rows, BLOCK_N]`` of :func:`_dropout_bits`' bytes ``[rows, BLOCK_N // 8]``
+    (key ``8 g + j`` from bit ``j`` of byte ``g``). The joins nest so that the flattened index of
+    bit ``j`` is ``j``: the innermost join pairs bits ``j`` and ``j + 4``, the next ``j`` and
+    ``j + 2``, the outermost ``j`` and ``j + 1``."""
+    b = bits.to(tl.int8)
+    pair0 = tl.join(b & 1, (b >> 4) & 1)
+    pair2 = tl.join((b >> 2) & 1, (b >> 6) & 1)
+    pair1 = tl.join((b >> 1) & 1, (b >> 5) & 1)
+    pair3 = tl.join((b >> 3) & 1, (b >> 7) & 1)
+    keep = tl.join(tl.join(pair0, pair2), tl.join(pair1, pair3))
+    return tl.reshape(keep, (bits.shape[0], BLOCK_N)) != 0
+
+
+@triton.jit
+def _dropout_keep(seed, bh, offs_m, start_n, dropout_p, keep_base, n_groups, keep_rows,
+                  KEEP_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep-mask ``[len(offs_m), BLOCK_N]`` for queries ``offs_m`` and keys ``start_n +
+    arange(BLOCK_N)`` (``start_n`` a multiple of 8), drawn (``KEEP_DRAW``), drawn and its bits
+    stored (``KEEP_DRAW_STORE``) or loaded (``KEEP_LOAD``) at ``keep_base``: the head's uint8
+    ``[keep_rows, n_groups]`` bits, ``n_groups = ceil(seq_k / 8)``. Bits outside it are neither
+    stored nor loaded (loaded as dropped: such positions carry no probability)."""
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    if KEEP_MODE == 0:
+        bits = _dropout_bits(seed, bh, offs_m, groups, dropout_p)
+    else:
+        ptrs = keep_base + offs_m[:, None] * n_groups + groups[None, :]
+        inside = (offs_m < keep_rows)[:, None] & (groups < n_groups)[None, :]
+        if KEEP_MODE == 1:
+            bits = _dropout_bits(seed, bh, offs_m, groups, dropout_p)
+            tl.store(ptrs, bits, mask=inside)
+        else:
+            bits = tl.load(ptrs, mask=inside, other=0)
+    return _expand_bits(bits, BLOCK_N)
 
 
 @triton.jit
 def _fwd_key_loop(
     acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_ks, stride_vs,
-    offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, start, end,
+    offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start, end,
     BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Fold key blocks ``[start, end)`` into the running (acc, l, m). ``BOUNDARY`` blocks may hold
     keys past ``seq_k`` or (causal) above the diagonal and are masked; the others are not."""
@@ -132,7 +177,8 @@ def _fwd_key_loop(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, BLOCK_N)
+            keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, keep_base, n_groups, keep_rows,
+                                 KEEP_MODE, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         acc = _dot(p.to(v.dtype), v, acc, DOT_FP32)
         m_i = m_new
@@ -141,7 +187,7 @@ def _fwd_key_loop(
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE, KPM, SEED,
+    Q, K, V, O, LSE, KPM, SEED, KEEP,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -150,7 +196,7 @@ def _attention_fwd_kernel(
     num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
     qk_scale, dropout_p,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid ``(ceil(seq_q / BLOCK_M), batch * heads)``. ``seq_*_bucket`` only key the autotuner.
@@ -181,6 +227,9 @@ def _attention_fwd_kernel(
         seed = tl.load(SEED)
     else:
         seed = 0
+    n_groups = tl.cdiv(seq_k, 8)
+    keep_base = KEEP + bh.to(tl.int64) * seq_q * n_groups
+    keep_rows = seq_q
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -194,13 +243,13 @@ def _attention_fwd_kernel(
         end = seq_k
     acc, l_i, m_i = _fwd_key_loop(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_ks, stride_vs,
-        offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, 0, full_end,
-        False, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M, BLOCK_N,
+        offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, keep_base, n_groups, keep_rows, 0, full_end,
+        False, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M, BLOCK_N,
     )
     acc, l_i, m_i = _fwd_key_loop(
         acc, l_i, m_i, q, k_base, v_base, kpm_base, stride_ks, stride_vs,
-        offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, full_end, end,
-        True, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M, BLOCK_N,
+        offs_m, offs_d, seq_k, bh, qk_scale, dropout_p, seed, keep_base, n_groups, keep_rows, full_end, end,
+        True, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M, BLOCK_N,
     )
 
     empty = l_i == 0.0
@@ -220,10 +269,11 @@ def _dropout_mask_kernel(OUT, SEED, seq_q, seq_k, dropout_p, BLOCK_M: tl.constex
     """Writes the keep-mask the kernels use, as uint8 ``[batch * heads, seq_q, seq_k]``.
     Grid ``(ceil(seq_q / BLOCK_M), ceil(seq_k / BLOCK_N), batch * heads)``."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start_n = tl.program_id(1) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     bh = tl.program_id(2)
     seed = tl.load(SEED)
-    keep = _dropout_keep(seed, bh, offs_m, tl.program_id(1) * BLOCK_N, dropout_p, BLOCK_N)
+    keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, OUT, 0, 0, 0, BLOCK_N)
     ptrs = OUT + bh.to(tl.int64) * seq_q * seq_k + offs_m[:, None] * seq_k + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seq_q) & (offs_n[None, :] < seq_k))
 
@@ -413,11 +463,14 @@ def attention_forward(
     dropout_p: float,
     scale: float,
     out: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward. Returns ``out`` and the fp32 base-2 ``lse`` ``[batch, heads, seq_q]``.
     ``seed``: int64 ``[1]`` on q's device, read by the kernel (None without dropout). ``out``: a
     ``[batch, heads, seq_q, head_dim]`` tensor (any strides, unit last) to write into, else one laid
-    out by :func:`empty_rows_like`. Inputs are already validated."""
+    out by :func:`empty_rows_like`. ``keep``: with dropout, a :func:`empty_keep_bits` buffer the
+    kernel stores the mask's bits in, for the backward to load instead of drawing them again.
+    Inputs are already validated."""
     if out is None:
         out = empty_rows_like(q)
     dropout_p = kernel_dropout_p(dropout_p)
@@ -426,16 +479,26 @@ def attention_forward(
     seq_k = k.shape[2]
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
+    store_keep = keep is not None and dropout_p > 0.0
     fwd_launcher(head_dim)(
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * heads),
-        (q, k, v, out, lse, kpm, seed_or_standin(seed, dropout_p, lse)),
+        (q, k, v, out, lse, kpm, seed_or_standin(seed, dropout_p, lse), keep if store_keep else lse),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], stride_kpm_b,
          heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k)),
         (scale * LOG2_E, dropout_p),
         dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-             HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_fp32(q.dtype)),
+             HAS_DROPOUT=dropout_p > 0.0, KEEP_MODE=KEEP_DRAW_STORE if store_keep else KEEP_DRAW,
+             DOT_FP32=dot_fp32(q.dtype)),
     )
     return out, lse
+
+
+def empty_keep_bits(q: torch.Tensor, seq_k: int) -> torch.Tensor:
+    """The buffer the forward stores its dropout mask in for the backward: uint8
+    ``[batch * heads, seq_q, ceil(seq_k / 8)]``, a bit per probability (1/16 of a bf16 score
+    matrix). Causal forwards leave the bits above the diagonal unwritten; no kernel reads them."""
+    batch, heads, seq_q, _ = q.shape
+    return torch.empty((batch * heads, seq_q, triton.cdiv(seq_k, 8)), dtype=torch.uint8, device=q.device)
 
 
 def dropout_keep_mask(

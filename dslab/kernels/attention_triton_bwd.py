@@ -43,6 +43,8 @@ from dslab.kernels.attention_triton import (
     CachedLaunch,
     _dot,
     _dropout_keep,
+    KEEP_DRAW,
+    KEEP_LOAD,
     empty_rows_like,
     kernel_dropout_p,
     padding_as_bytes,
@@ -57,9 +59,9 @@ from dslab.kernels.dispatch import interpreting
 def _dkdv_query_loop(
     dk, dv, k, v, key_pad, key_start, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
     stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
-    qk_scale, sm_scale, dropout_p, seed, start, end,
+    qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start, end,
     DIAGONAL: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
-    HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[start, end)``, in transposed tiles
@@ -85,7 +87,8 @@ def _dkdv_query_loop(
             if not EVEN_N:
                 p_t = tl.where(offs_n[:, None] < seq_k, p_t, 0.0)
         if HAS_DROPOUT:
-            keep_t = tl.trans(_dropout_keep(seed, bh, offs_m, key_start, dropout_p, BLOCK_N1))
+            keep_t = tl.trans(_dropout_keep(seed, bh, offs_m, key_start, dropout_p, keep_base, n_groups,
+                                            keep_rows, KEEP_MODE, BLOCK_N1))
             inv_keep = 1.0 / (1.0 - dropout_p)
             pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
         else:
@@ -111,8 +114,8 @@ def _dkdv_query_loop(
 @triton.jit
 def _dq_key_loop(
     dq, q, do, lse, delta, offs_m, offs_d, k_base, v_base, kpm_base, stride_ks, stride_vs,
-    seq_k, bh, qk_scale, dropout_p, seed, start, end,
-    BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    seq_k, bh, qk_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start, end,
+    BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     """Accumulate dQ of one query block over key blocks ``[start, end)``; ``BOUNDARY`` blocks mask
@@ -143,7 +146,8 @@ def _dq_key_loop(
             p = tl.where(pad[None, :] != 0, 0.0, p)
         dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M2, BLOCK_N2], dtype=tl.float32), DOT_FP32)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, BLOCK_N2)
+            keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, keep_base, n_groups, keep_rows,
+                                 KEEP_MODE, BLOCK_N2)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(k.dtype), k, dq, DOT_FP32)
@@ -155,8 +159,8 @@ def _dq_role(
     Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-    stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid_m, bh,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid_m, bh,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, STORE_DELTA: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     """dQ of the ``pid_m``-th query block of head ``bh`` (counted from the last when ``CAUSAL``),
@@ -190,13 +194,13 @@ def _dq_role(
         end = seq_k
     dq = _dq_key_loop(
         dq, q, do, lse, delta, offs_m, offs_d, k_base, v_base, kpm_base, stride_ks, stride_vs,
-        seq_k, bh, qk_scale, dropout_p, seed, 0, full_end,
-        False, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M2, BLOCK_N2,
+        seq_k, bh, qk_scale, dropout_p, seed, keep_base, n_groups, keep_rows, 0, full_end,
+        False, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M2, BLOCK_N2,
     )
     dq = _dq_key_loop(
         dq, q, do, lse, delta, offs_m, offs_d, k_base, v_base, kpm_base, stride_ks, stride_vs,
-        seq_k, bh, qk_scale, dropout_p, seed, full_end, end,
-        True, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M2, BLOCK_N2,
+        seq_k, bh, qk_scale, dropout_p, seed, keep_base, n_groups, keep_rows, full_end, end,
+        True, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M2, BLOCK_N2,
     )
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_valid[:, None])
@@ -208,8 +212,8 @@ def _dkdv_role(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid_n, bh,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid_n, bh,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
@@ -246,8 +250,8 @@ def _dkdv_role(
         dk, dv = _dkdv_query_loop(
             dk, dv, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
             stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
-            qk_scale, sm_scale, dropout_p, seed, start_n, diag_end,
-            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
+            qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start_n, diag_end,
+            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M1, BLOCK_N1,
         )
         rest_start = start_n + BLOCK_N1
     else:
@@ -255,8 +259,8 @@ def _dkdv_role(
     dk, dv = _dkdv_query_loop(
         dk, dv, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
         stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
-        qk_scale, sm_scale, dropout_p, seed, rest_start, seq_q,
-        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, DOT_FP32, BLOCK_M1, BLOCK_N1,
+        qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, rest_start, seq_q,
+        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M1, BLOCK_N1,
     )
     dk = dk * sm_scale
     if HAS_KPM and not FUSED_DQ:
@@ -277,7 +281,7 @@ FUSED = 4  # one key block covers seq_k: dK, dV and every query block's complete
 
 @triton.jit
 def _attention_bwd_kernel(
-    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED,
+    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, KEEP,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -289,30 +293,34 @@ def _attention_bwd_kernel(
     stride_kpm_b,
     num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
     qk_scale, sm_scale, dropout_p,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, ROLES: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     """Grid ``(programs, batch * heads)``; ``seq_*_bucket`` only key the autotuner. ``ROLES`` (one of
     ``DQ_ONLY``, ``DKDV_ONLY``, ``BOTH``, ``FUSED``, as ints) says what program ``pid`` does. dK/dV
     programs go from the first key block (most causal work) up; dQ programs from the last query
-    block (most causal work) down. ``SEED`` is the forward's int64 ``[1]`` seed tensor (read only
-    with dropout)."""
+    block (most causal work) down. With dropout, ``KEEP_MODE`` says where the mask comes from:
+    ``KEEP`` holds the bits the forward stored (``KEEP_LOAD``), or the draws are made again from
+    ``SEED``, the forward's int64 ``[1]`` seed tensor (``KEEP_DRAW``)."""
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    if HAS_DROPOUT:
+    if HAS_DROPOUT and KEEP_MODE == 0:
         seed = tl.load(SEED)
     else:
         seed = 0
+    n_groups = tl.cdiv(seq_k, 8)
+    keep_base = KEEP + bh.to(tl.int64) * seq_q * n_groups
+    keep_rows = seq_q
     if ROLES == 1:
         _dq_role(
             Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
             stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
             stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-            stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid, bh,
-            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, True, BLOCK_M2, BLOCK_N2,
+            stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
+            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, True, BLOCK_M2, BLOCK_N2,
         )
     elif ROLES == 3:
         n_key_blocks = tl.cdiv(seq_k, BLOCK_N1)
@@ -321,9 +329,9 @@ def _attention_bwd_kernel(
                 Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
-                stride_dqs, stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed,
+                stride_dqs, stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows,
                 pid - n_key_blocks, bh,
-                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, False, BLOCK_M2, BLOCK_N2,
+                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, BLOCK_M2, BLOCK_N2,
             )
         else:
             _dkdv_role(
@@ -331,8 +339,8 @@ def _attention_bwd_kernel(
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
                 stride_dqs, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid, bh,
-                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, False, True, EVEN_N, BLOCK_M1, BLOCK_N1,
+                stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
+                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, True, EVEN_N, BLOCK_M1, BLOCK_N1,
             )
     else:
         _dkdv_role(
@@ -340,8 +348,8 @@ def _attention_bwd_kernel(
             stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
             stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
             stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-            stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, pid, bh,
-            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, DOT_FP32, ROLES == 4, ROLES == 4, EVEN_N, BLOCK_M1, BLOCK_N1,
+            stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
+            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, ROLES == 4, ROLES == 4, EVEN_N, BLOCK_M1, BLOCK_N1,
         )
 
 
@@ -471,13 +479,16 @@ def attention_backward(
     dropout_p: float,
     scale: float,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward; returns dq, dk, dv. Every tensor is ``[batch, heads, seq, head_dim]``
     with any strides (``grad_out`` and ``out`` too: a ``[batch, seq, heads * head_dim]`` buffer
     viewed as heads is read in place); a last dimension that is not unit-stride is copied first.
     ``seed``: the forward's int64 ``[1]`` tensor (None without dropout). ``grads``: (dq, dk, dv)
     views to write into (unit last stride), e.g. of one packed ``[batch, seq, 3 * hidden]``
-    gradient; else they are allocated laid out like q, k, v (see ``empty_rows_like``)."""
+    gradient; else they are allocated laid out like q, k, v (see ``empty_rows_like``). ``keep``: the
+    dropout bits the forward stored (:func:`attention_triton.empty_keep_bits`); without it the
+    kernels draw the mask again from ``seed``."""
     if grads is None:
         dq, dk, dv = empty_rows_like(q), empty_rows_like(k), empty_rows_like(v)
     else:
@@ -496,7 +507,9 @@ def attention_backward(
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     else:
         delta = lse  # not read: these launches compute delta from O and dO
-    tensors = (q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm, seed_or_standin(seed, dropout_p, lse))
+    load_keep = keep is not None and dropout_p > 0.0
+    tensors = (q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm, seed_or_standin(seed, dropout_p, lse),
+               keep if load_keep else lse)
     ints = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *grad_out.stride()[:3],
         *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], stride_kpm_b,
@@ -507,7 +520,8 @@ def attention_backward(
     for role in roles:
         flags = dict(
             HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-            HAS_DROPOUT=dropout_p > 0.0, DOT_FP32=dot_in_fp32, ROLES=role,
+            HAS_DROPOUT=dropout_p > 0.0, KEEP_MODE=KEEP_LOAD if load_keep else KEEP_DRAW,
+            DOT_FP32=dot_in_fp32, ROLES=role,
         )
         _launcher(head_dim, role, block_n1)(_grid(role, seq_q, seq_k, batch_heads), tensors, ints, scalars, flags)
     return dq, dk, dv

@@ -175,6 +175,33 @@ def test_dropout_draws_within_a_key_group_are_independent_and_tile_free():
     assert kernel_dropout_p(1 - 1e-7) == 65535 / 65536  # never 1: the kernels divide by 1 - p
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_loads_the_dropout_bits_the_forward_stored(causal):
+    """The forward stores a bit per probability; the backward that loads them gives exactly the
+    gradients of the one that draws the mask again, and the bits are the debug mask's."""
+    from dslab.kernels import attention_triton
+
+    batch, heads, seq_q, seq_k, dim = 2, 3, 40, 56, 32
+    q, k, v, grad = _inputs(batch, heads, seq_q, seq_k, dim, torch.bfloat16, seed=9)
+    seed, scale = torch.tensor([2**35 + 1]), dim**-0.5
+    with kernel_backend("triton"):
+        keep = attention_triton.empty_keep_bits(q, seq_k)
+        assert keep.shape == (batch * heads, seq_q, 7) and keep.dtype == torch.uint8
+        out, lse = attention_triton.attention_forward(q, k, v, None, seed, causal, 0.3, scale, keep=keep)
+        args = (grad, q, k, v, out, lse, None, seed, causal, 0.3, scale)
+        loaded = attention_triton_bwd.attention_backward(*args, keep=keep)
+        drawn = attention_triton_bwd.attention_backward(*args)
+        mask = triton_dropout_keep_mask(seed, batch, heads, seq_q, seq_k, 0.3, "cpu").view(-1, seq_q, seq_k)
+    for a, b in zip(loaded, drawn):
+        assert torch.equal(a, b)
+    bits = ((keep[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).bool().reshape(-1, seq_q, 56)
+    written = torch.ones(seq_q, seq_k, dtype=torch.bool)
+    if causal:  # the forward writes the key blocks it visits: every key at or below the diagonal
+        written = torch.ones(seq_q, seq_k, dtype=torch.bool).tril()
+    assert torch.equal(bits[:, written], mask[:, written])
+    assert 0.6 < mask.float().mean().item() < 0.8
+
+
 def test_dropout_seed_comes_from_torch_generator():
     q, k, v, _ = _inputs(1, 2, 20, 24, 32, torch.float16)
     with kernel_backend("triton"):
