@@ -24,14 +24,15 @@ from dslab.kernels.grouped_gemm import grouped_gemm
 from dslab.kernels.grouped_mlp import grouped_mlp
 from dslab.kernels.int8_linear import dequantize_int8, int8_linear, quantize_int8
 from dslab.kernels.layer_norm import layer_norm
+from dslab.kernels.linear_cross_entropy import linear_cross_entropy
 from dslab.kernels.moe_gating import moe_gating
 from dslab.kernels.moe_permute import moe_permute, moe_unpermute
 from dslab.kernels.outer_product_linear import outer_product_linear
 from dslab.kernels.sigmoid_gate import sigmoid_gate
 
 OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "attention_packed", "softmax_cross_entropy",
-       "FusedAdam", "gate_linear", "grouped_gemm", "grouped_mlp", "moe_gating", "moe_permute", "moe_unpermute",
-       "evoformer_attention", "sigmoid_gate", "decode_attention", "decode_linear", "int8_linear",
-       "outer_product_linear")
+       "linear_cross_entropy", "FusedAdam", "gate_linear", "grouped_gemm", "grouped_mlp", "moe_gating",
+       "moe_permute", "moe_unpermute", "evoformer_attention", "sigmoid_gate", "decode_attention", "decode_linear",
+       "int8_linear", "outer_product_linear")
 
 __all__ = [*OPS, "quantize_int8", "dequantize_int8", "OPS", "backend", "kernel_backend", "planned_backend", "set_backend", "use_triton"]

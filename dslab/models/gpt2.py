@@ -8,14 +8,20 @@ Shapes: ``input_ids`` and ``labels`` ``[batch, seq]`` (int64, seq <= ``n_positio
 Vocabulary padding (``GPT2Config.vocab_pad_multiple``): with 64, the embedding matrix has 50304
 rows instead of 50257, so the LM head's ``[tokens, hidden] x [hidden, vocab]`` matmul gets
 tile-friendly shapes (nanoGPT, llm.c). The logits are the first ``vocab_size`` columns of the
-padded product (a strided view, no copy), so the padding rows never reach the softmax: the model
-computes exactly the unpadded function and the extra rows receive zero gradient. The loss kernels
-read the strided rows directly; the backward of the view writes the gradient into a zero-filled
-padded buffer.
+padded product, so the padding rows never reach the softmax: the model computes exactly the
+unpadded function and the extra rows receive zero gradient. Without labels ``forward`` returns
+them as a strided view of the padded product (no copy).
 
 The loss is next-token cross-entropy averaged over the positions with a next token: position ``t``
 is scored against ``labels[:, t + 1]``, the last position against nothing (-100, as is any -100
-label). Shifting the labels instead of the logits keeps the logits contiguous.
+label). Shifting the labels instead of the logits keeps the hidden states contiguous. The LM head
+and the loss are one op, ``ops.linear_cross_entropy`` (:mod:`dslab.models.ops`), given the hidden
+states, the padded head and the vocabulary size: the torch set computes the padded logits, slices
+them and calls ``F.cross_entropy`` on their fp32 upcast (its backward writes the sliced gradient
+into a zero-filled padded buffer). The dslab set's op, on CUDA in bf16 or fp16 (under autocast,
+or in a half-precision model), overwrites the padded logits with their gradient (zero over the
+padding columns) in its forward, so that its backward is the head's two matmuls; in fp32 it
+hands the strided slice to ``softmax_cross_entropy`` (:mod:`dslab.kernels.linear_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -166,14 +172,13 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
             raise ValueError(f"input_ids has seq {input_ids.shape[1]} > n_positions={self.config.n_positions}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-        logits = F.linear(self.hidden_states(input_ids), self.lm_head_weight)
         vocab = self.config.vocab_size
-        if logits.shape[-1] != vocab:
-            logits = logits[..., :vocab]
         if labels is None:
-            return logits
+            logits = F.linear(self.hidden_states(input_ids), self.lm_head_weight)
+            return logits[..., :vocab] if logits.shape[-1] != vocab else logits
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        return self.ops.softmax_cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), IGNORE_INDEX)
+        hidden = self.hidden_states(input_ids).reshape(-1, self.config.hidden)
+        return self.ops.linear_cross_entropy(hidden, self.lm_head_weight, targets.reshape(-1), vocab, IGNORE_INDEX)
 
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config: GPT2Config, kernels: str = "dslab") -> GPT2LMHeadModel:

@@ -23,6 +23,13 @@ The ops:
   kernels read and write the packed layouts in place.
 - ``softmax_cross_entropy(logits [N, V], target [N], ignore_index=-100, label_smoothing=0.0)`` ->
   fp32 mean loss
+- ``linear_cross_entropy(hidden [N, H], weight [Vp, H], target [N], vocab, ignore_index=-100,
+  label_smoothing=0.0)`` -> fp32 mean loss of the LM head's logits ``F.linear(hidden, weight)``
+  over their first ``vocab`` columns (rows ``vocab..Vp`` of ``weight`` are padding and get zero
+  gradient). The torch set computes the logits, takes the strided slice and calls
+  ``F.cross_entropy`` on its fp32 upcast; the dslab set's op
+  (:func:`dslab.kernels.linear_cross_entropy.linear_cross_entropy`) writes the logits' gradient
+  over the logits in its forward, so its backward is the head's two matmuls.
 
 Dtypes under autocast (fp32 parameters, half-precision matmul outputs): the ``dslab`` set runs
 each fused op in the dtype of its activation ``x`` and casts the bias and the residual to it, so
@@ -68,6 +75,7 @@ class OpSet:
     attention: Callable
     attention_packed: Callable
     softmax_cross_entropy: Callable
+    linear_cross_entropy: Callable
     head_dims: tuple[int, ...] | None
 
     def __reduce__(self):
@@ -116,6 +124,13 @@ def _torch_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, label_smooth
     return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
+def _torch_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNORE_INDEX, label_smoothing=0.0):
+    logits = F.linear(hidden, weight)
+    if vocab < logits.shape[-1]:
+        logits = logits[..., :vocab]
+    return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
 TORCH_OPS = OpSet(
     name="torch",
     layer_norm=_torch_layer_norm,
@@ -124,6 +139,7 @@ TORCH_OPS = OpSet(
     attention=_torch_attention,
     attention_packed=_torch_attention_packed,
     softmax_cross_entropy=_torch_cross_entropy,
+    linear_cross_entropy=_torch_linear_cross_entropy,
     head_dims=None,
 )
 
@@ -151,6 +167,7 @@ def _dslab_ops() -> OpSet:
     from dslab.kernels.bias_gelu import bias_gelu
     from dslab.kernels.cross_entropy import softmax_cross_entropy
     from dslab.kernels.layer_norm import layer_norm
+    from dslab.kernels.linear_cross_entropy import linear_cross_entropy
 
     def dslab_layer_norm(x, weight, bias, eps=1e-5, residual=None):
         if residual is not None:
@@ -164,6 +181,10 @@ def _dslab_ops() -> OpSet:
         seed = draw_seed(x) if training and p > 0 else None
         return bias_dropout_residual(x, bias.to(x.dtype), residual.to(x.dtype), p, training, seed)
 
+    def dslab_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNORE_INDEX, label_smoothing=0.0):
+        return linear_cross_entropy(hidden, weight, target, vocab, ignore_index=ignore_index,
+                                    label_smoothing=label_smoothing)
+
     return OpSet(
         name="dslab",
         layer_norm=dslab_layer_norm,
@@ -172,6 +193,7 @@ def _dslab_ops() -> OpSet:
         attention=attention,
         attention_packed=attention_packed,
         softmax_cross_entropy=softmax_cross_entropy,
+        linear_cross_entropy=dslab_linear_cross_entropy,
         head_dims=tuple(HEAD_DIMS),
     )
 

@@ -54,6 +54,9 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
 - ``outer_product_linear(x [B,R,C,R,C], weight [E,C*C], bias)``: ``2 B R^2 C^2 E``, as ``addmm`` on
   the permuted ``[B,R,R,C*C]`` input (the bias add is not counted);
   ``outer_product_linear_backward(dout, x, weight, bias)`` (dx and dW, dbias uncounted): twice that.
+- ``linear_cross_entropy_forward(hidden [N,H], weight [Vp,H], bias, target, vocab, ...)``: ``2 N Vp H``,
+  the LM head's matmul inside it (the softmax and the gradient it writes over the logits are not
+  counted, as a fused bias is not); its backward is plain ``mm`` calls, counted as such.
 - ``layer_norm``, ``add_layer_norm``, ``layer_norm_backward``, ``layer_norm_channels_first(_backward)``,
   ``bias_gelu(_backward)``, ``sigmoid_gate(_backward)``, ``column_sum``, ``bias_dropout_residual(_backward)``,
   ``cross_entropy_forward/backward``: elementwise. ``layer_norm_channels_first(x [B,C,P], weight, bias,
@@ -360,6 +363,11 @@ def _bias_dropout_residual_backward(args, kwargs, out) -> int:
     return (1 + (args[1] is not None)) * args[0].numel()
 
 
+def _linear_cross_entropy_forward(args, kwargs, out) -> int:
+    hidden, weight = args[0], args[1]
+    return 2 * hidden.shape[0] * weight.shape[0] * hidden.shape[1]
+
+
 def _cross_entropy_forward(args, kwargs, out) -> int:
     return CROSS_ENTROPY_FORWARD * args[0].numel()
 
@@ -446,6 +454,7 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::bias_dropout_residual": (ELEMENTWISE, _bias_dropout_residual),
     "dslab::bias_dropout_residual_backward": (ELEMENTWISE, _bias_dropout_residual_backward),
     "dslab::cross_entropy_forward": (ELEMENTWISE, _cross_entropy_forward),
+    "dslab::linear_cross_entropy_forward": (MATMUL, _linear_cross_entropy_forward),
     "dslab::cross_entropy_backward": (ELEMENTWISE, _cross_entropy_backward),
     "dslab::moe_gating": (ELEMENTWISE, _moe_gating),
     "dslab::moe_gating_backward": (ELEMENTWISE, _moe_gating_backward),

@@ -139,7 +139,8 @@ def _source_of_stream() -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the folder builds and runs the real cases")
 def test_without_cuda_each_module_is_one_skipped_test(pytester):
     ops = sorted(p.stem[len("bench_"):] for p in KERNEL_BENCHMARKS.glob("bench_*.py"))
-    assert ops == ["attention", "bias_dropout_residual", "bias_gelu", "cross_entropy", "fused_adam", "layer_norm"]
+    assert ops == ["attention", "bias_dropout_residual", "bias_gelu", "cross_entropy", "fused_adam", "layer_norm",
+                   "linear_cross_entropy"]
     args = [str(KERNEL_BENCHMARKS), "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "-p", "no:cacheprovider"]
     result = pytester.runpytest_inprocess(*args)  # the project's addopts: -m 'not gpu'
     result.assert_outcomes(deselected=len(ops))

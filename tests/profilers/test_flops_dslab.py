@@ -13,6 +13,7 @@ import dslab.kernels.bias_dropout_residual  # noqa: F401
 import dslab.kernels.bias_gelu  # noqa: F401
 import dslab.kernels.cross_entropy  # noqa: F401
 import dslab.kernels.layer_norm  # noqa: F401
+import dslab.kernels.linear_cross_entropy  # noqa: F401
 from dslab.kernels.dispatch import interpreting, kernel_backend
 from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
 from dslab.profilers.flops import FlopsProfiler
@@ -57,6 +58,25 @@ def test_attention_custom_ops(causal):
     assert records["flops_by_op"]["dslab::attention_backward"]["flops"] == forward * 5 // 2
     assert (records["forward_flops"], records["backward_flops"]) == (forward, forward * 5 // 2)
     assert records["uncounted_autograd_functions"] == []
+
+
+@needs_interpreter
+def test_linear_cross_entropy_counts_the_lm_head_matmul_in_both_directions():
+    """dslab::linear_cross_entropy_forward holds the LM head's matmul, 2*N*Vp*H; its backward is
+    two plain matmuls of the same size (dhidden, dweight): the fused op hides none of the head."""
+    from dslab.kernels.linear_cross_entropy import linear_cross_entropy
+
+    torch.manual_seed(0)
+    n, h, vp, vocab = 12, 32, 64, 50
+    hidden = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.1 * torch.randn(vp, h)).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, vocab, (n,))
+    with kernel_backend("triton"):
+        records = profile(lambda x, w: linear_cross_entropy(x, w, target, vocab), hidden, weight)
+    head = 2 * n * vp * h
+    assert records["flops_by_op"]["dslab::linear_cross_entropy_forward"] == {"figure": "matmul", "flops": head}
+    assert records["forward_flops"] == head
+    assert records["backward_flops"] == 2 * head
 
 
 @needs_interpreter
