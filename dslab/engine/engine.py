@@ -14,6 +14,13 @@ What one optimizer step does, with ``gradient_accumulation_steps = G``:
    lowers the scale), clipping by global norm, the optimizer and scheduler steps, zeroing the
    gradients. Off the boundary ``step()`` only counts the micro-step.
 
+The step is cheap on the host: the module's parameter list is kept between steps
+(:class:`parameters.ModuleParameters`, rebuilt when the module tree changes), clipping runs
+torch's foreach kernels over all gradients at once, and the engine reads no value back from the
+device on its default path (bf16 or fp32, no monitor), so the host issues the next step while the
+device still runs this one. An fp16 step reads the overflow verdict (one synchronisation), and
+the monitor reads the loss once per optimizer step.
+
 Expert parameters of MoE layers (``param.allreduce = False``) follow DeepSpeed-MoE's rules
 (:mod:`expert_parallel`): their gradients are reduced over their expert-data-parallel group, the
 optimizer gets them in param groups of their own, the global norm and the overflow check count
@@ -29,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
-from dslab.engine import checkpointing, expert_parallel
+from dslab.engine import checkpointing, expert_parallel, parameters
 from dslab.engine.config import DslabConfig
 from dslab.engine.data_parallel import GradientAllReducer
 from dslab.engine.monitor import Monitor
@@ -111,6 +118,8 @@ class DslabEngine(nn.Module):
         # DeepSpeed-MoE: expert parameters in param groups of their own ('moe': True, 'name')
         params = expert_parallel.split_param_groups(params)
         self.expert_layout = expert_parallel.expert_layout(self.module.parameters())
+        # The module's parameters for the per-step work, kept while the module tree is unchanged.
+        self._param_cache = parameters.ModuleParameters(self.module)
         # ZeRO (stage > 0) owns the gradient reduction and the optimizer's view of the parameters.
         self.zero = None
         self.optimizer = self._configure_optimizer(optimizer, params)
@@ -257,7 +266,10 @@ class DslabEngine(nn.Module):
             hooks.call("on_backward_begin")
         if self.monitor.enabled:
             self._pending_losses.append(loss.detach().float())
-        scaled = loss / self.gradient_accumulation_steps()
+        # Dividing by 1 changes no bit of the loss or of any gradient; it would only cost an op
+        # in the forward and one in the backward.
+        accumulation = self.gradient_accumulation_steps()
+        scaled = loss / accumulation if accumulation != 1 else loss
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.loss_scale
         if self.grad_reducer is not None:
@@ -273,8 +285,20 @@ class DslabEngine(nn.Module):
             hooks.call("on_backward_end")
         return loss
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.module.parameters() if p.grad is not None]
+    def _parameters_of_module(self) -> list[nn.Parameter]:
+        """``list(self.module.parameters())``, kept between steps
+        (:class:`parameters.ModuleParameters`; a new one when ``self.module`` was replaced)."""
+        if self._param_cache.module is not self.module:
+            self._param_cache = parameters.ModuleParameters(self.module)
+        return self._param_cache()
+
+    def _clear_module_grads(self, params: list[nn.Parameter] | None = None) -> None:
+        """``self.module.zero_grad(set_to_none=True)``, over ``params`` (the module's parameters,
+        fetched when None) unless the module's class has a ``zero_grad`` of its own."""
+        if type(self.module).zero_grad is nn.Module.zero_grad:
+            parameters.clear_grads(self._parameters_of_module() if params is None else params)
+        else:
+            self.module.zero_grad(set_to_none=True)
 
     def step(self) -> None:
         """Update on the accumulation boundary; count the micro-step either way."""
@@ -298,10 +322,11 @@ class DslabEngine(nn.Module):
         self._boundary_override = None
 
     def _take_model_step(self) -> None:
+        params = self._parameters_of_module()
         if self.zero is not None:
             applied = self.zero.step(self.optimizer, self.loss_scaler, self.config.gradient_clipping)
         else:
-            applied = self._step_replicated()
+            applied = self._step_replicated(params)
         if not applied:
             self.skipped_steps += 1
             log.info(
@@ -312,16 +337,16 @@ class DslabEngine(nn.Module):
             self.lr_scheduler.step()
         self._step_applied = applied
         self.optimizer.zero_grad(set_to_none=True)
-        self.module.zero_grad(set_to_none=True)
+        self._clear_module_grads(params)
 
-    def _step_replicated(self) -> bool:
-        """Stage 0: every rank holds the whole averaged gradient and steps on all of it. With
-        expert parameters the ranks hold different experts: the overflow verdict is all-reduced
-        so that every rank skips or steps together, and the clipping norm sums the experts over
-        their expert-parallel groups."""
+    def _step_replicated(self, params: list[nn.Parameter]) -> bool:
+        """Stage 0: every rank holds the whole averaged gradient and steps on all of it
+        (``params``: the module's parameters). With expert parameters the ranks hold different
+        experts: the overflow verdict is all-reduced so that every rank skips or steps together,
+        and the clipping norm sums the experts over their expert-parallel groups."""
         experts = self.expert_layout is not None
         if self.loss_scaler is not None:
-            grads = self._grads()
+            grads = parameters.grads_of(params)
             if experts and self.world_size > 1:
                 found = (self.loss_scaler.unscale_and_find_inf(grads) if grads
                          else torch.zeros((), dtype=torch.float32, device=self.device))
@@ -334,12 +359,10 @@ class DslabEngine(nn.Module):
                 return False
         if self.config.gradient_clipping > 0:
             if experts:  # every parameter, so that every rank issues the same collectives
-                expert_parallel.clip_gradients(list(self.module.parameters()),
-                                               self.config.gradient_clipping)
+                expert_parallel.clip_gradients(params, self.config.gradient_clipping)
             else:
-                torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.module.parameters() if p.grad is not None],
-                    self.config.gradient_clipping)
+                parameters.clipped_step(self.optimizer, params, self.config.gradient_clipping)
+                return True
         self.optimizer.step()
         return True
 
@@ -370,7 +393,10 @@ class DslabEngine(nn.Module):
                 log.info("time (ms) | %s", parts)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.module.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            self._clear_module_grads()
+        else:
+            self.module.zero_grad(set_to_none=False)
         if self.zero is not None:
             self.zero.zero_grad()
 
