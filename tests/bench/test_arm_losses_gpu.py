@@ -7,6 +7,11 @@ synchronisation) and the ``torch`` arm (PyTorch's ops in a plain autocast loop) 
 weights and batch, and their losses must agree step by step over several optimizer steps, within
 what bf16 arithmetic on different kernels allows. The losses must also fall, so that agreement is
 not that of two runs that do not train.
+
+The learning rate is lowered to ``LR`` for this comparison: at the suites' rates, without warm-up,
+both arms' first steps on random tokens spike the loss (GPT-2 at 6e-4: 10.98 -> 12.06 at step 3 in
+both), and from there a bf16 rounding difference grows into a different trajectory (a second spike
+in one arm only), which says nothing about whether the two compute the same step.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
+LR = 5e-5
 PROFILERS = ("flops_profiler", "memory_tracer", "comms_logger", "telemetry", "wall_clock_breakdown")
 NO_DROPOUT = {"bert": {"hidden_dropout": 0.0, "attention_dropout": 0.0}, "gpt2": {"dropout": 0.0}}
 
 
 def _losses(arm) -> list[float]:
-    losses = [arm.step() for _ in range(STEPS)]
+    losses = [arm.step().detach() for _ in range(STEPS)]
     return [float(loss) for loss in losses]
 
 
@@ -43,6 +49,8 @@ def test_dslab_arm_losses_track_the_torch_arm(suite_name, case):
         workload, model_options={**workload.model_options, **NO_DROPOUT[workload.family]}
     )
     engine_cfg = {k: v for k, v in suite.engine.items() if k not in PROFILERS}
+    optimizer = dict(engine_cfg["optimizer"])
+    engine_cfg["optimizer"] = {**optimizer, "params": {**optimizer.get("params", {}), "lr": LR}}
     assert engine_cfg.get("cuda_graphs", {}).get("enabled"), "the suite's engine runs its layers from CUDA graphs"
     device = torch.device("cuda")
 
