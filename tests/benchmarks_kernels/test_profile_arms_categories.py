@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from profile_arms import category_table, kernel_category  # noqa: E402
+from profile_arms import category_table, kernel_category, kernel_time_by_category  # noqa: E402
 
 
 @pytest.mark.parametrize("name,category", [
@@ -22,6 +22,7 @@ from profile_arms import category_table, kernel_category  # noqa: E402
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention bwd"),
     ("_forward_kernel", "cross-entropy"),
     ("_backward_kernel", "cross-entropy"),
+    ("_loss_and_grad_kernel", "cross-entropy"),
     ("triton_red_fused__log_softmax_backward_data_nll_loss_backward_0", "cross-entropy"),
     ("_layer_norm_bwd_kernel", "layer norm"),
     ("triton_per_fused_native_layer_norm_3", "layer norm"),
@@ -46,3 +47,23 @@ def test_category_table_gives_each_variant_and_its_difference_to_the_first():
     assert lines["gemm"].split()[-3:] == ["20.00", "19.00", "-1.00"]
     assert lines["total"].split()[-3:] == ["25.00", "22.50", "-2.50"]
     assert "torch-compile - dslab-eager" in table.splitlines()[0]
+
+
+def test_device_annotations_are_not_counted_beside_their_kernels():
+    """``Optimizer.step#AdamW.step`` appears on the device timeline spanning the optimizer's
+    kernels; counting it too would charge the optimizer twice."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [
+        SimpleNamespace(name="Optimizer.step#AdamW.step", device_type=cuda, device_time_total=3000.0,
+                        is_user_annotation=True),
+        SimpleNamespace(name="void at::native::multi_tensor_apply_kernel<...>", device_type=cuda,
+                        device_time_total=2400.0, is_user_annotation=False),
+        SimpleNamespace(name="nvjet_sm90_tst_256x128", device_type=cuda, device_time_total=600.0,
+                        is_user_annotation=False),
+        SimpleNamespace(name="aten::mm", device_type=cpu, device_time_total=600.0, is_user_annotation=False),
+    ]
+    assert kernel_time_by_category(events, steps=3) == {"optimizer": 0.8, "gemm": 0.2}
