@@ -20,7 +20,7 @@ for stage in "$@"; do
   echo "=== $stage"
   case "$stage" in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/models tests/profilers tests/engine} 2>&1 | tail -15 | tee "$out/gpu_tests.txt" ;;
+      python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kernels tests/models tests/profilers tests/engine tests/bench} 2>&1 | tail -15 | tee "$out/gpu_tests.txt" ;;
     kernels)
       python3 benchmarks/kernels/run.py --rounds 3 --json "$out/kernels.json" > "$out/kernels.log" 2>&1
       tail -18 "$out/kernels.log" ;;
