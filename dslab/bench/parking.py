@@ -1,7 +1,8 @@
 """Parking: an idle arm's training state waits in host memory while another arm is timed.
 
-To the host, every tensor of the arm (parameters, gradients, buffers, optimizer states) is copied
-into one flat, ordinary (pageable) allocation made for that parking. A single allocation of
+To the host, every tensor of the arm (parameters, gradients, buffers, optimizer states, the bf16
+weight copies an optimizer keeps) is copied into one flat, ordinary (pageable) allocation made
+for that parking. A single allocation of
 gigabytes is its own memory mapping, handed back to the system whole when the arm is unparked.
 Two other ways lose memory on every round trip:
 
@@ -60,6 +61,12 @@ def _slots(module: torch.nn.Module, optimizer) -> list[tuple[_Slot, str]]:
             slots.append((_grad_slot(p), "device"))
     for buf in module.buffers():
         slots.append((_param_slot(buf), "device"))
+    # Low-precision copies an optimizer keeps of the parameters (dslab's FusedAdam under the
+    # engine's bf16 weight copies) and their gradients.
+    for copy in getattr(optimizer, "param_copies", lambda: [])():
+        slots.append((_param_slot(copy), "device"))
+        if copy.grad is not None:
+            slots.append((_grad_slot(copy), "device"))
     if optimizer is not None:
         steps_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
         for state in optimizer.state.values():

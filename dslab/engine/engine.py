@@ -3,7 +3,8 @@
 
 What one optimizer step does, with ``gradient_accumulation_steps = G``:
 
-1. ``G`` micro-steps of forward (under autocast when bf16/fp16 is on) and ``backward``. The loss is
+1. ``G`` micro-steps of forward (under autocast when bf16/fp16 is on, reading bf16 copies of the
+   weights where :mod:`weight_copies` applies) and ``backward``. The loss is
    divided by ``G`` (and multiplied by the fp16 loss scale) before ``backward``, so accumulated
    gradients are the mean over the whole batch.
 2. On the last micro-step (the accumulation boundary) the data-parallel all-reduce runs in buckets
@@ -36,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
-from dslab.engine import checkpointing, expert_parallel, parameters
+from dslab.engine import checkpointing, expert_parallel, parameters, weight_copies
 from dslab.engine.config import DslabConfig
 from dslab.engine.data_parallel import GradientAllReducer
 from dslab.engine.monitor import Monitor
@@ -122,7 +123,13 @@ class DslabEngine(nn.Module):
         self._param_cache = parameters.ModuleParameters(self.module)
         # ZeRO (stage > 0) owns the gradient reduction and the optimizer's view of the parameters.
         self.zero = None
+        # bf16 copies of the weights, kept by the optimizer (weight_copies.py); None for autocast alone.
+        self.weight_copies = weight_copies.build(
+            config, self.module, device=self.device, world_size=self.world_size,
+            optimizer_passed=optimizer is not None, experts=self.expert_layout is not None, log=log)
         self.optimizer = self._configure_optimizer(optimizer, params)
+        if self.weight_copies is not None:
+            self.weight_copies.register(self.optimizer)
         if shard_in_place:
             self._place_unsharded_parameters()
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
@@ -201,6 +208,8 @@ class DslabEngine(nn.Module):
             )
         if self.config.optimizer is None:
             return None
+        if self.weight_copies is not None:
+            return weight_copies.build_optimizer(self.config.optimizer, params)
         return build_optimizer(self.config.optimizer, params, fused_ok=fused_kernels_supported(
             expert_parallel.parameters_of(params)))
 
@@ -250,7 +259,7 @@ class DslabEngine(nn.Module):
         if hooks:
             hooks.begin_micro_step(self.global_steps)
             hooks.call("on_forward_begin")
-        with autocast_context(self.device, self.autocast_dtype):
+        with autocast_context(self.device, self.autocast_dtype), weight_copies.scope(self.weight_copies):
             out = self._run_module(*args, **kwargs)
         if hooks:
             hooks.call("on_forward_end")
@@ -277,7 +286,8 @@ class DslabEngine(nn.Module):
         # Backward on this thread rather than autograd's per-device worker thread: dslab's kernels
         # have Python backward functions, and the hand-off to the worker costs ~0.1-0.3 ms per op
         # on the host (measured on an H100 host), which small kernels cannot hide.
-        with torch.autograd.set_multithreading_enabled(False):
+        # In the copies' scope too, so that a recomputation (activation checkpointing) reads them.
+        with torch.autograd.set_multithreading_enabled(False), weight_copies.scope(self.weight_copies):
             scaled.backward(retain_graph=retain_graph)
         if self.grad_reducer is not None:
             self.grad_reducer.finish()
@@ -299,6 +309,8 @@ class DslabEngine(nn.Module):
             parameters.clear_grads(self._parameters_of_module() if params is None else params)
         else:
             self.module.zero_grad(set_to_none=True)
+        if self.weight_copies is not None:
+            self.weight_copies.clear_grads()
 
     def step(self) -> None:
         """Update on the accumulation boundary; count the micro-step either way."""
@@ -361,7 +373,9 @@ class DslabEngine(nn.Module):
             if experts:  # every parameter, so that every rank issues the same collectives
                 expert_parallel.clip_gradients(params, self.config.gradient_clipping)
             else:
-                parameters.clipped_step(self.optimizer, params, self.config.gradient_clipping)
+                holders = params if self.weight_copies is None else self.weight_copies.grad_holders(params)
+                parameters.clipped_step(self.optimizer, holders, self.config.gradient_clipping,
+                                        fp32_norms=self.weight_copies is not None)
                 return True
         self.optimizer.step()
         return True
@@ -397,6 +411,10 @@ class DslabEngine(nn.Module):
             self._clear_module_grads()
         else:
             self.module.zero_grad(set_to_none=False)
+            if self.weight_copies is not None:
+                for c in self.weight_copies.copies:
+                    if c.grad is not None:
+                        c.grad.zero_()
         if self.zero is not None:
             self.zero.zero_grad()
 
@@ -444,9 +462,12 @@ class DslabEngine(nn.Module):
         Returns ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and
         ``load_dir`` holds no ``latest`` file (nothing to resume from), as DeepSpeed does.
         """
-        return checkpointing.load(
+        loaded = checkpointing.load(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict
         )
+        if self.weight_copies is not None:
+            self.weight_copies.refresh()
+        return loaded
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

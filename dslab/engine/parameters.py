@@ -27,6 +27,8 @@ from torch.utils._foreach_utils import (
     _group_tensors_by_device_and_dtype,
 )
 
+from dslab.kernels.fused_adam import FusedAdam
+
 # The nn.Module methods module.parameters() goes through; a tree whose classes override one of
 # them is walked on every call instead of being cached.
 _WALK_METHODS = ("parameters", "named_parameters", "_named_members")
@@ -106,10 +108,11 @@ def clear_grads(params: list[nn.Parameter]) -> None:
             p.grad = None
 
 
-def _grad_norm(params: list[nn.Parameter]):
+def _grad_norm(params: list[nn.Parameter], fp32_norms: bool = False):
     """``(total L2 norm of the gradients, the gradients grouped by device and dtype)``, computed
     with the kernels of ``torch.nn.utils.clip_grad_norm_``; ``(None, None)`` when torch's function
-    would leave its foreach path, ``(tensor(0.), {})`` when no parameter has a gradient."""
+    would leave its foreach path, ``(tensor(0.), {})`` when no parameter has a gradient.
+    ``fp32_norms``: half-precision gradients' norms are summed in fp32 (torch's are bf16/fp16)."""
     grads = grads_of(params)
     if not grads:
         return torch.tensor(0.0), {}
@@ -119,8 +122,10 @@ def _grad_norm(params: list[nn.Parameter]):
         return None, None
     with torch.no_grad():
         norms = []
-        for [device_grads], _ in grouped.values():
-            norms.extend(torch._foreach_norm(device_grads, 2.0))
+        for (_, dtype), ([device_grads], _) in grouped.items():
+            low = fp32_norms and dtype in (torch.bfloat16, torch.float16)
+            norms.extend(torch._foreach_norm(device_grads, 2.0, dtype=torch.float32) if low
+                         else torch._foreach_norm(device_grads, 2.0))
         if len(grouped) > 1:
             first_device = grads[0].device
             norms = [norm.to(first_device) for norm in norms]
@@ -151,16 +156,19 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
 
 def steps_with_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` can divide the gradients by a device scalar on its own: torch's
-    fused Adam or AdamW (their kernels read ``optimizer.grad_scale``, the hook ``GradScaler`` uses),
+    fused Adam or AdamW (their kernels read ``optimizer.grad_scale``, the hook ``GradScaler`` uses)
+    or dslab's :class:`~dslab.kernels.FusedAdam` (which reads the same attribute),
     not already given a scale by someone else."""
-    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
-            and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and all(group.get("fused") for group in optimizer.param_groups)
+    torch_fused = (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+                   and getattr(optimizer, "_step_supports_amp_scaling", False)
+                   and all(group.get("fused") for group in optimizer.param_groups))
+    return ((torch_fused or isinstance(optimizer, FusedAdam))
             and getattr(optimizer, "grad_scale", None) is None
             and getattr(optimizer, "found_inf", None) is None)
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float,
+                 fp32_norms: bool = False) -> torch.Tensor:
     """Clip the gradients of ``params`` by their global L2 norm (as :func:`clip_grad_norm_`) and
     step ``optimizer``; returns the norm before clipping.
 
@@ -169,10 +177,14 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], m
     it as it reads it, so no pass of its own multiplies every gradient in memory (BERT-large's
     ``_foreach_mul_`` took 0.74 ms of an H200 step). The update equals clip-then-step up to the rounding of a division
     against a multiplication (an ulp). Otherwise the gradients are clipped first.
+
+    ``fp32_norms`` (the engine's bf16 weight copies, whose gradients are what autocast would hand
+    over in fp32) sums half-precision gradients' norms in fp32, as autocast's fp32 gradients'
+    are: a bf16 norm per tensor would round the clipping coefficient by up to 0.4%.
     """
     if steps_with_grad_scale(optimizer):
-        total_norm, grouped = _grad_norm(params)
-        if total_norm is not None and len(grouped) == 1:
+        total_norm, grouped = _grad_norm(params, fp32_norms)
+        if total_norm is not None and len({device for device, _ in grouped}) == 1:
             with torch.no_grad():
                 optimizer.grad_scale = torch.clamp((total_norm + 1e-6) / float(max_norm), min=1.0)
             try:

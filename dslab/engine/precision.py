@@ -1,7 +1,9 @@
 """Mixed precision: the ``fp16`` and ``bf16`` config sections, the autocast context and the loss
 scaler.
 
-dslab's choice for both half precisions is autocast over fp32 parameters: the forward runs matrix
+dslab's choice for both half precisions is autocast over fp32 parameters (with bf16, the forward
+reads bf16 copies of the weights that the optimizer keeps where :mod:`dslab.engine.weight_copies`
+applies, the same arithmetic without the per-step casts): the forward runs matrix
 products in bf16/fp16 while the parameters, their gradients and the optimizer states stay fp32.
 Model states cost 16 bytes per parameter with Adam (4 param + 4 grad + 8 moments), the same as
 DeepSpeed's bf16 mode with fp32 master weights (2 + 2 + 4 master + 8), and autocast adds one
@@ -16,6 +18,7 @@ fp16 also needs loss scaling: :class:`LossScaler` implements DeepSpeed's dynamic
 from __future__ import annotations
 
 import contextlib
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -36,9 +39,13 @@ class FP16Config(ConfigSection):
 
 
 class BF16Config(ConfigSection):
-    """DeepSpeed's ``bf16`` section."""
+    """DeepSpeed's ``bf16`` section. ``weight_copies`` (dslab's): the forward computes with bf16
+    copies of the weights that the optimizer keeps, instead of casting them every step
+    (:mod:`dslab.engine.weight_copies`): ``"auto"`` where they apply, ``true`` required, ``false``
+    off."""
 
     enabled: bool = False
+    weight_copies: Literal["auto"] | bool = "auto"
 
 
 def autocast_dtype(fp16: FP16Config, bf16: BF16Config) -> torch.dtype | None:

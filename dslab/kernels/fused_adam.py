@@ -12,7 +12,10 @@ hyperparameters and ``k`` the step count after incrementing:
 as ``torch.optim.AdamW`` and ``torch.optim.Adam`` (``bias_correction=False`` drops both
 ``1 - beta**k`` factors). Parameters, gradients and the states ``exp_avg`` (m) and ``exp_avg_sq``
 (v) are fp32. Optional bf16/fp16 copies of the parameters (see :meth:`FusedAdam.set_param_copies`)
-are written in the same pass: ``copy = p.to(copy.dtype)`` after the update.
+are written in the same pass: ``copy = p.to(copy.dtype)`` after the update; when the model
+computes with the copies, the gradient ``g`` is the copy's (bf16/fp16, read as it is and computed
+with in fp32: 2 bytes read instead of 4). ``optimizer.grad_scale`` (a 0-d fp32 tensor, the
+attribute torch's fused Adam reads) divides every gradient as it is read: the engine's clipping.
 
 Multi-tensor launch: the parameters of one group that share a device, a step count and a copy
 dtype form a bucket. A device table (int64, cached while the tensors' addresses are unchanged)
@@ -40,6 +43,7 @@ from dslab.kernels._triton_compat import tl, triton
 
 
 _COPY_DTYPES = (torch.bfloat16, torch.float16)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _TABLE_COLUMNS = 6  # param, grad, exp_avg, exp_avg_sq, copy (0 when none), numel: _adam_kernel
 
 
@@ -47,8 +51,14 @@ def adam_step_reference(
     param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
     step: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     adam_w_mode: bool, bias_correction: bool, copy: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
-    """One Adam(W) update of one tensor in place (the formula of the module docstring)."""
+    """One Adam(W) update of one tensor in place (the formula of the module docstring), with ``g``
+    the gradient in fp32 divided by ``grad_scale`` when given; ``grad`` is left as it is."""
+    if grad.dtype != torch.float32:
+        grad = grad.float()
+    if grad_scale is not None:
+        grad = grad / grad_scale.to(grad.device)
     if weight_decay != 0.0:
         if adam_w_mode:
             param.mul_(1.0 - lr * weight_decay)
@@ -79,21 +89,24 @@ def _bias_corrections(step, lr, beta1, beta2, bias_correction) -> tuple[float, f
 def _adam_block(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, offsets, copy_offsets, limit,
     decay_factor, weight_decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
-    bias_correction2_sqrt,
+    bias_correction2_sqrt, grad_scale,
     DECOUPLED: tl.constexpr, HAS_COPY: tl.constexpr, MASKED: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
 ):
     """Update ``BLOCK`` elements at ``offsets`` (those below ``limit`` when ``MASKED``)."""
     if MASKED:
         mask = offsets < limit
         param = tl.load(param_ptr + offsets, mask=mask, other=0.0)
-        grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0)
+        grad = tl.load(grad_ptr + copy_offsets, mask=mask, other=0.0).to(tl.float32)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
     else:
         param = tl.load(param_ptr + offsets)
-        grad = tl.load(grad_ptr + offsets)
+        grad = tl.load(grad_ptr + copy_offsets).to(tl.float32)
         exp_avg = tl.load(exp_avg_ptr + offsets)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets)
+    if HAS_GRAD_SCALE:
+        grad = tl.div_rn(grad, grad_scale)
     if DECOUPLED:
         param = param * decay_factor
     else:
@@ -129,23 +142,29 @@ def _column(entry, column: tl.constexpr, chunk_start, dtype: tl.constexpr, ALIGN
 def _adam_kernel(
     tensor_table, chunk_table,
     decay_factor, weight_decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
-    bias_correction2_sqrt,
-    DECOUPLED: tl.constexpr, HAS_COPY: tl.constexpr, COPY_DTYPE: tl.constexpr, ALIGNED: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    bias_correction2_sqrt, grad_scale_ptr,
+    DECOUPLED: tl.constexpr, HAS_COPY: tl.constexpr, COPY_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    BF16_BY_HAND: tl.constexpr,
 ):
     """Chunk ``pid``: ``chunk_table[pid] = (tensor index, start)``; ``tensor_table`` rows are
     ``(param, grad, exp_avg, exp_avg_sq, copy, numel)`` (6 int64). ``ALIGNED`` promises that
-    every address is a multiple of 16 bytes, so that the blocks load as 16-byte vectors."""
+    every address is a multiple of 16 bytes, so that the blocks load as 16-byte vectors. The
+    gradients are ``GRAD_DTYPE`` (fp32, or the bf16/fp16 gradients of the copies), divided by the
+    fp32 scalar at ``grad_scale_ptr`` when ``HAS_GRAD_SCALE``."""
     chunk = tl.program_id(0)
     index = tl.load(chunk_table + 2 * chunk)
     start = tl.load(chunk_table + 2 * chunk + 1)
     entry = tensor_table + 6 * index
     param = _column(entry, 0, start, tl.float32, ALIGNED)
-    grad = _column(entry, 1, start, tl.float32, ALIGNED)
+    grad = _column(entry, 1, start, GRAD_DTYPE, ALIGNED)
     exp_avg = _column(entry, 2, start, tl.float32, ALIGNED)
     exp_avg_sq = _column(entry, 3, start, tl.float32, ALIGNED)
     copy = _column(entry, 4, start, COPY_DTYPE, ALIGNED)
     remaining = tl.minimum(tl.load(entry + 5) - start, CHUNK).to(tl.int32)
+    grad_scale = 1.0
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
     offsets = tl.arange(0, BLOCK)
     # Four elements per thread everywhere: the bf16 store's own choice (8, 16 bytes) would make the
     # compiler shuffle the fp32 results through shared memory between two layouts.
@@ -154,21 +173,24 @@ def _adam_kernel(
         for block in range(0, CHUNK, BLOCK):
             _adam_block(param + block, grad + block, exp_avg + block, exp_avg_sq + block, copy + block,
                         offsets, copy_offsets, BLOCK, decay_factor, weight_decay, one_minus_beta1, beta2,
-                        one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                        DECOUPLED, HAS_COPY, MASKED=False, BF16_BY_HAND=BF16_BY_HAND)
+                        one_minus_beta2, eps, step_size, bias_correction2_sqrt, grad_scale,
+                        DECOUPLED, HAS_COPY, MASKED=False, BF16_BY_HAND=BF16_BY_HAND,
+                        HAS_GRAD_SCALE=HAS_GRAD_SCALE)
     else:
         # A tensor's last chunk: whole blocks unmasked (vectorised), then one masked block.
         full_end = (remaining // BLOCK) * BLOCK
         for block in range(0, full_end, BLOCK):
             _adam_block(param + block, grad + block, exp_avg + block, exp_avg_sq + block, copy + block,
                         offsets, copy_offsets, BLOCK, decay_factor, weight_decay, one_minus_beta1, beta2,
-                        one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                        DECOUPLED, HAS_COPY, MASKED=False, BF16_BY_HAND=BF16_BY_HAND)
+                        one_minus_beta2, eps, step_size, bias_correction2_sqrt, grad_scale,
+                        DECOUPLED, HAS_COPY, MASKED=False, BF16_BY_HAND=BF16_BY_HAND,
+                        HAS_GRAD_SCALE=HAS_GRAD_SCALE)
         if full_end < remaining:
             _adam_block(param + full_end, grad + full_end, exp_avg + full_end, exp_avg_sq + full_end,
                         copy + full_end, offsets, copy_offsets, remaining - full_end, decay_factor, weight_decay,
                         one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt,
-                        DECOUPLED, HAS_COPY, MASKED=True, BF16_BY_HAND=BF16_BY_HAND)
+                        grad_scale, DECOUPLED, HAS_COPY, MASKED=True, BF16_BY_HAND=BF16_BY_HAND,
+                        HAS_GRAD_SCALE=HAS_GRAD_SCALE)
 
 
 def _launch_config() -> tuple[int, int, int]:
@@ -253,6 +275,7 @@ class FusedAdam(torch.optim.Optimizer):
                         adam_w_mode=adam_w_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self._copies: dict[torch.Tensor, torch.Tensor] = {}
+        self._grads_from_copies = False
         self._tables: dict[tuple, tuple] = {}  # (group, device, copy dtype) -> (addresses, aligned, tables)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -263,7 +286,7 @@ class FusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"FusedAdam keeps fp32 parameters, got a {param.dtype} parameter of shape "
                                  f"{tuple(param.shape)}; keep fp32 masters and use set_param_copies for bf16")
 
-    def set_param_copies(self, copies: list[torch.Tensor | None]) -> None:
+    def set_param_copies(self, copies: list[torch.Tensor | None], grads_from_copies: bool = False) -> None:
         """Register low-precision copies that every step overwrites with ``param.to(copy.dtype)``.
 
         ``copies`` is aligned with the parameters of all groups in order (``None`` for a
@@ -272,6 +295,11 @@ class FusedAdam(torch.optim.Optimizer):
         masters. Copies are filled from the parameters now, and after each step for the
         parameters that step updated (in the same kernel pass on the Triton path: 2 more bytes
         per element). Calling it again replaces the whole set.
+
+        With ``grads_from_copies`` a parameter with a copy takes its gradient from the copy's
+        ``.grad`` (the model computed with the copy, so autograd left the gradient there, in the
+        copy's dtype; the kernel reads it as it is and computes in fp32). A parameter whose
+        ``.grad`` is set as well is an error at the step: it was read around its copy.
         """
         params = [p for group in self.param_groups for p in group["params"]]
         if len(copies) != len(params):
@@ -290,6 +318,35 @@ class FusedAdam(torch.optim.Optimizer):
             for param, copy in registered.items():
                 copy.copy_(param)
         self._copies = registered
+        self._grads_from_copies = bool(grads_from_copies)
+
+    def param_copies(self) -> list[torch.Tensor]:
+        """The registered copies (the tensors a model computes with), in parameter order."""
+        return list(self._copies.values())
+
+    def copies_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """``{parameter: its copy}`` for the parameters that have one."""
+        return dict(self._copies)
+
+    def refresh_copies(self) -> None:
+        """Overwrite every copy with its parameter (after the parameters changed outside a step:
+        a checkpoint load, an assignment)."""
+        with torch.no_grad():
+            for param, copy in self._copies.items():
+                copy.copy_(param)
+
+    def _gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        grad = param.grad
+        if not self._grads_from_copies:
+            return grad
+        copy = self._copies.get(param)
+        if copy is None:
+            return grad
+        if grad is not None and copy.grad is not None:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} has a gradient of its own and one through its "
+                f"{copy.dtype} copy: some code read the parameter itself, not dslab.models.weight_cast.weight(p)")
+        return copy.grad if grad is None else grad
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -298,19 +355,21 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
         for group_index, group in enumerate(self.param_groups):
-            self._step_group(group_index, group)
+            self._step_group(group_index, group, grad_scale)
         return loss
 
-    def _step_group(self, group_index: int, group: dict) -> None:
+    def _step_group(self, group_index: int, group: dict, grad_scale: torch.Tensor | None) -> None:
         buckets: dict[tuple, _Bucket] = {}
         for param in group["params"]:
-            grad = param.grad
+            grad = self._gradient(param)
             if grad is None:
                 continue
             if grad.is_sparse:
                 raise RuntimeError("FusedAdam does not support sparse gradients")
-            if grad.dtype != torch.float32:
+            if grad.dtype != torch.float32 and not (self._grads_from_copies and grad.dtype in _COPY_DTYPES
+                                                    and param in self._copies):
                 raise RuntimeError(f"FusedAdam needs fp32 gradients, got {grad.dtype} for a parameter of "
                                    f"shape {tuple(param.shape)}")
             state = self.state[param]
@@ -322,14 +381,14 @@ class FusedAdam(torch.optim.Optimizer):
             copy = self._copies.get(param)
             fused = (param.is_contiguous() and grad.is_contiguous() and state["exp_avg"].is_contiguous()
                      and state["exp_avg_sq"].is_contiguous() and (copy is None or copy.is_contiguous()))
-            key = (fused, param.device, state["step"], None if copy is None else copy.dtype)
+            key = (fused, param.device, state["step"], None if copy is None else copy.dtype, grad.dtype)
             bucket = buckets.get(key)
             if bucket is None:
                 bucket = buckets[key] = _Bucket()
             bucket.add(param, grad, state, copy)
-        for (fused, device, step, copy_dtype), bucket in buckets.items():
+        for (fused, device, step, copy_dtype, grad_dtype), bucket in buckets.items():
             if fused and use_triton(bucket.params[0], bucket.grads[0]):
-                self._launch(group_index, group, step, copy_dtype, bucket)
+                self._launch(group_index, group, step, copy_dtype, grad_dtype, bucket, grad_scale)
             else:
                 beta1, beta2 = group["betas"]
                 for p, g, m, v, c in zip(bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs,
@@ -337,13 +396,14 @@ class FusedAdam(torch.optim.Optimizer):
                     adam_step_reference(p, g, m, v, step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                                         eps=group["eps"], weight_decay=group["weight_decay"],
                                         adam_w_mode=group["adam_w_mode"],
-                                        bias_correction=group["bias_correction"], copy=c)
+                                        bias_correction=group["bias_correction"], copy=c, grad_scale=grad_scale)
 
-    def _launch(self, group_index: int, group: dict, step: float, copy_dtype, bucket: _Bucket) -> None:
+    def _launch(self, group_index: int, group: dict, step: float, copy_dtype, grad_dtype, bucket: _Bucket,
+                grad_scale: torch.Tensor | None) -> None:
         chunk, block, num_warps = _launch_config()
         device = bucket.params[0].device
         rows = bucket.rows()
-        cache_key = (group_index, device, copy_dtype)
+        cache_key = (group_index, device, copy_dtype, grad_dtype)
         cached = self._tables.get(cache_key)
         addresses = tuple(rows)
         if cached is None or cached[0] != addresses:
@@ -358,9 +418,10 @@ class FusedAdam(torch.optim.Optimizer):
         _adam_kernel[(len(chunk_table) // 2,)](
             tensor_table, chunk_table,
             1.0 - lr * weight_decay, weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size,
-            bias_correction2_sqrt,
+            bias_correction2_sqrt, tensor_table if grad_scale is None else grad_scale,
             DECOUPLED=bool(group["adam_w_mode"]), HAS_COPY=copy_dtype is not None,
-            COPY_DTYPE=tl.float16 if copy_dtype == torch.float16 else tl.bfloat16, ALIGNED=aligned,
+            COPY_DTYPE=tl.float16 if copy_dtype == torch.float16 else tl.bfloat16,
+            GRAD_DTYPE=_TL_DTYPES[grad_dtype], HAS_GRAD_SCALE=grad_scale is not None, ALIGNED=aligned,
             CHUNK=chunk, BLOCK=block, BF16_BY_HAND=interpreting() and copy_dtype == torch.bfloat16,
             num_warps=num_warps,
         )
@@ -378,6 +439,7 @@ class FusedAdam(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._copies = getattr(self, "_copies", {})
+        self._grads_from_copies = getattr(self, "_grads_from_copies", False)
         self._tables = {}
         for group in self.param_groups:
             for unsupported in ("amsgrad", "maximize"):

@@ -42,6 +42,7 @@ from torch.torch_version import TorchVersion
 from dslab.models import hf_mapping
 from dslab.models.graphs import CudaGraphLayers
 from dslab.models.ops import IGNORE_INDEX, LayerNorm, TransformerLayer, check_head_dim, init_normal_, op_set
+from dslab.models.weight_cast import Linear, weight
 
 
 @dataclass
@@ -197,6 +198,8 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
     (``final_norm``); the embedding LayerNorm stays.
     """
 
+    _read_through_weight = ("mlm_dense_bias",)
+
     def __init__(self, config: BertConfig, kernels: str = "dslab"):
         super().__init__()
         config.validate()
@@ -213,9 +216,9 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
             for _ in range(config.layers)
         )
         self.final_norm = LayerNorm(h, config.layer_norm_eps, self.ops) if config.pre_ln else None
-        self.pooler = nn.Linear(h, h)
-        self.nsp_classifier = nn.Linear(h, 2)
-        self.mlm_dense = nn.Linear(h, h, bias=False)
+        self.pooler = Linear(h, h)
+        self.nsp_classifier = Linear(h, 2)
+        self.mlm_dense = Linear(h, h, bias=False)
         self.mlm_dense_bias = nn.Parameter(torch.zeros(h))
         self.mlm_norm = LayerNorm(h, config.layer_norm_eps, self.ops)
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))  # the decoder's bias
@@ -235,7 +238,7 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
     def mlm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[..., vocab]`` of hidden states ``[..., hidden]``:
         ``LayerNorm(gelu(h W + b)) E^T + b_dec`` with ``E`` the word embeddings."""
-        h = self.ops.bias_gelu(self.mlm_dense(hidden), self.mlm_dense_bias, "none")
+        h = self.ops.bias_gelu(self.mlm_dense(hidden), weight(self.mlm_dense_bias), "none")
         return F.linear(self.mlm_norm(h), self.mlm_decoder_weight, self.mlm_bias)
 
     def nsp_head(self, hidden: torch.Tensor) -> torch.Tensor:

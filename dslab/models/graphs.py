@@ -22,6 +22,9 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, with the differen
   parameter's ``.grad``. The forward graph reuses the backward's memory (one pool) and the
   backward graph rewrites its buffers, so before either replays, such a ``.grad`` is copied out
   (only then: a plain step with ``zero_grad(set_to_none=True)`` in between copies nothing).
+* Inside a copies scope (:mod:`dslab.engine.weight_copies`) the graphs read the bf16 copies that
+  stand in for the parameters (:func:`dslab.models.weight_cast.weight`), so no replay casts a
+  weight, and the backward graph's gradients are the copies' (bf16), which the optimizer reads.
 * Parameters moved to new storage (``p.data = ...``, as the benchmark runner's parking does)
   change the signature, so the stack is captured again; :meth:`LayerStackGraphs.release` frees
   every graph and its memory pool.
@@ -63,6 +66,8 @@ from typing import Callable, Protocol
 import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_globals
+
+from dslab.models.weight_cast import weight
 
 WARMUP_RUNS = 3
 
@@ -255,7 +260,9 @@ class GraphedStack:
         if reason is not None:
             self.stats[f"eager_{reason}"] += 1
             return self.run_eager(inputs, consts)
-        params = [p for p in self.layers.parameters() if p.requires_grad]
+        # What the stack's forward reads for each parameter: the parameter, or its copy inside a
+        # copies scope (dslab.engine.weight_copies), which then gets the gradient.
+        params = [weight(p) for p in self.layers.parameters() if p.requires_grad]
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         key = (tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in inputs),
                tuple(None if c is None else (tuple(c.shape), c.dtype) for c in consts),

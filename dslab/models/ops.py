@@ -57,6 +57,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dslab.models.weight_cast import Linear, weight
+
 KERNEL_SETS = ("dslab", "torch")
 IGNORE_INDEX = -100
 
@@ -220,6 +222,8 @@ def check_head_dim(ops: OpSet, hidden: int, heads: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Layers. Matmuls are nn.Linear (without bias where a fused op adds it); everything else is an op.
+# Their weights and the separate biases are read through weight() (a bf16 copy inside the engine's
+# copies scope, see dslab.engine.weight_copies); layer norms read their fp32 parameters.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -245,6 +249,8 @@ class SelfAttention(nn.Module):
     heads in order (head ``h`` owns rows ``h * head_dim : (h + 1) * head_dim``).
     """
 
+    _read_through_weight = ("out_bias",)
+
     def __init__(self, hidden: int, heads: int, attention_dropout: float, hidden_dropout: float,
                  causal: bool, ops: OpSet):
         super().__init__()
@@ -253,8 +259,8 @@ class SelfAttention(nn.Module):
         self.hidden_dropout = hidden_dropout
         self.causal = causal
         self.ops = ops
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.out_proj = nn.Linear(hidden, hidden, bias=False)
+        self.qkv = Linear(hidden, 3 * hidden)
+        self.out_proj = Linear(hidden, hidden, bias=False)
         self.out_bias = nn.Parameter(torch.zeros(hidden))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
@@ -265,12 +271,14 @@ class SelfAttention(nn.Module):
             dropout_p=self.attention_dropout if self.training else 0.0,
         )
         return self.ops.bias_dropout_residual(
-            self.out_proj(context), self.out_bias, residual, self.hidden_dropout, self.training
+            self.out_proj(context), weight(self.out_bias), residual, self.hidden_dropout, self.training
         )
 
 
 class FeedForward(nn.Module):
     """``residual + dropout(gelu(x W1 + b1) W2 + b2)``."""
+
+    _read_through_weight = ("fc_in_bias", "fc_out_bias")
 
     def __init__(self, hidden: int, intermediate: int, hidden_dropout: float, gelu_approximate: str,
                  ops: OpSet):
@@ -278,15 +286,15 @@ class FeedForward(nn.Module):
         self.hidden_dropout = hidden_dropout
         self.gelu_approximate = gelu_approximate
         self.ops = ops
-        self.fc_in = nn.Linear(hidden, intermediate, bias=False)
+        self.fc_in = Linear(hidden, intermediate, bias=False)
         self.fc_in_bias = nn.Parameter(torch.zeros(intermediate))
-        self.fc_out = nn.Linear(intermediate, hidden, bias=False)
+        self.fc_out = Linear(intermediate, hidden, bias=False)
         self.fc_out_bias = nn.Parameter(torch.zeros(hidden))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        h = self.ops.bias_gelu(self.fc_in(x), self.fc_in_bias, self.gelu_approximate)
+        h = self.ops.bias_gelu(self.fc_in(x), weight(self.fc_in_bias), self.gelu_approximate)
         return self.ops.bias_dropout_residual(
-            self.fc_out(h), self.fc_out_bias, residual, self.hidden_dropout, self.training
+            self.fc_out(h), weight(self.fc_out_bias), residual, self.hidden_dropout, self.training
         )
 
 

@@ -18,6 +18,14 @@ which returns the cast view inside a :func:`cast_weights` scope and the paramete
 one, so the same module code runs with and without it. A weight whose consumer accumulates its
 gradient in fp32 and takes an fp32 weight directly (a kernel with master-weight support) should
 stay out of the scope: its gradient would otherwise be rounded to the autocast dtype first.
+
+The same lookup serves the engine's bf16 weight copies (:mod:`dslab.engine.weight_copies`): there
+the scope maps each parameter to a persistent bf16 leaf that the optimizer rewrites every step,
+so nothing is cast at all. A module says which of its own parameters it reads only through
+:func:`weight` in a class attribute (``_read_through_weight``, :data:`READ_THROUGH`);
+:class:`Linear` is ``nn.Linear`` doing so, and :func:`weights_read_through` collects a model's.
+Outside every scope :func:`weight` is one global read, which ``torch.compile`` traces without a
+graph break.
 """
 
 from __future__ import annotations
@@ -27,10 +35,17 @@ import threading
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-__all__ = ["cast_weights", "use_casts", "weight", "autocast_dtype"]
+__all__ = ["cast_weights", "use_casts", "weight", "autocast_dtype", "Linear", "weights_read_through", "READ_THROUGH"]
 
 _local = threading.local()
+
+
+# Scopes open in any thread: while none is, weight() returns its argument without touching the
+# thread-local list, a plain global read that torch.compile traces (and guards on) without a break.
+_open_scopes = 0
 
 
 def _scopes() -> list[dict[int, torch.Tensor]]:
@@ -40,9 +55,11 @@ def _scopes() -> list[dict[int, torch.Tensor]]:
     return scopes
 
 
-def weight(param: torch.Tensor) -> torch.Tensor:
+def weight(param: torch.Tensor | None) -> torch.Tensor | None:
     """``param``'s cast in the innermost :func:`cast_weights` / :func:`use_casts` scope that holds
-    it, else ``param`` itself."""
+    it, else ``param`` itself (None stays None)."""
+    if _open_scopes == 0 or param is None:
+        return param
     for scope in reversed(_scopes()):
         cast = scope.get(id(param))
         if cast is not None:
@@ -91,11 +108,14 @@ def use_casts(casts: dict[int, torch.Tensor]) -> Iterator[dict[int, torch.Tensor
     """Make ``casts`` (``id(param) -> cast``, from :func:`cast_weights`) what :func:`weight`
     returns inside the block: for code that runs again later, such as an activation
     checkpoint's recomputation, which must see the same casts as the first run."""
+    global _open_scopes
     scopes = _scopes()
     scopes.append(casts)
+    _open_scopes += 1
     try:
         yield casts
     finally:
+        _open_scopes -= 1
         scopes.pop()
 
 
@@ -118,3 +138,32 @@ def cast_weights(params: Iterable[torch.Tensor], dtype: torch.dtype | None) -> I
             casts[id(p)] = cast
     with use_casts(casts):
         yield casts
+
+
+# The attribute a module sets to the names of its own parameters that its forward reads only
+# through weight(): the parameters a copies scope (dslab.engine.weight_copies) may stand in for.
+READ_THROUGH = "_read_through_weight"
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` reading its weight and bias through :func:`weight`: the module parameters
+    outside any scope, their casts or copies inside one. Same parameters, state dict and
+    initialisation as ``nn.Linear``."""
+
+    _read_through_weight = ("weight", "bias")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, weight(self.weight), weight(self.bias))
+
+
+def weights_read_through(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters that ``module``'s submodules declare (in ``READ_THROUGH``) they read only
+    through :func:`weight`, each once, in module order; those that do not require a gradient
+    are left out."""
+    found: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name in getattr(type(sub), READ_THROUGH, ()):
+            param = getattr(sub, name, None)
+            if isinstance(param, nn.Parameter) and param.requires_grad:
+                found.setdefault(id(param), param)
+    return list(found.values())

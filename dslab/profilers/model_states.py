@@ -5,11 +5,12 @@ Model states are the parameters, their gradients and the optimizer states (Rajbh
 ``untyped_storage()`` behind a tensor, identified by device and ``data_ptr``) is counted once, in
 full (``nbytes``, padding included), under the first category that reaches it, in this order:
 
-1. ``params``: the model's parameters, then a ZeRO runtime's flat buffers (``unit.full``, which
+1. ``params``: the model's parameters, the bf16 copies an optimizer keeps of them (the engine's
+   weight copies, :mod:`dslab.engine.weight_copies`), then a ZeRO runtime's flat buffers (``unit.full``, which
    the parameters of stages 1-2 and of gathered stage-3 units are views of) and shards
    (``unit.shard``: at stage 3 the only storage a released parameter has; a released parameter
    itself is an empty tensor).
-2. ``grads``: the parameters' ``.grad``, the runtime's reduced gradient shards
+2. ``grads``: the parameters' ``.grad`` and the copies', the runtime's reduced gradient shards
    (``unit.grad_shard``), the CPU gradient buffers of optimizer offload (``runtime.offload``'s
    ``buffers()``) and the gradients of the optimizer's own parameters.
 3. ``optimizer_params``: parameters the optimizer updates whose storage no model parameter or
@@ -27,7 +28,8 @@ units give the element counts of released stage-3 parameters)::
 
     estimate = sum over parameters p of numel(p) * bytes(dtype of p) * (1 + g(p) + k(p))
 
-``g(p)`` is 1 if p is trained (the gradient has p's dtype), ``k(p)`` the optimizer state tensors
+``g(p)`` is 1 if p is trained (the gradient has p's dtype; a parameter with an optimizer-kept
+bf16 copy adds the copy's bytes to ``params`` and has the copy's 2-byte gradient instead), ``k(p)`` the optimizer state tensors
 kept per parameter in p's dtype (:func:`optimizer_states_per_param`). This is the layout the
 optimizer really has: dslab's engine keeps fp32 parameters under bf16/fp16 autocast and no
 master copy, so it is :func:`dslab.estimate_zero_memory` with ``param_bytes=4, master_bytes=0``
@@ -127,8 +129,15 @@ def count_storages(model: nn.Module, optimizer=None, runtime=None) -> StorageCou
     for unit in units:
         counter.add(getattr(unit, "full", None), "params")
         counter.add(getattr(unit, "shard", None), "params")
+    # The low-precision copies an optimizer keeps of the parameters (the engine's bf16 weight
+    # copies, which the model computes with) are parameters too, and their .grad the gradients.
+    copies = list(getattr(optimizer, "param_copies", lambda: [])())
+    for c in copies:
+        counter.add(c, "params")
     for p in params:
         counter.add(p.grad, "grads")
+    for c in copies:
+        counter.add(c.grad, "grads")
     for unit in units:
         counter.add(getattr(unit, "grad_shard", None), "grads")
     offloaded = offload is not None
@@ -180,13 +189,18 @@ def _estimate_totals(model: nn.Module, optimizer, runtime) -> tuple[dict, str | 
     def numel(p) -> int:
         return numel_of.get(id(p), p.numel())
 
+    # A parameter with a low-precision copy (the engine's weight copies) also holds the copy, and
+    # its gradient is the copy's (2 bytes, not the parameter's 4).
+    copy_of = {id(p): c for p, c in getattr(optimizer, "copies_by_param", dict)().items()}
     totals = {"num_params": 0, "params": 0, "grads": 0, "optimizer_states": 0}
     for p in model.parameters():
         nbytes = numel(p) * p.element_size()
         k = moments.get(id(master_of[id(p)]) if id(p) in master_of else id(p)) or 0
+        copy = copy_of.get(id(p))
+        copy_bytes = 0 if copy is None else numel(p) * copy.element_size()
         totals["num_params"] += numel(p)
-        totals["params"] += nbytes
-        totals["grads"] += nbytes * int(p.requires_grad)
+        totals["params"] += nbytes + copy_bytes
+        totals["grads"] += (copy_bytes or nbytes) * int(p.requires_grad)
         totals["optimizer_states"] += nbytes * k
     gathered = [u for u in getattr(runtime, "units", []) if not u.resident]
     if getattr(runtime, "stage", 0) == 3 and gathered:

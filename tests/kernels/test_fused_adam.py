@@ -103,6 +103,75 @@ def test_copies_are_checked():
         opt.set_param_copies([torch.empty(SHAPES[0]), None])
 
 
+def _run_from_copies(initial, n_steps, backend, scale=None, copy_dtype=torch.bfloat16, adam_w_mode=True):
+    """FusedAdam whose gradients are the copies' (``copy_dtype``), optionally divided by ``scale``
+    (a 0-dim tensor, as the engine's clipping sets it); returns the params and the copies."""
+    params = [torch.nn.Parameter(p.clone()) for p in initial]
+    copies = [torch.empty(p.shape, dtype=copy_dtype).requires_grad_() for p in params]
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.1, adam_w_mode=adam_w_mode)
+    opt.set_param_copies(copies, grads_from_copies=True)
+    for k in range(n_steps):
+        for c, g in zip(copies, _grads(params, k)):
+            c.grad = g.to(copy_dtype)
+        if scale is not None:
+            opt.grad_scale = scale
+        with kernel_backend(backend):
+            opt.step()
+        if scale is not None:
+            del opt.grad_scale
+    return params, copies
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gradients_from_bf16_copies_with_a_grad_scale_match_torch(adam_w_mode, backend):
+    # The engine's weight copies: the model computes with the bf16 copies, autograd leaves bf16
+    # gradients on them, and clipping divides them by a device scalar inside the step.
+    initial = _params()
+    scale = torch.tensor(1.75)
+    params = [torch.nn.Parameter(p.clone()) for p in initial]
+    torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    torch_opt = torch_cls(params, lr=1e-2, weight_decay=0.1)
+    for k in range(3):
+        for p, g in zip(params, _grads(params, k)):
+            p.grad = g.to(torch.bfloat16).float() / scale
+        torch_opt.step()
+    got, copies = _run_from_copies(initial, 3, backend, scale=scale, adam_w_mode=adam_w_mode)
+    for expected, param, copy_ in zip(params, got, copies):
+        torch.testing.assert_close(param, expected, **TOL)
+        assert torch.equal(copy_.detach(), param.detach().to(torch.bfloat16))
+        assert param.grad is None and copy_.grad.dtype == torch.bfloat16
+
+
+def test_gradients_from_fp16_copies_and_fp32_params_mixed():
+    # fp16 copies take the fp16 gradient path; a parameter without a copy keeps its own fp32 grad.
+    initial = _params()
+    got, _ = _run_from_copies(initial, 2, "triton", copy_dtype=torch.float16)
+    expected, _ = _run_from_copies(initial, 2, "torch", copy_dtype=torch.float16)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **TOL)
+    params = [torch.nn.Parameter(p.clone()) for p in initial[:2]]
+    copy_ = torch.empty(params[0].shape, dtype=torch.bfloat16).requires_grad_()
+    opt = FusedAdam(params, lr=1e-2)
+    opt.set_param_copies([copy_, None], grads_from_copies=True)
+    copy_.grad = torch.ones(params[0].shape, dtype=torch.bfloat16)
+    params[1].grad = torch.ones(params[1].shape)
+    with kernel_backend("triton"):
+        opt.step()
+    assert opt.state[params[0]]["step"] == 1.0 and opt.state[params[1]]["step"] == 1.0
+    torch.testing.assert_close(params[1].detach(), initial[1] - 1e-2, rtol=0, atol=1e-6)
+
+
+def test_a_gradient_both_on_the_param_and_on_its_copy_is_an_error():
+    param = torch.nn.Parameter(torch.zeros(5))
+    copy_ = torch.zeros(5, dtype=torch.bfloat16, requires_grad=True)
+    opt = FusedAdam([param])
+    opt.set_param_copies([copy_], grads_from_copies=True)
+    param.grad, copy_.grad = torch.ones(5), torch.ones(5, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="read the parameter itself"):
+        opt.step()
+
+
 def test_unaligned_and_non_contiguous_params():
     flat = torch.randn(2 * 1000 + 1)
     views = [flat[1:1001], flat[1001:]]  # 4-byte offset: the kernel's unaligned variant
