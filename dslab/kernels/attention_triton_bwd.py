@@ -52,7 +52,7 @@ from dslab.kernels.attention_triton import (
     seq_bucket,
     unit_last_stride,
 )
-from dslab.kernels.dispatch import interpreting
+from dslab.kernels.dispatch import interpreting, launches_graphed
 
 
 @triton.jit
@@ -389,6 +389,11 @@ FUSED_MIN_PROGRAMS = 256
 # on the GPU (shared warps and stages, delta recomputed in the dK/dV programs): +7% at BERT-large
 # seq 512 (2**32, host-bound there), +24% at GPT-2 seq 1024 causal (1.5 * 2**32).
 BOTH_MAX_WORK = 2**32
+# Inside a CUDA graph capture the saved launch and allocation cost nothing at replay, so the split
+# runs from far less work: on an H200 (dropout 0.1, tile timings of the autotuners) BOTH took at 247 us for GPT-2
+# 1.5B's layer (batch 4, 25 heads, seq 1024 causal: 1.56 * 2**31) where DQ_ONLY + DKDV_ONLY take
+# 161 + 238 us for 192 (batch, head) pairs at the same sequence (124M's layer), ~208 us per 100.
+BOTH_MAX_WORK_CAPTURED = 2**30
 _AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT"]
 
 
@@ -405,13 +410,18 @@ def fused_block_n(seq_k: int, seq_q: int, batch_heads: int, interpret: bool | No
 
 
 def backward_roles(
-    batch_heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool, interpret: bool | None = None
+    batch_heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool, interpret: bool | None = None,
+    capturing: bool = False,
 ) -> tuple[int, ...]:
-    """The launches of one backward, in order: ``(FUSED,)``, ``(BOTH,)`` or ``(DQ_ONLY, DKDV_ONLY)``."""
+    """The launches of one backward, in order: ``(FUSED,)``, ``(BOTH,)`` or ``(DQ_ONLY, DKDV_ONLY)``.
+    ``capturing``: the launches go into a CUDA graph (or rehearse one:
+    :func:`dslab.kernels.dispatch.launches_graphed`), where the split's extra launch costs no host
+    time (:data:`BOTH_MAX_WORK_CAPTURED`)."""
     if fused_block_n(seq_k, seq_q, batch_heads, interpret) is not None:
         return (FUSED,)
     work = batch_heads * seq_q * seq_k * head_dim // (2 if causal else 1)
-    return (BOTH,) if work <= BOTH_MAX_WORK else (DQ_ONLY, DKDV_ONLY)
+    limit = BOTH_MAX_WORK_CAPTURED if capturing else BOTH_MAX_WORK
+    return (BOTH,) if work <= limit else (DQ_ONLY, DKDV_ONLY)
 
 
 def bwd_configs(head_dim: int, roles: int, block_n1: int | None = None) -> list[triton.Config]:
@@ -501,7 +511,8 @@ def attention_backward(
     kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
     dropout_p = kernel_dropout_p(dropout_p)
     interpret = interpreting()
-    roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal, interpret)
+    capturing = q.is_cuda and launches_graphed()
+    roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal, interpret, capturing)
     block_n1 = fused_block_n(seq_k, seq_q, batch_heads, interpret) if roles == (FUSED,) else None
     if roles[0] == DQ_ONLY:
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)

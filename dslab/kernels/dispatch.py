@@ -104,3 +104,28 @@ def use_custom_op() -> bool:
     dispatch mode is active (the flops profiler counts ops at the dispatcher, where the eager
     Function's direct Triton launches would be invisible). One cheap check per call."""
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+# Open graphed_launches() blocks, in any thread: the warm-up runs and the capture of a CUDA graph
+# run their backward on autograd's worker thread too.
+_graphed_depth = 0
+
+
+@contextlib.contextmanager
+def graphed_launches():
+    """Launches in this block go into a CUDA graph or rehearse one (:mod:`dslab.models.graphs`
+    wraps the warm-up runs before a capture and the capture itself): a kernel whose launch plan
+    trades the host's time for the device's picks the device's side, as
+    :func:`launches_graphed` says, the same in the rehearsals (which autotune and compile it) as
+    in the capture."""
+    global _graphed_depth
+    _graphed_depth += 1
+    try:
+        yield
+    finally:
+        _graphed_depth -= 1
+
+
+def launches_graphed() -> bool:
+    """Inside :func:`graphed_launches`, or while the current CUDA stream is capturing."""
+    return _graphed_depth > 0 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -7,6 +7,9 @@ pre-LN transformer block.
 ``x`` is ``[..., N]`` in bf16, fp16 or fp32; ``weight`` and ``bias`` are ``[N]`` or None (no
 affine). Statistics are computed in fp32 (biased variance, as :func:`torch.nn.functional.layer_norm`).
 
+:func:`layer_norm_fork` also hands the input back as a second output whose gradient the backward
+kernel adds (the pre-LN residual stream's two uses, without autograd's add kernel).
+
 Layers: :func:`layer_norm_reference` (PyTorch) → the ``dslab::layer_norm`` / ``dslab::add_layer_norm``
 custom ops with their autograd (``dslab::layer_norm_backward``) under ``torch.compile``, and an
 ``autograd.Function`` making the same launches in eager mode → the Triton kernels in
@@ -240,3 +243,39 @@ def layer_norm(
         return _EagerLayerNorm.apply(x2d, None, weight, bias, eps).view(x.shape)
     y, h = _EagerLayerNorm.apply(x2d, r2d, weight, bias, eps)
     return y.view(x.shape), h.view(x.shape)
+
+
+class _EagerLayerNormFork(torch.autograd.Function):
+    """``(layer_norm(x), x)``; the backward kernel adds the second output's gradient to dx."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, _, mean, rstd = _triton_module().forward(x, weight, bias, None, eps)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y, x.view_as(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, dx_other):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        if dy is None:
+            return dx_other, None, None, None
+        dx, dw, db = _triton_module().backward(dy, x, weight, bias, mean, rstd, dx_other)
+        return dx, dw, db, None
+
+
+def layer_norm_fork(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer_norm(x, weight, bias, eps), x)`` for an input that is also used elsewhere (a
+    pre-LN layer's residual stream feeds its layer norm and its residual add): the backward kernel
+    adds the second output's gradient to the input gradient, where autograd would add the two
+    uses' gradients in a kernel of its own. Off the eager Triton path (the reference, or the custom
+    ops under ``torch.compile``) the plain pair."""
+    _check(x, weight, bias, eps, None)
+    n = x.shape[-1]
+    if not (x.dtype in TRITON_DTYPES and 0 < n <= MAX_FUSED_N and use_triton(x, weight, bias)) or use_custom_op():
+        return layer_norm(x, weight, bias, eps), x
+    y, again = _EagerLayerNormFork.apply(x.reshape(-1, n), weight, bias, eps)
+    return y.view(x.shape), again.view(x.shape)

@@ -16,6 +16,10 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, with the differen
 * A call copies the input into the static input buffer, replays the forward graph and returns
   the static output; the backward copies the incoming gradient in, replays the backward graph and
   hands autograd the static gradients of the input and of every trainable parameter.
+* The warm-up runs and the captures run inside
+  :func:`dslab.kernels.dispatch.graphed_launches`: kernels whose launch plan trades host time for
+  device time (attention's backward) pick the plan the graph wants in the warm-ups too, so that
+  they autotune and compile there, never inside a capture.
 * Dropout stays random: the ops draw their seeds with ``torch.randint`` on the device, which the
   CUDA generator re-draws on every replay.
 * Gradient accumulation stays exact: autograd may adopt a static gradient buffer as a
@@ -67,6 +71,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_globals
 
+from dslab.kernels.dispatch import graphed_launches
 from dslab.models.weight_cast import weight
 
 WARMUP_RUNS = 3
@@ -128,26 +133,27 @@ class _Captured:
                 outs = list(run(*self.static_inputs, *self.static_consts))
             return outs if side is None else outs + [side.loss()]
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                outs = forward()
-                torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
-                del outs
-        torch.cuda.current_stream().wait_stream(stream)
+        with graphed_launches():  # the warm-ups pick (and autotune) the launches the capture makes
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP_RUNS):
+                    outs = forward()
+                    torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
+                    del outs
+            torch.cuda.current_stream().wait_stream(stream)
 
-        pool = torch.cuda.graph_pool_handle()
-        _clear_cublas_workspaces()
-        self.forward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, pool=pool):
-            outs = forward()
-        self.side_state = side.snapshot() if side is not None else None
-        self.static_grad_outs = [torch.empty_like(o) for o in outs]
-        self.backward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.backward_graph, pool=pool):
-            grads = torch.autograd.grad(outs, grad_inputs, self.static_grad_outs, allow_unused=True)
-        _clear_cublas_workspaces()
+            pool = torch.cuda.graph_pool_handle()
+            _clear_cublas_workspaces()
+            self.forward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.forward_graph, pool=pool):
+                outs = forward()
+            self.side_state = side.snapshot() if side is not None else None
+            self.static_grad_outs = [torch.empty_like(o) for o in outs]
+            self.backward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.backward_graph, pool=pool):
+                grads = torch.autograd.grad(outs, grad_inputs, self.static_grad_outs, allow_unused=True)
+            _clear_cublas_workspaces()
         n_grad_inputs = len(self.grad_input_index)
         self.static_grad_inputs = list(grads[:n_grad_inputs])
         self.static_grad_params = list(grads[n_grad_inputs:])

@@ -23,6 +23,9 @@ The ops:
   kernels read and write the packed layouts in place.
 - ``softmax_cross_entropy(logits [N, V], target [N], ignore_index=-100, label_smoothing=0.0)`` ->
   fp32 mean loss
+- ``layer_norm_fork(x, weight, bias, eps=1e-5)`` -> ``(layer_norm(x), x)``: for a pre-LN layer's
+  residual stream, which feeds its layer norm and its residual add; the dslab set's layer-norm
+  backward kernel adds the second output's gradient.
 - ``linear_cross_entropy(hidden [N, H], weight [Vp, H], target [N], vocab, ignore_index=-100,
   label_smoothing=0.0)`` -> fp32 mean loss of the LM head's logits ``F.linear(hidden, weight)``
   over their first ``vocab`` columns (rows ``vocab..Vp`` of ``weight`` are padding and get zero
@@ -78,6 +81,7 @@ class OpSet:
     attention_packed: Callable
     softmax_cross_entropy: Callable
     linear_cross_entropy: Callable
+    layer_norm_fork: Callable
     head_dims: tuple[int, ...] | None
 
     def __reduce__(self):
@@ -133,6 +137,10 @@ def _torch_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNO
     return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
+def _torch_layer_norm_fork(x, weight, bias, eps=1e-5):
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps), x
+
+
 TORCH_OPS = OpSet(
     name="torch",
     layer_norm=_torch_layer_norm,
@@ -142,6 +150,7 @@ TORCH_OPS = OpSet(
     attention_packed=_torch_attention_packed,
     softmax_cross_entropy=_torch_cross_entropy,
     linear_cross_entropy=_torch_linear_cross_entropy,
+    layer_norm_fork=_torch_layer_norm_fork,
     head_dims=None,
 )
 
@@ -168,7 +177,7 @@ def _dslab_ops() -> OpSet:
     from dslab.kernels.bias_dropout_residual import bias_dropout_residual
     from dslab.kernels.bias_gelu import bias_gelu
     from dslab.kernels.cross_entropy import softmax_cross_entropy
-    from dslab.kernels.layer_norm import layer_norm
+    from dslab.kernels.layer_norm import layer_norm, layer_norm_fork
     from dslab.kernels.linear_cross_entropy import linear_cross_entropy
 
     def dslab_layer_norm(x, weight, bias, eps=1e-5, residual=None):
@@ -196,6 +205,7 @@ def _dslab_ops() -> OpSet:
         attention_packed=attention_packed,
         softmax_cross_entropy=softmax_cross_entropy,
         linear_cross_entropy=dslab_linear_cross_entropy,
+        layer_norm_fork=layer_norm_fork,
         head_dims=tuple(HEAD_DIMS),
     )
 
@@ -239,6 +249,10 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def fork(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x), x)`` through ``ops.layer_norm_fork`` (x also feeds a residual add)."""
+        return self.ops.layer_norm_fork(x, self.weight, self.bias, self.eps)
 
 
 class SelfAttention(nn.Module):
@@ -319,8 +333,10 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.pre_ln:
-            x = self.attention(self.attention_norm(x), x, key_padding_mask)
-            return self.mlp(self.mlp_norm(x), x)
+            y, x = self.attention_norm.fork(x)
+            x = self.attention(y, x, key_padding_mask)
+            y, x = self.mlp_norm.fork(x)
+            return self.mlp(y, x)
         x = self.attention_norm(self.attention(x, x, key_padding_mask))
         return self.mlp_norm(self.mlp(x, x))
 

@@ -284,6 +284,26 @@ def test_strided_layouts_and_output_layout():
     _check_against_reference(got, q, k, v, grad, floor=1e-3, causal=True)
 
 
+def test_a_captured_backward_splits_from_less_work():
+    # Inside a CUDA graph the split's second launch costs no host time: GPT-2 1.5B's layer
+    # (batch 4 x 25 heads, seq 1024 causal) runs BOTH eagerly and DQ_ONLY + DKDV_ONLY captured.
+    bwd = attention_triton_bwd
+    assert bwd.backward_roles(100, 1024, 1024, 64, True, interpret=False) == (bwd.BOTH,)
+    assert bwd.backward_roles(100, 1024, 1024, 64, True, interpret=False, capturing=True) == (bwd.DQ_ONLY,
+                                                                                             bwd.DKDV_ONLY)
+    assert bwd.backward_roles(192, 1024, 1024, 64, True, interpret=False) == (bwd.DQ_ONLY, bwd.DKDV_ONLY)
+    # Short keys stay on the one-program-per-head FUSED path either way.
+    assert bwd.backward_roles(1024, 128, 128, 64, False, interpret=False, capturing=True) == (bwd.FUSED,)
+    # The warm-up runs before a capture rehearse the capture's plan (so that its kernels autotune
+    # there, not inside the capture).
+    from dslab.kernels.dispatch import graphed_launches, launches_graphed
+
+    assert not launches_graphed()
+    with graphed_launches():
+        assert launches_graphed()
+    assert not launches_graphed()
+
+
 def test_backward_paths_agree():
     """The same inputs through the FUSED, BOTH and DQ_ONLY + DKDV_ONLY backward launches give the
     same gradients (several key blocks and a causal diagonal in the last two)."""

@@ -206,3 +206,33 @@ def test_gpu_real_sizes(shape, dtype, residual):
     again = _run(layer_norm, tensors, dy, dh)[1]
     for a, b in zip(grads, again):
         assert torch.equal(a, b), "gradients differ between two identical runs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("used", ["both", "norm_only", "input_only"])
+def test_layer_norm_fork_gradients_match_autograds_sum(dtype, used):
+    # A pre-LN layer's residual stream: one use through the layer norm, one as the residual. The
+    # fork's input gradient (the kernel adding the second use's gradient) equals autograd's sum.
+    from dslab.kernels.layer_norm import layer_norm_fork
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 7, 40, generator=gen).to(dtype)
+    w, b = torch.randn(40, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
+    dy, d_other = torch.randn(3, 7, 40, generator=gen).to(dtype), torch.randn(3, 7, 40, generator=gen).to(dtype)
+    results = []
+    for triton in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        with kernel_backend("triton" if triton else "torch"):
+            y, again = layer_norm_fork(*leaves, 1e-5)
+        assert torch.equal(again.detach(), x) and y.dtype == dtype
+        outs, grads = {"both": ([y, again], [dy, d_other]), "norm_only": ([y], [dy]),
+                       "input_only": ([again], [d_other])}[used]
+        got = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        results.append([y.detach(), *got])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for got, want in zip(*results):
+        if want is None:
+            assert got is None or not got.any()
+            continue
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
