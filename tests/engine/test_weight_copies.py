@@ -181,6 +181,42 @@ def test_checkpoint_load_refreshes_the_copies(tmp_path):
     assert _train(other, batch, 2) == expected
 
 
+def test_param_groups_and_checkpoints_cross_between_the_two_paths(tmp_path):
+    # A user's param groups (no weight decay on biases and norms) work with the copies, and a
+    # checkpoint written with copies resumes in an autocast-only engine (and back): the states
+    # are the same fp32 parameters and torch-layout Adam states either way.
+    def groups(model):
+        decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+        rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
+        return [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+
+    batch = _bert_batch()
+    runs = {}
+    for copies in (True, False):
+        model = _bert()
+        engine, *_ = dslab.initialize(model=model, model_parameters=groups(model), config=_config(copies))
+        assert (engine.weight_copies is not None) == copies
+        assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.01, 0.0]
+        runs[copies] = (engine, _train(engine, batch, 3))
+    torch.testing.assert_close(torch.tensor(runs[True][1]), torch.tensor(runs[False][1]), rtol=2e-4, atol=0)
+
+    runs[True][0].save_checkpoint(tmp_path, tag="copies")
+    expected = _train(runs[True][0], batch, 2)
+    model = _bert()
+    resumed, *_ = dslab.initialize(model=model, model_parameters=groups(model), config=_config(False))
+    resumed.load_checkpoint(tmp_path, tag="copies")
+    torch.testing.assert_close(torch.tensor(_train(resumed, batch, 2)), torch.tensor(expected), rtol=2e-4, atol=0)
+
+    runs[False][0].save_checkpoint(tmp_path, tag="autocast")
+    expected = _train(runs[False][0], batch, 2)
+    model = _bert()
+    resumed, *_ = dslab.initialize(model=model, model_parameters=groups(model), config=_config(True))
+    resumed.load_checkpoint(tmp_path, tag="autocast")
+    for p in weights_read_through(resumed.module):
+        assert torch.equal(resumed.weight_copies.copy_of(p).detach(), p.detach().to(torch.bfloat16))
+    torch.testing.assert_close(torch.tensor(_train(resumed, batch, 2)), torch.tensor(expected), rtol=2e-4, atol=0)
+
+
 def test_parking_moves_the_copies_and_training_goes_on():
     batch = _bert_batch()
     reference = _engine(_bert(), True)
