@@ -54,21 +54,37 @@ from dslab.kernels.attention_triton import (
 )
 from dslab.kernels.dispatch import interpreting, launches_graphed
 
+#: Rows (queries or keys) per slot of the bias-gradient partials: a program owning rows
+#: ``[start, start + BLOCK)`` writes slot ``start // DB_SLOT_ROWS``; every block is at least this tall.
+DB_SLOT_ROWS = 32
+
+
+@triton.jit
+def _store_bias_sum(DB, total, start, b, part, h, offs_d, stride_db_slot, stride_db_b, num_heads,
+                    HEAD_DIM: tl.constexpr, DB_SLOT: tl.constexpr):
+    """One program's column sums ``total`` [HEAD_DIM] of q (``part`` 0), k (1) or v (2) gradient
+    rows from ``start``, into the fp32 partials ``[slots, batch, 3 * heads * HEAD_DIM]``."""
+    slot = (start // DB_SLOT).to(tl.int64)
+    col = (part * num_heads + h) * HEAD_DIM + offs_d
+    tl.store(DB + slot * stride_db_slot + b * stride_db_b + col, total)
+
 
 @triton.jit
 def _dkdv_query_loop(
-    dk, dv, k, v, key_pad, key_start, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+    dk, dv, dq_sum, k, v, key_pad, key_start, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
     stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
     qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start, end,
     DIAGONAL: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    HAS_DB: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[start, end)``, in transposed tiles
     ``[BLOCK_N1 keys, BLOCK_M1 queries]``. ``DIAGONAL`` blocks apply the causal mask. Query rows past
     ``seq_q`` load q = dO = 0, lse = +inf, so they add nothing and need no mask. ``delta`` is read
     from ``delta_base``, or with ``DELTA_FROM_O`` recomputed from O and dO of each query block.
-    ``key_start`` is the block's first key (``offs_n[0]``), where its dropout draws start."""
+    ``key_start`` is the block's first key (``offs_n[0]``), where its dropout draws start. With
+    ``FUSED_DQ`` and ``HAS_DB``, ``dq_sum`` [BLOCK_M1, HEAD_DIM] adds up the (unscaled) dQ tiles it
+    writes, elementwise: the row reduction runs once, after the loop."""
     for start_m in range(start, end, BLOCK_M1):
         offs_m = start_m + tl.arange(0, BLOCK_M1)
         row_valid = offs_m < seq_q
@@ -108,7 +124,9 @@ def _dkdv_query_loop(
             dq = _dot(tl.trans(ds_t), k, tl.zeros([BLOCK_M1, k.shape[1]], dtype=tl.float32), DOT_FP32)
             dq_ptrs = dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :]
             tl.store(dq_ptrs, (dq * sm_scale).to(dq_base.dtype.element_ty), mask=row_valid[:, None])
-    return dk, dv
+            if HAS_DB:
+                dq_sum += dq  # reduced over rows once, after the loop
+    return dk, dv, dq_sum
 
 
 @triton.jit
@@ -156,16 +174,17 @@ def _dq_key_loop(
 
 @triton.jit
 def _dq_role(
-    Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
+    Q, K, V, O, DO, DQ, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid_m, bh,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
-    DOT_FP32: tl.constexpr, STORE_DELTA: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    DOT_FP32: tl.constexpr, STORE_DELTA: tl.constexpr, HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     """dQ of the ``pid_m``-th query block of head ``bh`` (counted from the last when ``CAUSAL``),
     from ``delta = rowsum(dO * O)`` of its rows (stored for the dK/dV programs when
-    ``STORE_DELTA``). Three matmuls per tile: S, dP, dQ."""
+    ``STORE_DELTA``). Three matmuls per tile: S, dP, dQ. ``HAS_DB``: also its columns' sums."""
     if CAUSAL:
         pid_m = tl.cdiv(seq_q, BLOCK_M2) - 1 - pid_m
     b = (bh // num_heads).to(tl.int64)
@@ -202,24 +221,27 @@ def _dq_role(
         seq_k, bh, qk_scale, dropout_p, seed, keep_base, n_groups, keep_rows, full_end, end,
         True, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M2, BLOCK_N2,
     )
+    dq = dq * sm_scale
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :]
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_valid[:, None])
+    if HAS_DB:
+        _store_bias_sum(DB, tl.sum(dq, 0), start_m, b, 0, h, offs_d, stride_db_slot, stride_db_b, num_heads, HEAD_DIM, DB_SLOT)
 
 
 @triton.jit
 def _dkdv_role(
-    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
+    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid_n, bh,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
     """dK, dV of key block ``pid_n`` of head ``bh``, looping over query blocks (S^T, dV, dP^T, dK:
     four matmuls per tile). With ``FUSED_DQ`` (one key block covers ``seq_k``) it also writes each
-    query block's complete dQ (a fifth matmul)."""
+    query block's complete dQ (a fifth matmul). ``HAS_DB``: also the column sums of what it writes."""
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -244,23 +266,24 @@ def _dkdv_role(
         key_pad = key_valid
     dk = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    dq_sum = tl.zeros([BLOCK_M1, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         # Queries before start_n see none of these keys; [start_n, start_n + BLOCK_N1) is the diagonal.
         diag_end = tl.minimum(start_n + BLOCK_N1, seq_q)
-        dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+        dk, dv, dq_sum = _dkdv_query_loop(
+            dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
             stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
             qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start_n, diag_end,
-            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M1, BLOCK_N1,
+            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, BLOCK_M1, BLOCK_N1,
         )
         rest_start = start_n + BLOCK_N1
     else:
         rest_start = 0
-    dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+    dk, dv, dq_sum = _dkdv_query_loop(
+        dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
         stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
         qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, rest_start, seq_q,
-        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, BLOCK_M1, BLOCK_N1,
+        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, BLOCK_M1, BLOCK_N1,
     )
     dk = dk * sm_scale
     if HAS_KPM and not FUSED_DQ:
@@ -270,6 +293,16 @@ def _dkdv_role(
     dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :]
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_valid[:, None])
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
+    if HAS_DB:
+        # dK's rows sum to 0 (see bias_partials): that slot is written as zeros, not summed. Rows
+        # past seq_k are not stored, so they are not summed either.
+        dv_sum = tl.sum(tl.where(key_valid[:, None], dv, 0.0), 0)
+        _store_bias_sum(DB, dv_sum * 0.0, start_n, b, 1, h, offs_d, stride_db_slot, stride_db_b, num_heads,
+                        HEAD_DIM, DB_SLOT)
+        _store_bias_sum(DB, dv_sum, start_n, b, 2, h, offs_d, stride_db_slot, stride_db_b, num_heads, HEAD_DIM, DB_SLOT)
+        if FUSED_DQ:
+            _store_bias_sum(DB, tl.sum(dq_sum, 0) * sm_scale, start_n, b, 0, h, offs_d, stride_db_slot, stride_db_b,
+                            num_heads, HEAD_DIM, DB_SLOT)
 
 
 # What the programs of one backward launch do (the kernel's ROLES constexpr).
@@ -281,7 +314,7 @@ FUSED = 4  # one key block covers seq_k: dK, dV and every query block's complete
 
 @triton.jit
 def _attention_bwd_kernel(
-    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, KEEP,
+    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, SEED, KEEP, DB,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -290,11 +323,11 @@ def _attention_bwd_kernel(
     stride_dqb, stride_dqh, stride_dqs,
     stride_dkb, stride_dkh, stride_dks,
     stride_dvb, stride_dvh, stride_dvs,
-    stride_kpm_b,
+    stride_kpm_b, stride_db_slot, stride_db_b,
     num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
     qk_scale, sm_scale, dropout_p,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
-    DOT_FP32: tl.constexpr, ROLES: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, ROLES: tl.constexpr, HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     """Grid ``(programs, batch * heads)``; ``seq_*_bucket`` only key the autotuner. ``ROLES`` (one of
@@ -302,9 +335,14 @@ def _attention_bwd_kernel(
     programs go from the first key block (most causal work) up; dQ programs from the last query
     block (most causal work) down. With dropout, ``KEEP_MODE`` says where the mask comes from:
     ``KEEP`` holds the bits the forward stored (``KEEP_LOAD``), or the draws are made again from
-    ``SEED``, the forward's int64 ``[1]`` seed tensor (``KEEP_DRAW``)."""
+    ``SEED``, the forward's int64 ``[1]`` seed tensor (``KEEP_DRAW``). ``HAS_DB``: each program
+    also writes the column sums of the dQ, dK, dV rows it wrote into ``DB``, fp32 ``[slots, batch,
+    3 * heads * HEAD_DIM]`` (row strides ``stride_db_slot``, ``stride_db_b``; :func:`bias_partials`),
+    slot ``first row // DB_SLOT``."""
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
+    tl.static_assert(not HAS_DB or ROLES == 1 or BLOCK_N1 % DB_SLOT == 0)
+    tl.static_assert(not HAS_DB or ROLES == 2 or ROLES == 4 or BLOCK_M2 % DB_SLOT == 0)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     if HAS_DROPOUT and KEEP_MODE == 0:
@@ -316,40 +354,42 @@ def _attention_bwd_kernel(
     keep_rows = seq_q
     if ROLES == 1:
         _dq_role(
-            Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
+            Q, K, V, O, DO, DQ, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
             stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
             stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
             stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
-            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, True, BLOCK_M2, BLOCK_N2,
+            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, True, HAS_DB, DB_SLOT, BLOCK_M2, BLOCK_N2,
         )
     elif ROLES == 3:
         n_key_blocks = tl.cdiv(seq_k, BLOCK_N1)
         if pid >= n_key_blocks:
             _dq_role(
-                Q, K, V, O, DO, DQ, LSE, DELTA, KPM,
+                Q, K, V, O, DO, DQ, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
                 stride_dqs, stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows,
                 pid - n_key_blocks, bh,
-                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, BLOCK_M2, BLOCK_N2,
+                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, HAS_DB, DB_SLOT, BLOCK_M2, BLOCK_N2,
             )
         else:
             _dkdv_role(
-                Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
+                Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
                 stride_dqs, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
                 stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
-                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, True, EVEN_N, BLOCK_M1, BLOCK_N1,
+                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, True, EVEN_N, HAS_DB, DB_SLOT,
+                BLOCK_M1, BLOCK_N1,
             )
     else:
         _dkdv_role(
-            Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM,
+            Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
             stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
             stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
             stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
             stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
-            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, ROLES == 4, ROLES == 4, EVEN_N, BLOCK_M1, BLOCK_N1,
+            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, ROLES == 4, ROLES == 4, EVEN_N, HAS_DB, DB_SLOT,
+            BLOCK_M1, BLOCK_N1,
         )
 
 
@@ -476,6 +516,24 @@ def _grid(roles: int, seq_q: int, seq_k: int, batch_heads: int):
     return lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]), batch_heads)
 
 
+def bias_partials(batch: int, heads: int, head_dim: int, seq_q: int, seq_k: int, roles: tuple[int, ...],
+                  device: torch.device) -> torch.Tensor:
+    """The fp32 ``[slots, batch, 3 * heads * head_dim]`` buffer the backward's programs write the
+    column sums of their dQ, dK, dV rows into: one slot per ``DB_SLOT_ROWS`` rows of the longer
+    sequence, zeroed (blocks span several slots and leave the others at 0), or one slot, left
+    unset, when the ``FUSED`` launch runs (each (batch, head) program writes all of it).
+
+    The dK part is written as zeros: a bias ``b_k`` on the keys shifts every score of query ``i``
+    by the same ``q_i . b_k``, which the softmax removes (whatever the masks; dropout acts after
+    it), so the key bias's gradient is exactly 0 (the sum of dK's rows is that gradient with the
+    rounding of dS to the inputs' dtype; Dao's and PyTorch's kernels leave it as that noise)."""
+    width = 3 * heads * head_dim
+    if roles == (FUSED,):
+        return torch.empty((1, batch, width), dtype=torch.float32, device=device)
+    slots = triton.cdiv(max(seq_q, seq_k), DB_SLOT_ROWS)
+    return torch.zeros((slots, batch, width), dtype=torch.float32, device=device)
+
+
 def attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -490,7 +548,8 @@ def attention_backward(
     scale: float,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias_sums: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Launch the backward; returns dq, dk, dv. Every tensor is ``[batch, heads, seq, head_dim]``
     with any strides (``grad_out`` and ``out`` too: a ``[batch, seq, heads * head_dim]`` buffer
     viewed as heads is read in place); a last dimension that is not unit-stride is copied first.
@@ -498,7 +557,10 @@ def attention_backward(
     views to write into (unit last stride), e.g. of one packed ``[batch, seq, 3 * hidden]``
     gradient; else they are allocated laid out like q, k, v (see ``empty_rows_like``). ``keep``: the
     dropout bits the forward stored (:func:`attention_triton.empty_keep_bits`); without it the
-    kernels draw the mask again from ``seed``."""
+    kernels draw the mask again from ``seed``. ``bias_sums``: also return, fourth, the fp32
+    ``[rows, 3 * heads * head_dim]`` partial column sums of dq, dk, dv (heads in order within each
+    of the three; :func:`bias_partials`), whose sum over rows is the gradient of a bias added to
+    packed q, k, v; the programs add up their own rows, so no kernel reads the gradients again."""
     if grads is None:
         dq, dk, dv = empty_rows_like(q), empty_rows_like(k), empty_rows_like(v)
     else:
@@ -519,11 +581,13 @@ def attention_backward(
     else:
         delta = lse  # not read: these launches compute delta from O and dO
     load_keep = keep is not None and dropout_p > 0.0
+    partials = bias_partials(batch, heads, head_dim, seq_q, seq_k, roles, q.device) if bias_sums else lse
     tensors = (q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm, seed_or_standin(seed, dropout_p, lse),
-               keep if load_keep else lse)
+               keep if load_keep else lse, partials)
+    db_strides = partials.stride()[:2] if bias_sums else (0, 0)
     ints = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *grad_out.stride()[:3],
-        *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], stride_kpm_b,
+        *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], stride_kpm_b, *db_strides,
         heads, seq_q, seq_k, seq_bucket(seq_q), seq_bucket(seq_k),
     )
     scalars = (scale * LOG2_E, scale, dropout_p)
@@ -532,7 +596,9 @@ def attention_backward(
         flags = dict(
             HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
             HAS_DROPOUT=dropout_p > 0.0, KEEP_MODE=KEEP_LOAD if load_keep else KEEP_DRAW,
-            DOT_FP32=dot_in_fp32, ROLES=role,
+            DOT_FP32=dot_in_fp32, ROLES=role, HAS_DB=bias_sums, DB_SLOT=DB_SLOT_ROWS,
         )
         _launcher(head_dim, role, block_n1)(_grid(role, seq_q, seq_k, batch_heads), tensors, ints, scalars, flags)
+    if bias_sums:
+        return dq, dk, dv, partials.view(-1, partials.shape[-1])
     return dq, dk, dv

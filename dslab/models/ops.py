@@ -20,7 +20,11 @@ The ops:
   self-attention straight from the packed projection, qkv ``[batch, seq, 3 * hidden]`` (q, k, v
   column blocks, heads in order within each) -> ``[batch, seq, hidden]`` (heads concatenated). The
   torch set splits the heads with views, calls SDPA and merges them back (a copy); the dslab set's
-  kernels read and write the packed layouts in place.
+  kernels read and write the packed layouts in place. Where ``packed_bias_grad`` (the dslab set),
+  it also takes ``bias=``: the projection's bias, already inside qkv (added in the matmul's
+  epilogue with the bias detached), whose gradient the attention backward kernels then compute
+  from the rows they write (:mod:`dslab.kernels.attention_packed`); the torch set's projection
+  keeps its own bias gradient.
 - ``softmax_cross_entropy(logits [N, V], target [N], ignore_index=-100, label_smoothing=0.0)`` ->
   fp32 mean loss
 - ``layer_norm_fork(x, weight, bias, eps=1e-5)`` -> ``(layer_norm(x), x)``: for a pre-LN layer's
@@ -70,7 +74,8 @@ IGNORE_INDEX = -100
 class OpSet:
     """The ops of one kernel set (signatures in the module docstring).
 
-    ``head_dims``: the attention head dims the set supports, None for any.
+    ``head_dims``: the attention head dims the set supports, None for any. ``packed_bias_grad``:
+    ``attention_packed`` takes the projection's ``bias`` and computes its gradient.
     """
 
     name: str
@@ -83,6 +88,7 @@ class OpSet:
     linear_cross_entropy: Callable
     layer_norm_fork: Callable
     head_dims: tuple[int, ...] | None
+    packed_bias_grad: bool = False
 
     def __reduce__(self):
         # Pickled (and deep-copied) by name: the dslab set's functions are closures.
@@ -207,6 +213,7 @@ def _dslab_ops() -> OpSet:
         linear_cross_entropy=dslab_linear_cross_entropy,
         layer_norm_fork=layer_norm_fork,
         head_dims=tuple(HEAD_DIMS),
+        packed_bias_grad=True,
     )
 
 
@@ -255,6 +262,19 @@ class LayerNorm(nn.Module):
         return self.ops.layer_norm_fork(x, self.weight, self.bias, self.eps)
 
 
+class PackedProjection(Linear):
+    """The packed q, k, v projection: a :class:`~dslab.models.weight_cast.Linear` whose forward
+    can leave its bias's gradient to the attention op (``bias_grad_elsewhere``): the bias is still
+    added in the matmul (its epilogue), detached, and the caller hands the bias to
+    ``attention_packed(bias=...)``, whose backward computes its gradient."""
+
+    def forward(self, input: torch.Tensor, bias_grad_elsewhere: bool = False) -> torch.Tensor:
+        bias = weight(self.bias)
+        if bias_grad_elsewhere and bias is not None:
+            bias = bias.detach()
+        return F.linear(input, weight(self.weight), bias)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention ending in the residual add:
     ``residual + dropout(attention(x Wqkv + bqkv) Wo + bo)``.
@@ -273,17 +293,20 @@ class SelfAttention(nn.Module):
         self.hidden_dropout = hidden_dropout
         self.causal = causal
         self.ops = ops
-        self.qkv = Linear(hidden, 3 * hidden)
+        self.qkv = PackedProjection(hidden, 3 * hidden)
         self.out_proj = Linear(hidden, hidden, bias=False)
         self.out_bias = nn.Parameter(torch.zeros(hidden))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x``, ``residual`` [batch, seq, hidden]; ``key_padding_mask`` bool [batch, seq] or None."""
-        context = self.ops.attention_packed(
-            self.qkv(x), self.heads, causal=self.causal, key_padding_mask=key_padding_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-        )
+        options = dict(causal=self.causal, key_padding_mask=key_padding_mask,
+                       dropout_p=self.attention_dropout if self.training else 0.0)
+        if self.ops.packed_bias_grad:
+            qkv = self.qkv(x, bias_grad_elsewhere=True)
+            context = self.ops.attention_packed(qkv, self.heads, bias=weight(self.qkv.bias), **options)
+        else:
+            context = self.ops.attention_packed(self.qkv(x), self.heads, **options)
         return self.ops.bias_dropout_residual(
             self.out_proj(context), weight(self.out_bias), residual, self.hidden_dropout, self.training
         )

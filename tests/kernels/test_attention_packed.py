@@ -114,6 +114,91 @@ def test_attention_packed_custom_ops_and_compile():
     assert torch.equal(out, eager[0]) and torch.equal(dqkv, eager[1])
 
 
+def _bias_case(qkv, grad, heads, bias_dtype, **kwargs):
+    """(out, dqkv, dbias) with a bias handed to attention_packed, and (out, dqkv) without one."""
+    leaf = qkv.detach().requires_grad_()
+    bias = torch.randn(qkv.shape[-1], generator=torch.Generator().manual_seed(9)).to(qkv.device, bias_dtype)
+    bias.requires_grad_()
+    out = attention_packed(leaf, heads, bias=bias, **kwargs)
+    dqkv, dbias = torch.autograd.grad(out, (leaf, bias), grad)
+    return (out, dqkv, dbias), _packed_forward_backward(attention_packed, qkv, grad, heads, **kwargs)
+
+
+def _check_bias_gradient(dbias, dqkv, bias_dtype):
+    """dbias is the column sum of dqkv for the q and v blocks: the kernels add up the fp32 values
+    whose rounding to dqkv's dtype moved each by at most half an ulp (2**-8 relative in bf16), so
+    the sums may differ by that much of the column's absolute sum (bound with a factor 2 of
+    margin; fp32 far less). The k block's gradient is exactly 0 (softmax ignores a shift shared by
+    a query's scores), and dqkv's k columns do sum to rounding noise at that level."""
+    assert dbias.dtype == bias_dtype and dbias.shape == dqkv.shape[-1:]
+    rows = dqkv.double().reshape(-1, 3, dqkv.shape[-1] // 3)
+    expected, scale = rows.sum(0), rows.abs().sum(0)
+    rel = 2**-7 if dqkv.dtype == torch.bfloat16 else 1e-5
+    got = dbias.double().view(3, -1)
+    for part in (0, 2):
+        err = (got[part] - expected[part]).abs()
+        assert (err <= rel * scale[part] + 1e-6).all(), f"part {part}: max err {err.max().item():.3g}"
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert (expected[1].abs() <= 2 * rel * scale[1] + 1e-6).all()
+    assert expected[[0, 2]].abs().max() > 0.1  # the check sees real gradients
+
+
+# (seq, causal, padding, dropout_p, split): seq 29 takes the FUSED backward under the interpreter,
+# 37 and 70 (three 32-row slots) BOTH, or DQ_ONLY + DKDV_ONLY with ``split``.
+BIAS_CASES = [
+    (29, False, "first", 0.25, False),
+    (29, True, None, 0.0, False),
+    (37, True, "full", 0.25, False),
+    (70, False, "first", 0.0, False),
+    (70, True, "first", 0.25, True),
+    (37, False, None, 0.25, True),
+]
+
+
+@pytest.mark.parametrize("seq,causal,padding,dropout_p,split", BIAS_CASES)
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_attention_packed_bias_gets_the_column_sums_of_the_qkv_gradient(seq, causal, padding, dropout_p, split,
+                                                                        bias_dtype, monkeypatch):
+    """With ``bias``, the output and qkv's gradient are unchanged (bit for bit) and the bias's
+    gradient, from the kernels' partial sums, is qkv's gradient summed over rows."""
+    if split:
+        monkeypatch.setattr(attention_triton_bwd, "BOTH_MAX_WORK", -1)
+    batch, heads, head_dim = 2, 3, 32
+    qkv, grad = _packed_inputs(batch, heads, seq, head_dim, torch.bfloat16, seed=seq)
+    kwargs = dict(causal=causal, key_padding_mask=_padding(padding, batch, seq), dropout_p=dropout_p,
+                  seed=torch.tensor([seq]))
+    with kernel_backend("triton"):
+        (out, dqkv, dbias), (plain_out, plain_dqkv) = _bias_case(qkv, grad, heads, bias_dtype, **kwargs)
+    assert torch.equal(out, plain_out) and torch.equal(dqkv, plain_dqkv)
+    _check_bias_gradient(dbias, dqkv, bias_dtype)
+
+
+def test_attention_packed_bias_on_the_reference_path():
+    """fp32 takes the reference: the same contract (the bias adds zeros, its gradient is the sum)."""
+    qkv, grad = _packed_inputs(2, 2, 11, 32, torch.float32, seed=4)
+    with kernel_backend("triton"):
+        (out, dqkv, dbias), (plain_out, plain_dqkv) = _bias_case(qkv, grad, 2, torch.float32, causal=True)
+    assert torch.equal(out, plain_out) and torch.equal(dqkv, plain_dqkv)
+    _check_bias_gradient(dbias, dqkv, torch.float32)
+
+
+def test_attention_packed_bias_through_the_custom_ops():
+    qkv, grad = _packed_inputs(1, 2, 19, 32, torch.bfloat16, seed=6)
+    bias = torch.randn(qkv.shape[-1]).requires_grad_()
+    with kernel_backend("triton"):
+        torch.library.opcheck(torch.ops.dslab.attention_packed_forward.default,
+                              (qkv, None, None, 2, True, 0.0, 0.2, bias), test_utils=("test_schema", "test_faketensor"))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t, b: attention_packed(t, 2, causal=True, bias=b), backend="aot_eager",
+                                 fullgraph=True)
+        leaf = qkv.detach().requires_grad_()
+        dqkv, dbias = torch.autograd.grad(compiled(leaf, bias), (leaf, bias), grad)
+        torch._dynamo.reset()
+        (_, eager_dqkv, eager_dbias), _ = _bias_case(qkv, grad, 2, torch.float32, causal=True)
+    assert torch.equal(dqkv, eager_dqkv)
+    _check_bias_gradient(dbias, dqkv, torch.float32)
+
+
 @pytest.mark.parametrize("change,argument", [
     (lambda a: {**a, "qkv": a["qkv"][0]}, "qkv"),
     (lambda a: {**a, "qkv": a["qkv"].int()}, "qkv"),
@@ -123,6 +208,8 @@ def test_attention_packed_custom_ops_and_compile():
     (lambda a: {**a, "key_padding_mask": torch.zeros(2, 6, dtype=torch.bool)}, "key_padding_mask"),
     (lambda a: {**a, "dropout_p": 1.0}, "dropout_p"),
     (lambda a: {**a, "seed": 2.5, "dropout_p": 0.1}, "seed"),
+    (lambda a: {**a, "bias": torch.zeros(3 * 2 * 32 + 1)}, "bias"),
+    (lambda a: {**a, "bias": torch.zeros(3 * 2 * 32, dtype=torch.int32)}, "bias"),
 ])
 def test_attention_packed_bad_input_raises_value_error(change, argument):
     args = change(dict(qkv=torch.zeros(2, 5, 3 * 2 * 32), heads=2))
@@ -157,3 +244,17 @@ def test_gpu_attention_packed_matches_split_heads_without_copies(batch, heads, s
         torch.autograd.grad(attention_packed(leaf, heads, **kwargs), (leaf,), grad)
     names = {event.key for event in prof.key_averages()}
     assert not names & {"aten::copy_", "aten::clone", "aten::contiguous", "aten::fill_", "aten::zero_"}, names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,heads,seq,causal,dropout_p,bias_dtype", [
+    (64, 16, 128, False, 0.1, torch.bfloat16),  # BERT-large seq 128 (FUSED), the copies' bias
+    (16, 16, 512, False, 0.1, torch.float32),  # BERT-large seq 512 (autocast's fp32 bias)
+    (16, 12, 1024, True, 0.1, torch.bfloat16),  # GPT-2 124M (DQ_ONLY + DKDV_ONLY)
+])
+def test_gpu_attention_packed_bias_gradient_at_suite_shapes(batch, heads, seq, causal, dropout_p, bias_dtype):
+    qkv, grad = _packed_inputs(batch, heads, seq, 64, torch.bfloat16, device="cuda", seed=43)
+    kwargs = dict(causal=causal, dropout_p=dropout_p, seed=draw_dropout_seed("cuda"))
+    (out, dqkv, dbias), (plain_out, plain_dqkv) = _bias_case(qkv, grad, heads, bias_dtype, **kwargs)
+    assert torch.equal(out, plain_out) and torch.equal(dqkv, plain_dqkv)
+    _check_bias_gradient(dbias.cpu(), dqkv.cpu(), bias_dtype)
