@@ -1,7 +1,7 @@
 """The training suites' GPU reports of the speed work, kept under ``fixtures/training_reports``
 (their README says how each was run): ``dslab bench suites/bert_large`` and ``suites/gpt2`` on an
-H200 (2026-11-26, code 4c07f32) and on an H100 (code 91da2f4; GPT-2's cases as two runs, 1.5b
-without the hf arm). They read back whole, their dslab/best-plain ratios are the ones the arms'
+H200 (2026-11-26, code 4c07f32; BERT again at 91da2f4) and on an H100 (code 91da2f4; GPT-2's cases
+as two runs, 1.5b without the hf arm). They read back whole, their dslab/best-plain ratios are the ones the arms'
 median step times give, and the dashboard draws their arms page for every case."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ ARMS = {"dslab", "torch", "torch-compile", "torch-compile-ro", "hf"}
 RUNS = {
     "bert_large/20261126T101243Z-ff63ed": (H200, ARMS, {"seq128": 1.236, "seq512": 1.161}),
     "gpt2/20261126T100551Z-d7b758": (H200, ARMS, {"124m": 1.104, "1.5b": 1.190}),
+    "bert_large/20261126T121503Z-fa4f2c": (H200, ARMS, {"seq128": 1.318, "seq512": 1.239}),
     "bert_large/20261126T114359Z-510319": (H100, ARMS, {"seq128": 1.335, "seq512": 1.244}),
     "gpt2/20261126T120132Z-7ee5d0": (H100, ARMS, {"124m": 1.123}),
     "gpt2/20261126T120247Z-11eba0": (H100, ARMS - {"hf"}, {"1.5b": 1.175}),
