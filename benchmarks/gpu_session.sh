@@ -5,7 +5,10 @@
 #   bash benchmarks/gpu_session.sh gpt2 overhead     # gpt2 124m + 1.5b, profiler + engine overhead
 #   bash benchmarks/gpu_session.sh zero              # ZeRO stages 0-3 (and 1-3 with optimizer offload)
 #                                                    # on 1, 2 (4) GPUs: memory, scaling
-# GPU_TESTS picks the test folders of the tests stage; for the zero stage: ZERO_STAGES its
+# GPU_TESTS picks the test folders of the tests stage; GPT2_CASES and GPT2_ARMS the gpt2 stage's
+# --cases (default 124m,1.5b) and --arms (default the suite's; on an 80 GB card the two cases
+# with all five arms outrun a 10-minute device call: run 124m, then 1.5b without hf); for the
+# zero stage: ZERO_STAGES its
 # --stages (default 0,1,2,3; 1o-3o offload), ZERO_TRIALS, ZERO_GRANULARITY (stage 3's
 # granularity arm, default 1500000, empty for none), ZERO_SUB_GROUP and ZERO_REUSE (extra arms),
 # ZERO_SCALING_NPROCS (the process counts, default 1, 2 and 4 where there are GPUs).
@@ -29,7 +32,7 @@ for stage in "$@"; do
       grep -A 30 "^run " "$out/bert.log" | tail -25 ;;
     gpt2)
       python3 -m dslab.cli bench suites/gpt2 --cases "${GPT2_CASES:-124m,1.5b}" --trials "$trials" \
-        --out "$out" > "$out/gpt2.log" 2>&1
+        ${GPT2_ARMS:+--arms "$GPT2_ARMS"} --out "$out" > "$out/gpt2.log" 2>&1
       grep -A 30 "^run " "$out/gpt2.log" | tail -25 ;;
     zero)
       # about 10-20 s per arm, trial and process count: ZERO_STAGES=0,1,2,3 (5 arms with the
