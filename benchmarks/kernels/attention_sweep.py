@@ -18,7 +18,7 @@ measured four ways (medians over ``--iters`` calls):
 A call is host-bound when ``host`` > ``dev``; then ``evt`` follows ``host``.
 
 ``--paths`` times each backward launch plan of ``attention_triton_bwd.backward_roles`` that applies
-(FUSED, BOTH, DQ_ONLY + DKDV_ONLY), forced one at a time: the backward alone with no autograd
+(FUSED, BOTH, DQ_ONLY + DKDV_ONLY, ATOMIC), forced one at a time: the backward alone with no autograd
 (``bwd_<plan>``) and forward + backward through ``attention`` (``fb_<plan>``). Every autotuner's
 choice, its per-config timings and each compiled kernel's registers, spills and shared memory go to
 ``DIR/sweep.json``; ``--profile`` adds per-kernel device times (torch profiler) and a cProfile of
@@ -142,7 +142,8 @@ def compiled_kernels(autotuner) -> list[dict]:
 def autotuners(head_dim: int) -> dict:
     bwd = attention_triton_bwd
     found = {"fwd": attention_triton._fwd_kernel_for(head_dim)}
-    for name, roles in (("dq_only", bwd.DQ_ONLY), ("dkdv_only", bwd.DKDV_ONLY), ("both", bwd.BOTH)):
+    for name, roles in (("dq_only", bwd.DQ_ONLY), ("dkdv_only", bwd.DKDV_ONLY), ("both", bwd.BOTH),
+                        ("atomic", bwd.ATOMIC)):
         found[name] = bwd.bwd_kernel_for(head_dim, roles, None)
     for bn in (64, 128):
         found[f"fused{bn}"] = bwd.bwd_kernel_for(head_dim, bwd.FUSED, bn)
@@ -179,7 +180,8 @@ def plans(seq: int, batch_heads: int) -> list[tuple[str, dict]]:
     if bwd.fused_block_n(seq, seq, batch_heads) is not None:
         found.append(("fused", {}))
     found.append(("both", {"FUSED_MAX_SEQ_K": 0, "BOTH_MAX_WORK": 2**62}))
-    found.append(("split", {"FUSED_MAX_SEQ_K": 0, "BOTH_MAX_WORK": -1}))
+    found.append(("split", {"FUSED_MAX_SEQ_K": 0, "BOTH_MAX_WORK": -1, "ATOMIC_MIN_WORK": 2**62}))
+    found.append(("atomic", {"FUSED_MAX_SEQ_K": 0, "BOTH_MAX_WORK": -1, "ATOMIC_MIN_WORK": 0}))
     return found
 
 

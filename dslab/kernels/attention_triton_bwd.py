@@ -1,4 +1,4 @@
-"""Triton flash attention backward (FlashAttention-2, Dao 2023, Algorithm 2, without atomics).
+"""Triton flash attention backward (FlashAttention-2, Dao 2023, Algorithm 2).
 
 With ``P = softmax(S)`` rebuilt from the saved base-2 ``lse`` as ``P = exp2(S * scale * log2 e - lse)``,
 dropout keep-mask ``Z`` and ``Pd = P * Z / (1 - p)``:
@@ -7,28 +7,34 @@ dropout keep-mask ``Z`` and ``Pd = P * Z / (1 - p)``:
     dS = P * (dP - delta)  with delta = rowsum(dO * O)   (equal to rowsum(dP * P))
     dQ = scale * dS K      dK = scale * dS^T Q
 
-One kernel, ``_attention_bwd_kernel``, whose programs take one of two roles; every path is
-deterministic (no atomics). A dQ program owns ``BLOCK_M2`` query rows, computes their
-``delta`` from O and dO and accumulates dQ over key blocks (S, dP, dQ: three matmuls per tile). A
-dK/dV program owns ``BLOCK_N1`` keys and accumulates dK, dV over query blocks (S^T, dV, dP^T, dK:
-four matmuls per tile). S and dP are computed in both roles (seven matmuls per tile instead of
-five) so that no two programs add into the same dQ rows. The launches (``backward_roles``):
+One kernel, ``_attention_bwd_kernel``, whose programs take one of two roles. A dQ program owns
+``BLOCK_M2`` query rows, computes their ``delta`` from O and dO and accumulates dQ over key blocks
+(S, dP, dQ: three matmuls per tile). A dK/dV program owns ``BLOCK_N1`` keys and accumulates dK, dV
+over query blocks (S^T, dV, dP^T, dK: four matmuls per tile). With both roles S and dP are
+computed twice (seven matmuls per tile instead of five) so that no two programs add into the same
+dQ rows. The launches (``backward_roles``):
 
 - ``FUSED`` (``seq_k <= FUSED_MAX_SEQ_K``, one key block, e.g. BERT's seq 128): one launch, a
   program per (batch, head) holding all keys; it computes delta from O and dO in its loop and
   writes each query block's complete dQ as it goes (a fifth matmul per tile, no dQ programs).
 - ``BOTH`` (small problems, ``BOTH_MAX_WORK``, where host time per launch matters): one launch,
   dK/dV programs and dQ programs side by side; the dK/dV programs recompute delta from O and dO.
-- ``DQ_ONLY`` then ``DKDV_ONLY`` (large problems): the dQ launch stores delta, the dK/dV launch
-  reads it; each launch has its own tiles and warps.
+- ``ATOMIC`` (large problems): dK/dV programs that also compute their tiles' dQ (five matmuls per
+  tile) and add it into an fp32 accumulator, between :mod:`dslab.kernels.attention_triton_dq`'s
+  launch that computes delta and zeroes the accumulator and its launch that scales and rounds it
+  into dQ. The adds' order varies from run to run, so dQ's last bits may too.
+- ``DQ_ONLY`` then ``DKDV_ONLY`` (large problems with ``torch.use_deterministic_algorithms``): the
+  dQ launch stores delta, the dK/dV launch reads it; each launch has its own tiles and warps.
 
-Causal blocks above the diagonal are skipped; blocks crossing it run a masked loop, the rest an
-unmasked one. Fully masked query rows have ``lse = +inf``, so their P, dS and dQ are exactly 0.
+Every plan but ``ATOMIC`` is deterministic. Causal blocks above the diagonal are skipped; blocks
+crossing it run a masked loop, the rest an unmasked one. Fully masked query rows have
+``lse = +inf``, so their P, dS and dQ are exactly 0.
 
 Memory traffic per (batch, head), BOTH and DQ_ONLY + DKDV_ONLY: q, k, v, o, dO read and dq, dk,
 dv written once from DRAM; the dK/dV programs re-read q, dO, lse and delta (BOTH: O instead of
 delta) once per key block and the dQ programs re-read k, v once per query block (mostly from L2).
-"""
+ATOMIC reads k and v once and adds ``seq_q * head_dim`` fp32 values per key block into the
+accumulator (in L2)."""
 
 from __future__ import annotations
 
@@ -52,22 +58,9 @@ from dslab.kernels.attention_triton import (
     seq_bucket,
     unit_last_stride,
 )
+from dslab.kernels import attention_triton_dq
+from dslab.kernels.attention_triton_dq import DB_SLOT_ROWS, bias_partials, store_bias_sum
 from dslab.kernels.dispatch import interpreting, launches_graphed
-
-#: Rows (queries or keys) per slot of the bias-gradient partials: a program owning rows
-#: ``[start, start + BLOCK)`` writes slot ``start // DB_SLOT_ROWS``; every block is at least this tall.
-DB_SLOT_ROWS = 32
-
-
-@triton.jit
-def _store_bias_sum(DB, total, start, b, part, h, offs_d, stride_db_slot, stride_db_b, num_heads,
-                    HEAD_DIM: tl.constexpr, DB_SLOT: tl.constexpr):
-    """One program's column sums ``total`` [HEAD_DIM] of q (``part`` 0), k (1) or v (2) gradient
-    rows from ``start``, into the fp32 partials ``[slots, batch, 3 * heads * HEAD_DIM]``."""
-    slot = (start // DB_SLOT).to(tl.int64)
-    col = (part * num_heads + h) * HEAD_DIM + offs_d
-    tl.store(DB + slot * stride_db_slot + b * stride_db_b + col, total)
-
 
 @triton.jit
 def _dkdv_query_loop(
@@ -76,7 +69,7 @@ def _dkdv_query_loop(
     qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start, end,
     DIAGONAL: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-    HAS_DB: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    HAS_DB: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks ``[start, end)``, in transposed tiles
     ``[BLOCK_N1 keys, BLOCK_M1 queries]``. ``DIAGONAL`` blocks apply the causal mask. Query rows past
@@ -84,7 +77,8 @@ def _dkdv_query_loop(
     from ``delta_base``, or with ``DELTA_FROM_O`` recomputed from O and dO of each query block.
     ``key_start`` is the block's first key (``offs_n[0]``), where its dropout draws start. With
     ``FUSED_DQ`` and ``HAS_DB``, ``dq_sum`` [BLOCK_M1, HEAD_DIM] adds up the (unscaled) dQ tiles it
-    writes, elementwise: the row reduction runs once, after the loop."""
+    writes, elementwise: the row reduction runs once, after the loop. With ``ATOMIC_DQ`` the dQ tiles
+    (unscaled, fp32) are added into ``dq_base``, the fp32 accumulator, instead of stored."""
     for start_m in range(start, end, BLOCK_M1):
         offs_m = start_m + tl.arange(0, BLOCK_M1)
         row_valid = offs_m < seq_q
@@ -123,9 +117,12 @@ def _dkdv_query_loop(
         if FUSED_DQ:
             dq = _dot(tl.trans(ds_t), k, tl.zeros([BLOCK_M1, k.shape[1]], dtype=tl.float32), DOT_FP32)
             dq_ptrs = dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :]
-            tl.store(dq_ptrs, (dq * sm_scale).to(dq_base.dtype.element_ty), mask=row_valid[:, None])
-            if HAS_DB:
-                dq_sum += dq  # reduced over rows once, after the loop
+            if ATOMIC_DQ:
+                tl.atomic_add(dq_ptrs, dq, mask=row_valid[:, None], sem="relaxed")
+            else:
+                tl.store(dq_ptrs, (dq * sm_scale).to(dq_base.dtype.element_ty), mask=row_valid[:, None])
+                if HAS_DB:
+                    dq_sum += dq  # reduced over rows once, after the loop
     return dk, dv, dq_sum
 
 
@@ -225,7 +222,7 @@ def _dq_role(
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_valid[:, None])
     if HAS_DB:
-        _store_bias_sum(DB, tl.sum(dq, 0), start_m, b, 0, h, offs_d, stride_db_slot, stride_db_b, num_heads, HEAD_DIM, DB_SLOT)
+        store_bias_sum(DB, tl.sum(dq, 0), start_m, b, 0, h, offs_d, stride_db_slot, stride_db_b, num_heads, HEAD_DIM, DB_SLOT)
 
 
 @triton.jit
@@ -237,11 +234,14 @@ def _dkdv_role(
     stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid_n, bh,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
-    HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M1: tl.constexpr,
+    BLOCK_N1: tl.constexpr,
 ):
     """dK, dV of key block ``pid_n`` of head ``bh``, looping over query blocks (S^T, dV, dP^T, dK:
     four matmuls per tile). With ``FUSED_DQ`` (one key block covers ``seq_k``) it also writes each
-    query block's complete dQ (a fifth matmul). ``HAS_DB``: also the column sums of what it writes."""
+    query block's complete dQ (a fifth matmul); with ``ATOMIC_DQ`` too, its dQ tiles are added into
+    the fp32 accumulator ``DQ`` (any number of key blocks). ``HAS_DB``: also the column sums of
+    what it writes (those of dQ, with ``ATOMIC_DQ``, are the finishing launch's)."""
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -274,7 +274,8 @@ def _dkdv_role(
             dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
             stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
             qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start_n, diag_end,
-            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, BLOCK_M1, BLOCK_N1,
+            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, ATOMIC_DQ,
+            BLOCK_M1, BLOCK_N1,
         )
         rest_start = start_n + BLOCK_N1
     else:
@@ -283,7 +284,8 @@ def _dkdv_role(
         dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
         stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
         qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, rest_start, seq_q,
-        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, BLOCK_M1, BLOCK_N1,
+        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, ATOMIC_DQ,
+        BLOCK_M1, BLOCK_N1,
     )
     dk = dk * sm_scale
     if HAS_KPM and not FUSED_DQ:
@@ -294,15 +296,15 @@ def _dkdv_role(
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_valid[:, None])
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
     if HAS_DB:
-        # dK's rows sum to 0 (see bias_partials): that slot is written as zeros, not summed. Rows
-        # past seq_k are not stored, so they are not summed either.
+        # dK's rows sum to 0 (see attention_triton_dq.bias_partials): that slot is written as zeros,
+        # not summed. Rows past seq_k are not stored, so they are not summed either.
         dv_sum = tl.sum(tl.where(key_valid[:, None], dv, 0.0), 0)
-        _store_bias_sum(DB, dv_sum * 0.0, start_n, b, 1, h, offs_d, stride_db_slot, stride_db_b, num_heads,
-                        HEAD_DIM, DB_SLOT)
-        _store_bias_sum(DB, dv_sum, start_n, b, 2, h, offs_d, stride_db_slot, stride_db_b, num_heads, HEAD_DIM, DB_SLOT)
-        if FUSED_DQ:
-            _store_bias_sum(DB, tl.sum(dq_sum, 0) * sm_scale, start_n, b, 0, h, offs_d, stride_db_slot, stride_db_b,
-                            num_heads, HEAD_DIM, DB_SLOT)
+        store_bias_sum(DB, dv_sum * 0.0, start_n, b, 1, h, offs_d, stride_db_slot, stride_db_b, num_heads,
+                       HEAD_DIM, DB_SLOT)
+        store_bias_sum(DB, dv_sum, start_n, b, 2, h, offs_d, stride_db_slot, stride_db_b, num_heads, HEAD_DIM, DB_SLOT)
+        if FUSED_DQ and not ATOMIC_DQ:
+            store_bias_sum(DB, tl.sum(dq_sum, 0) * sm_scale, start_n, b, 0, h, offs_d, stride_db_slot, stride_db_b,
+                           num_heads, HEAD_DIM, DB_SLOT)
 
 
 # What the programs of one backward launch do (the kernel's ROLES constexpr).
@@ -310,6 +312,7 @@ DQ_ONLY = 1  # dQ of a query block, storing delta for a later DKDV_ONLY launch
 DKDV_ONLY = 2  # dK, dV of a key block, reading delta
 BOTH = 3  # programs [0, n_key_blocks) do dK, dV (recomputing delta from O), the rest dQ
 FUSED = 4  # one key block covers seq_k: dK, dV and every query block's complete dQ
+ATOMIC = 5  # dK, dV of a key block, reading delta, adding its dQ tiles into an fp32 accumulator
 
 
 @triton.jit
@@ -331,18 +334,19 @@ def _attention_bwd_kernel(
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     """Grid ``(programs, batch * heads)``; ``seq_*_bucket`` only key the autotuner. ``ROLES`` (one of
-    ``DQ_ONLY``, ``DKDV_ONLY``, ``BOTH``, ``FUSED``, as ints) says what program ``pid`` does. dK/dV
+    ``DQ_ONLY``, ``DKDV_ONLY``, ``BOTH``, ``FUSED``, ``ATOMIC``, as ints) says what program ``pid``
+    does; for ``ATOMIC``, ``DQ`` and its strides are the fp32 accumulator's. dK/dV
     programs go from the first key block (most causal work) up; dQ programs from the last query
     block (most causal work) down. With dropout, ``KEEP_MODE`` says where the mask comes from:
     ``KEEP`` holds the bits the forward stored (``KEEP_LOAD``), or the draws are made again from
     ``SEED``, the forward's int64 ``[1]`` seed tensor (``KEEP_DRAW``). ``HAS_DB``: each program
     also writes the column sums of the dQ, dK, dV rows it wrote into ``DB``, fp32 ``[slots, batch,
-    3 * heads * HEAD_DIM]`` (row strides ``stride_db_slot``, ``stride_db_b``; :func:`bias_partials`),
-    slot ``first row // DB_SLOT``."""
+    3 * heads * HEAD_DIM]`` (row strides ``stride_db_slot``, ``stride_db_b``;
+    :func:`~dslab.kernels.attention_triton_dq.bias_partials`), slot ``first row // DB_SLOT``."""
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
     tl.static_assert(not HAS_DB or ROLES == 1 or BLOCK_N1 % DB_SLOT == 0)
-    tl.static_assert(not HAS_DB or ROLES == 2 or ROLES == 4 or BLOCK_M2 % DB_SLOT == 0)
+    tl.static_assert(not HAS_DB or ROLES == 2 or ROLES >= 4 or BLOCK_M2 % DB_SLOT == 0)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     if HAS_DROPOUT and KEEP_MODE == 0:
@@ -379,7 +383,7 @@ def _attention_bwd_kernel(
                 stride_dqs, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
                 stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
                 HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, True, EVEN_N, HAS_DB, DB_SLOT,
-                BLOCK_M1, BLOCK_N1,
+                False, BLOCK_M1, BLOCK_N1,
             )
     else:
         _dkdv_role(
@@ -388,8 +392,8 @@ def _attention_bwd_kernel(
             stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
             stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
             stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
-            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, ROLES == 4, ROLES == 4, EVEN_N, HAS_DB, DB_SLOT,
-            BLOCK_M1, BLOCK_N1,
+            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, ROLES >= 4, ROLES == 4, EVEN_N, HAS_DB, DB_SLOT,
+            ROLES == 5, BLOCK_M1, BLOCK_N1,
         )
 
 
@@ -411,6 +415,12 @@ _BOTH_TILES = {
     32: [(32, 128, 64, 64, 4, 3), (32, 64, 64, 64, 4, 3), (64, 64, 64, 32, 4, 3)],
     64: [(32, 128, 64, 64, 4, 3), (32, 64, 64, 64, 4, 3), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 3)],
     128: [(64, 64, 64, 32, 4, 2), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 2)],
+}
+# ATOMIC launches: (BLOCK_M1, BLOCK_N1, num_warps, num_stages).
+_ATOMIC_TILES = {
+    32: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
+    64: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
+    128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2)],
 }
 # FUSED launches: (BLOCK_M1, num_warps, num_stages); BLOCK_N1 covers seq_k.
 _FUSED_TILES = {
@@ -434,6 +444,11 @@ BOTH_MAX_WORK = 2**32
 # 1.5B's layer (batch 4, 25 heads, seq 1024 causal: 1.56 * 2**31) where DQ_ONLY + DKDV_ONLY take
 # 161 + 238 us for 192 (batch, head) pairs at the same sequence (124M's layer), ~208 us per 100.
 BOTH_MAX_WORK_CAPTURED = 2**30
+# Where the two launches would run, the ATOMIC plan runs instead from this much work on, unless
+# torch's deterministic algorithms are on. The backward alone, replayed in a CUDA graph on an H100
+# (dropout 0.1, bias sums), ATOMIC against DQ_ONLY + DKDV_ONLY per layer: 256 against 268 us at
+# BERT-large seq 512, 420 against 423 at GPT-2 124M, 235 against 242 at GPT-2 1.5B.
+ATOMIC_MIN_WORK = 0
 _AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT"]
 
 
@@ -451,17 +466,23 @@ def fused_block_n(seq_k: int, seq_q: int, batch_heads: int, interpret: bool | No
 
 def backward_roles(
     batch_heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool, interpret: bool | None = None,
-    capturing: bool = False,
+    capturing: bool = False, deterministic: bool | None = None,
 ) -> tuple[int, ...]:
-    """The launches of one backward, in order: ``(FUSED,)``, ``(BOTH,)`` or ``(DQ_ONLY, DKDV_ONLY)``.
+    """The launches of one backward, in order: ``(FUSED,)``, ``(BOTH,)``, ``(ATOMIC,)`` (between
+    :mod:`dslab.kernels.attention_triton_dq`'s two small launches) or ``(DQ_ONLY, DKDV_ONLY)``.
     ``capturing``: the launches go into a CUDA graph (or rehearse one:
     :func:`dslab.kernels.dispatch.launches_graphed`), where the split's extra launch costs no host
-    time (:data:`BOTH_MAX_WORK_CAPTURED`)."""
+    time (:data:`BOTH_MAX_WORK_CAPTURED`). ``deterministic`` (default: whether torch's
+    deterministic algorithms are on) rules out ``ATOMIC``."""
     if fused_block_n(seq_k, seq_q, batch_heads, interpret) is not None:
         return (FUSED,)
     work = batch_heads * seq_q * seq_k * head_dim // (2 if causal else 1)
     limit = BOTH_MAX_WORK_CAPTURED if capturing else BOTH_MAX_WORK
-    return (BOTH,) if work <= limit else (DQ_ONLY, DKDV_ONLY)
+    if work <= limit:
+        return (BOTH,)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    return (ATOMIC,) if work >= ATOMIC_MIN_WORK and not deterministic else (DQ_ONLY, DKDV_ONLY)
 
 
 def bwd_configs(head_dim: int, roles: int, block_n1: int | None = None) -> list[triton.Config]:
@@ -471,8 +492,9 @@ def bwd_configs(head_dim: int, roles: int, block_n1: int | None = None) -> list[
         tiles = [(bm1, block_n1 or bn1, bm2, bn2, 4, 1)]
     elif roles == DQ_ONLY:
         tiles = [(16, 16, bm2, bn2, w, s) for bm2, bn2, w, s in _DQ_TILES[head_dim]]
-    elif roles == DKDV_ONLY:
-        tiles = [(bm1, bn1, 16, 16, w, s) for bm1, bn1, w, s in _DKDV_TILES[head_dim]]
+    elif roles in (DKDV_ONLY, ATOMIC):
+        table = _DKDV_TILES if roles == DKDV_ONLY else _ATOMIC_TILES
+        tiles = [(bm1, bn1, 16, 16, w, s) for bm1, bn1, w, s in table[head_dim]]
     elif roles == BOTH:
         tiles = _BOTH_TILES[head_dim]
     else:
@@ -491,7 +513,9 @@ def _even_n(args) -> bool:
 def bwd_kernel_for(head_dim: int, roles: int, block_n1: int | None = None):
     """The autotuned backward kernel of a ``roles`` launch for ``head_dim`` (``block_n1`` for FUSED)."""
     heuristics = triton.heuristics({"EVEN_N": _even_n})
-    return triton.autotune(configs=bwd_configs(head_dim, roles, block_n1), key=_AUTOTUNE_KEY)(
+    # ATOMIC adds into DQ (the accumulator): zeroed before each tuning run and before the call after.
+    reset = ["DQ"] if roles == ATOMIC else None
+    return triton.autotune(configs=bwd_configs(head_dim, roles, block_n1), key=_AUTOTUNE_KEY, reset_to_zero=reset)(
         heuristics(_attention_bwd_kernel)
     )
 
@@ -506,6 +530,7 @@ def reset_kernels() -> None:
     (tests swap ``_BWD_INTERPRET_TILE``) take effect."""
     bwd_kernel_for.cache_clear()
     _launcher.cache_clear()
+    attention_triton_dq.reset_kernels()
 
 
 def _grid(roles: int, seq_q: int, seq_k: int, batch_heads: int):
@@ -514,24 +539,6 @@ def _grid(roles: int, seq_q: int, seq_k: int, batch_heads: int):
     if roles == BOTH:
         return lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]) + triton.cdiv(seq_q, meta["BLOCK_M2"]), batch_heads)
     return lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]), batch_heads)
-
-
-def bias_partials(batch: int, heads: int, head_dim: int, seq_q: int, seq_k: int, roles: tuple[int, ...],
-                  device: torch.device) -> torch.Tensor:
-    """The fp32 ``[slots, batch, 3 * heads * head_dim]`` buffer the backward's programs write the
-    column sums of their dQ, dK, dV rows into: one slot per ``DB_SLOT_ROWS`` rows of the longer
-    sequence, zeroed (blocks span several slots and leave the others at 0), or one slot, left
-    unset, when the ``FUSED`` launch runs (each (batch, head) program writes all of it).
-
-    The dK part is written as zeros: a bias ``b_k`` on the keys shifts every score of query ``i``
-    by the same ``q_i . b_k``, which the softmax removes (whatever the masks; dropout acts after
-    it), so the key bias's gradient is exactly 0 (the sum of dK's rows is that gradient with the
-    rounding of dS to the inputs' dtype; Dao's and PyTorch's kernels leave it as that noise)."""
-    width = 3 * heads * head_dim
-    if roles == (FUSED,):
-        return torch.empty((1, batch, width), dtype=torch.float32, device=device)
-    slots = triton.cdiv(max(seq_q, seq_k), DB_SLOT_ROWS)
-    return torch.zeros((slots, batch, width), dtype=torch.float32, device=device)
 
 
 def attention_backward(
@@ -559,8 +566,8 @@ def attention_backward(
     dropout bits the forward stored (:func:`attention_triton.empty_keep_bits`); without it the
     kernels draw the mask again from ``seed``. ``bias_sums``: also return, fourth, the fp32
     ``[rows, 3 * heads * head_dim]`` partial column sums of dq, dk, dv (heads in order within each
-    of the three; :func:`bias_partials`), whose sum over rows is the gradient of a bias added to
-    packed q, k, v; the programs add up their own rows, so no kernel reads the gradients again."""
+    of the three; :func:`~dslab.kernels.attention_triton_dq.bias_partials`), whose sum over rows
+    is the gradient of a bias added to packed q, k, v; the programs add up their own rows, so no kernel reads the gradients again."""
     if grads is None:
         dq, dk, dv = empty_rows_like(q), empty_rows_like(k), empty_rows_like(v)
     else:
@@ -576,12 +583,15 @@ def attention_backward(
     capturing = q.is_cuda and launches_graphed()
     roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal, interpret, capturing)
     block_n1 = fused_block_n(seq_k, seq_q, batch_heads, interpret) if roles == (FUSED,) else None
+    dq_target = dq
     if roles[0] == DQ_ONLY:
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+    elif roles[0] == ATOMIC:
+        delta, dq = attention_triton_dq.prepare_dq(out, grad_out)  # dq: the fp32 accumulator
     else:
         delta = lse  # not read: these launches compute delta from O and dO
     load_keep = keep is not None and dropout_p > 0.0
-    partials = bias_partials(batch, heads, head_dim, seq_q, seq_k, roles, q.device) if bias_sums else lse
+    partials = bias_partials(batch, heads, head_dim, seq_q, seq_k, roles == (FUSED,), q.device) if bias_sums else lse
     tensors = (q, k, v, out, grad_out, dq, dk, dv, lse, delta, kpm, seed_or_standin(seed, dropout_p, lse),
                keep if load_keep else lse, partials)
     db_strides = partials.stride()[:2] if bias_sums else (0, 0)
@@ -599,6 +609,9 @@ def attention_backward(
             DOT_FP32=dot_in_fp32, ROLES=role, HAS_DB=bias_sums, DB_SLOT=DB_SLOT_ROWS,
         )
         _launcher(head_dim, role, block_n1)(_grid(role, seq_q, seq_k, batch_heads), tensors, ints, scalars, flags)
+    if roles[0] == ATOMIC:
+        attention_triton_dq.finish_dq(dq, dq_target, scale, partials if bias_sums else None)
+        dq = dq_target
     if bias_sums:
         return dq, dk, dv, partials.view(-1, partials.shape[-1])
     return dq, dk, dv

@@ -80,6 +80,15 @@ def _check_against_reference(got, q, k, v, grad, floor, **kwargs):
         assert err <= factor * torch_err + floor, f"{name}: dslab err {err:.3g} vs torch err {torch_err:.3g}"
 
 
+def force_plan(monkeypatch, plan: str | None) -> None:
+    """Make the interpreter's small problems take the backward's ``"split"`` (DQ_ONLY + DKDV_ONLY)
+    or ``"atomic"`` (ATOMIC) plan; None leaves the plan alone (FUSED or BOTH)."""
+    if plan is not None:
+        monkeypatch.setattr(attention_triton_bwd, "BOTH_MAX_WORK", -1)
+    if plan == "split":
+        monkeypatch.setattr(attention_triton_bwd, "ATOMIC_MIN_WORK", 2**62)
+
+
 # (batch, heads, seq_q, seq_k, head_dim, dtype, causal, padding). The interpreter tiles are 32x16
 # forward and 32-key blocks backward: seq_k <= 32 takes the one-key-block backward.
 CASES = [
@@ -111,17 +120,39 @@ def test_triton_matches_reference(batch, heads, seq_q, seq_k, head_dim, dtype, c
         assert torch.equal(got[1][0, :, 0], torch.zeros_like(got[1][0, :, 0]))
 
 
-@pytest.mark.parametrize("seq_q,seq_k,head_dim,dtype,causal,dropout_p,split", [
-    (37, 53, 64, "bf16", True, 0.3, False),
-    (37, 53, 64, "bf16", True, 0.3, True),
-    (45, 29, 32, "fp16", False, 0.2, False),
+# Backward plans beyond the interpreter's FUSED and BOTH, run on a subset of CASES.
+PLAN_CASES = [(CASES[1], "atomic"), (CASES[2], "atomic"), (CASES[3], "split"), (CASES[3], "atomic")]
+
+
+@pytest.mark.parametrize("case,plan", PLAN_CASES)
+def test_triton_backward_plans_match_reference(case, plan, monkeypatch):
+    """The split (DQ_ONLY + DKDV_ONLY) and ATOMIC plans, several key blocks, fully padded rows."""
+    force_plan(monkeypatch, plan)
+    batch, heads, seq_q, seq_k, head_dim, dtype, causal, padding = case
+    q, k, v, grad = _inputs(batch, heads, seq_q, seq_k, head_dim, LOW_PRECISION[dtype])
+    kwargs = dict(causal=causal, key_padding_mask=_padding(padding, batch, seq_k))
+    bwd = attention_triton_bwd
+    expected = (bwd.ATOMIC,) if plan == "atomic" else (bwd.DQ_ONLY, bwd.DKDV_ONLY)
+    assert bwd.backward_roles(batch * heads, seq_q, seq_k, head_dim, causal) == expected
+    with kernel_backend("triton"):
+        got = _forward_backward(q, k, v, grad, **kwargs)
+    _check_against_reference(got, q, k, v, grad, floor=1e-3, **kwargs)
+    if padding == "full":
+        for t in got:
+            assert torch.equal(t[-1], torch.zeros_like(t[-1]))
+
+
+@pytest.mark.parametrize("seq_q,seq_k,head_dim,dtype,causal,dropout_p,plan", [
+    (37, 53, 64, "bf16", True, 0.3, None),
+    (37, 53, 64, "bf16", True, 0.3, "split"),
+    (37, 53, 64, "bf16", True, 0.3, "atomic"),
+    (45, 29, 32, "fp16", False, 0.2, None),
 ])
 def test_triton_dropout_matches_reference_with_its_mask(
-    seq_q, seq_k, head_dim, dtype, causal, dropout_p, split, monkeypatch
+    seq_q, seq_k, head_dim, dtype, causal, dropout_p, plan, monkeypatch
 ):
-    """With key padding too; ``split`` forces the DQ_ONLY + DKDV_ONLY backward."""
-    if split:
-        monkeypatch.setattr(attention_triton_bwd, "BOTH_MAX_WORK", -1)
+    """With key padding too, whichever backward plan runs (``force_plan``)."""
+    force_plan(monkeypatch, plan)
     dtype = LOW_PRECISION[dtype]
     batch, heads = 2, 3
     q, k, v, grad = _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, seed=3)
@@ -286,12 +317,19 @@ def test_strided_layouts_and_output_layout():
 
 def test_a_captured_backward_splits_from_less_work():
     # Inside a CUDA graph the split's second launch costs no host time: GPT-2 1.5B's layer
-    # (batch 4 x 25 heads, seq 1024 causal) runs BOTH eagerly and DQ_ONLY + DKDV_ONLY captured.
+    # (batch 4 x 25 heads, seq 1024 causal) runs BOTH eagerly and ATOMIC captured.
     bwd = attention_triton_bwd
     assert bwd.backward_roles(100, 1024, 1024, 64, True, interpret=False) == (bwd.BOTH,)
-    assert bwd.backward_roles(100, 1024, 1024, 64, True, interpret=False, capturing=True) == (bwd.DQ_ONLY,
-                                                                                             bwd.DKDV_ONLY)
-    assert bwd.backward_roles(192, 1024, 1024, 64, True, interpret=False) == (bwd.DQ_ONLY, bwd.DKDV_ONLY)
+    assert bwd.backward_roles(100, 1024, 1024, 64, True, interpret=False, capturing=True) == (bwd.ATOMIC,)
+    assert bwd.backward_roles(192, 1024, 1024, 64, True, interpret=False) == (bwd.ATOMIC,)
+    # The deterministic plan for the same work: two launches, no atomics.
+    assert bwd.backward_roles(192, 1024, 1024, 64, True, interpret=False, deterministic=True) == (bwd.DQ_ONLY,
+                                                                                                bwd.DKDV_ONLY)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert bwd.backward_roles(192, 1024, 1024, 64, True, interpret=False) == (bwd.DQ_ONLY, bwd.DKDV_ONLY)
+    finally:
+        torch.use_deterministic_algorithms(False)
     # Short keys stay on the one-program-per-head FUSED path either way.
     assert bwd.backward_roles(1024, 128, 128, 64, False, interpret=False, capturing=True) == (bwd.FUSED,)
     # The warm-up runs before a capture rehearse the capture's plan (so that its kernels autotune
@@ -305,8 +343,8 @@ def test_a_captured_backward_splits_from_less_work():
 
 
 def test_backward_paths_agree():
-    """The same inputs through the FUSED, BOTH and DQ_ONLY + DKDV_ONLY backward launches give the
-    same gradients (several key blocks and a causal diagonal in the last two)."""
+    """The same inputs through the FUSED, BOTH, ATOMIC and DQ_ONLY + DKDV_ONLY backward launches
+    give the same gradients (several key blocks and a causal diagonal in the last three)."""
     q, k, v, grad = _inputs(1, 2, 33, 29, 64, torch.float16, seed=8)
     bwd = attention_triton_bwd
     assert bwd.backward_roles(2, 33, 29, 64, True) == (bwd.FUSED,)
@@ -320,13 +358,19 @@ def test_backward_paths_agree():
             assert bwd.backward_roles(2, 33, 29, 64, True) == (bwd.BOTH,)
             results["both"] = _forward_backward(q, k, v, grad, causal=True)
             bwd.BOTH_MAX_WORK = -1
-            assert bwd.backward_roles(2, 33, 29, 64, True) == (bwd.DQ_ONLY, bwd.DKDV_ONLY)
-            results["split"] = _forward_backward(q, k, v, grad, causal=True)
+            assert bwd.backward_roles(2, 33, 29, 64, True) == (bwd.ATOMIC,)
+            results["atomic"] = _forward_backward(q, k, v, grad, causal=True)
+            torch.use_deterministic_algorithms(True)
+            try:
+                assert bwd.backward_roles(2, 33, 29, 64, True) == (bwd.DQ_ONLY, bwd.DKDV_ONLY)
+                results["split"] = _forward_backward(q, k, v, grad, causal=True)
+            finally:
+                torch.use_deterministic_algorithms(False)
         finally:
             bwd._BWD_INTERPRET_TILE, bwd.BOTH_MAX_WORK = limit, max_work
             bwd.reset_kernels()
     _check_against_reference(results["split"], q, k, v, grad, floor=1e-3, causal=True)
-    for name in ("fused", "both"):
+    for name in ("fused", "both", "atomic"):
         for a, b in zip(results[name], results["split"]):
             assert (a.float() - b.float()).abs().max().item() < 2e-3, name
 

@@ -3,7 +3,7 @@ reference (CPU, Triton interpreter) and, on a GPU, against the split-heads op wi
 
 import pytest
 import torch
-from test_attention import _forward_backward, _padding
+from test_attention import _forward_backward, _padding, force_plan
 
 from dslab.kernels import attention_triton_bwd
 from dslab.kernels.attention import draw_dropout_seed, triton_dropout_keep_mask
@@ -74,12 +74,11 @@ def test_attention_packed_matches_reference(seq, head_dim, dtype, causal, paddin
         assert torch.equal(got[1][-1], torch.zeros_like(got[1][-1]))
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_attention_packed_equals_attention_on_split_heads(split, monkeypatch):
+@pytest.mark.parametrize("plan", [None, "split", "atomic"])
+def test_attention_packed_equals_attention_on_split_heads(plan, monkeypatch):
     """The Triton kernels on the packed layouts give bit for bit what they give on the split heads
-    (same tiles, same seed, only strides differ); ``split`` forces the DQ_ONLY + DKDV_ONLY backward."""
-    if split:
-        monkeypatch.setattr(attention_triton_bwd, "BOTH_MAX_WORK", -1)
+    (same tiles, same seed, only strides differ), whichever backward plan runs."""
+    force_plan(monkeypatch, plan)
     batch, heads, seq, head_dim = 2, 3, 37, 32
     qkv, grad = _packed_inputs(batch, heads, seq, head_dim, torch.bfloat16, seed=5)
     mask = _padding("first", batch, seq)
@@ -143,26 +142,27 @@ def _check_bias_gradient(dbias, dqkv, bias_dtype):
     assert expected[[0, 2]].abs().max() > 0.1  # the check sees real gradients
 
 
-# (seq, causal, padding, dropout_p, split): seq 29 takes the FUSED backward under the interpreter,
-# 37 and 70 (three 32-row slots) BOTH, or DQ_ONLY + DKDV_ONLY with ``split``.
+# (seq, causal, padding, dropout_p, plan): seq 29 takes the FUSED backward under the interpreter,
+# 37 and 70 (three 32-row slots) BOTH, or the plan named (force_plan).
 BIAS_CASES = [
-    (29, False, "first", 0.25, False),
-    (29, True, None, 0.0, False),
-    (37, True, "full", 0.25, False),
-    (70, False, "first", 0.0, False),
-    (70, True, "first", 0.25, True),
-    (37, False, None, 0.25, True),
+    (29, False, "first", 0.25, None),
+    (29, True, None, 0.0, None),
+    (37, True, "full", 0.25, None),
+    (70, False, "first", 0.0, None),
+    (70, True, "first", 0.25, "split"),
+    (37, False, None, 0.25, "split"),
+    (70, True, "first", 0.25, "atomic"),
+    (37, False, "full", 0.0, "atomic"),
 ]
 
 
-@pytest.mark.parametrize("seq,causal,padding,dropout_p,split", BIAS_CASES)
+@pytest.mark.parametrize("seq,causal,padding,dropout_p,plan", BIAS_CASES)
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
-def test_attention_packed_bias_gets_the_column_sums_of_the_qkv_gradient(seq, causal, padding, dropout_p, split,
+def test_attention_packed_bias_gets_the_column_sums_of_the_qkv_gradient(seq, causal, padding, dropout_p, plan,
                                                                         bias_dtype, monkeypatch):
     """With ``bias``, the output and qkv's gradient are unchanged (bit for bit) and the bias's
     gradient, from the kernels' partial sums, is qkv's gradient summed over rows."""
-    if split:
-        monkeypatch.setattr(attention_triton_bwd, "BOTH_MAX_WORK", -1)
+    force_plan(monkeypatch, plan)
     batch, heads, head_dim = 2, 3, 32
     qkv, grad = _packed_inputs(batch, heads, seq, head_dim, torch.bfloat16, seed=seq)
     kwargs = dict(causal=causal, key_padding_mask=_padding(padding, batch, seq), dropout_p=dropout_p,
@@ -227,9 +227,11 @@ def test_attention_packed_bad_input_raises_value_error(change, argument):
     (2, 12, 1024, 64, True, None, 0.0),  # GPT-2, DQ_ONLY + DKDV_ONLY
 ])
 def test_gpu_attention_packed_matches_split_heads_without_copies(batch, heads, seq, head_dim, causal, padding,
-                                                                 dropout_p):
-    """On the GPU the packed op equals the split-heads op bit for bit (one seed), and its forward
-    and backward launch no copy, fill or contiguous kernel around the attention kernels."""
+                                                                 dropout_p, monkeypatch):
+    """On the GPU the packed op equals the split-heads op bit for bit (one seed; the deterministic
+    plans), and its forward and backward launch no copy, fill or contiguous kernel around the
+    attention kernels (the ATOMIC plan's accumulator is zeroed by its own kernel)."""
+    monkeypatch.setattr(attention_triton_bwd, "ATOMIC_MIN_WORK", 2**62)
     qkv, grad = _packed_inputs(batch, heads, seq, head_dim, torch.bfloat16, device="cuda", seed=41)
     mask = _padding(padding, batch, seq, device="cuda")
     kwargs = dict(causal=causal, key_padding_mask=mask, dropout_p=dropout_p, seed=draw_dropout_seed("cuda"))
@@ -239,6 +241,7 @@ def test_gpu_attention_packed_matches_split_heads_without_copies(batch, heads, s
     split_out, dq, dk, dv = _forward_backward(q, k, v, grad_heads, **kwargs)
     assert torch.equal(out, split_out.transpose(1, 2).reshape(out.shape))
     assert torch.equal(dqkv, torch.stack([dq, dk, dv], dim=2).transpose(1, 3).reshape(dqkv.shape))
+    monkeypatch.setattr(attention_triton_bwd, "ATOMIC_MIN_WORK", 0)
     leaf = qkv.detach().requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.autograd.grad(attention_packed(leaf, heads, **kwargs), (leaf,), grad)
@@ -252,9 +255,48 @@ def test_gpu_attention_packed_matches_split_heads_without_copies(batch, heads, s
     (16, 16, 512, False, 0.1, torch.float32),  # BERT-large seq 512 (autocast's fp32 bias)
     (16, 12, 1024, True, 0.1, torch.bfloat16),  # GPT-2 124M (DQ_ONLY + DKDV_ONLY)
 ])
-def test_gpu_attention_packed_bias_gradient_at_suite_shapes(batch, heads, seq, causal, dropout_p, bias_dtype):
+def test_gpu_attention_packed_bias_gradient_at_suite_shapes(batch, heads, seq, causal, dropout_p, bias_dtype,
+                                                           monkeypatch):
+    monkeypatch.setattr(attention_triton_bwd, "ATOMIC_MIN_WORK", 2**62)  # bit for bit: deterministic plans
     qkv, grad = _packed_inputs(batch, heads, seq, 64, torch.bfloat16, device="cuda", seed=43)
     kwargs = dict(causal=causal, dropout_p=dropout_p, seed=draw_dropout_seed("cuda"))
     (out, dqkv, dbias), (plain_out, plain_dqkv) = _bias_case(qkv, grad, heads, bias_dtype, **kwargs)
     assert torch.equal(out, plain_out) and torch.equal(dqkv, plain_dqkv)
     _check_bias_gradient(dbias.cpu(), dqkv.cpu(), bias_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,heads,seq,causal,padding,dropout_p", [
+    (16, 16, 512, False, "first", 0.1),  # BERT-large seq 512
+    (16, 12, 1024, True, None, 0.1),  # GPT-2 124M
+    (4, 25, 1024, True, None, 0.1),  # GPT-2 1.5B
+])
+def test_gpu_atomic_plan_matches_the_split_plan(batch, heads, seq, causal, padding, dropout_p, monkeypatch):
+    """The ATOMIC plan against the deterministic split at the suites' shapes, with the qkv bias, as
+    planned inside a CUDA graph: the output bit for bit; dQ, dK, dV up to the order of their fp32
+    sums (dQ's adds land in any order, and the launches' tiles may differ); the bias gradient the
+    column sums of the qkv gradient. Twice, as the adds' order differs run to run."""
+    from dslab.kernels.dispatch import graphed_launches
+
+    qkv, grad = _packed_inputs(batch, heads, seq, 64, torch.bfloat16, device="cuda", seed=47)
+    kwargs = dict(causal=causal, key_padding_mask=_padding(padding, batch, seq, device="cuda"),
+                  dropout_p=dropout_p, seed=draw_dropout_seed("cuda"))
+    width = heads * 64
+    runs = {}
+    for plan, min_work in (("split", 2**62), ("atomic", 0), ("atomic again", 0)):
+        monkeypatch.setattr(attention_triton_bwd, "ATOMIC_MIN_WORK", min_work)
+        with graphed_launches():
+            roles = attention_triton_bwd.backward_roles(batch * heads, seq, seq, 64, causal, capturing=True)
+            assert (roles == (attention_triton_bwd.ATOMIC,)) == plan.startswith("atomic")
+            (out, dqkv, dbias), _ = _bias_case(qkv, grad, heads, torch.float32, **kwargs)
+        runs[plan] = (out, dqkv, dbias)
+    out, dqkv, dbias = runs["split"]
+    for plan in ("atomic", "atomic again"):
+        a_out, a_dqkv, a_dbias = runs[plan]
+        assert torch.equal(a_out, out)
+        for part, name in enumerate(("dq", "dk", "dv")):
+            expected = dqkv[..., part * width:(part + 1) * width].float()
+            err = (a_dqkv[..., part * width:(part + 1) * width].float() - expected).abs()
+            assert err.max() <= 2**-6 * expected.abs().max(), (plan, name)
+            assert err.mean() <= 2**-9 * expected.abs().mean(), (plan, name)
+        _check_bias_gradient(a_dbias.cpu(), a_dqkv.cpu(), torch.float32)
