@@ -59,23 +59,41 @@ def _erf_rational(x, APPROX_DIV: tl.constexpr):
 
 
 @triton.jit
-def _gelu_and_grad(u, APPROX_TANH: tl.constexpr, PRECISE_ERF: tl.constexpr, NEED_GRAD: tl.constexpr):
-    """(gelu(u), gelu'(u)) in fp32; the second is 0 unless NEED_GRAD."""
+def _sigmoid_parts(s, PRECISE: tl.constexpr):
+    """(sigmoid(s), sigmoid(-s)) in fp32, neither by subtraction from 1 (no cancellation where one
+    is close to 1). ``PRECISE``: two exponentials and IEEE divisions; else one exponential, one
+    approximate reciprocal (2 ulp, where 16-bit outputs round at 2**-9 or coarser) and
+    ``sigmoid(-s) = e * sigmoid(s)`` with ``e = exp(-s)``, s clamped at -80 so that e stays finite
+    (sigmoid(-80) is 2e-35: the clamp changes no 16-bit result)."""
+    if PRECISE:
+        return 1.0 / (1.0 + tl.exp(-s)), 1.0 / (1.0 + tl.exp(s))
+    else:
+        e = tl.exp(-tl.maximum(s, -80.0))
+        if _HAS_APPROX_DIV:
+            sig = tl.math.fdiv(1.0, 1.0 + e, approx=True)
+        else:
+            sig = 1.0 / (1.0 + e)
+        return sig, e * sig
+
+
+@triton.jit
+def _gelu_and_grad(u, APPROX_TANH: tl.constexpr, PRECISE: tl.constexpr, NEED_GRAD: tl.constexpr):
+    """(gelu(u), gelu'(u)) in fp32; the second is 0 unless NEED_GRAD. ``PRECISE`` (fp32 outputs):
+    libdevice's erf and IEEE divisions; else the rational erf and the approximate sigmoid, which
+    keep the 16-bit kernels bound by memory rather than by instruction issue."""
     if APPROX_TANH:
         # 1.5957691216057308 = 2 * sqrt(2 / pi)
         s = 1.5957691216057308 * (u + 0.044715 * u * u * u)
-        sig = 1.0 / (1.0 + tl.exp(-s))
+        sig, one_minus_sig = _sigmoid_parts(s, PRECISE)
         y = u * sig
         if NEED_GRAD:
-            # 1 - sig as sigmoid(-s): no cancellation where sig is close to 1.
-            one_minus_sig = 1.0 / (1.0 + tl.exp(s))
             ds_du = 1.5957691216057308 * (1.0 + 3.0 * 0.044715 * u * u)
             grad = sig + u * sig * one_minus_sig * ds_du
         else:
             grad = 0.0
     else:
         # 0.7071067811865476 = 1 / sqrt(2); 0.3989422804014327 = 1 / sqrt(2 * pi)
-        if PRECISE_ERF:
+        if PRECISE:
             erf = tl.math.erf(u * 0.7071067811865476)
         else:
             erf = _erf_rational(u * 0.7071067811865476, _HAS_APPROX_DIV)
@@ -91,7 +109,7 @@ def _gelu_and_grad(u, APPROX_TANH: tl.constexpr, PRECISE_ERF: tl.constexpr, NEED
 @triton.jit
 def _bias_gelu_fwd_kernel(
     X, B, Y, M, N, stride_x, stride_y,
-    HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr, PRECISE_ERF: tl.constexpr,
+    HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr, PRECISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -102,14 +120,14 @@ def _bias_gelu_fwd_kernel(
     u = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         u += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    y, _ = _gelu_and_grad(u, APPROX_TANH, PRECISE_ERF, False)
+    y, _ = _gelu_and_grad(u, APPROX_TANH, PRECISE, False)
     tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bias_gelu_bwd_kernel(
     DY, X, B, DX, DB_partial, M, N, stride_dy, stride_x, stride_dx,
-    HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr, PRECISE_ERF: tl.constexpr,
+    HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr, PRECISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -126,7 +144,7 @@ def _bias_gelu_bwd_kernel(
         dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             u += b[None, :]
-        _, grad = _gelu_and_grad(u, APPROX_TANH, PRECISE_ERF, True)
+        _, grad = _gelu_and_grad(u, APPROX_TANH, PRECISE, True)
         dx = dy * grad
         tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -156,7 +174,7 @@ def forward(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> tor
         _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             x, bias, y, m, n, x.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh",
-            PRECISE_ERF=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            PRECISE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     return y
 
@@ -173,7 +191,7 @@ def backward(
     block_m, block_n, num_warps = _config(n)
     row_tiles, col_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     meta = dict(HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh",
-                PRECISE_ERF=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+                PRECISE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
                 num_warps=num_warps)
     strides = (dy.stride(0), x.stride(0), dx.stride(0))
     with _device_guard(x):

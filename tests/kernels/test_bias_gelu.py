@@ -74,6 +74,23 @@ def test_without_bias_large_magnitudes_and_strided_rows(approximate):
         torch.testing.assert_close(a.double(), ex, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_16_bit_tails_stay_finite_and_within_torch_error(dtype, approximate):
+    """The 16-bit path's one-exponential sigmoid clamps its exponent: inputs out to +-60 (exp(-s)
+    beyond fp32's range without the clamp) give finite values within PyTorch's error."""
+    x = torch.linspace(-60, 60, 64 * 96).reshape(64, 96).to(dtype)
+    bias = torch.zeros(96, dtype=dtype)
+    dy = torch.randn(64, 96, generator=torch.Generator().manual_seed(5)).to(dtype)
+    exact = _run(bias_gelu_reference, x, bias, dy, approximate, dtype=torch.float64)
+    low = _run(bias_gelu_reference, x, bias, dy, approximate)
+    with kernel_backend("triton"):
+        got = _run(bias_gelu, x, bias, dy, approximate)
+    for name, a, lo, ex in zip(["y", "dx", "dbias"], got, low, exact):
+        assert torch.isfinite(a).all(), name
+        _assert_within_torch_error(name, a, lo, ex)
+
+
 def test_bias_gradient_with_many_row_tiles_is_deterministic():
     # 700 rows of 24: 6 row tiles of 128 rows looped over by 4 interpreter programs.
     x, bias, dy = _inputs((700, 24), torch.float32, seed=3)
