@@ -56,6 +56,14 @@ A target outside ``[0, vocab)`` that is not ``ignore_index`` makes that row's lo
 mean) and its gradient row over ``[0, vocab)`` nan on the Triton path, where checking it would
 need a device sync; the reference raises as ``F.cross_entropy`` does.
 
+A tied head (``tie``, an :class:`~dslab.kernels.embedding.EmbeddingTie` armed for ``weight``, the
+token embeddings): the head reads ``weight`` through the tie, and its weight gradient goes to the
+embedding lookup's backward, which adds it into the one fp32 gradient it writes. On the fused
+path the backward hands the tie the unscaled ``G^T h`` and ``g``, and the lookup's kernel scales
+it (rounded as ``G^T h * g`` would be), so no ``[Vp, H]`` scale, cast or add runs; where the tie
+refuses (see :mod:`dslab.kernels.embedding`) the backward returns ``g G^T h`` in ``weight``'s
+dtype as without a tie. Elsewhere the head reads :meth:`EmbeddingTie.head_weight`.
+
 Layers: :func:`linear_cross_entropy_reference` (``F.linear``, the slice and
 :func:`dslab.kernels.cross_entropy.cross_entropy_reference`) → the
 ``dslab::linear_cross_entropy_forward`` custom op returning ``(loss, G)``, ``G`` a
@@ -69,6 +77,8 @@ rows); the reference otherwise (CPU tensors without the interpreter, the ``torch
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +89,9 @@ from dslab.kernels.cross_entropy import (
     _SEGMENT, _grad_chunk, _load_chunk, _online_chunk, cross_entropy_reference, softmax_cross_entropy,
 )
 from dslab.kernels.dispatch import interpreting, use_triton
+
+if TYPE_CHECKING:
+    from dslab.kernels.embedding import EmbeddingTie
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _AUTOCAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes autocast casts
@@ -247,23 +260,55 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_loss, grad_grad_logits):
-    """``g G W``, ``g G^T h`` and ``g sum_i G_i`` for ``g = grad_loss``, in the inputs' dtype."""
-    hidden, weight, grad_logits = ctx.saved_tensors
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+def _head_grads(hidden, weight, grad_logits, grad_loss, needs_input_grad, bias_dtype, weight_dtype, tie=None):
+    """``g G W``, ``g G^T h`` and ``g sum_i G_i`` for ``g = grad_loss``: the hidden gradient in
+    ``hidden``'s dtype, the bias's in ``bias_dtype`` and the weight's in ``weight_dtype``, or None
+    for the weight when ``tie`` takes the unscaled ``G^T h`` and ``g``."""
+    need_hidden, need_weight, need_bias = needs_input_grad[:3]
     g = grad_loss.to(torch.float32)
     grad_hidden = grad_weight = grad_bias = None
     with torch.autocast(hidden.device.type, enabled=False):
         if need_hidden:
             grad_hidden = (torch.mm(grad_logits, weight) * g).to(hidden.dtype)
         if need_weight:
-            grad_weight = (torch.mm(grad_logits.t(), hidden) * g).to(weight.dtype)
-        if ctx.bias_dtype is not None and need_bias:
-            grad_bias = (grad_logits.sum(0, dtype=torch.float32) * g).to(ctx.bias_dtype)
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None
+            unscaled = torch.mm(grad_logits.t(), hidden)
+            if tie is None or not tie.offer(unscaled, g):
+                grad_weight = (unscaled * g).to(weight_dtype)
+        if bias_dtype is not None and need_bias:
+            grad_bias = (grad_logits.sum(0, dtype=torch.float32) * g).to(bias_dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _backward(ctx, grad_loss, grad_grad_logits):
+    """``g G W``, ``g G^T h`` and ``g sum_i G_i`` for ``g = grad_loss``, in the inputs' dtype."""
+    hidden, weight, grad_logits = ctx.saved_tensors
+    grads = _head_grads(hidden, weight, grad_logits, grad_loss, ctx.needs_input_grad, ctx.bias_dtype, weight.dtype)
+    return *grads, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _TiedForward(torch.autograd.Function):
+    """The fused op on a head read through a tie: ``weight`` is the tied parameter (in its own
+    dtype), cast to ``hidden``'s inside; the backward offers the weight gradient to the tie."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, vocab, ignore_index, label_smoothing, tie):
+        cast = weight.to(hidden.dtype)
+        loss, grad_logits = _forward_op(hidden, cast, bias, target, vocab, ignore_index, label_smoothing)
+        ctx.save_for_backward(hidden, cast, grad_logits)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.weight_dtype, ctx.tie = weight.dtype, tie
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        hidden, cast, grad_logits = ctx.saved_tensors
+        grads = _head_grads(hidden, cast, grad_logits, grad_loss, ctx.needs_input_grad, ctx.bias_dtype,
+                            ctx.weight_dtype, ctx.tie)
+        return *grads, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,6 +359,7 @@ def _check_inputs(hidden, weight, target, vocab, bias, label_smoothing) -> None:
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab: int | None = None,
     bias: torch.Tensor | None = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+    tie: EmbeddingTie | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of an LM head's logits ``(hidden @ weight.T + bias)[:, :vocab]`` against
     ``target``.
@@ -329,18 +375,27 @@ def linear_cross_entropy(
     Triton runs and the compute dtype is fp32, the logits are made and sliced as in the reference
     and :func:`dslab.kernels.cross_entropy.softmax_cross_entropy` takes them. Otherwise
     :func:`linear_cross_entropy_reference` runs.
+
+    ``tie``: an :class:`~dslab.kernels.embedding.EmbeddingTie` armed for ``weight`` (a head tied
+    to the token embeddings), whose lookup's backward then writes ``weight``'s gradient, this
+    head's included (see the module docstring).
     """
     if vocab is None and weight.dim() == 2:
         vocab = weight.shape[0]
     _check_inputs(hidden, weight, target, vocab, bias, label_smoothing)
+    if tie is not None and tie.weight is not weight:
+        raise ValueError("tie was armed for another weight than this head's")
     dtype = _compute_dtype(hidden)
     if not (dtype in (*_TRITON_DTYPES, torch.float32) and use_triton(hidden, weight, bias, target)):
-        return linear_cross_entropy_reference(hidden, weight, target, vocab, bias, ignore_index, label_smoothing)
+        head = weight if tie is None else tie.head_weight()
+        return linear_cross_entropy_reference(hidden, head, target, vocab, bias, ignore_index, label_smoothing)
     if dtype == torch.float32:
-        logits = F.linear(hidden, weight, bias)
+        logits = F.linear(hidden, weight if tie is None else tie.head_weight(), bias)
         logits = logits[:, :vocab] if vocab < logits.shape[-1] else logits
         return softmax_cross_entropy(logits, target, ignore_index, label_smoothing)
-    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    hidden = hidden.to(dtype)
     bias = None if bias is None else bias.to(dtype)
-    loss, _ = _forward_op(hidden, weight, bias, target, vocab, int(ignore_index), float(label_smoothing))
+    if tie is not None:
+        return _TiedForward.apply(hidden, weight, bias, target, vocab, int(ignore_index), float(label_smoothing), tie)
+    loss, _ = _forward_op(hidden, weight.to(dtype), bias, target, vocab, int(ignore_index), float(label_smoothing))
     return loss

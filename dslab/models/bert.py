@@ -27,6 +27,13 @@ picks the rows, in ``nonzero``'s order, without reading anything back (:func:`la
 The plain ``nonzero`` path remains on CPU, under ``torch.compile`` (the traced graph is left as it
 was), inside a CUDA-graph capture, on torch < 2.7 (CUDA's ``nonzero_static`` came with 2.6 at the
 earliest) and for :meth:`BertForPreTraining.mlm_loss` called without a count.
+
+Embeddings: the word, position and token-type tables go through the op set's ``embedding`` and
+``position_embedding`` (:mod:`dslab.models.ops`). With the dslab set, each forward that needs
+gradients arms a tie between the word embeddings and the MLM decoder (``ops.embedding_tie``): the
+word lookup's backward then writes their fp32 gradient once, the decoder's included
+(:mod:`dslab.kernels.embedding`); the positions are ``position_embeddings.weight[:seq]``, whose
+gradient is a sum over the batch, and the token types' two rows take the small-vocabulary kernel.
 """
 
 from __future__ import annotations
@@ -41,7 +48,9 @@ from torch.torch_version import TorchVersion
 
 from dslab.models import hf_mapping
 from dslab.models.graphs import CudaGraphLayers
-from dslab.models.ops import IGNORE_INDEX, LayerNorm, TransformerLayer, check_head_dim, init_normal_, op_set
+from dslab.models.ops import (
+    IGNORE_INDEX, Embedding, LayerNorm, PositionEmbedding, TransformerLayer, check_head_dim, init_normal_, op_set,
+)
 from dslab.models.weight_cast import Linear, weight
 
 
@@ -171,14 +180,14 @@ class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig, ops):
         super().__init__()
         self.dropout = config.hidden_dropout
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden)
-        self.position_embeddings = nn.Embedding(config.max_position, config.hidden)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab, config.hidden)
+        self.word_embeddings = Embedding(config.vocab_size, config.hidden, ops)
+        self.position_embeddings = PositionEmbedding(config.max_position, config.hidden, ops)
+        self.token_type_embeddings = Embedding(config.type_vocab, config.hidden, ops)
         self.norm = LayerNorm(config.hidden, config.layer_norm_eps, ops)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None, tie=None) -> torch.Tensor:
+        """``tie``: from ``ops.embedding_tie(self.word_embeddings.weight)``, for the MLM decoder."""
+        x = self.word_embeddings(input_ids, tie) + self.position_embeddings(input_ids.shape[1])
         if token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]  # every token of type 0, without an ids tensor
         else:
@@ -230,26 +239,30 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
         return self.embeddings.word_embeddings.weight
 
     def encode(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-               key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states ``[batch, seq, hidden]`` after the last layer (and ``final_norm``)."""
-        x = self.run_layers(self.embeddings(input_ids, token_type_ids), key_padding_mask)
+               key_padding_mask: torch.Tensor | None = None, tie=None) -> torch.Tensor:
+        """Hidden states ``[batch, seq, hidden]`` after the last layer (and ``final_norm``);
+        ``tie`` as for :class:`BertEmbeddings`."""
+        x = self.run_layers(self.embeddings(input_ids, token_type_ids, tie), key_padding_mask)
         return x if self.final_norm is None else self.final_norm(x)
 
-    def mlm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def mlm_head(self, hidden: torch.Tensor, tie=None) -> torch.Tensor:
         """Vocabulary logits ``[..., vocab]`` of hidden states ``[..., hidden]``:
-        ``LayerNorm(gelu(h W + b)) E^T + b_dec`` with ``E`` the word embeddings."""
+        ``LayerNorm(gelu(h W + b)) E^T + b_dec`` with ``E`` the word embeddings (read through
+        ``tie`` when the forward armed one)."""
         h = self.ops.bias_gelu(self.mlm_dense(hidden), weight(self.mlm_dense_bias), "none")
-        return F.linear(self.mlm_norm(h), self.mlm_decoder_weight, self.mlm_bias)
+        decoder = self.mlm_decoder_weight if tie is None else tie.head_weight()
+        return F.linear(self.mlm_norm(h), decoder, self.mlm_bias)
 
     def nsp_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """NSP logits ``[batch, 2]`` from the [CLS] (first) position: ``tanh(h_cls Wp + bp) Wc + bc``."""
         return self.nsp_classifier(torch.tanh(self.pooler(hidden[:, 0])))
 
     def mlm_loss(self, hidden: torch.Tensor, labels: torch.Tensor, *,
-                 label_count: LabelCount | None = None) -> torch.Tensor:
+                 label_count: LabelCount | None = None, tie=None) -> torch.Tensor:
         """Mean MLM cross-entropy over the positions whose label is not -100 (see the module
         docstring for ``sparse_mlm``). ``label_count``, prepared for this ``labels`` tensor by
-        :meth:`label_count_ahead`, spares the sparse path its synchronisation after the encoder."""
+        :meth:`label_count_ahead`, spares the sparse path its synchronisation after the encoder;
+        ``tie`` goes to :meth:`mlm_head`."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         targets = labels.reshape(-1)
         if self.config.sparse_mlm:
@@ -258,7 +271,7 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
             count = None if label_count is None else label_count.get()
             keep = labelled_rows(targets != IGNORE_INDEX, count)
             rows, targets = rows.index_select(0, keep), targets.index_select(0, keep)
-        return self.ops.softmax_cross_entropy(self.mlm_head(rows), targets, IGNORE_INDEX)
+        return self.ops.softmax_cross_entropy(self.mlm_head(rows, tie), targets, IGNORE_INDEX)
 
     def label_count_ahead(self, labels: torch.Tensor | None) -> LabelCount | None:
         """The count of ``labels``' labelled positions, queued now for :meth:`mlm_loss` (call it
@@ -278,13 +291,14 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
                 next_sentence_label: torch.Tensor | None = None):
         self._check_inputs(input_ids, token_type_ids, attention_mask, masked_lm_labels, next_sentence_label)
         label_count = self.label_count_ahead(masked_lm_labels)
-        hidden = self.encode(input_ids, token_type_ids, key_padding_mask_of(attention_mask))
+        tie = self.ops.embedding_tie(self.mlm_decoder_weight)
+        hidden = self.encode(input_ids, token_type_ids, key_padding_mask_of(attention_mask), tie)
         nsp_logits = self.nsp_head(hidden)
         if masked_lm_labels is None and next_sentence_label is None:
-            return self.mlm_head(hidden), nsp_logits
+            return self.mlm_head(hidden, tie), nsp_logits
         losses = []
         if masked_lm_labels is not None:
-            losses.append(self.mlm_loss(hidden, masked_lm_labels, label_count=label_count))
+            losses.append(self.mlm_loss(hidden, masked_lm_labels, label_count=label_count, tie=tie))
         if next_sentence_label is not None:
             losses.append(self.ops.softmax_cross_entropy(nsp_logits, next_sentence_label, IGNORE_INDEX))
         return losses[0] if len(losses) == 1 else losses[0] + losses[1]

@@ -22,6 +22,12 @@ into a zero-filled padded buffer). The dslab set's op, on CUDA in bf16 or fp16 (
 or in a half-precision model), overwrites the padded logits with their gradient (zero over the
 padding columns) in its forward, so that its backward is the head's two matmuls; in fp32 it
 hands the strided slice to ``softmax_cross_entropy`` (:mod:`dslab.kernels.linear_cross_entropy`).
+
+Embeddings: ``wte`` and ``wpe`` go through the op set's ``embedding`` and ``position_embedding``
+(:mod:`dslab.models.ops`). With the dslab set, each forward that needs gradients arms a tie
+between ``wte`` and the LM head (``ops.embedding_tie``): the token lookup's backward then writes
+``wte``'s fp32 gradient once, the head's included (:mod:`dslab.kernels.embedding`), and the
+positions are ``wpe.weight[:seq]``, whose gradient is a sum over the batch.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import torch.nn.functional as F
 from dslab.models import hf_mapping
 from dslab.models.graphs import CudaGraphLayers
 from dslab.models.ops import (
-    IGNORE_INDEX, LayerNorm, TransformerLayer, check_head_dim, init_normal_, op_set, scale_residual_init_,
+    IGNORE_INDEX, Embedding, LayerNorm, PositionEmbedding, TransformerLayer, check_head_dim, init_normal_, op_set,
+    scale_residual_init_,
 )
 
 
@@ -142,8 +149,8 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         check_head_dim(self.ops, config.hidden, config.heads)
         self.config = config
         self.kernels = kernels
-        self.wte = nn.Embedding(config.padded_vocab_size, config.hidden)
-        self.wpe = nn.Embedding(config.n_positions, config.hidden)
+        self.wte = Embedding(config.padded_vocab_size, config.hidden, self.ops)
+        self.wpe = PositionEmbedding(config.n_positions, config.hidden, self.ops)
         self.layers = nn.ModuleList(
             TransformerLayer(config.hidden, config.heads, config.intermediate, config.dropout, config.dropout,
                              config.layer_norm_epsilon, pre_ln=True, causal=True, gelu_approximate="tanh",
@@ -159,11 +166,11 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         """The LM head ``[padded_vocab, hidden]``: the token embeddings (tied)."""
         return self.wte.weight
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[batch, seq, hidden]`` after the final LayerNorm."""
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = F.dropout(self.wte(input_ids) + self.wpe(positions), self.config.dropout, self.training)
-        return self.final_norm(self.run_layers(x))
+    def hidden_states(self, input_ids: torch.Tensor, tie=None) -> torch.Tensor:
+        """``[batch, seq, hidden]`` after the final LayerNorm. ``tie``: from
+        ``ops.embedding_tie(self.wte.weight)``, for the head that reads the result."""
+        x = self.wte(input_ids, tie) + self.wpe(input_ids.shape[1])
+        return self.final_norm(self.run_layers(F.dropout(x, self.config.dropout, self.training)))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:
@@ -173,12 +180,14 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         vocab = self.config.vocab_size
+        tie = self.ops.embedding_tie(self.lm_head_weight)
+        hidden = self.hidden_states(input_ids, tie)
         if labels is None:
-            logits = F.linear(self.hidden_states(input_ids), self.lm_head_weight)
+            logits = F.linear(hidden, self.lm_head_weight if tie is None else tie.head_weight())
             return logits[..., :vocab] if logits.shape[-1] != vocab else logits
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        hidden = self.hidden_states(input_ids).reshape(-1, self.config.hidden)
-        return self.ops.linear_cross_entropy(hidden, self.lm_head_weight, targets.reshape(-1), vocab, IGNORE_INDEX)
+        return self.ops.linear_cross_entropy(hidden.reshape(-1, self.config.hidden), self.lm_head_weight,
+                                             targets.reshape(-1), vocab, IGNORE_INDEX, tie=tie)
 
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config: GPT2Config, kernels: str = "dslab") -> GPT2LMHeadModel:

@@ -36,7 +36,21 @@ The ops:
   gradient). The torch set computes the logits, takes the strided slice and calls
   ``F.cross_entropy`` on its fp32 upcast; the dslab set's op
   (:func:`dslab.kernels.linear_cross_entropy.linear_cross_entropy`) writes the logits' gradient
-  over the logits in its forward, so its backward is the head's two matmuls.
+  over the logits in its forward, so its backward is the head's two matmuls. ``tie=``: see
+  ``embedding_tie``.
+- ``embedding(weight [V, H], ids, tie=None)`` -> ``weight[ids]``: the torch set's is
+  ``F.embedding``; the dslab set's (:func:`dslab.kernels.embedding.embedding`) has a
+  deterministic backward that writes the fp32 weight gradient once.
+- ``position_embedding(weight [P, H], seq)`` -> the first ``seq`` rows ``[seq, H]``, to be broadcast
+  over the batch: the torch set looks up ``arange(seq)`` with ``F.embedding``; the dslab set slices
+  the weight, so its gradient is autograd's sum over the batch (no embedding backward).
+- ``embedding_tie(weight)`` -> a tie for a token-embedding matrix that a head also reads, or None.
+  The torch set never ties (None). The dslab set's is
+  :meth:`dslab.kernels.embedding.EmbeddingTie.arm` (None without autograd or under
+  ``torch.compile``): the model hands the tie to ``embedding`` and to the head
+  (``linear_cross_entropy(..., tie=)``, or ``tie.head_weight()`` for a plain ``F.linear``), and the
+  lookup's backward adds the head's weight gradient into the one gradient it writes, instead of
+  autograd casting it to fp32 and adding two dense ``[V, H]`` gradients.
 
 Dtypes under autocast (fp32 parameters, half-precision matmul outputs): the ``dslab`` set runs
 each fused op in the dtype of its activation ``x`` and casts the bias and the residual to it, so
@@ -87,6 +101,9 @@ class OpSet:
     softmax_cross_entropy: Callable
     linear_cross_entropy: Callable
     layer_norm_fork: Callable
+    embedding: Callable
+    position_embedding: Callable
+    embedding_tie: Callable
     head_dims: tuple[int, ...] | None
     packed_bias_grad: bool = False
 
@@ -136,7 +153,14 @@ def _torch_cross_entropy(logits, target, ignore_index=IGNORE_INDEX, label_smooth
     return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
-def _torch_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNORE_INDEX, label_smoothing=0.0):
+def _refuse_tie(tie) -> None:
+    if tie is not None:
+        raise ValueError("the torch kernel set takes no tie (its embedding_tie gives None)")
+
+
+def _torch_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNORE_INDEX, label_smoothing=0.0,
+                                tie=None):
+    _refuse_tie(tie)
     logits = F.linear(hidden, weight)
     if vocab < logits.shape[-1]:
         logits = logits[..., :vocab]
@@ -145,6 +169,19 @@ def _torch_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNO
 
 def _torch_layer_norm_fork(x, weight, bias, eps=1e-5):
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps), x
+
+
+def _torch_embedding(weight, ids, tie=None):
+    _refuse_tie(tie)
+    return F.embedding(ids, weight)
+
+
+def _torch_position_embedding(weight, seq):
+    return F.embedding(torch.arange(seq, device=weight.device), weight)
+
+
+def _no_tie(weight):
+    return None
 
 
 TORCH_OPS = OpSet(
@@ -157,6 +194,9 @@ TORCH_OPS = OpSet(
     softmax_cross_entropy=_torch_cross_entropy,
     linear_cross_entropy=_torch_linear_cross_entropy,
     layer_norm_fork=_torch_layer_norm_fork,
+    embedding=_torch_embedding,
+    position_embedding=_torch_position_embedding,
+    embedding_tie=_no_tie,
     head_dims=None,
 )
 
@@ -183,6 +223,7 @@ def _dslab_ops() -> OpSet:
     from dslab.kernels.bias_dropout_residual import bias_dropout_residual
     from dslab.kernels.bias_gelu import bias_gelu
     from dslab.kernels.cross_entropy import softmax_cross_entropy
+    from dslab.kernels.embedding import EmbeddingTie, embedding
     from dslab.kernels.layer_norm import layer_norm, layer_norm_fork
     from dslab.kernels.linear_cross_entropy import linear_cross_entropy
 
@@ -198,9 +239,15 @@ def _dslab_ops() -> OpSet:
         seed = draw_seed(x) if training and p > 0 else None
         return bias_dropout_residual(x, bias.to(x.dtype), residual.to(x.dtype), p, training, seed)
 
-    def dslab_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNORE_INDEX, label_smoothing=0.0):
+    def dslab_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNORE_INDEX, label_smoothing=0.0,
+                                   tie=None):
         return linear_cross_entropy(hidden, weight, target, vocab, ignore_index=ignore_index,
-                                    label_smoothing=label_smoothing)
+                                    label_smoothing=label_smoothing, tie=tie)
+
+    def dslab_position_embedding(weight, seq):
+        # A view either way, never the parameter itself (hooks on a module's outputs must not land
+        # on a parameter); a whole-table view's backward is free, a slice's fills [P, H] once.
+        return weight[:seq] if seq < weight.shape[0] else weight.view_as(weight)
 
     return OpSet(
         name="dslab",
@@ -212,6 +259,9 @@ def _dslab_ops() -> OpSet:
         softmax_cross_entropy=softmax_cross_entropy,
         linear_cross_entropy=dslab_linear_cross_entropy,
         layer_norm_fork=layer_norm_fork,
+        embedding=embedding,
+        position_embedding=dslab_position_embedding,
+        embedding_tie=EmbeddingTie.arm,
         head_dims=tuple(HEAD_DIMS),
         packed_bias_grad=True,
     )
@@ -240,8 +290,30 @@ def check_head_dim(ops: OpSet, hidden: int, heads: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Layers. Matmuls are nn.Linear (without bias where a fused op adds it); everything else is an op.
 # Their weights and the separate biases are read through weight() (a bf16 copy inside the engine's
-# copies scope, see dslab.engine.weight_copies); layer norms read their fp32 parameters.
+# copies scope, see dslab.engine.weight_copies); layer norms and embeddings read their fp32
+# parameters (a tied head reads its embedding through the op set's tie instead).
 # ---------------------------------------------------------------------------------------------
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` (same parameter, state dict and initialisation) looked up through
+    ``ops.embedding``: ``forward(ids, tie=None)`` -> ``[*ids.shape, H]``, ``tie`` from
+    ``ops.embedding_tie(self.weight)`` when a head reads this matrix too."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ops: OpSet):
+        super().__init__(num_embeddings, embedding_dim)
+        self.ops = ops
+
+    def forward(self, ids: torch.Tensor, tie=None) -> torch.Tensor:
+        return self.ops.embedding(self.weight, ids, tie)
+
+
+class PositionEmbedding(Embedding):
+    """Learned positions: ``forward(seq)`` -> rows ``0..seq`` ``[seq, H]`` through
+    ``ops.position_embedding``, for the caller to broadcast over the batch."""
+
+    def forward(self, seq: int) -> torch.Tensor:
+        return self.ops.position_embedding(self.weight, seq)
 
 
 class LayerNorm(nn.Module):

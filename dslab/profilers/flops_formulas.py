@@ -67,6 +67,10 @@ the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schem
   the noise add); ``moe_permute(x, row_index [T,k], num_rows)`` and its backward,
   ``moe_unpermute(y_perm [R,H], row_index, gate_weight)`` and its backward: elementwise, the sums
   and gate products per element, counted as if no assignment were dropped (the row copies cost 0).
+- ``embedding_backward(ids [N], grad_rows [N,H], num_rows, out_dtype, head_grad, head_scale)``:
+  elementwise, one add per element of ``grad_rows`` (``embedding_dense_backward``'s price), plus
+  per element of a tied head's ``head_grad`` the add autograd would have made and, with a scale,
+  the multiply the fused loss's backward would have.
 """
 
 from __future__ import annotations
@@ -363,6 +367,13 @@ def _bias_dropout_residual_backward(args, kwargs, out) -> int:
     return (1 + (args[1] is not None)) * args[0].numel()
 
 
+def _embedding_backward(args, kwargs, out) -> int:
+    # (ids, grad_rows, num_rows, out_dtype, head_grad, head_scale)
+    head_grad, head_scale = args[4], args[5]
+    head = 0 if head_grad is None else (1 + (head_scale is not None)) * head_grad.numel()
+    return args[1].numel() + head
+
+
 def _linear_cross_entropy_forward(args, kwargs, out) -> int:
     hidden, weight = args[0], args[1]
     return 2 * hidden.shape[0] * weight.shape[0] * hidden.shape[1]
@@ -456,6 +467,7 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::cross_entropy_forward": (ELEMENTWISE, _cross_entropy_forward),
     "dslab::linear_cross_entropy_forward": (MATMUL, _linear_cross_entropy_forward),
     "dslab::cross_entropy_backward": (ELEMENTWISE, _cross_entropy_backward),
+    "dslab::embedding_backward": (ELEMENTWISE, _embedding_backward),
     "dslab::moe_gating": (ELEMENTWISE, _moe_gating),
     "dslab::moe_gating_backward": (ELEMENTWISE, _moe_gating_backward),
     "dslab::moe_permute": (ELEMENTWISE, _moe_permute),

@@ -170,3 +170,27 @@ def test_op_sets_pickle_by_name(ops):
 
     assert pickle.loads(pickle.dumps(ops)) is ops
     assert copy.deepcopy(ops) is ops
+
+
+def test_embeddings_and_the_tie(ops):
+    """Lookups and positions are rows of the table; a head read through the set's tie (the dslab
+    set's; the torch set never ties) gets the table the same gradient as an untied head."""
+    weight = torch.randn(11, 40, requires_grad=True)
+    ids, hidden_grad = torch.randint(0, 11, (3, 5)), torch.randn(3, 5, 11)
+    torch.testing.assert_close(ops.position_embedding(weight, 7), weight[:7], rtol=0, atol=0)
+    whole = ops.position_embedding(weight, 11)
+    assert whole is not weight and torch.equal(whole, weight)
+    (whole_grad,) = torch.autograd.grad(whole, weight, torch.ones(11, 40))
+    assert torch.equal(whole_grad, torch.ones(11, 40))
+    tie = ops.embedding_tie(weight)
+    assert (tie is None) == (ops.name == "torch")
+    looked_up = ops.embedding(weight, ids, tie)
+    torch.testing.assert_close(looked_up, weight[ids], rtol=0, atol=0)
+    logits = torch.nn.functional.linear(torch.tanh(looked_up), weight if tie is None else tie.head_weight())
+    (grad,) = torch.autograd.grad(logits, weight, hidden_grad)
+    plain = weight.detach().requires_grad_()
+    (want,) = torch.autograd.grad(torch.nn.functional.linear(torch.tanh(plain[ids]), plain), plain, hidden_grad)
+    torch.testing.assert_close(grad, want, **TOL)
+    if ops.name == "torch":
+        with pytest.raises(ValueError, match="tie"):
+            ops.embedding(weight, ids, object())

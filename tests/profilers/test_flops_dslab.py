@@ -181,3 +181,26 @@ def test_gpt2_cross_entropy_is_priced_alike_on_both_backends():
     fused, plain = triton["flops_by_op"], reference["flops_by_op"]
     assert fused["dslab::cross_entropy_forward"]["flops"] == plain["aten::_log_softmax"]["flops"] == 5 * 16 * 96
     assert fused["dslab::cross_entropy_backward"]["flops"] == plain["aten::_log_softmax_backward_data"]["flops"]
+
+
+@needs_interpreter
+def test_embedding_backward_is_priced_as_the_dense_backward_and_the_add():
+    """One add per element of the output gradient, as ``embedding_dense_backward``; with a tied
+    head's gradient folded in, one more per element of it (the add autograd no longer makes)."""
+    from dslab.kernels.embedding import EmbeddingTie, embedding
+
+    vocab, hidden, tokens = 50, 24, 14
+    weight = torch.randn(vocab, hidden, requires_grad=True)
+    ids = torch.randint(0, vocab, (2, 7))
+
+    def tied(weight):
+        tie = EmbeddingTie.arm(weight)
+        return torch.nn.functional.linear(embedding(weight, ids, tie), tie.head_weight())
+
+    with kernel_backend("triton"):
+        plain = profile(lambda w: torch.nn.functional.embedding(ids, w), weight)
+        lookup = profile(lambda w: embedding(w, ids), weight)
+        folded = profile(tied, weight)
+    assert plain["flops_by_op"]["aten::embedding_dense_backward"]["flops"] == tokens * hidden
+    assert lookup["flops_by_op"]["dslab::embedding_backward"] == {"figure": "elementwise", "flops": tokens * hidden}
+    assert folded["flops_by_op"]["dslab::embedding_backward"]["flops"] == (tokens + vocab) * hidden
