@@ -117,13 +117,27 @@ def _expand_bits(bits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _keep_from_rows(bits, BLOCK_N: tl.constexpr):
+    """The keep-mask of :func:`_expand_bits` for ``BLOCK_N <= 64``, built without moving the bits
+    between threads tile by tile: each row's bytes are first packed into one 64-bit word (key ``n``
+    at bit ``n``), a ``[rows]`` vector; every element of the mask then shifts its row's word, in
+    whatever layout the mask's consumer has (the scores' MMA layout)."""
+    g = tl.arange(0, BLOCK_N // 8)
+    # The bytes occupy disjoint bits, so their sum is their OR.
+    row = tl.sum(bits.to(tl.uint64) << (g * 8).to(tl.uint64)[None, :], axis=1)
+    n = tl.arange(0, BLOCK_N).to(tl.uint64)
+    return ((row[:, None] >> n[None, :]) & 1) != 0
+
+
+@triton.jit
 def _dropout_keep(seed, bh, offs_m, start_n, dropout_p, keep_base, n_groups, keep_rows,
-                  KEEP_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+                  KEEP_MODE: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Keep-mask ``[len(offs_m), BLOCK_N]`` for queries ``offs_m`` and keys ``start_n +
     arange(BLOCK_N)`` (``start_n`` a multiple of 8), drawn (``KEEP_DRAW``), drawn and its bits
     stored (``KEEP_DRAW_STORE``) or loaded (``KEEP_LOAD``) at ``keep_base``: the head's uint8
     ``[keep_rows, n_groups]`` bits, ``n_groups = ceil(seq_k / 8)``. Bits outside it are neither
-    stored nor loaded (loaded as dropped: such positions carry no probability)."""
+    stored nor loaded (loaded as dropped: such positions carry no probability). ``TRANSPOSED``
+    returns the mask as ``[BLOCK_N, len(offs_m)]``."""
     groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
     if KEEP_MODE == 0:
         bits = _dropout_bits(seed, bh, offs_m, groups, dropout_p)
@@ -135,7 +149,15 @@ def _dropout_keep(seed, bh, offs_m, start_n, dropout_p, keep_base, n_groups, kee
             tl.store(ptrs, bits, mask=inside)
         else:
             bits = tl.load(ptrs, mask=inside, other=0)
-    return _expand_bits(bits, BLOCK_N)
+    # Query-major tiles (the forward, the dQ role) take the row words; key-major ones (the dK/dV
+    # roles) keep the byte expansion, which measured faster there (H100, GPT-2 124M backward:
+    # 416 us against 466 us with per-query words).
+    if TRANSPOSED:
+        return tl.trans(_expand_bits(bits, BLOCK_N))
+    elif BLOCK_N <= 64:
+        return _keep_from_rows(bits, BLOCK_N)
+    else:
+        return _expand_bits(bits, BLOCK_N)
 
 
 @triton.jit
@@ -178,7 +200,7 @@ def _fwd_key_loop(
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, keep_base, n_groups, keep_rows,
-                                 KEEP_MODE, BLOCK_N)
+                                 KEEP_MODE, BLOCK_N, False)
             p = tl.where(keep, p, 0.0)
         acc = _dot(p.to(v.dtype), v, acc, DOT_FP32)
         m_i = m_new
@@ -273,7 +295,7 @@ def _dropout_mask_kernel(OUT, SEED, seq_q, seq_k, dropout_p, BLOCK_M: tl.constex
     offs_n = start_n + tl.arange(0, BLOCK_N)
     bh = tl.program_id(2)
     seed = tl.load(SEED)
-    keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, OUT, 0, 0, 0, BLOCK_N)
+    keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, OUT, 0, 0, 0, BLOCK_N, False)
     ptrs = OUT + bh.to(tl.int64) * seq_q * seq_k + offs_m[:, None] * seq_k + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < seq_q) & (offs_n[None, :] < seq_k))
 

@@ -97,8 +97,8 @@ def _dkdv_query_loop(
             if not EVEN_N:
                 p_t = tl.where(offs_n[:, None] < seq_k, p_t, 0.0)
         if HAS_DROPOUT:
-            keep_t = tl.trans(_dropout_keep(seed, bh, offs_m, key_start, dropout_p, keep_base, n_groups,
-                                            keep_rows, KEEP_MODE, BLOCK_N1))
+            keep_t = _dropout_keep(seed, bh, offs_m, key_start, dropout_p, keep_base, n_groups,
+                                   keep_rows, KEEP_MODE, BLOCK_N1, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
             pd_t = tl.where(keep_t, p_t * inv_keep, 0.0)
         else:
@@ -162,7 +162,7 @@ def _dq_key_loop(
         dp = _dot(do, tl.trans(v), tl.zeros([BLOCK_M2, BLOCK_N2], dtype=tl.float32), DOT_FP32)
         if HAS_DROPOUT:
             keep = _dropout_keep(seed, bh, offs_m, start_n, dropout_p, keep_base, n_groups, keep_rows,
-                                 KEEP_MODE, BLOCK_N2)
+                                 KEEP_MODE, BLOCK_N2, False)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(k.dtype), k, dq, DOT_FP32)

@@ -195,7 +195,11 @@ def test_dropout_draws_within_a_key_group_are_independent_and_tile_free():
         keep = triton_dropout_keep_mask(seed, 1, 4, 128, 256, 0.5, "cpu")
         small_tiles = torch.empty((4, 128, 256), dtype=torch.uint8)
         _dropout_mask_kernel[(128 // 16, 256 // 32, 4)](small_tiles, seed, 128, 256, 0.5, BLOCK_M=16, BLOCK_N=32)
+        # Key blocks wider than 64 expand the bits another way (no 64-bit word per row).
+        wide_tiles = torch.empty((4, 128, 256), dtype=torch.uint8)
+        _dropout_mask_kernel[(128 // 32, 256 // 128, 4)](wide_tiles, seed, 128, 256, 0.5, BLOCK_M=32, BLOCK_N=128)
     assert torch.equal(keep.view(4, 128, 256), small_tiles.bool())
+    assert torch.equal(keep.view(4, 128, 256), wide_tiles.bool())
     groups = keep.reshape(-1, 8).float()  # 16,384 groups of 8 adjacent keys
     assert abs(groups.mean().item() - 0.5) < 0.01
     for i in range(8):
@@ -204,6 +208,40 @@ def test_dropout_draws_within_a_key_group_are_independent_and_tile_free():
     assert kernel_dropout_p(0.1) == 6554 / 65536
     assert kernel_dropout_p(0.0) == 0.0
     assert kernel_dropout_p(1 - 1e-7) == 65535 / 65536  # never 1: the kernels divide by 1 - p
+
+
+def _philox4x32_10(key: int, counter: tuple[int, int, int, int]) -> list[int]:
+    """Philox-4x32-10 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3") in Python
+    integers: the four 32-bit outputs for a 64-bit key and a four-word counter."""
+    mask = 0xFFFFFFFF
+    k0, k1 = key & mask, (key >> 32) & mask
+    c0, c1, c2, c3 = counter
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & mask, (p0 >> 32) ^ c3 ^ k1, p0 & mask
+        k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
+    return [c0, c1, c2, c3]
+
+
+def test_dropout_mask_is_the_documented_philox_draw():
+    """Each kept bit is the documented draw, computed here from the Philox definition itself: key
+    ``n`` of query ``i`` in head ``bh`` uses 16-bit half ``n % 2`` of output ``(n % 8) // 2`` of the
+    call with counter ``(n // 8, i, bh, 0)``, kept when at least ``p * 2**16``."""
+    from dslab.kernels.attention_triton import kernel_dropout_p
+
+    seed, heads, seq_q, seq_k, dropout_p = 2**37 + 12345, 2, 24, 40, 0.3
+    with kernel_backend("triton"):
+        keep = triton_dropout_keep_mask(torch.tensor([seed]), 1, heads, seq_q, seq_k, dropout_p, "cpu")
+    threshold = round(kernel_dropout_p(dropout_p) * 65536)
+    expected = torch.empty((heads, seq_q, seq_k), dtype=torch.bool)
+    for bh in range(heads):
+        for i in range(seq_q):
+            for group in range(seq_k // 8):
+                words = _philox4x32_10(seed, (group, i, bh, 0))
+                for j in range(8):
+                    draw = (words[j // 2] >> (16 * (j % 2))) & 0xFFFF
+                    expected[bh, i, 8 * group + j] = draw >= threshold
+    assert torch.equal(keep.view(heads, seq_q, seq_k), expected)
 
 
 @pytest.mark.parametrize("causal", [False, True])
