@@ -28,6 +28,7 @@ from dslab.kernels.attention import (
     triton_dropout_keep_mask,
 )
 from dslab.kernels.dispatch import interpreting, kernel_backend
+from philox_reference import sixteen_bit_draws
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -210,19 +211,6 @@ def test_dropout_draws_within_a_key_group_are_independent_and_tile_free():
     assert kernel_dropout_p(1 - 1e-7) == 65535 / 65536  # never 1: the kernels divide by 1 - p
 
 
-def _philox4x32_10(key: int, counter: tuple[int, int, int, int]) -> list[int]:
-    """Philox-4x32-10 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3") in Python
-    integers: the four 32-bit outputs for a 64-bit key and a four-word counter."""
-    mask = 0xFFFFFFFF
-    k0, k1 = key & mask, (key >> 32) & mask
-    c0, c1, c2, c3 = counter
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
-        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & mask, (p0 >> 32) ^ c3 ^ k1, p0 & mask
-        k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
-    return [c0, c1, c2, c3]
-
-
 def test_dropout_mask_is_the_documented_philox_draw():
     """Each kept bit is the documented draw, computed here from the Philox definition itself: key
     ``n`` of query ``i`` in head ``bh`` uses 16-bit half ``n % 2`` of output ``(n % 8) // 2`` of the
@@ -237,9 +225,7 @@ def test_dropout_mask_is_the_documented_philox_draw():
     for bh in range(heads):
         for i in range(seq_q):
             for group in range(seq_k // 8):
-                words = _philox4x32_10(seed, (group, i, bh, 0))
-                for j in range(8):
-                    draw = (words[j // 2] >> (16 * (j % 2))) & 0xFFFF
+                for j, draw in enumerate(sixteen_bit_draws(seed, (group, i, bh, 0))):
                     expected[bh, i, 8 * group + j] = draw >= threshold
     assert torch.equal(keep.view(heads, seq_q, seq_k), expected)
 

@@ -23,7 +23,9 @@ from dslab.kernels.bias_dropout_residual import (
     draw_seed,
     dropout_keep_mask_reference,
 )
+from dslab.kernels.bias_dropout_residual_triton import kernel_p
 from dslab.models import ops as model_ops
+from philox_reference import sixteen_bit_draws
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -48,7 +50,7 @@ def _triton_keep_mask(shape, p, seed, device="cpu"):
     ones, zeros = torch.ones(shape, device=device), torch.zeros(shape, device=device)
     with kernel_backend("triton"):
         out = bias_dropout_residual(ones, None, zeros, p, True, seed)
-    assert torch.all((out == 0) | torch.isclose(out, torch.full_like(out, 1 / (1 - p))))
+    assert torch.all((out == 0) | torch.isclose(out, torch.full_like(out, 1 / (1 - kernel_p(p)))))
     return out != 0
 
 
@@ -72,7 +74,7 @@ def test_triton_matches_reference_replaying_its_mask(dtype, shape):
     p, seed = 0.3, 1234
     x, bias, residual, dout = _inputs(shape, dtype)
     keep = _triton_keep_mask(shape, p, seed)
-    kwargs = dict(p=p, training=True, keep_mask=keep)
+    kwargs = dict(p=kernel_p(p), training=True, keep_mask=keep)  # the rate the kernels apply
     exact = _run(bias_dropout_residual_reference, x, bias, residual, dout, dtype=torch.float64, **kwargs)
     low = _run(bias_dropout_residual_reference, x, bias, residual, dout, **kwargs)
     with kernel_backend("triton"):
@@ -141,7 +143,7 @@ def test_seed_is_read_on_the_device_not_the_host(monkeypatch):
     with kernel_backend("triton"):
         out, dx, _, _ = _run(bias_dropout_residual, x, bias, residual, dout, p=0.3, seed=seed)
     monkeypatch.undo()
-    assert torch.equal(out, _run(bias_dropout_residual_reference, x, bias, residual, dout, p=0.3,
+    assert torch.equal(out, _run(bias_dropout_residual_reference, x, bias, residual, dout, p=kernel_p(0.3),
                                  keep_mask=_triton_keep_mask(x.shape, 0.3, seed))[0])
     assert torch.equal(dx != 0, _triton_keep_mask(x.shape, 0.3, seed))
     for device in ("cpu", "meta"):
@@ -161,12 +163,31 @@ def test_keep_rate_and_no_visible_structure(p):
     assert low < keep.float().mean().item() < high
     reference_keep = dropout_keep_mask_reference(shape, p, 3, "cpu")
     assert low < reference_keep.float().mean().item() < high
-    # Neither rows nor the four outputs of one Philox call repeat each other.
+    # Neither rows nor the eight draws of one Philox call (two halves of each output) repeat
+    # each other.
     agree = p * p + (1 - p) * (1 - p)
     low, high = agree - 0.02, agree + 0.02
     assert low < (keep[0] == keep[1]).float().mean().item() < high
-    groups = keep.reshape(-1, 4)
-    assert low < (groups[:, 0] == groups[:, 1]).float().mean().item() < high
+    groups = keep.reshape(-1, 8)
+    for j in range(1, 8):
+        assert low < (groups[:, 0] == groups[:, j]).float().mean().item() < high, j
+
+
+def test_mask_is_the_documented_philox_draw():
+    """Element (r, c) is kept when draw ``c % 8`` of the Philox call with counter (c // 8, r, 0, 0)
+    reaches ``p * 2**16``: computed here from the generator's definition, at a width that is not
+    a multiple of 8 or of the kernels' block."""
+    seed, p, shape = 2**35 + 77, 0.3, (6, 37)
+    keep = _triton_keep_mask(shape, p, seed)
+    threshold = round(kernel_p(p) * 2**16)
+    expected = torch.empty(shape, dtype=torch.bool)
+    for r in range(shape[0]):
+        for group in range(-(-shape[1] // 8)):
+            for j, draw in enumerate(sixteen_bit_draws(seed, (group, r, 0, 0))):
+                if 8 * group + j < shape[1]:
+                    expected[r, 8 * group + j] = draw >= threshold
+    assert torch.equal(keep, expected)
+    assert kernel_p(0.1) == 6554 / 2**16 and kernel_p(1.0) == 1.0 and kernel_p(0.0) == 0.0
 
 
 def test_backward_without_bias_and_with_strided_rows():
@@ -176,7 +197,7 @@ def test_backward_without_bias_and_with_strided_rows():
     residual, dout = torch.randn(300, 48), torch.randn(300, 48)
     keep = _triton_keep_mask((300, 48), p, seed)
     exact = _run(bias_dropout_residual_reference, x, None, residual, dout, dtype=torch.float64,
-                 p=p, keep_mask=keep)
+                 p=kernel_p(p), keep_mask=keep)
     with kernel_backend("triton"):
         got = _run(bias_dropout_residual, x, None, residual, dout, p=p, training=True, seed=seed)
     assert len(got) == 3
@@ -268,7 +289,7 @@ def test_gpu_real_sizes(shape, dtype):
     keep = _triton_keep_mask(shape, p, seed, device="cuda")
     low_rate, high_rate = _keep_rate_bounds(p, keep.numel())
     assert low_rate < keep.float().mean().item() < high_rate
-    kwargs = dict(p=p, training=True, keep_mask=keep)
+    kwargs = dict(p=kernel_p(p), training=True, keep_mask=keep)
     exact = _run(bias_dropout_residual_reference, x, bias, residual, dout, dtype=torch.float64, **kwargs)
     low = _run(bias_dropout_residual_reference, x, bias, residual, dout, **kwargs)
     got = _run(bias_dropout_residual, x, bias, residual, dout, p=p, training=True, seed=seed)
