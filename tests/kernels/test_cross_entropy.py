@@ -7,11 +7,10 @@ error in the same precision (plus a few ulps for fp32, where both are at roundin
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dslab.kernels import kernel_backend, softmax_cross_entropy
 from dslab.kernels import cross_entropy as ce
+from dispatch_recorder import DispatchRecorder
 
 IGNORE = -100
 
@@ -83,23 +82,10 @@ def test_out_of_range_target_makes_the_loss_nan_on_the_triton_path():
     assert torch.isnan(loss)
 
 
-class _RecordAllocations(TorchDispatchMode):
-    """Shapes and dtypes of every tensor an op returns inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.outputs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.outputs += [(tuple(t.shape), t.dtype) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        return out
-
-
 def test_no_fp32_copy_of_the_logits():
     n_rows, vocab = 8, 300
     logits, target = _inputs(n_rows, vocab, torch.bfloat16)
-    with _RecordAllocations() as recorder:
+    with DispatchRecorder() as recorder:
         _, lse = ce.cross_entropy_forward_triton(logits, target, IGNORE, 0.1)
         grad = ce.cross_entropy_backward_triton(torch.tensor(1.0), logits, target, lse, IGNORE, 0.1)
     # (The interpreter's own byte copies of the arguments show up too, as uint8.)

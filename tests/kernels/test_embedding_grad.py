@@ -10,33 +10,13 @@ kernel and the reference (0 + a + b), so there the two must agree bit for bit.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dslab.kernels import kernel_backend, linear_cross_entropy
 from dslab.kernels.embedding import EmbeddingTie, embedding, embedding_grad, embedding_grad_reference
 from dslab.kernels.embedding_triton import SMALL_VOCAB
+from dispatch_recorder import DispatchRecorder
 
 EPS32 = torch.finfo(torch.float32).eps
-
-
-class _Record(TorchDispatchMode):
-    """(name, output shapes) of every op run at the dispatcher inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        self.ops.append((func.name().split(".", 1)[0], [tuple(t.shape) for t in outs if isinstance(t, torch.Tensor)]))
-        return out
-
-    def names(self):
-        return [name for name, _ in self.ops]
-
-    def shaped(self, shape):
-        return [name for name, shapes in self.ops if tuple(shape) in shapes]
 
 
 def _ids(n, vocab, seed, hot=True):
@@ -77,7 +57,7 @@ SHAPES = [(37, 101, 40), (130, 17, 72), (9, 333, 40), (1, 7, 72), (64, 2048, 3)]
 @pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_triton_matches_reference_without_head(n, vocab, h, rows_dtype):
     ids, rows = _ids(n, vocab, seed=n + vocab), _rows(n, h, rows_dtype, seed=h)
-    with kernel_backend("triton"), _Record() as recorder:
+    with kernel_backend("triton"), DispatchRecorder() as recorder:
         got = embedding_grad(ids, rows, vocab, torch.float32)
     assert "aten::index_add_" not in recorder.names()
     want = embedding_grad_reference(ids, rows, vocab, torch.float32)
@@ -129,7 +109,7 @@ def test_small_vocabulary_kernel(n, vocab, h):
     partials are added in a fixed order."""
     gen = torch.Generator().manual_seed(n)
     ids, rows = torch.randint(0, vocab, (n,), generator=gen), _rows(n, h, torch.float32, seed=n + 1)
-    with kernel_backend("triton"), _Record() as recorder:
+    with kernel_backend("triton"), DispatchRecorder() as recorder:
         got = embedding_grad(ids, rows, vocab)
         again = embedding_grad(ids, rows, vocab)
     assert "aten::sort" not in recorder.names()
@@ -150,10 +130,10 @@ def test_results_are_bitwise_reproducible():
 
 def test_reference_runs_on_cpu_by_default_and_for_fp64():
     ids, rows = _ids(20, 30, seed=1), _rows(20, 8, torch.float64, seed=2)
-    with kernel_backend("triton"), _Record() as recorder:
+    with kernel_backend("triton"), DispatchRecorder() as recorder:
         got = embedding_grad(ids, rows, 30)
     assert "aten::index_add_" in recorder.names() and got.dtype == torch.float64
-    with kernel_backend("auto"), _Record() as recorder:
+    with kernel_backend("auto"), DispatchRecorder() as recorder:
         embedding_grad(ids, rows.float(), 30)
     assert "aten::index_add_" in recorder.names()
 
@@ -240,7 +220,8 @@ def test_tie_gives_the_plain_gradient(backend, autocast, fused):
     grads = []
     for tie_on in (False, True):
         weight.grad = None
-        with kernel_backend(backend), torch.autocast("cpu", torch.bfloat16, enabled=autocast), _Record() as rec:
+        with (kernel_backend(backend), torch.autocast("cpu", torch.bfloat16, enabled=autocast),
+              DispatchRecorder() as rec):
             loss = _tied_step(weight, ids, targets, tie_on, grad_scale=2.5, fused=fused)
         grads.append((loss, weight.grad.clone(), rec))
     (plain_loss, plain, _), (loss, tied, recorder) = grads

@@ -11,11 +11,10 @@ matmuls and applies the incoming gradient after them, PyTorch the other way roun
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dslab.kernels import kernel_backend, linear_cross_entropy
 from dslab.kernels.linear_cross_entropy import linear_cross_entropy_forward_triton, linear_cross_entropy_reference
+from dispatch_recorder import DispatchRecorder
 
 IGNORE = -100
 OP_NAME = "dslab::linear_cross_entropy_forward"
@@ -53,23 +52,6 @@ def _dslab(h, w, target, vocab, b=None, **kwargs):
     return linear_cross_entropy(h, w, target, vocab, bias=b, **kwargs)
 
 
-class _Record(TorchDispatchMode):
-    """The name, output shapes and dtypes of every op run at the dispatcher inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outputs = [(tuple(t.shape), t.dtype) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        self.ops.append((func.name().split(".", 1)[0], outputs))
-        return out
-
-    def names(self):
-        return [name for name, _ in self.ops]
-
-
 def _assert_within_twice_torch_error(ours, low, exact, ulp, what):
     """Each of ours' entries within 2x the error of PyTorch's ``low`` (same precision) against
     ``exact``, plus a floor: for the gradients ``ulp`` times the entry's largest magnitude, for the
@@ -99,7 +81,7 @@ def test_bf16_matches_float64_reference(vocab, padded, smoothing):
     exact = _loss_and_grads(_torch_loss, h, w, b, target, vocab, grad_out, cast=torch.float64,
                             label_smoothing=smoothing)
     low = _loss_and_grads(_torch_loss, h, w, b, target, vocab, grad_out, label_smoothing=smoothing)
-    with kernel_backend("triton"), _Record() as recorder:
+    with kernel_backend("triton"), DispatchRecorder() as recorder:
         ours = _loss_and_grads(_dslab, h, w, b, target, vocab, grad_out, label_smoothing=smoothing)
 
     assert OP_NAME in recorder.names()
@@ -117,7 +99,7 @@ def test_fp16_without_bias():
     h, w, _, target = _inputs(29, 40, vocab, padded, torch.float16, seed=3, ignore_every=3, bias=False)
     exact = _loss_and_grads(_torch_loss, h, w, None, target, vocab, 0.5, cast=torch.float64)
     low = _loss_and_grads(_torch_loss, h, w, None, target, vocab, 0.5)
-    with kernel_backend("triton"), _Record() as recorder:
+    with kernel_backend("triton"), DispatchRecorder() as recorder:
         ours = _loss_and_grads(_dslab, h, w, None, target, vocab, 0.5)
     assert OP_NAME in recorder.names()
     assert ours[1].dtype == ours[2].dtype == torch.float16
@@ -142,7 +124,7 @@ def test_forward_writes_the_logits_gradient_in_place():
     (the op's matmul is PyTorch's), so that only the kernel's fp32 math and one rounding differ."""
     vocab, padded, smoothing = 250, 300, 0.1
     h, w, b, target = _inputs(37, 48, vocab, padded, torch.bfloat16, seed=5)
-    with _Record() as recorder:
+    with DispatchRecorder() as recorder:
         loss, grad_logits = linear_cross_entropy_forward_triton(h, w, b, target, vocab, IGNORE, smoothing)
     logits = torch.addmm(b, h, w.t()).double().requires_grad_()
     exact_loss = F.cross_entropy(logits[:, :vocab], target, ignore_index=IGNORE, label_smoothing=smoothing)
@@ -170,7 +152,7 @@ def test_backward_is_the_matmuls_alone(compiled):
     fn = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True) if compiled else linear_cross_entropy
     with kernel_backend("triton"):
         loss = fn(h, w, target, vocab, bias=b)
-        with _Record() as recorder:
+        with DispatchRecorder() as recorder:
             loss.backward()
     big = [(name, shape) for name, outputs in recorder.ops for shape, _ in outputs
            if name not in ("aten::t", "aten::transpose", "aten::permute") and torch.Size(shape).numel() >= 37 * vocab
@@ -216,7 +198,7 @@ def test_fp32_weights_under_cpu_autocast_compute_in_bf16(hidden_dtype):
     exact = _loss_and_grads(_torch_loss, h, w, b, target, vocab, 1.5, cast=torch.float64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = _loss_and_grads(_torch_loss, h, w, b, target, vocab, 1.5)
-        with kernel_backend("triton"), _Record() as recorder:
+        with kernel_backend("triton"), DispatchRecorder() as recorder:
             ours = _loss_and_grads(_dslab, h, w, b, target, vocab, 1.5)
     op_outputs = [outputs for name, outputs in recorder.ops if name == OP_NAME]
     assert op_outputs == [[((), torch.float32), ((37, padded), torch.bfloat16)]]  # one op, in bf16
@@ -233,7 +215,7 @@ def test_fp32_takes_the_unfused_cross_entropy_and_fp64_the_reference():
     for dtype in (torch.float32, torch.float64):
         h, w, b, target = _inputs(13, 24, 90, 96, dtype, seed=10)
         expected = _loss_and_grads(_torch_loss, h, w, b, target, 90, 2.0, label_smoothing=0.2)
-        with kernel_backend("triton"), _Record() as recorder:
+        with kernel_backend("triton"), DispatchRecorder() as recorder:
             got = _loss_and_grads(_dslab, h, w, b, target, 90, 2.0, label_smoothing=0.2)
         assert OP_NAME not in recorder.names()
         assert ("dslab::cross_entropy_forward" in recorder.names()) == (dtype == torch.float32)
@@ -244,7 +226,7 @@ def test_fp32_takes_the_unfused_cross_entropy_and_fp64_the_reference():
 
 def test_reference_runs_on_cpu_by_default():
     h, w, b, target = _inputs(7, 16, 100, 128, torch.bfloat16, seed=11)
-    with kernel_backend("auto"), _Record() as recorder:
+    with kernel_backend("auto"), DispatchRecorder() as recorder:
         loss = linear_cross_entropy(h, w, target, 100, bias=b, ignore_index=IGNORE, label_smoothing=0.2)
     assert OP_NAME not in recorder.names()
     torch.testing.assert_close(loss, _torch_loss(h, w, target, 100, b, label_smoothing=0.2), rtol=0, atol=0)

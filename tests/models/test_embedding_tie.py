@@ -11,15 +11,19 @@ Against the torch set, in fp32, within the fp32 tolerances of the model tests.
 """
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dslab.kernels import kernel_backend
 from dslab.models.bert import BertForPreTraining, bert_tiny
 from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
 from dslab.models.ops import TORCH_OPS, op_set
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from dispatch_recorder import DispatchRecorder  # noqa: E402
 
 EMBEDDINGS = ("wte.weight", "wpe.weight", "embeddings.word_embeddings.weight",
               "embeddings.position_embeddings.weight", "embeddings.token_type_embeddings.weight")
@@ -136,20 +140,6 @@ def test_without_autograd_and_with_frozen_embeddings(family):
     assert got[1]["wte.weight" if family == "gpt2" else "embeddings.word_embeddings.weight"] is None
 
 
-class _Record(TorchDispatchMode):
-    """(name, output shapes) of every op run at the dispatcher inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        self.ops.append((func.name().split(".", 1)[0], [tuple(t.shape) for t in outs if isinstance(t, torch.Tensor)]))
-        return out
-
-
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_backward_writes_the_tied_gradient_once(family):
     """Under bf16 autocast on the kernels: no embedding_dense_backward, and no op in the backward
@@ -159,13 +149,13 @@ def test_backward_writes_the_tied_gradient_once(family):
     with kernel_backend("triton"):
         with torch.autocast("cpu", torch.bfloat16):
             loss = model(**batch)
-        with _Record() as recorder:
+        with DispatchRecorder() as recorder:
             loss.backward()
-    names = [name for name, _ in recorder.ops]
+    names = recorder.names()
     assert "aten::embedding_dense_backward" not in names
     assert names.count("dslab::embedding_backward") == (1 if family == "gpt2" else 2)  # BERT: token types too
-    dense = [name for name, shapes in recorder.ops if tuple(tied.shape) in shapes
-             and name in ("aten::add", "aten::add_", "aten::mul", "aten::_to_copy")]
+    dense = [name for name in recorder.shaped(tied.shape)
+             if name in ("aten::add", "aten::add_", "aten::mul", "aten::_to_copy")]
     assert dense == []
     assert tied.grad.dtype == torch.float32 and tied.grad.abs().sum() > 0
 
