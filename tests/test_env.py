@@ -10,10 +10,12 @@ import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+import dslab
 from dslab.report import environment
 from dslab.report.environment import (
     UNKNOWN_GPU,
@@ -266,3 +268,120 @@ def test_git_state_fails_soft(tmp_path, monkeypatch):
     monkeypatch.setattr(environment.subprocess, "run", no_git)
     assert environment.git_state(package) == unknown
     json.dumps(collect_environment())
+
+
+def _write_tree(root, files):
+    """Files ``{relative POSIX path: bytes}`` under ``root``; returns ``root``."""
+    for relative, data in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return root
+
+
+PACKAGE_FILES = {
+    "__init__.py": b'__version__ = "0.1.0"\n',
+    "kernels/__init__.py": b"",
+    "kernels/layer_norm.py": b"def forward(x):\n    return x\n",
+    "report/environment.py": b"DIGEST = 1\n",
+}
+
+
+def test_source_digest_is_short_hex_and_depends_only_on_the_tree(tmp_path):
+    first = environment.source_digest(_write_tree(tmp_path / "a" / "dslab", PACKAGE_FILES))
+    second = environment.source_digest(_write_tree(tmp_path / "elsewhere" / "deeper" / "dslab", PACKAGE_FILES))
+    assert re.fullmatch(r"[0-9a-f]{16}", first)
+    assert first == second
+    assert environment.source_digest(tmp_path / "a" / "dslab") == first  # stable
+
+
+def test_source_digest_changes_with_one_byte_and_with_a_rename(tmp_path):
+    base = environment.source_digest(_write_tree(tmp_path / "base", PACKAGE_FILES))
+    changed = dict(PACKAGE_FILES, **{"kernels/layer_norm.py": b"def forward(x):\n    return y\n"})
+    assert environment.source_digest(_write_tree(tmp_path / "changed", changed)) != base
+    renamed = {("kernels/layernorm.py" if k == "kernels/layer_norm.py" else k): v for k, v in PACKAGE_FILES.items()}
+    assert environment.source_digest(_write_tree(tmp_path / "renamed", renamed)) != base
+    moved = {("layer_norm.py" if k == "kernels/layer_norm.py" else k): v for k, v in PACKAGE_FILES.items()}
+    assert environment.source_digest(_write_tree(tmp_path / "moved", moved)) != base
+    added = dict(PACKAGE_FILES, **{"kernels/extra.py": b""})
+    assert environment.source_digest(_write_tree(tmp_path / "added", added)) != base
+
+
+def test_source_digest_frames_each_file(tmp_path):
+    """Bytes moved from one file to the next give another digest, and an empty file counts."""
+    trees = [
+        {"a.py": b"xy", "b.py": b""},
+        {"a.py": b"x", "b.py": b"y"},
+        {"a.py": b"", "b.py": b"xy"},
+        {"a.py": b"xy"},
+    ]
+    digests = {environment.source_digest(_write_tree(tmp_path / str(i), files)) for i, files in enumerate(trees)}
+    assert len(digests) == len(trees)
+
+
+def test_source_digest_ignores_caches_and_other_files(tmp_path):
+    base = environment.source_digest(_write_tree(tmp_path / "base", PACKAGE_FILES))
+    noisy = dict(PACKAGE_FILES, **{
+        "__pycache__/__init__.cpython-311.pyc": b"\x00compiled",
+        "kernels/__pycache__/layer_norm.py": b"a stray source in a cache",
+        "kernels/notes.txt": b"text",
+        "kernels/layer_norm.pyc": b"\x00compiled",
+        "data/table.json": b"{}",
+    })
+    assert environment.source_digest(_write_tree(tmp_path / "noisy", noisy)) == base
+
+
+def test_source_digest_fails_soft(tmp_path, monkeypatch):
+    assert environment.source_digest(tmp_path / "missing") is None
+    (tmp_path / "file.py").write_text("")
+    assert environment.source_digest(tmp_path / "file.py") is None  # not a directory
+    package = _write_tree(tmp_path / "pkg", PACKAGE_FILES)
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(environment.Path, "read_bytes", unreadable)
+    assert environment.source_digest(package) is None
+
+
+def test_collect_environment_records_the_installed_source_digest():
+    package_dir = Path(dslab.__file__).resolve().parent
+    env = collect_environment()
+    digest = env["dslab"]["source_digest"]
+    assert digest is not None and digest == environment.source_digest(package_dir)
+    text = format_environment(env, {})
+    assert any(line.split() == ["source", "digest", digest] for line in text.splitlines())
+    env["dslab"]["source_digest"] = None
+    assert any(line.split() == ["source", "digest", "-"] for line in format_environment(env, {}).splitlines())
+
+
+@needs_git
+def test_source_digest_names_the_code_over_a_stale_git(tmp_path):
+    """A work tree copied over an older ``.git`` (as on a lent machine): git_state names the old
+    commit, the source digest names the code, and equals the digest of the newer commit's archive."""
+    repo = tmp_path / "repo"
+    package = _write_tree(repo / "dslab", PACKAGE_FILES)
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "old")
+    stale = environment.git_state(package)["commit"]
+    stale_git = tmp_path / "stale.git"
+    shutil.copytree(repo / ".git", stale_git)
+    (package / "kernels" / "layer_norm.py").write_bytes(b"def forward(x):\n    return 2 * x\n")
+    (repo / "README.md").write_text("not part of the digest\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "new")
+    new = environment.git_state(package)["commit"]
+    archived = tmp_path / "archived"
+    archived.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", new, "dslab"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(archived)], input=archive.stdout, check=True)
+    lent = tmp_path / "lent"
+    shutil.copytree(repo, lent, ignore=shutil.ignore_patterns(".git"))
+    shutil.copytree(stale_git, lent / ".git")
+    state = environment.git_state(lent / "dslab")
+    assert state["commit"] == stale != new and state["dirty"] is True
+    assert environment.source_digest(lent / "dslab") == environment.source_digest(archived / "dslab")
+    assert environment.source_digest(lent / "dslab") == environment.source_digest(package)
+    _git(repo, "checkout", "-q", stale)
+    assert environment.source_digest(package) != environment.source_digest(lent / "dslab")

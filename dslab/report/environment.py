@@ -8,6 +8,7 @@ does) stays light.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -22,6 +23,7 @@ from dslab.report.hardware import lookup_gpu
 UNKNOWN_GPU = "unknown GPU: no datasheet peaks"
 ENVIRONMENT_VARIABLES = ("DSLAB_KERNELS", "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")
 _GIT_TIMEOUT_S = 5.0
+SOURCE_DIGEST_HEX_CHARS = 16
 
 
 def _distribution_version(*names: str) -> str | None:
@@ -63,6 +65,45 @@ def git_state(package_dir: Path) -> dict:
         return unknown
     status = _git(package_dir, "status", "--porcelain")
     return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def source_digest(package_dir: Path) -> str | None:
+    """The first 16 hex characters of a sha256 over the Python source of the package at
+    ``package_dir``, or None when it is not a directory or something in it cannot be read.
+
+    Every ``*.py`` file under ``package_dir`` (recursively, ``__pycache__`` skipped) in the order
+    of its POSIX path relative to ``package_dir``, each hashed as that path (UTF-8), NUL, its size
+    in bytes (decimal), NUL, its bytes. Unlike :func:`git_state` it names the code that ran
+    wherever it ran, a tree copied over a stale ``.git`` included. Only the package's ``.py``
+    files count, so the digest of any commit is that of its archive (at the top of a checkout)::
+
+        mkdir d && git archive COMMIT dslab | tar -x -C d
+        python -c "import pathlib, dslab.report.environment as e; print(e.source_digest(pathlib.Path('d/dslab')))"
+    """
+    root = Path(package_dir)
+    if not root.is_dir():
+        return None
+
+    def fail(error: OSError) -> None:
+        raise error
+
+    files = []
+    digest = hashlib.sha256()
+    try:
+        for directory, subdirectories, names in os.walk(root, onerror=fail):
+            subdirectories[:] = [name for name in subdirectories if name != "__pycache__"]
+            for name in names:
+                if name.endswith(".py"):
+                    path = Path(directory, name)
+                    files.append((path.relative_to(root).as_posix(), path))
+        for relative, path in sorted(files):
+            data = path.read_bytes()
+            digest.update(relative.encode("utf-8", "surrogateescape") + b"\0")
+            digest.update(str(len(data)).encode() + b"\0")
+            digest.update(data)
+    except OSError:
+        return None
+    return digest.hexdigest()[:SOURCE_DIGEST_HEX_CHARS]
 
 
 def _dslab_package_dir() -> Path | None:
@@ -163,7 +204,8 @@ def collect_environment() -> dict:
 
     Keys: ``python``, ``platform``, ``hostname``, ``cpu_count``, ``torch``, ``triton``,
     ``dslab``, ``cuda``, ``nvml``, ``environment_variables``; versions that cannot be read are
-    None, never an exception.
+    None, never an exception. ``dslab`` holds ``version``, ``path``, ``git_commit``,
+    ``git_dirty`` (:func:`git_state`) and ``source_digest`` (:func:`source_digest`).
     """
     import torch
 
@@ -191,6 +233,7 @@ def collect_environment() -> dict:
             "path": None if package_dir is None else str(package_dir),
             "git_commit": git["commit"],
             "git_dirty": git["dirty"],
+            "source_digest": None if package_dir is None else source_digest(package_dir),
         },
         "cuda": {
             "available": cuda_available,
@@ -276,6 +319,7 @@ def format_environment(env: dict, kernels: dict[str, str]) -> str:
     lines += _aligned(
         [
             ("dslab", f"{_or_dash(dslab['version'])} ({checkout}) at {_or_dash(dslab['path'])}"),
+            ("source digest", _or_dash(dslab.get("source_digest"))),
             ("python", f"{env['python']['version']} ({env['python']['executable']})"),
             ("platform", env["platform"]),
             ("hostname", env["hostname"]),

@@ -58,8 +58,8 @@ def _spec(text: str) -> dict[str, str]:
 # The fixed columns of each frame and their kinds (see DTYPES).
 COLUMNS: dict[str, dict[str, str]] = {
     "runs": _spec("run_id suite status created finished schema_version:int hardware gpu_count:int "
-                  "torch_version cuda_version dslab_version git_commit git_dirty:bool scale precision "
-                  "trials:int steps:int warmup_steps:int world_size:int zero_stage:int"),
+                  "torch_version cuda_version dslab_version git_commit git_dirty:bool source_digest "
+                  "scale precision trials:int steps:int warmup_steps:int world_size:int zero_stage:int"),
     "trials": _spec("run_id suite case arm status trial:int step_count:int"),
     "results": _spec("run_id suite case arm status error trial_count:int dslab_over_arm:float best_plain:bool"),
     "flops_modules": _spec("run_id case name type depth:int params:int forward_flops:int backward_flops:int "
@@ -202,7 +202,8 @@ def runs(reports) -> pd.DataFrame:
     """One row per run. Columns: run_id, suite, status, created, finished, schema_version,
     hardware (``"NVIDIA H100 80GB HBM3"``, ``"2x NVIDIA H100 80GB HBM3"``, the names
     comma-separated for GPUs of several kinds, or ``CPU``; missing when the environment does not
-    record CUDA), gpu_count, torch_version, cuda_version, dslab_version, git_commit, git_dirty, and
+    record CUDA), gpu_count, torch_version, cuda_version, dslab_version, git_commit, git_dirty,
+    source_digest (of the package's source, missing in reports from before it was recorded), and
     from the config: scale, precision, trials, steps, warmup_steps, world_size, zero_stage."""
     rows = []
     for r in load(reports):
@@ -214,6 +215,7 @@ def runs(reports) -> pd.DataFrame:
                      "hardware": hardware, "gpu_count": gpu_count, "torch_version": torch_env.get("version"),
                      "cuda_version": torch_env.get("cuda"), "dslab_version": dslab_env.get("version"),
                      "git_commit": dslab_env.get("git_commit"), "git_dirty": dslab_env.get("git_dirty"),
+                     "source_digest": dslab_env.get("source_digest"),
                      **{k: cfg.get(k) for k in ("scale", "precision", "trials", "steps", "warmup_steps",
                                                 "world_size", "zero_stage")}})
     return _frame("runs", rows)

@@ -146,6 +146,8 @@ def describe(report: RunReport) -> str:
     commit = run["git_commit"] or "unknown commit"
     if run["git_dirty"]:
         commit += " (dirty)"
+    if run["source_digest"]:
+        commit += f", source {run['source_digest']}"
     lines = [
         f"run {report.run_id}  suite {report.suite}  status {report.status}",
         f"  created {report.created or '?'}  finished {report.finished or '-'}",

@@ -261,6 +261,21 @@ def test_runs_hardware(environment, hardware, count):
     assert (row["hardware"], row["gpu_count"]) == (hardware, count)
 
 
+def test_runs_source_digest_reads_through_and_old_reports_lack_it(tmp_path):
+    report = small_report()
+    report.environment["dslab"] = {**report.environment["dslab"], "git_commit": "b1c6aad" + "0" * 33,
+                                   "source_digest": "f852e14acdedb861"}
+    run = write_report(report, tmp_path / "reports").parent
+    got = frames.runs([report, run, small_report(), *FIXTURE_RUNS])
+    columns = list(got.columns)
+    assert columns[columns.index("git_dirty") + 1] == "source_digest" and got["source_digest"].dtype == "string"
+    assert list(got["source_digest"][:2]) == ["f852e14acdedb861"] * 2
+    assert got["source_digest"][2:].isna().all()  # reports from before the digest was recorded
+    assert frames.records(frames.runs(small_report()))[0]["source_digest"] is None
+    for fmt in ("csv", "json"):
+        _round_trip([report, small_report()], tmp_path / fmt, fmt)
+
+
 def test_results_carry_the_ratios_and_the_best_plain_arm():
     report = RunReport(run_id="20261201T120000Z-000000", suite="tiny")
     for arm, speed in (("dslab", 120.0), ("torch", 80.0), ("torch-compile", 100.0), ("dslab-int8", 150.0)):

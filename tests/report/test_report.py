@@ -62,6 +62,18 @@ def test_partial_and_older_reports_load_with_what_is_missing(tmp_path):
     assert "lacks" in text and "schema_version" in text
 
 
+def test_describe_shows_the_commit_and_the_source_digest():
+    r = sample_report()
+    r.environment["dslab"] = {"version": "0.1.0", "git_commit": "b1c6aad" + "0" * 33, "git_dirty": True,
+                              "source_digest": "f852e14acdedb861"}
+    header = describe(r).splitlines()[2]
+    assert header.endswith("dslab 0.1.0 @ b1c6aad" + "0" * 33 + " (dirty), source f852e14acdedb861")
+    del r.environment["dslab"]["source_digest"]  # a report from before the digest was recorded
+    assert describe(r).splitlines()[2].endswith("(dirty)")
+    r.environment["dslab"] = {"source_digest": "f852e14acdedb861"}
+    assert describe(r).splitlines()[2].endswith("@ unknown commit, source f852e14acdedb861")
+
+
 def test_unreadable_reports_name_the_file(tmp_path):
     bad = tmp_path / "s" / "20261122T000000Z-aaaaaa"
     bad.mkdir(parents=True)
