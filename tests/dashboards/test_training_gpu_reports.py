@@ -1,12 +1,17 @@
 """The training suites' GPU reports of the speed work, kept under ``fixtures/training_reports``
 (their README says how each was run): ``dslab bench suites/bert_large`` and ``suites/gpt2`` on an
 H200 (2026-11-26, code 4c07f32; BERT again at 91da2f4; all three again at 8016ef2, GPT-2's cases as
-two runs, 1.5b without the hf arm) and on an H100 (code 91da2f4; GPT-2 as on the H200 at 8016ef2). They read back whole, their dslab/best-plain ratios are the ones the arms'
-median step times give, and the dashboard draws their arms page for every case."""
+two runs, 1.5b without the hf arm; all four again at 70b6209, GPT-2's two cases in one run without
+hf) and on an H100 (code 91da2f4; GPT-2 as on the H200 at 8016ef2). They read back whole, their
+dslab/best-plain ratios are the ones the arms' median step times give, the latest name their code
+by its source digest, and the dashboard draws their arms page for every case."""
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import tarfile
+from io import BytesIO
 from pathlib import Path
 
 import pytest
@@ -27,9 +32,18 @@ RUNS = {
     "bert_large/20261126T142221Z-72b7aa": (H200, ARMS, {"seq128": 1.296, "seq512": 1.236}),
     "gpt2/20261126T142034Z-8b812e": (H200, ARMS, {"124m": 1.146}),
     "gpt2/20261126T142739Z-8d8fc1": (H200, ARMS - {"hf"}, {"1.5b": 1.159}),
+    "bert_large/20261126T163358Z-784747": (H200, ARMS, {"seq128": 1.275, "seq512": 1.244}),
+    "gpt2/20261126T163924Z-a06244": (H200, ARMS - {"hf"}, {"124m": 1.147, "1.5b": 1.230}),
+}
+# Runs that record the source digest of their code: run -> (commit, digest). The lent machine's
+# git_commit field names a stale checkout; the digest is that of the commit's package.
+DIGESTS = {
+    "bert_large/20261126T163358Z-784747": ("70b6209", "454ef6450e7de73f"),
+    "gpt2/20261126T163924Z-a06244": ("70b6209", "454ef6450e7de73f"),
 }
 # The best plain arm is torch-compile-ro except where listed.
-BEST_PLAIN = {("bert_large/20261126T142221Z-72b7aa", "seq512"): "torch-compile"}
+BEST_PLAIN = {("bert_large/20261126T142221Z-72b7aa", "seq512"): "torch-compile",
+              ("bert_large/20261126T163358Z-784747", "seq512"): "torch-compile"}
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
@@ -56,6 +70,26 @@ def test_training_reports_read_back_with_their_ratios(run):
         # The dslab arm replayed its layer stack from CUDA graphs in the timed steps.
         assert any(note.startswith(f"{case}: dslab arm CUDA graphs") and "replays 115" in note
                    for note in report.notes)
+
+
+@pytest.mark.parametrize("run", sorted(DIGESTS))
+def test_the_latest_reports_name_their_code_by_its_source_digest(run, tmp_path):
+    """The recorded digest is that of the stated commit's ``dslab`` package, rebuilt here from the
+    repository's history (skipped outside a git checkout that holds the commit)."""
+    from dslab.report.environment import source_digest
+
+    commit, digest = DIGESTS[run]
+    report = read_report(FIXTURES / run / "run.json")
+    assert report.environment["dslab"]["source_digest"] == digest
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        archive = subprocess.run(["git", "-C", str(repo), "archive", commit, "dslab"], capture_output=True,
+                                 check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip(f"commit {commit} cannot be archived here (not a git checkout holding it)")
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    assert source_digest(tmp_path / "dslab") == digest
 
 
 def test_an_arm_that_ran_out_of_memory_is_kept_as_such():
