@@ -100,6 +100,12 @@ def commit_label(run: dict) -> str:
     return run["git_commit"][:10] + ("+dirty" if run["git_dirty"] else "")
 
 
+def source_label(run: dict) -> str:
+    """The source digest of a ``runs`` frame row (the package's code wherever it ran, even where the
+    commit beside it names a stale checkout), ``"?"`` for reports from before it was recorded."""
+    return run.get("source_digest") or "?"
+
+
 def summarize_all(items: list[tuple[RunReport, str, str]]) -> list[RunSummary]:
     """The summaries of ``(report, suite folder, run folder)`` items, from the ``runs`` and
     ``results`` frames of all the reports at once (one frame of many reports costs what one of

@@ -16,7 +16,7 @@ from dash import dcc, html
 
 from dashboards import experts_view, figures, io_view, views
 from dashboards import inference as inference_view
-from dashboards.data import RunStore, RunSummary, commit_label, gpu_label
+from dashboards.data import RunStore, RunSummary, commit_label, gpu_label, source_label
 from dslab.report import frames
 
 logger = logging.getLogger(__name__)
@@ -481,6 +481,7 @@ def compare_page(store: RunStore, a: tuple[str, str], b: tuple[str, str]) -> lis
     run_a, run_b = frames.records(frames.runs([ra, rb]))
     env = [("", f"A: {a[0]}/{a[1]}", f"B: {b[0]}/{b[1]}")]
     env += [("GPU", gpu_label(run_a), gpu_label(run_b)), ("commit", commit_label(run_a), commit_label(run_b)),
+            ("source digest", source_label(run_a), source_label(run_b)),
             ("created", ra.created or "?", rb.created or "?"), ("status", ra.status, rb.status)]
     return [
         html.H2("Compare two runs"),

@@ -92,6 +92,19 @@ def test_the_latest_reports_name_their_code_by_its_source_digest(run, tmp_path):
     assert source_digest(tmp_path / "dslab") == digest
 
 
+def test_the_compare_page_shows_each_runs_source_digest():
+    """A run with a digest beside one from before digests were recorded."""
+    pytest.importorskip("dash")
+    from dashboards.app import render
+    from dashboards.data import RunStore
+
+    new, old = "bert_large/20261126T163358Z-784747", "bert_large/20261126T142221Z-72b7aa"
+    text = str(render(RunStore(FIXTURES), "/compare", f"?a={new}&b={old}"))
+    assert "source digest" in text and DIGESTS[new][1] in text and "could not be drawn" not in text
+    row = text[text.index("source digest"):]
+    assert row.index(DIGESTS[new][1]) < row.index("'?'")
+
+
 def test_an_arm_that_ran_out_of_memory_is_kept_as_such():
     report = read_report(FIXTURES / "gpt2/20261126T100551Z-d7b758" / "run.json")
     hf = report.result("1.5b", "hf")
