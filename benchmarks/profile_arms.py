@@ -15,7 +15,9 @@ then ``torch.profiler`` over 3 steps, whose tables (top ops by device time and b
 written to ``DIR/profile-<variant>.txt`` with a cProfile of 3 more steps (the host's Python
 functions by own and cumulative time), and a summary row: host busy time per step (the
 profiler's span of the step on the host) beside the device's kernel time per step. A step whose
-device time is well under its wall time is host-bound.
+device time is well under its wall time is host-bound; the device's idle time in the profiled
+steps (:func:`device_idle`: launch gaps between dependent kernels, and longer waits with the
+kernels on either side) says where.
 
 Last, the kernels' device time per step by category (:func:`kernel_category`: attention forward
 and backward, GEMMs, cross-entropy, layer norm, optimizer, casts and copies, other fused or
@@ -103,6 +105,41 @@ def kernel_time_by_category(events, steps: int) -> dict[str, float]:
     return by_category
 
 
+def device_idle(events, steps: int, launch_gap_us: float = 8.0, top: int = 5) -> dict:
+    """Where the device sat idle between the first and the last kernel of a profiled run of
+    ``steps`` steps (the same events as :func:`kernel_time_by_category`), in ms per step: ``busy``
+    (the union of the kernels' intervals), ``span``, ``launch_gaps`` (gaps of at most
+    ``launch_gap_us``: a dependent kernel's start latency, which only fewer kernels shrink) and
+    ``long_gaps`` (the rest: the device waiting on the host or a synchronisation), and ``largest``:
+    the ``top`` long gaps as ``(us, kernel before, kernel after)``, longest first."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    )
+    if not kernels:
+        return {"busy": 0.0, "span": 0.0, "launch_gaps": 0.0, "long_gaps": 0.0, "largest": []}
+    busy = launch = long = 0.0
+    largest = []
+    run_start, run_end, last = kernels[0][0], kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > run_end:
+            gap = start - run_end
+            if gap <= launch_gap_us:
+                launch += gap
+            else:
+                long += gap
+                largest.append((gap, last, name))
+            busy += run_end - run_start
+            run_start = start
+        if end >= run_end:
+            run_end, last = end, name
+    busy += run_end - run_start
+    largest.sort(key=lambda item: -item[0])
+    per_step = 1e3 * steps
+    return {"busy": busy / per_step, "span": (run_end - kernels[0][0]) / per_step, "launch_gaps": launch / per_step,
+            "long_gaps": long / per_step, "largest": largest[:top]}
+
+
 def category_table(per_variant: dict[str, dict[str, float]]) -> str:
     """Rows of ms/step by category, a column per variant, then each column minus the first."""
     names = list(per_variant)
@@ -116,9 +153,9 @@ def category_table(per_variant: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, float, dict[str, float]]:
-    """(host ms per step, device kernel ms per step, kernel ms per step by category) over 3
-    profiled steps; tables to a file."""
+def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, float, dict[str, float], dict]:
+    """(host ms per step, device kernel ms per step, kernel ms per step by category,
+    :func:`device_idle`) over 3 profiled steps; tables to a file."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     steps = 3
@@ -130,6 +167,7 @@ def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, flo
     averages = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CPU)
     by_category = kernel_time_by_category(prof.events(), steps)
+    idle = device_idle(prof.events(), steps)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     host_us = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) if events else 0
     import cProfile
@@ -156,7 +194,7 @@ def profile(arm, out: Path, name: str, shapes: bool = False) -> tuple[float, flo
                 sort_by="self_device_time_total", row_limit=80, max_name_column_width=40, max_shapes_column_width=90))
         f.write(f"\n\ncProfile of {steps} more steps (host functions):\n")
         f.write(stream.getvalue())
-    return host_us / steps / 1e3, device_us / steps / 1e3, by_category
+    return host_us / steps / 1e3, device_us / steps / 1e3, by_category, idle
 
 
 def main() -> None:
@@ -176,7 +214,7 @@ def main() -> None:
     (workload,) = workloads_for(suite, "full", [args.case])
     device = torch.device("cuda")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    rows, categories = [], {}
+    rows, categories, idles = [], {}, {}
     for name in variants:
         try:
             arm = build(name, workload, device, suite)
@@ -184,7 +222,7 @@ def main() -> None:
             for _ in range(args.trials):
                 trial = run_trial(arm.step, device, args.warmup, args.steps)
                 times.append(statistics.median(trial["step_times_ms"]))
-            host, dev, categories[name] = profile(arm, out, name, args.shapes)
+            host, dev, categories[name], idles[name] = profile(arm, out, name, args.shapes)
             rows.append((name, statistics.median(times), host, dev))
             print(f"{name}: {statistics.median(times):.2f} ms/step", flush=True)
             del arm
@@ -196,6 +234,13 @@ def main() -> None:
     print(f"{'variant':<16} {'step ms':>8} {'host ms':>8} {'device ms':>10}")
     for name, step, host, dev in rows:
         print(f"{name:<16} {step:>8.2f} {host:>8.2f} {dev:>10.2f}")
+    if idles:
+        print("\ndevice idle per step in the profiled steps (ms; launch gaps <= 8 us, long gaps > 8 us):")
+        print(f"{'variant':<16} {'span':>8} {'busy':>8} {'launch':>8} {'long':>8}  largest long gaps (us, before -> after)")
+        for name, idle in idles.items():
+            largest = "; ".join(f"{gap:.0f} {before[:40]} -> {after[:40]}" for gap, before, after in idle["largest"][:3])
+            print(f"{name:<16} {idle['span']:>8.2f} {idle['busy']:>8.2f} {idle['launch_gaps']:>8.2f} "
+                  f"{idle['long_gaps']:>8.2f}  {largest}")
     if categories:
         print("\nkernel time per step by category (ms):")
         print(category_table(categories))

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from profile_arms import category_table, kernel_category, kernel_time_by_category  # noqa: E402
+from profile_arms import category_table, device_idle, kernel_category, kernel_time_by_category  # noqa: E402
 
 
 @pytest.mark.parametrize("name,category", [
@@ -67,3 +67,37 @@ def test_device_annotations_are_not_counted_beside_their_kernels():
         SimpleNamespace(name="aten::mm", device_type=cpu, device_time_total=600.0, is_user_annotation=False),
     ]
     assert kernel_time_by_category(events, steps=3) == {"optimizer": 0.8, "gemm": 0.2}
+
+
+def test_device_idle_splits_launch_gaps_from_long_waits():
+    """Kernels (and one overlapping pair) at known times over 2 steps: the union is busy, gaps of at
+    most 8 us are launch gaps, the longer ones are listed with their neighbours, longest first; a
+    device annotation spanning a gap and a host event are not kernels."""
+    from types import SimpleNamespace
+
+    import torch
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event("gemm", 0.0, 100.0),
+        event("gelu", 103.0, 150.0),           # 3 us launch gap
+        event("side", 120.0, 160.0),           # overlaps gelu, ends later
+        event("adam", 260.0, 300.0),           # 100 us wait after "side"
+        event("ln", 305.0, 400.0),             # 5 us launch gap
+        event("embed", 420.0, 440.0),          # 20 us wait after "ln"
+        event("Optimizer.step#Adam.step", 150.0, 300.0, annotation=True),
+        event("aten::mm", 0.0, 1000.0, device=cpu),
+    ]
+    idle = device_idle(events, steps=2)
+    assert idle["span"] == pytest.approx(440.0 / 2e3)
+    assert idle["busy"] == pytest.approx((100.0 + 57.0 + 40.0 + 95.0 + 20.0) / 2e3)
+    assert idle["launch_gaps"] == pytest.approx(8.0 / 2e3)
+    assert idle["long_gaps"] == pytest.approx(120.0 / 2e3)
+    assert idle["busy"] + idle["launch_gaps"] + idle["long_gaps"] == pytest.approx(idle["span"])
+    assert idle["largest"] == [(100.0, "side", "adam"), (20.0, "ln", "embed")]
+    assert device_idle([event("aten::mm", 0.0, 5.0, device=cpu)], steps=1)["largest"] == []
