@@ -258,3 +258,30 @@ def test_gpu_matches_torch_fused_adamw_with_bf16_copies():
     _assert_same_state(expected, torch_opt, got, opt)
     for param, low in zip(got, copies):
         assert torch.equal(low, param.detach().to(torch.bfloat16))
+
+
+def test_moved_gradients_rebuild_the_tensor_table_and_keep_the_chunk_table():
+    """Gradients are new tensors every step, so the tensor table (addresses) is rebuilt; the chunk
+    table depends only on the sizes and is kept until the set of updated tensors changes."""
+    initial = _params()
+    params = [torch.nn.Parameter(p.clone()) for p in initial]
+    optimizer = FusedAdam(params, lr=1e-2)
+    seen = []
+    for k in range(4):
+        grads = _grads(params, k)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            p.grad = None if k == 3 and i == 2 else g
+        with kernel_backend("triton"):
+            optimizer.step()
+        ((_, _, tensor_table, chunk_table),) = optimizer._tables.values()
+        seen.append((tensor_table, chunk_table))
+        # The table the kernel read points at this step's gradients.
+        expected = [g.data_ptr() for i, g in enumerate(grads) if not (k == 3 and i == 2)]
+        assert tensor_table.view(-1, 6)[:, 1].tolist() == expected
+    assert seen[1][0] is not seen[0][0] and seen[2][0] is not seen[1][0]
+    assert seen[1][1] is seen[0][1] and seen[2][1] is seen[0][1]
+    assert seen[3][1] is not seen[0][1]  # a parameter without a gradient: other sizes
+    assert seen[3][1].view(-1, 2)[:, 0].max().item() == len(SHAPES) - 2
+    expected, torch_opt = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0), initial, 4, backend="torch",
+                               skip={3: (2,)})
+    _assert_same_state(expected, torch_opt, params, optimizer)
