@@ -18,6 +18,9 @@ seq 128 on an H100: 31 us per layer). The key block's gradient is exactly 0: sof
 shift ``q_i . b_k`` that the key bias adds to all of query ``i``'s scores (the column sums of dK
 are that 0 up to the rounding of dS), on every path.
 
+On Hopper, causal calls without a key padding mask or a seed go to cuDNN's fused attention
+(:mod:`dslab.kernels.attention_cudnn`, which says when and why) with the same contract.
+
 Reference, dispatch, dropout seeds, validation and the eager/custom-op split are
 :mod:`dslab.kernels.attention`'s; the custom ops here are ``dslab::attention_packed_forward`` /
 ``dslab::attention_packed_backward``.
@@ -28,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from dslab.kernels import attention_triton, attention_triton_bwd
+from dslab.kernels import attention_cudnn, attention_triton, attention_triton_bwd
 from dslab.kernels._grid import column_sums
 from dslab.kernels.attention import (
     _DTYPES,
@@ -254,6 +257,8 @@ def attention_packed(
     head_dim = qkv.shape[-1] // (3 * heads)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
+    if attention_cudnn.eligible(qkv, heads, causal, key_padding_mask, dropout_p, seed):
+        return attention_cudnn.attention_packed(qkv, heads, float(dropout_p), float(scale), bias)
     if seed is not None:
         seed = _seed_tensor(seed, qkv.device)
     if qkv.numel() > 0 and qkv.dtype in TRITON_DTYPES and use_triton(qkv, key_padding_mask):

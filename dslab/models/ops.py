@@ -20,7 +20,8 @@ The ops:
   self-attention straight from the packed projection, qkv ``[batch, seq, 3 * hidden]`` (q, k, v
   column blocks, heads in order within each) -> ``[batch, seq, hidden]`` (heads concatenated). The
   torch set splits the heads with views, calls SDPA and merges them back (a copy); the dslab set's
-  kernels read and write the packed layouts in place. Where ``packed_bias_grad`` (the dslab set),
+  kernels read and write the packed layouts in place (on Hopper its causal calls run on cuDNN:
+  :mod:`dslab.kernels.attention_cudnn`). Where ``packed_bias_grad`` (the dslab set),
   it also takes ``bias=``: the projection's bias, already inside qkv (added in the matmul's
   epilogue with the bias detached), whose gradient the attention backward kernels then compute
   from the rows they write (:mod:`dslab.kernels.attention_packed`); the torch set's projection

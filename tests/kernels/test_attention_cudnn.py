@@ -1,0 +1,147 @@
+"""The cuDNN path of causal packed attention: when it is taken, the bias gradient it adds, and on a
+Hopper GPU its results against dslab's Triton kernels and inside a CUDA graph."""
+
+import dataclasses
+
+import pytest
+import torch
+from test_attention_packed import _check_bias_gradient, _packed_inputs
+
+from dslab.kernels import attention_cudnn
+from dslab.kernels.attention_packed import attention_packed, attention_packed_reference
+from dslab.kernels.dispatch import kernel_backend
+
+
+@dataclasses.dataclass
+class _Call:
+    is_cuda: bool = True
+    dtype: torch.dtype = torch.bfloat16
+    head_dim: int = 64
+    causal: bool = True
+    has_padding_mask: bool = False
+    has_seed: bool = False
+    kernel_backend: str = "auto"
+    deterministic: bool = False
+    capability: tuple | None = (9, 0)
+
+
+def test_a_causal_bf16_call_on_hopper_may_take_cudnn():
+    assert attention_cudnn.ineligible_reason(**dataclasses.asdict(_Call())) is None
+    assert attention_cudnn.ineligible_reason(**dataclasses.asdict(_Call(dtype=torch.float16, head_dim=128))) is None
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(is_cuda=False, capability=None), "not a CUDA tensor"),
+    (dict(kernel_backend="triton"), "kernel backend 'triton'"),
+    (dict(kernel_backend="torch"), "kernel backend 'torch'"),
+    (dict(capability=(8, 0)), "compute capability (8, 0)"),
+    (dict(capability=(10, 0)), "compute capability (10, 0)"),
+    (dict(dtype=torch.float32), "dtype torch.float32"),
+    (dict(head_dim=32), "head dim 32"),
+    (dict(causal=False), "not causal"),
+    (dict(has_padding_mask=True), "key padding mask"),
+    (dict(has_seed=True), "dropout seed"),
+    (dict(deterministic=True), "deterministic"),
+])
+def test_each_condition_keeps_the_triton_kernels(change, reason):
+    assert reason in attention_cudnn.ineligible_reason(**dataclasses.asdict(_Call(**change)))
+
+
+def test_cpu_tensors_never_take_cudnn():
+    qkv, _ = _packed_inputs(2, 2, 16, 64, torch.bfloat16)
+    assert not attention_cudnn.eligible(qkv, 2, True, None, 0.0, None)
+
+
+def test_bias_tap_passes_qkv_and_returns_its_column_sums_with_the_key_block_zero():
+    """The bias's gradient on this path: the column sums of qkv's gradient (fresh random), the k
+    block exactly 0; qkv's own gradient passes through unchanged."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, 7, 3 * 8, generator=gen, requires_grad=True)
+    bias = torch.zeros(3 * 8, requires_grad=True)
+    grad = torch.randn(3, 7, 3 * 8, generator=gen)
+    out = attention_cudnn._BiasGrad.apply(qkv, bias)
+    assert torch.equal(out, qkv)
+    out.backward(grad)
+    assert torch.equal(qkv.grad, grad)
+    expected = grad.reshape(-1, 24).sum(0)
+    torch.testing.assert_close(bias.grad[:8], expected[:8], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(bias.grad[16:], expected[16:], rtol=1e-6, atol=1e-6)
+    assert torch.equal(bias.grad[8:16], torch.zeros(8))
+
+
+# --- GPU -----------------------------------------------------------------------------------------
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _run(qkv, grad, heads, dropout_p, backend="auto"):
+    leaf = qkv.detach().requires_grad_()
+    bias = torch.zeros(qkv.shape[-1], device=qkv.device, dtype=qkv.dtype, requires_grad=True)
+    with kernel_backend(backend):
+        out = attention_packed(leaf, heads, causal=True, dropout_p=dropout_p, bias=bias)
+    dqkv, dbias = torch.autograd.grad(out, (leaf, bias), grad)
+    return out, dqkv, dbias
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,heads,seq", [(16, 12, 1024), (4, 25, 1024), (2, 3, 200)])
+def test_gpu_cudnn_path_matches_the_reference_and_the_triton_kernels(batch, heads, seq):
+    """At the GPT-2 suite's shapes (and an odd length): the path is taken on Hopper, and without
+    dropout its output, qkv gradient and bias gradient match the fp32 reference within bf16
+    rounding, as the Triton kernels' do."""
+    if not _hopper():
+        pytest.skip("the cuDNN path runs on compute capability 9.x")
+    qkv, grad = _packed_inputs(batch, heads, seq, 64, torch.bfloat16, device="cuda", seed=53)
+    assert attention_cudnn.eligible(qkv, heads, True, None, 0.0, None)
+    out, dqkv, dbias = _run(qkv, grad, heads, 0.0)
+    ref_leaf = qkv.detach().float().requires_grad_()
+    ref = attention_packed_reference(ref_leaf, heads, causal=True)
+    (ref_dqkv,) = torch.autograd.grad(ref, (ref_leaf,), grad.float())
+    t_out, t_dqkv, _ = _run(qkv, grad, heads, 0.0, backend="triton")
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    assert rel(out, ref) < 1e-2 and rel(dqkv, ref_dqkv) < 2e-2
+    assert rel(out, ref) < 2 * rel(t_out, ref) + 1e-3 and rel(dqkv, ref_dqkv) < 2 * rel(t_dqkv, ref_dqkv) + 1e-3
+    _check_bias_gradient(dbias.cpu(), dqkv.cpu(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_dropout_is_unbiased_and_new_on_each_graph_replay():
+    """With dropout 0.1: each call's mask differs, the mean of many outputs approaches the output
+    without dropout (the 1 / (1 - p) rescaling), and a CUDA graph that captured forward and
+    backward draws a new mask on each replay."""
+    if not _hopper():
+        pytest.skip("the cuDNN path runs on compute capability 9.x")
+    batch, heads, seq = 4, 12, 512
+    qkv, grad = _packed_inputs(batch, heads, seq, 64, torch.bfloat16, device="cuda", seed=59)
+    plain = _run(qkv, grad, heads, 0.0)[0].float()
+    outs = [_run(qkv, grad, heads, 0.1)[0].float() for _ in range(64)]
+    single = ((outs[0] - plain).norm() / plain.norm()).item()
+    mean = ((torch.stack(outs).mean(0) - plain).norm() / plain.norm()).item()
+    assert single > 0.05 and not torch.equal(outs[0], outs[1])
+    assert mean < single / 4
+
+    leaf = qkv.detach().requires_grad_()
+    static_grad = grad.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            out = attention_packed(leaf, heads, causal=True, dropout_p=0.1)
+            torch.autograd.grad(out, (leaf,), static_grad)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_packed(leaf, heads, causal=True, dropout_p=0.1)
+        (dqkv,) = torch.autograd.grad(out, (leaf,), static_grad)
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append((out.clone(), dqkv.clone()))
+    assert not torch.equal(replays[0][0], replays[1][0]) and not torch.equal(replays[0][1], replays[1][1])
+    assert torch.isfinite(replays[0][1]).all()
