@@ -17,10 +17,12 @@ dropout) is what wins: the Triton backward takes ~410 us, ~355 without dropout; 
 
 q, k and v are strided views of qkv (no copy in); the output's heads are merged with a view
 where cuDNN lays it out as ``[batch, seq, heads, head_dim]``. The backward's dq, dk, dv are
-gathered into qkv's gradient by autograd (one copy). ``bias``, the projection's bias already
-inside qkv, gets the column sums of that gradient (:func:`dslab.kernels.column_sum.column_sum`),
-with the key block's exactly 0 as on dslab's other paths (softmax ignores a shift of all of a
-query's scores).
+packed into qkv's gradient by one Triton kernel (:func:`gather_packed`) that also adds up the
+column sums of what it writes: the gradient of ``bias``, the projection's bias already inside
+qkv, with the key block's exactly 0 as on dslab's other paths (softmax ignores a shift of all of
+a query's scores). Autograd's own packing followed by a column sum read the ``[tokens, 3 *
+hidden]`` gradient once more: 193 against 72 us per GPT-2 124M layer on an H200, and the step
+32.75 -> 32.37 ms with the first, slower tile of this kernel.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from dslab.kernels._grid import column_sums
 from dslab.kernels.dispatch import backend
 
 HEAD_DIMS = (64, 128)
@@ -108,23 +113,92 @@ def eligible(qkv: torch.Tensor, heads: int, causal: bool, key_padding_mask: Opti
     return _cudnn_can_run(q, k, v, dropout_p, causal)
 
 
-class _BiasGrad(torch.autograd.Function):
-    """Identity on qkv whose backward also returns the gradient of the bias inside it."""
+@triton.jit
+def _gather_kernel(DQ, DK, DV, OUT, PARTIALS, rows, seq, heads, stride_b, stride_h, stride_s,
+                   ROWS_PER_PROGRAM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                   HAS_SUMS: tl.constexpr, STAGES: tl.constexpr):
+    """Grid ``(row programs, 3 * heads)``: program ``(p, j)`` copies head ``j % heads`` of part
+    ``j // heads`` (dq, dk, dv) for rows ``[p * ROWS_PER_PROGRAM, ...)`` of the ``[batch * seq]``
+    tokens into the packed ``OUT [rows, 3 * heads * HEAD_DIM]`` and, with ``HAS_SUMS``, writes its
+    rows' fp32 column sums to ``PARTIALS [row programs, 3 * heads * HEAD_DIM]``."""
+    pid_r = tl.program_id(0)
+    j = tl.program_id(1)
+    part = j // heads
+    h = j % heads
+    if part == 0:
+        src = DQ
+    elif part == 1:
+        src = DK
+    else:
+        src = DV
+    width = 3 * heads * HEAD_DIM
+    cols = j * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    first = pid_r * ROWS_PER_PROGRAM
+    for start in tl.range(first, first + ROWS_PER_PROGRAM, BLOCK_R, num_stages=STAGES):
+        r = start + tl.arange(0, BLOCK_R)
+        inside = r < rows
+        b = (r // seq).to(tl.int64)
+        s = (r % seq).to(tl.int64)
+        offs = b * stride_b + h * stride_h + s * stride_s
+        tile = tl.load(src + offs[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+        tl.store(OUT + r.to(tl.int64)[:, None] * width + cols[None, :], tile, mask=inside[:, None])
+        if HAS_SUMS:
+            acc += tl.sum(tile.to(tl.float32), axis=0)
+    if HAS_SUMS:
+        tl.store(PARTIALS + pid_r * width + cols, acc)
+
+
+def gather_packed(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, bias_dtype: torch.dtype | None = None,
+                  block_r: int = 64, max_programs: int = 512, num_warps: int = 4, num_stages: int = 1
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the packed ``[batch, seq, 3 * heads * head_dim]`` gradient of dq, dk, dv ``[batch, heads,
+    seq, head_dim]`` (any strides, unit last); with ``bias_dtype``, its column sums in that dtype
+    with the key block 0, else None). One Triton launch reads each gradient once and writes the
+    packed one; a second adds the per-program fp32 partial sums in a fixed order. The tile
+    (``block_r`` rows of one head, at most ``max_programs`` row programs) measured best of eight
+    on an H200 at GPT-2 124M's layer ([16, 12, 1024, 64] gradients laid out as cuDNN writes them):
+    72 us, against 113 for a plain copy of the same bytes through ``torch.cat``."""
+    batch, heads, seq, head_dim = dq.shape
+    grads = [g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv)]
+    if len({g.stride() for g in grads}) != 1:
+        grads = [g.contiguous() for g in grads]
+    rows, width = batch * seq, 3 * heads * head_dim
+    out = torch.empty((batch, seq, width), dtype=dq.dtype, device=dq.device)
+    programs = max(1, min(triton.cdiv(rows, block_r), max_programs if dq.is_cuda else 2))
+    per_program = triton.cdiv(triton.cdiv(rows, programs), block_r) * block_r
+    programs = triton.cdiv(rows, per_program)
+    sums = bias_dtype is not None
+    partials = torch.empty((programs, width) if sums else (1,), dtype=torch.float32, device=dq.device)
+    stride_b, stride_h, stride_s, _ = grads[0].stride()
+    _gather_kernel[(programs, 3 * heads)](
+        *grads, out, partials, rows, seq, heads, stride_b, stride_h, stride_s,
+        ROWS_PER_PROGRAM=per_program, HEAD_DIM=head_dim, BLOCK_R=block_r, HAS_SUMS=sums, STAGES=num_stages,
+        num_warps=num_warps)
+    if not sums:
+        return out, None
+    (grad_bias,) = column_sums(partials.unsqueeze(0), (bias_dtype,))
+    grad_bias[width // 3:2 * width // 3] = 0
+    return out, grad_bias
+
+
+class _SplitPacked(torch.autograd.Function):
+    """q, k, v ``[batch, heads, seq, head_dim]`` as views of qkv; the backward packs their
+    gradients with :func:`gather_packed`, which also sums the bias's gradient."""
 
     @staticmethod
-    def forward(ctx, qkv, bias):
-        ctx.bias_dtype = bias.dtype
-        return qkv.view_as(qkv)
+    def forward(ctx, qkv, bias, heads):
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return _split(qkv, heads)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        from dslab.kernels.column_sum import column_sum
-
-        grad_bias = column_sum(grad.reshape(-1, grad.shape[-1]), ctx.bias_dtype)
-        width = grad_bias.shape[0] // 3
-        grad_bias[width:2 * width] = 0
-        return grad, grad_bias
+    def backward(ctx, dq, dk, dv):
+        reference = next(g for g in (dq, dk, dv) if g is not None)
+        grads = [g if g is not None else torch.zeros_like(reference) for g in (dq, dk, dv)]
+        grad_qkv, grad_bias = gather_packed(*grads, ctx.bias_dtype)
+        return grad_qkv, grad_bias, None
 
 
 def attention_packed(qkv: torch.Tensor, heads: int, dropout_p: float, scale: float,
@@ -133,10 +207,8 @@ def attention_packed(qkv: torch.Tensor, heads: int, dropout_p: float, scale: flo
     contract of :func:`dslab.kernels.attention_packed.attention_packed`."""
     from torch.nn.attention import sdpa_kernel
 
-    if bias is not None:
-        qkv = _BiasGrad.apply(qkv, bias)
     batch, seq, width = qkv.shape
-    q, k, v = _split(qkv, heads)
+    q, k, v = _SplitPacked.apply(qkv, bias, heads)
     with sdpa_kernel(_sdpa_backend()):
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
     return out.transpose(1, 2).reshape(batch, seq, width // 3)

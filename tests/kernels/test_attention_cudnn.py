@@ -52,21 +52,50 @@ def test_cpu_tensors_never_take_cudnn():
     assert not attention_cudnn.eligible(qkv, 2, True, None, 0.0, None)
 
 
-def test_bias_tap_passes_qkv_and_returns_its_column_sums_with_the_key_block_zero():
-    """The bias's gradient on this path: the column sums of qkv's gradient (fresh random), the k
-    block exactly 0; qkv's own gradient passes through unchanged."""
-    gen = torch.Generator().manual_seed(5)
-    qkv = torch.randn(3, 7, 3 * 8, generator=gen, requires_grad=True)
-    bias = torch.zeros(3 * 8, requires_grad=True)
-    grad = torch.randn(3, 7, 3 * 8, generator=gen)
-    out = attention_cudnn._BiasGrad.apply(qkv, bias)
-    assert torch.equal(out, qkv)
-    out.backward(grad)
-    assert torch.equal(qkv.grad, grad)
-    expected = grad.reshape(-1, 24).sum(0)
-    torch.testing.assert_close(bias.grad[:8], expected[:8], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(bias.grad[16:], expected[16:], rtol=1e-6, atol=1e-6)
-    assert torch.equal(bias.grad[8:16], torch.zeros(8))
+@pytest.mark.parametrize("batch,heads,seq,head_dim,layout", [
+    (2, 3, 37, 64, "bhsd"),  # odd token count: the last row tile is partial
+    (3, 2, 70, 32, "bshd"),  # gradients laid out [batch, seq, heads, dim], as cuDNN may write them
+    (1, 1, 5, 64, "mixed"),  # one gradient with other strides: all are copied to one layout
+])
+def test_gather_packed_matches_autograds_packing_and_sums_the_bias(batch, heads, seq, head_dim, layout):
+    """The backward's packing kernel (interpreter on CPU): the packed gradient equals the one
+    autograd builds from the three heads' gradients (fresh random values, bit for bit), and the
+    bias gradient is its column sums with the key block exactly 0."""
+    gen = torch.Generator().manual_seed(seq)
+
+    def grad():
+        if layout == "bhsd" or (layout == "mixed" and seq % 2):
+            return torch.randn(batch, heads, seq, head_dim, generator=gen)
+        return torch.randn(batch, seq, heads, head_dim, generator=gen).transpose(1, 2)
+
+    dq, dk, dv = grad(), grad(), torch.randn(batch, heads, seq, head_dim, generator=gen)
+    if layout == "mixed":
+        dk = torch.randn(batch, seq, heads, head_dim, generator=gen).transpose(1, 2)
+    packed, dbias = attention_cudnn.gather_packed(dq, dk, dv, torch.float32)
+    expected = torch.stack([dq, dk, dv], dim=2).transpose(1, 3).reshape(batch, seq, 3 * heads * head_dim)
+    assert torch.equal(packed, expected)
+    width = heads * head_dim
+    sums = expected.reshape(-1, 3 * width).double().sum(0)
+    torch.testing.assert_close(dbias[:width].double(), sums[:width], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dbias[2 * width:].double(), sums[2 * width:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(dbias[width:2 * width], torch.zeros(width))
+    without, none = attention_cudnn.gather_packed(dq, dk, dv)
+    assert none is None and torch.equal(without, expected)
+
+
+def test_split_packed_gives_views_and_routes_gradients_to_qkv_and_bias():
+    gen = torch.Generator().manual_seed(11)
+    batch, heads, seq, head_dim = 2, 2, 9, 32
+    qkv = torch.randn(batch, seq, 3 * heads * head_dim, generator=gen, requires_grad=True)
+    bias = torch.zeros(3 * heads * head_dim, requires_grad=True)
+    q, k, v = attention_cudnn._SplitPacked.apply(qkv, bias, heads)
+    assert q.shape == (batch, heads, seq, head_dim) and q.data_ptr() == qkv.data_ptr()
+    weights = [torch.randn(q.shape, generator=gen) for _ in range(3)]
+    ((q * weights[0]).sum() + (k * weights[1]).sum() + (v * weights[2]).sum()).backward()
+    expected = torch.stack(weights, dim=2).transpose(1, 3).reshape(qkv.shape)
+    assert torch.equal(qkv.grad, expected)
+    torch.testing.assert_close(bias.grad[:64], expected.reshape(-1, 192).sum(0)[:64], rtol=1e-5, atol=1e-5)
+    assert torch.equal(bias.grad[64:128], torch.zeros(64))
 
 
 # --- GPU -----------------------------------------------------------------------------------------
