@@ -75,6 +75,7 @@ class RunSummary:
     created: str | None = None
     gpu: str = "?"
     commit: str = "?"
+    source: str = "?"
     arms: list[str] = field(default_factory=list)
     cases: list[str] = field(default_factory=list)
     # {(case, arm): {metric: median over trials}}
@@ -119,7 +120,7 @@ def summarize_all(items: list[tuple[RunReport, str, str]]) -> list[RunSummary]:
         mine = rows[start:start + len(report.results)]  # one row per result, in the reports' order
         start += len(report.results)
         summary = RunSummary(suite=suite, run_id=run_id, status=report.status, created=report.created,
-                             gpu=gpu_label(run), commit=commit_label(run),
+                             gpu=gpu_label(run), commit=commit_label(run), source=source_label(run),
                              arms=list(dict.fromkeys(r["arm"] for r in mine)),
                              cases=list(dict.fromkeys(r["case"] for r in mine)))
         for r in mine:

@@ -92,7 +92,7 @@ def run_rows(summaries: list[RunSummary]) -> list[dict]:
                          if arm == "dslab" and HEADLINE_METRIC in m), None)
         rows.append({"suite": s.suite, "link": f"[{s.run_id}](/run/{quote(s.suite)}/{quote(s.run_id)})",
                      "status": s.status, "created": s.created or "-", "gpu": s.gpu, "commit": s.commit,
-                     "arms": ", ".join(s.arms), "dslab_samples_per_s": headline,
+                     "source": s.source, "arms": ", ".join(s.arms), "dslab_samples_per_s": headline,
                      "warnings": s.error or "; ".join(s.warnings)})
     return rows
 
@@ -132,7 +132,8 @@ def runs_page(store: RunStore) -> list:
                      placeholder="commit"),
     ], className="filters")
     columns = [("suite", "suite"), ("link", "run"), ("status", "status"), ("created", "created"), ("gpu", "GPU"),
-               ("commit", "commit"), ("arms", "arms"), ("dslab_samples_per_s", "dslab samples/s"),
+               ("commit", "commit"), ("source", "source digest"), ("arms", "arms"),
+               ("dslab_samples_per_s", "dslab samples/s"),
                ("warnings", "warnings")]
     compare = html.Div([
         dcc.Dropdown(id="compare-a", options=refs, value=refs[1] if len(refs) > 1 else None, placeholder="run A"),

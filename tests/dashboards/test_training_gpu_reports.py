@@ -96,6 +96,18 @@ def test_the_latest_reports_name_their_code_by_its_source_digest(run, tmp_path):
     assert source_digest(tmp_path / "dslab") == digest
 
 
+def test_the_runs_list_shows_each_runs_source_digest():
+    """The runs table's source column: the recorded digest, '?' for runs from before digests."""
+    pytest.importorskip("dash")
+    from dashboards.data import RunStore
+    from dashboards.pages import run_rows
+
+    rows = {row["link"].split("](")[0].lstrip("["): row for row in run_rows(RunStore(FIXTURES).summaries())}
+    for run, (_, digest) in DIGESTS.items():
+        assert rows[run.split("/")[1]]["source"] == digest
+    assert rows["20261126T142221Z-72b7aa"]["source"] == "?"
+
+
 def test_the_compare_page_shows_each_runs_source_digest():
     """A run with a digest beside one from before digests were recorded."""
     pytest.importorskip("dash")
