@@ -13,6 +13,8 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from dslab.profilers.flops_formulas import causal_aware_formulas
+
 
 def measure_peaks(device: torch.device) -> dict:
     """bf16 matmul TFLOP/s (8192^3, random data, median of 10) and device-to-device copy GB/s
@@ -54,8 +56,11 @@ def _median_ms(fn, iters: int) -> float:
 def count_step_flops(model: torch.nn.Module, loss_fn, batch: dict, dtype: torch.dtype | None,
                      device: torch.device) -> int:
     """Floating-point operations of one forward + backward, counted from the aten ops that run
-    (``torch.utils.flop_counter``): matrix products and attention, as that counter defines them."""
-    counter = FlopCounterMode(display=False)
+    (``torch.utils.flop_counter``): matrix products and attention, as that counter defines them,
+    except that a fused attention kernel called causal counts half of the score square, the part
+    it computes (:func:`dslab.profilers.flops_formulas.causal_aware_formulas`, the flops
+    profiler's convention)."""
+    counter = FlopCounterMode(display=False, custom_mapping=causal_aware_formulas())
     with counter:
         if dtype is not None:
             with torch.autocast(device.type, dtype=dtype):

@@ -4,7 +4,8 @@ module, with per-module latency and MFU; DeepSpeed's ``flops_profiler`` section 
 How it counts (STYLE.md #7, count don't patch): while profiling, a ``TorchDispatchMode`` sees every
 aten op and every dslab custom op that runs, functional calls and ``@`` included, and prices it
 with :mod:`dslab.profilers.flops_formulas` (torch's ``flop_counter`` formulas for aten ops, so the
-total equals ``FlopCounterMode``'s). Nothing is estimated from the forward: the backward is what
+total equals ``FlopCounterMode``'s, but for causal fused attention, which counts the half of the
+score square its kernels compute). Nothing is estimated from the forward: the backward is what
 the autograd engine executed (a linear whose input needs no gradient costs one matmul in backward,
 not two; recomputation under activation checkpointing is counted where it runs).
 

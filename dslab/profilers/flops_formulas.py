@@ -5,7 +5,8 @@ Every op the flops profiler sees is classified into one of three figures:
 - ``MATMUL``, the total: the ops of ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm,
   baddbmm, _scaled_mm, convolution and its backward, SDPA's flash/efficient/cudnn kernels and their
   backwards, ...), counted with torch's own formulas so that the total equals
-  ``FlopCounterMode``'s on aten ops, plus dslab's attention, Evoformer attention, grouped GEMM,
+  ``FlopCounterMode``'s on aten ops (except causal fused attention, half of torch's figure: see
+  :func:`count`), plus dslab's attention, Evoformer attention, grouped GEMM,
   decode attention, int8 linear and outer-product linear custom ops. A multiply-add counts 2.
 - ``ELEMENTWISE``, reported beside the total, never in it: pointwise arithmetic, activations,
   reductions, normalisations and softmax, with the small per-element constants of
@@ -505,18 +506,90 @@ def _per_element(name: str, args, out) -> int:
     return per * _out_numel(out)
 
 
+#: Where a fused attention op says it is causal: ``is_causal`` (SDPA's flash, efficient, cuDNN and
+#: CPU kernels, and their backwards) or ``custom_mask_type`` (1 and 2 are the causal masks of
+#: ``_efficient_attention_forward`` and its backward), by op overload: (argument index, name) or None.
+_CAUSAL_ARGUMENT: dict = {}
+
+
+def _causal_argument(func) -> tuple[int, str] | None:
+    try:
+        return _CAUSAL_ARGUMENT[func]
+    except KeyError:
+        pass
+    found = None
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name in ("is_causal", "custom_mask_type"):
+            found = (index, argument.name)
+            break
+    _CAUSAL_ARGUMENT[func] = found
+    return found
+
+
+def runs_causal(func, args, kwargs) -> bool:
+    """Whether ``func`` is a fused attention kernel called with a causal mask."""
+    where = _causal_argument(func)
+    if where is None:
+        return False
+    index, name = where
+    value = args[index] if index < len(args) else kwargs.get(name)
+    if name == "custom_mask_type":
+        return value is not None and int(value) in (1, 2)
+    return bool(value)
+
+
+def _first_overload(packet):
+    """An op packet's first overload (its schema names the arguments), None for a higher-order
+    op (flex attention), which has no schema."""
+    overloads = getattr(packet, "overloads", None)
+    for name in overloads() if overloads is not None else ():
+        return getattr(packet, name)
+    return None
+
+
+def causal_aware_formulas() -> dict:
+    """A ``custom_mapping`` for ``FlopCounterMode``: torch's formula for every fused attention op
+    that takes a causal flag, halved when the call is causal (as :func:`count` prices it), so a
+    plain counter agrees with the flops profiler on causal attention."""
+    mapping = {}
+    for packet, formula in flop_counter.flop_registry.items():
+        overload = _first_overload(packet)
+        if overload is None or _causal_argument(overload) is None:
+            continue
+
+        def halved(*args, out_val=None, _formula=formula, _overload=overload, **kwargs):
+            flops = _formula(*args, **kwargs, out_val=out_val)
+            return flops // 2 if runs_causal(_overload, args, kwargs) else flops
+
+        halved._get_raw = True  # FlopCounterMode hands raw arguments (is_causal) to such a formula
+        mapping[packet] = halved
+    return mapping
+
+
 def count(func, args, kwargs, out) -> tuple[str, int] | None:
     """``(figure, flops)`` for one executed op overload ``func`` with its arguments and output, or
-    None when it costs nothing countable."""
+    None when it costs nothing countable.
+
+    A fused attention kernel called causal (:func:`runs_causal`) counts half its formula's flops,
+    as dslab's own attention does: torch's SDPA formulas price the whole score square whatever the
+    mask, while the fused kernels skip the blocks above the diagonal. So the same model costs the
+    same flops on dslab's Triton attention, on cuDNN's (which dslab's packed attention takes on
+    Hopper) and in a plain arm; only there does the total differ from ``FlopCounterMode``'s. The
+    math path (``SDPBackend.MATH``) decomposes into matmuls over the whole square, counted as such.
+    """
     packet = func._overloadpacket
     formula = flop_counter.flop_registry.get(packet)
     if formula is not None:
-        return MATMUL, int(formula(*args, **kwargs, out_val=out))
+        flops = int(formula(*args, **kwargs, out_val=out))
+        return MATMUL, flops // 2 if runs_causal(func, args, kwargs) else flops
     name = op_name(func)
     named = _NAMED.get(name)
     if named is not None:
         figure, formula = named
-        return figure, int(formula(args, kwargs, out))
+        flops = int(formula(args, kwargs, out))
+        if figure == CPU_ATTENTION and runs_causal(func, args, kwargs):
+            flops //= 2
+        return figure, flops
     if name.startswith("aten::"):
         flops = _per_element(name, args, out)
         if flops:

@@ -146,6 +146,93 @@ def test_cpu_fused_attention_is_reported_beside_the_total():
     assert records["cpu_attention_flops"]["backward"] == forward * 5 // 2
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_fused_attention_counts_half_when_causal(causal):
+    """The CPU fused kernel skips the blocks above the diagonal when causal: half of torch's
+    formula, forward and backward."""
+    torch.manual_seed(0)
+    b, h, s, d = 1, 2, 16, 32
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    profiler = profile(Call(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), q, k, v)
+    records = profiler.records()
+    if "aten::_scaled_dot_product_flash_attention_for_cpu" not in records["flops_by_op"]:
+        pytest.skip("this torch build does not take the fused CPU attention kernel")
+    forward = 4 * b * h * s * s * d // (2 if causal else 1)
+    assert records["cpu_attention_flops"]["forward"] == forward
+    assert records["cpu_attention_flops"]["backward"] == forward * 5 // 2
+
+
+def _meta(*shape):
+    return torch.empty(*shape, device="meta", dtype=torch.bfloat16)
+
+
+def _gpu_attention_calls(q, k, v, causal):
+    """(op overload, args, kwargs, out) of each fused GPU attention kernel torch's counter knows,
+    forward and backward, at q, k, v's shapes (meta tensors: the formulas read shapes only)."""
+    aten = torch.ops.aten
+    b, h, s, d = q.shape
+    lse, seed, offset = _meta(b, h, s).float(), _meta(2).long(), _meta(()).long()
+    grads = (q, k, v)
+    mask = 1 if causal else 0
+    return [
+        (aten._scaled_dot_product_flash_attention.default, (q, k, v, 0.0), {"is_causal": causal}, (q, lse)),
+        (aten._scaled_dot_product_efficient_attention.default, (q, k, v, None, True, 0.0, causal), {}, (q, lse)),
+        (aten._scaled_dot_product_cudnn_attention.default, (q, k, v, None, True, 0.0, causal, False), {}, (q, lse)),
+        (aten._flash_attention_forward.default, (q, k, v, None, None, s, s, 0.0, causal, False), {}, (q, lse)),
+        (aten._efficient_attention_forward.default, (q, k, v, None, None, None, s, s, 0.0, mask), {}, (q, lse)),
+        (aten._scaled_dot_product_flash_attention_backward.default,
+         (q, q, k, v, q, lse, None, None, s, s, 0.0, causal, seed, offset), {}, grads),
+        (aten._scaled_dot_product_efficient_attention_backward.default,
+         (q, q, k, v, None, q, lse, seed, offset, 0.0, [True, True, True, False], causal), {}, grads),
+        (aten._scaled_dot_product_cudnn_attention_backward.default,
+         (q, q, k, v, q, lse, seed, offset, None, None, None, s, s, 0.0, causal), {}, grads),
+        (aten._flash_attention_backward.default,
+         (q, q, k, v, q, lse, None, None, s, s, 0.0, causal, seed, offset), {}, grads),
+        (aten._efficient_attention_backward.default,
+         (q, q, k, v, None, q, None, None, s, s, lse, 0.0, seed, offset, mask, False), {}, grads),
+    ]
+
+
+def test_fused_gpu_attention_counts_half_when_causal():
+    """SDPA's flash, efficient and cuDNN kernels (and the flash/efficient entry points under them):
+    torch's formula prices the whole score square; called causal they count half of it, as
+    dslab's own attention does, forward (4*B*H*S*S*D / 2) and backward (2.5x that). The formulas
+    read shapes only (the entry points' as [B, H, S, D], as torch's counter does), so the ops are
+    priced on meta tensors, on any machine."""
+    from dslab.profilers import flops_formulas
+
+    b, h, s, d = 2, 3, 16, 8
+    q, k, v = _meta(b, h, s, d), _meta(b, h, s, d), _meta(b, h, s, d)
+    full = 4 * b * h * s * s * d
+    for causal in (False, True):
+        expected_forward = full // 2 if causal else full
+        assert flops_formulas.attention_flops(q.shape, k.shape, causal) == expected_forward
+        for func, args, kwargs, out in _gpu_attention_calls(q, k, v, causal):
+            name = func.name()
+            assert flops_formulas.runs_causal(func, args, kwargs) is causal, name
+            figure, flops = flops_formulas.count(func, args, kwargs, out)
+            assert figure == flops_formulas.MATMUL
+            assert flops == (expected_forward * 5 // 2 if name.endswith("backward") else expected_forward), name
+
+
+def test_flop_counter_mapping_agrees_on_causal_attention():
+    """``causal_aware_formulas`` (what the benchmark's flops per step count with) prices every
+    fused attention call as the profiler does, and FlopCounterMode honours it on a real call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dslab.profilers import flops_formulas
+
+    mapping = flops_formulas.causal_aware_formulas()
+    q, k, v = _meta(2, 3, 16, 8), _meta(2, 3, 16, 8), _meta(2, 3, 16, 8)
+    for causal in (False, True):
+        for func, args, kwargs, out in _gpu_attention_calls(q, k, v, causal):
+            expected = flops_formulas.count(func, args, kwargs, out)[1]
+            assert mapping[func._overloadpacket](*args, **kwargs, out_val=out) == expected, func.name()
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
+        assert counter.get_total_flops() == flops_formulas.attention_flops(q.shape, k.shape, causal)
+
+
 def test_elementwise_constants_for_pointwise_and_softmax():
     """x * y + z: 1 flop per output element per op; softmax 5 per element forward, 4 backward; the
     .sum() that profile() differentiates 1 per element."""
