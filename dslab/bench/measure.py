@@ -13,7 +13,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dslab.profilers.flops_formulas import causal_aware_formulas
+from dslab.profilers.flops_causal import causal_aware_formulas
 
 
 def measure_peaks(device: torch.device) -> dict:

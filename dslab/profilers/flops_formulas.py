@@ -81,6 +81,8 @@ import math
 import torch
 from torch.utils import flop_counter
 
+from dslab.profilers.flops_causal import runs_causal
+
 MATMUL = "matmul"
 ELEMENTWISE = "elementwise"
 CPU_ATTENTION = "cpu_attention"
@@ -504,66 +506,6 @@ def _per_element(name: str, args, out) -> int:
     if basis == "in":
         return per * _first_tensor_numel(args)
     return per * _out_numel(out)
-
-
-#: Where a fused attention op says it is causal: ``is_causal`` (SDPA's flash, efficient, cuDNN and
-#: CPU kernels, and their backwards) or ``custom_mask_type`` (1 and 2 are the causal masks of
-#: ``_efficient_attention_forward`` and its backward), by op overload: (argument index, name) or None.
-_CAUSAL_ARGUMENT: dict = {}
-
-
-def _causal_argument(func) -> tuple[int, str] | None:
-    try:
-        return _CAUSAL_ARGUMENT[func]
-    except KeyError:
-        pass
-    found = None
-    for index, argument in enumerate(func._schema.arguments):
-        if argument.name in ("is_causal", "custom_mask_type"):
-            found = (index, argument.name)
-            break
-    _CAUSAL_ARGUMENT[func] = found
-    return found
-
-
-def runs_causal(func, args, kwargs) -> bool:
-    """Whether ``func`` is a fused attention kernel called with a causal mask."""
-    where = _causal_argument(func)
-    if where is None:
-        return False
-    index, name = where
-    value = args[index] if index < len(args) else kwargs.get(name)
-    if name == "custom_mask_type":
-        return value is not None and int(value) in (1, 2)
-    return bool(value)
-
-
-def _first_overload(packet):
-    """An op packet's first overload (its schema names the arguments), None for a higher-order
-    op (flex attention), which has no schema."""
-    overloads = getattr(packet, "overloads", None)
-    for name in overloads() if overloads is not None else ():
-        return getattr(packet, name)
-    return None
-
-
-def causal_aware_formulas() -> dict:
-    """A ``custom_mapping`` for ``FlopCounterMode``: torch's formula for every fused attention op
-    that takes a causal flag, halved when the call is causal (as :func:`count` prices it), so a
-    plain counter agrees with the flops profiler on causal attention."""
-    mapping = {}
-    for packet, formula in flop_counter.flop_registry.items():
-        overload = _first_overload(packet)
-        if overload is None or _causal_argument(overload) is None:
-            continue
-
-        def halved(*args, out_val=None, _formula=formula, _overload=overload, **kwargs):
-            flops = _formula(*args, **kwargs, out_val=out_val)
-            return flops // 2 if runs_causal(_overload, args, kwargs) else flops
-
-        halved._get_raw = True  # FlopCounterMode hands raw arguments (is_causal) to such a formula
-        mapping[packet] = halved
-    return mapping
 
 
 def count(func, args, kwargs, out) -> tuple[str, int] | None:

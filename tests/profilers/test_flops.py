@@ -199,7 +199,7 @@ def test_fused_gpu_attention_counts_half_when_causal():
     dslab's own attention does, forward (4*B*H*S*S*D / 2) and backward (2.5x that). The formulas
     read shapes only (the entry points' as [B, H, S, D], as torch's counter does), so the ops are
     priced on meta tensors, on any machine."""
-    from dslab.profilers import flops_formulas
+    from dslab.profilers import flops_causal, flops_formulas
 
     b, h, s, d = 2, 3, 16, 8
     q, k, v = _meta(b, h, s, d), _meta(b, h, s, d), _meta(b, h, s, d)
@@ -209,7 +209,7 @@ def test_fused_gpu_attention_counts_half_when_causal():
         assert flops_formulas.attention_flops(q.shape, k.shape, causal) == expected_forward
         for func, args, kwargs, out in _gpu_attention_calls(q, k, v, causal):
             name = func.name()
-            assert flops_formulas.runs_causal(func, args, kwargs) is causal, name
+            assert flops_causal.runs_causal(func, args, kwargs) is causal, name
             figure, flops = flops_formulas.count(func, args, kwargs, out)
             assert figure == flops_formulas.MATMUL
             assert flops == (expected_forward * 5 // 2 if name.endswith("backward") else expected_forward), name
@@ -220,9 +220,9 @@ def test_flop_counter_mapping_agrees_on_causal_attention():
     fused attention call as the profiler does, and FlopCounterMode honours it on a real call."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from dslab.profilers import flops_formulas
+    from dslab.profilers import flops_causal, flops_formulas
 
-    mapping = flops_formulas.causal_aware_formulas()
+    mapping = flops_causal.causal_aware_formulas()
     q, k, v = _meta(2, 3, 16, 8), _meta(2, 3, 16, 8), _meta(2, 3, 16, 8)
     for causal in (False, True):
         for func, args, kwargs, out in _gpu_attention_calls(q, k, v, causal):
