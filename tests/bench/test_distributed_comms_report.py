@@ -25,6 +25,7 @@ SLEEP_MS = 150  # well above the arrival noise of three processes on a 2-core CI
 STEPS, WARMUP = 3, 1
 
 
+@pytest.mark.serial  # a rank's sleep against the others' waits
 @pytest.mark.world_size(WORLD)
 def test_one_slowed_rank_is_named_in_the_report_and_the_trace_has_every_rank(tmp_path, capsys):
     out = tmp_path / "reports"

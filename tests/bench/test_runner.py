@@ -117,6 +117,7 @@ def test_ctrl_c_leaves_an_incomplete_report(tmp_path, monkeypatch):
     assert back.result("a", "dslab").trials  # the first trial was kept
 
 
+@pytest.mark.serial  # compares the arms' step times
 def test_injected_sleep_slows_only_the_dslab_arm(tmp_path, monkeypatch):
     monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MS", "40")
     report, _ = run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], trials=1)

@@ -16,6 +16,9 @@ pytest.importorskip("pytest_benchmark")
 
 pytest_plugins = ["pytester"]
 
+
+pytestmark = pytest.mark.serial  # timed calls; and pytest-benchmark turns itself off under xdist
+
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_BENCHMARKS = REPO / "benchmarks" / "kernels"
 

@@ -179,6 +179,7 @@ def test_binds_localhost_by_default():
     assert (args.host, args.port, args.reports) == ("127.0.0.1", 8050, "reports")
 
 
+@pytest.mark.serial  # a time limit
 def test_500_runs_load_in_under_3_seconds(tmp_path):
     for i in range(500):
         run_id = f"202611{1 + i // 100:02d}T{i % 24:02d}{i % 60:02d}00Z-{i:06x}"

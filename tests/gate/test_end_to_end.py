@@ -3,6 +3,8 @@ DSLAB_INJECT_STEP_SLEEP_MS fails with exit 1."""
 
 import json
 
+import pytest
+
 from dslab import cli
 from dslab.bench.runner import run_suite
 
@@ -22,6 +24,7 @@ def _suite(tmp_path):
     return path
 
 
+@pytest.mark.serial  # compares the timings of two runs
 def test_gate_passes_a_rerun_and_fails_an_injected_slowdown(tmp_path, monkeypatch, capsys):
     suite, reports = _suite(tmp_path), tmp_path / "reports"
     baseline, _ = run_suite(suite, out=reports)

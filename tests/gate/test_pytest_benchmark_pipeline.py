@@ -22,6 +22,9 @@ from dslab import cli
 
 pytest.importorskip("pytest_benchmark")
 
+
+pytestmark = pytest.mark.serial  # timed calls; and pytest-benchmark turns itself off under xdist
+
 ROUNDS = 20
 BENCH_FILE = f"""
 import os

@@ -63,7 +63,8 @@ def compare_steps(model, dtype):
         for got, want in zip(fused_cache, plain_cache):
             torch.testing.assert_close(got[:3, :, :last], want[:3, :, :last], **tol)
         return
-    exact, _, _ = _steps(dslab.init_inference(model, dtype=torch.float32, max_out_tokens=16), ids, mask, False)
+    with kernel_backend("torch"):  # the fp32 yardstick on PyTorch's ops (the interpreter adds nothing to it)
+        exact, _, _ = _steps(dslab.init_inference(model, dtype=torch.float32, max_out_tokens=16), ids, mask, False)
     fused_err = (fused.float() - exact).abs().max().item()
     plain_err = (plain.float() - exact).abs().max().item()
     assert 0 < plain_err and fused_err <= 2 * plain_err, (fused_err, plain_err)

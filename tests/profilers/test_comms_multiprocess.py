@@ -16,6 +16,10 @@ from comms_worker import ALL_GATHERS, ALL_REDUCES, BROADCASTS, SLEEP_S  # noqa: 
 SLEEP_MS = SLEEP_S * 1e3
 
 
+# The module's tests share one run whose straggler is a rank's sleep against the others' waits.
+pytestmark = pytest.mark.serial
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("comms") / "rank0.pkl"

@@ -82,6 +82,7 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
+@pytest.mark.serial  # compares host-clock timings
 def test_timer_on_cpu_charges_each_module_its_work():
     """Two identical blocks read similar times, a block four times as wide reads more, the parents
     hold their children, and the optimizer step is charged apart."""

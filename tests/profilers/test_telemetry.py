@@ -233,6 +233,7 @@ def test_downsampling_keeps_memory_bounded_and_summary_exact():
     assert rec["summary"][fake.uuids[0]]["samples_taken"] == 100
 
 
+@pytest.mark.serial  # counts samples of a timed thread
 def test_samples_arrive_at_about_the_interval_and_stop_at_close():
     fake = FakeNVML(n_gpus=1, seed=5)
     interval_ms = 40

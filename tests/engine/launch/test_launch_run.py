@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+
+pytestmark = pytest.mark.serial  # waits on processes with deadlines (start-up, Ctrl-C)
+
 HERE = Path(__file__).parent
 
 
