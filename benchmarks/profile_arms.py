@@ -70,7 +70,9 @@ def build(variant: str, workload, device, suite):
 #: first match wins.
 CATEGORIES = (
     ("attention bwd", ("attn_bwd", "attention_bwd", "_bwd_kernel_dq", "_bwd_kernel_dk", "flash_bwd",
-                       "fmha_bwd", "mha_bwd", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop")),
+                       "fmha_bwd", "mha_bwd", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop",
+                       # cuDNN's backward also runs rowsum(dO * O) and dq's fp32 -> 16-bit conversion
+                       "cudnn::fusion::compute_dot_do_o", "cudnn::fusion::convert_dq_to_16bits")),
     ("attention fwd", ("attn_fwd", "attention_fwd", "flash_fwd", "fmha_fwd", "mha_fwd", "_attn_kernel",
                        "sdpa_sm90_flash_fprop", "flash_attn")),
     ("cross-entropy", ("cross_entropy", "log_softmax", "nll_loss", "=_forward_kernel", "=_backward_kernel",

@@ -20,6 +20,8 @@ from profile_arms import category_table, device_idle, kernel_category, kernel_ti
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention fwd"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7", "attention bwd"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention bwd"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, ...)", "attention bwd"),
+    ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, ...)", "attention bwd"),
     ("_forward_kernel", "cross-entropy"),
     ("_backward_kernel", "cross-entropy"),
     ("_loss_and_grad_kernel", "cross-entropy"),
