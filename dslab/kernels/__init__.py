@@ -17,6 +17,7 @@ from dslab.kernels.bias_gelu import bias_gelu
 from dslab.kernels.cross_entropy import softmax_cross_entropy
 from dslab.kernels.decode_attention import decode_attention
 from dslab.kernels.decode_linear import decode_linear
+from dslab.kernels.dropout_add_layer_norm import dropout_add_layer_norm
 from dslab.kernels.embedding import embedding
 from dslab.kernels.evoformer_attention import evoformer_attention
 from dslab.kernels.fused_adam import FusedAdam
@@ -34,6 +35,6 @@ from dslab.kernels.sigmoid_gate import sigmoid_gate
 OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "attention_packed", "softmax_cross_entropy",
        "linear_cross_entropy", "FusedAdam", "gate_linear", "grouped_gemm", "grouped_mlp", "moe_gating",
        "moe_permute", "moe_unpermute", "evoformer_attention", "sigmoid_gate", "decode_attention", "decode_linear",
-       "int8_linear", "outer_product_linear", "embedding")
+       "int8_linear", "outer_product_linear", "embedding", "dropout_add_layer_norm")
 
 __all__ = [*OPS, "quantize_int8", "dequantize_int8", "OPS", "backend", "kernel_backend", "planned_backend", "set_backend", "use_triton"]

@@ -47,7 +47,7 @@ def resident_programs(kernel, make_args, meta: dict, key: tuple, device: torch.d
 
 
 @triton.jit
-def _column_sums_kernel(P, OUT0, OUT1, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+def _column_sums_kernel(P, OUT0, OUT1, OUT2, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
     """OUT_k[n] = sum_g P[k, g, n] for P [K, G, N] fp32 (K = program_id(1) + 1 slices), in order."""
     k = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,24 +61,26 @@ def _column_sums_kernel(P, OUT0, OUT1, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.
     total = tl.sum(acc, axis=0)
     if k == 0:
         tl.store(OUT0 + cols, total.to(OUT0.dtype.element_ty), mask=col_mask)
-    else:
+    elif k == 1:
         tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(OUT2 + cols, total.to(OUT2.dtype.element_ty), mask=col_mask)
 
 
 def column_sums(partials: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> tuple[torch.Tensor, ...]:
-    """Column sums of each ``[G, N]`` slice of the fp32 ``partials`` ``[K, G, N]`` (K = 1 or 2),
-    slice k returned as an ``[N]`` tensor in ``dtypes[k]``; one launch for both slices.
+    """Column sums of each ``[G, N]`` slice of the fp32 ``partials`` ``[K, G, N]`` (K = 1 to 3),
+    slice k returned as an ``[N]`` tensor in ``dtypes[k]``; one launch for all slices.
 
     Narrow column strips (16 floats, 64 bytes a row) give K * N / 16 programs; tall steps (256
     rows) keep 16 KB of loads in flight per step, as the steps do not overlap. Reads K * G * N * 4
     bytes, writes K * N elements.
     """
     k, groups, n = partials.shape
-    assert partials.dtype == torch.float32 and partials.is_contiguous() and len(dtypes) == k in (1, 2)
+    assert partials.dtype == torch.float32 and partials.is_contiguous() and len(dtypes) == k in (1, 2, 3)
     outs = tuple(torch.empty(n, dtype=dtype, device=partials.device) for dtype in dtypes)
     block_n = 16
     _column_sums_kernel[(triton.cdiv(n, block_n), k)](
-        partials, outs[0], outs[-1], groups, n, BLOCK_G=256, BLOCK_N=block_n, num_warps=4
+        partials, outs[0], outs[min(1, k - 1)], outs[-1], groups, n, BLOCK_G=256, BLOCK_N=block_n, num_warps=4
     )
     return outs
 

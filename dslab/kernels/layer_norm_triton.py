@@ -39,6 +39,7 @@ import triton.language as tl
 from dslab.kernels._grid import column_sums, resident_programs
 from dslab.kernels._grid import device_guard as _device_guard
 from dslab.kernels._grid import unit_stride_rows as _rows
+from dslab.kernels.bias_dropout_residual_triton import _keep_mask, _scale, _threshold
 
 # Whole rows live in registers; wider rows go to the PyTorch reference (see layer_norm.py).
 MAX_FUSED_N = 8192
@@ -46,9 +47,10 @@ MAX_FUSED_N = 8192
 
 @triton.jit
 def _layer_norm_fwd_kernel(
-    X, R, W, B, Y, H, Mean, Rstd,
-    M, N, stride_x, stride_r, stride_y, stride_h, eps,
+    X, R, W, B, Y, H, Mean, Rstd, XB, SEED,
+    M, N, stride_x, stride_r, stride_y, stride_h, eps, threshold, scale,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_XBIAS: tl.constexpr, APPLY_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,6 +60,10 @@ def _layer_norm_fwd_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     h = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_XBIAS:
+        h += tl.load(XB + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if APPLY_DROPOUT:
+        h = tl.where(_keep_mask(tl.load(SEED), rows, 0, threshold, BLOCK_N), h * scale, 0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         h_out = (h + r).to(H.dtype.element_ty)
@@ -80,10 +86,11 @@ def _layer_norm_fwd_kernel(
 
 @triton.jit
 def _layer_norm_bwd_kernel(
-    DY, Hin, W, Mean, Rstd, DH, DX, Partials,
-    M, N, stride_dy, stride_h, stride_dh, stride_dx,
+    DY, Hin, W, Mean, Rstd, DH, DX, Partials, DXD, SEED,
+    M, N, stride_dy, stride_h, stride_dh, stride_dx, stride_dxd, threshold, scale,
     HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    COMPUTE_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    COMPUTE_DB: tl.constexpr, APPLY_DROPOUT: tl.constexpr, COMPUTE_DXB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -94,6 +101,9 @@ def _layer_norm_bwd_kernel(
     # reduction would cross warps (shared memory and barriers) on every iteration.
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dxb_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if APPLY_DROPOUT:
+        seed = tl.load(SEED)
     for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
@@ -113,17 +123,31 @@ def _layer_norm_bwd_kernel(
         dx = (g - (xhat * mean_gx[:, None] + mean_g[:, None])) * rstd[:, None]
         if HAS_DH:
             dx += tl.load(DH + rows64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dx_out = dx.to(DX.dtype.element_ty)
+        tl.store(DX + rows64 * stride_dx + cols[None, :], dx_out, mask=mask)
+        # The dropout side (h = residual + dropout(x + x_bias)) starts from the stored, rounded dx,
+        # as a separate dropout backward reading it would.
+        if APPLY_DROPOUT:
+            keep = _keep_mask(seed, rows, 0, threshold, BLOCK_N)
+            dxd = tl.where(keep, dx_out.to(tl.float32) * scale, 0.0)
+            tl.store(DXD + rows64 * stride_dxd + cols[None, :], dxd.to(DXD.dtype.element_ty), mask=mask)
+            if COMPUTE_DXB:
+                dxb_acc += dxd
+        elif COMPUTE_DXB:
+            dxb_acc += tl.where(mask, dx_out.to(tl.float32), 0.0)
         if COMPUTE_DW:
             dw_acc += dy * xhat
         if COMPUTE_DB:
             db_acc += dy
-    # Partials [COMPUTE_DW + COMPUTE_DB, programs, N]: dweight's slice first.
+    # Partials [COMPUTE_DW + COMPUTE_DB + COMPUTE_DXB, programs, N], slices in that order.
     if COMPUTE_DW:
         tl.store(Partials + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if COMPUTE_DB:
         db_row = pid + tl.num_programs(0) if COMPUTE_DW else pid
         tl.store(Partials + db_row.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    if COMPUTE_DXB:
+        dxb_row = pid + (COMPUTE_DW + COMPUTE_DB) * tl.num_programs(0)
+        tl.store(Partials + dxb_row.to(tl.int64) * N + cols, tl.sum(dxb_acc, axis=0), mask=col_mask)
 
 
 
@@ -164,9 +188,15 @@ def forward(
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
     eps: float,
+    x_bias: torch.Tensor | None = None,
+    p: float = 0.0,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """(y, h or None, mean, rstd) for ``x`` [M, N]; ``h = x + residual`` when a residual is given."""
+    """(y, h or None, mean, rstd) for ``x`` [M, N]; ``h = residual + dropout(x + x_bias, p)`` when a
+    residual is given (``x_bias`` [N] or None; dropout when p > 0, its mask that of
+    :mod:`dslab.kernels.bias_dropout_residual_triton` for ``seed``, int64 ``[1]`` on x's device)."""
     assert x.dim() == 2 and x.shape[1] <= MAX_FUSED_N
+    assert residual is not None or (x_bias is None and p == 0.0)
     m, n = x.shape
     x = _rows(x)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -181,11 +211,12 @@ def forward(
     block_m, block_n, num_warps = _forward_config(n)
     with _device_guard(x):
         _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x, residual, weight, bias, y, h, mean, rstd,
+            x, residual, weight, bias, y, h, mean, rstd, x_bias, seed if p > 0.0 else None,
             m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
-            y.stride(0), h.stride(0) if h is not None else 0, eps,
+            y.stride(0), h.stride(0) if h is not None else 0, eps, _threshold(p), _scale(p),
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            HAS_BIAS=bias is not None, HAS_XBIAS=x_bias is not None, APPLY_DROPOUT=p > 0.0,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     return y, h, mean, rstd
 
@@ -203,29 +234,57 @@ def backward(
 
     dweight (dbias) is None when ``weight`` (``bias``) is None, else in that parameter's dtype.
     """
+    dx, _, dw, db, _ = _backward(dy, h, weight, bias, mean, rstd, dh, None, 0.0, None, False)
+    return dx, dw, db
+
+
+def backward_dropout_add(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dh: torch.Tensor | None,
+    x_bias: torch.Tensor | None,
+    p: float,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The backward of ``forward`` with a residual, ``x_bias`` and dropout ``p``:
+    ``(dresidual, dx, dweight, dbias, dx_bias)``. ``dresidual`` is h's whole gradient (the layer
+    norm's plus ``dh``); ``dx = dropout_mask * dresidual / (1 - p)`` (``dresidual`` itself when
+    p == 0); ``dx_bias`` its column sums, None without an ``x_bias``."""
+    return _backward(dy, h, weight, bias, mean, rstd, dh, x_bias, p, seed, True)
+
+
+def _backward(dy, h, weight, bias, mean, rstd, dh, x_bias, p, seed, dropout_side):
     m, n = h.shape
     dy, h = _rows(dy), _rows(h)
     dh = _rows(dh) if dh is not None else None
     dx = torch.empty((m, n), dtype=h.dtype, device=h.device)
+    apply_dropout = dropout_side and p > 0.0
+    dxd = torch.empty((m, n), dtype=h.dtype, device=h.device) if apply_dropout else dx
     if m == 0:
-        dw = torch.zeros_like(weight) if weight is not None else None
-        db = torch.zeros_like(bias) if bias is not None else None
-        return dx, dw, db
+        zeros = [torch.zeros_like(t) if t is not None else None for t in (weight, bias, x_bias)]
+        return dx, dxd, *zeros
     block_m, block_n, num_warps, stages = _backward_config(n)
-    grads = [p for p in (weight, bias) if p is not None]
+    grads = [t for t in (weight, bias, x_bias) if t is not None]
     meta = dict(
         HAS_DH=dh is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=weight is not None,
-        COMPUTE_DB=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps,
+        COMPUTE_DB=bias is not None, APPLY_DROPOUT=apply_dropout, COMPUTE_DXB=x_bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=num_warps,
     )
-    strides = (dy.stride(0), h.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0))
+    strides = (dy.stride(0), h.stride(0), dh.stride(0) if dh is not None else 0, dx.stride(0), dxd.stride(0))
+    scalars = (*strides, _threshold(p), _scale(p))
+    seed = seed if apply_dropout else None
     with _device_guard(h):
         # The partials' size depends on the grid: the occupancy query compiles the same
         # specialization with `mean` (fp32, aligned) standing in for them.
         def probe_args():
-            return dy, h, weight, mean, rstd, dh, dx, mean if grads else None, m, n, *strides
+            return dy, h, weight, mean, rstd, dh, dx, mean if grads else None, dxd, seed, m, n, *scalars
 
         key = ("layer_norm_bwd", n, dy.dtype, h.dtype, weight.dtype if weight is not None else None,
-               dh is not None, weight is not None, bias is not None)
+               dh is not None, weight is not None, bias is not None, apply_dropout, x_bias is not None)
         resident = resident_programs(_layer_norm_bwd_kernel, probe_args, meta, key, h.device)
         if h.device.type == "cuda":
             sms = torch.cuda.get_device_properties(h.device).multi_processor_count
@@ -233,11 +292,8 @@ def backward(
         programs = min(triton.cdiv(m, block_m), resident)
         partials = (torch.empty((len(grads), programs, n), dtype=torch.float32, device=h.device)
                     if grads else None)
-        _layer_norm_bwd_kernel[(programs,)](dy, h, weight, mean, rstd, dh, dx, partials, m, n, *strides, **meta)
-        if not grads:
-            return dx, None, None
-        sums = column_sums(partials, tuple(p.dtype for p in grads))
-    if weight is None:
-        return dx, None, sums[0]
-    return dx, sums[0], sums[1] if bias is not None else None
-
+        _layer_norm_bwd_kernel[(programs,)](
+            dy, h, weight, mean, rstd, dh, dx, partials, dxd, seed, m, n, *scalars, **meta)
+        sums = iter(column_sums(partials, tuple(t.dtype for t in grads)) if grads else ())
+    dw, db, dxb = (next(sums) if t is not None else None for t in (weight, bias, x_bias))
+    return dx, dxd, dw, db, dxb

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from dslab.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from dslab.models.graphs import LayerStackGraphs
-from dslab.models.ops import OpSet, op_set
+from dslab.models.ops import LayerNorm, OpSet, op_set
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 # The MoE layer's parameters by role, in the order they are initialised.
@@ -267,10 +267,14 @@ class MoEFeedForward(MoEStatsMixin, nn.Module):
         self.ops = ops
         self.register_buffer("zero_bias", torch.zeros(hidden), persistent=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: LayerNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`dslab.models.ops.FeedForward.forward`, ``norm`` included."""
         out, l_aux, exp_counts = self.moe(x)
         self.record(x, l_aux, exp_counts)
-        return self.ops.bias_dropout_residual(out, self.zero_bias, residual, self.hidden_dropout, self.training)
+        if norm is None:
+            return self.ops.bias_dropout_residual(out, self.zero_bias, residual, self.hidden_dropout, self.training)
+        return norm.after_residual_add(out, self.zero_bias, residual, self.hidden_dropout, self.training)
 
 
 class GPT2MoELMHeadModel(GPT2LMHeadModel):

@@ -72,6 +72,7 @@ import torch.nn as nn
 from torch.nn.modules import module as module_globals
 
 from dslab.kernels.dispatch import graphed_launches
+from dslab.models.ops import run_layer_stack
 from dslab.models.weight_cast import weight
 
 WARMUP_RUNS = 3
@@ -306,9 +307,7 @@ class LayerStackGraphs(GraphedStack):
         super().__init__(layers, self._run_layers, max_signatures, side)
 
     def _run_layers(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor]:
-        for layer in self.layers:
-            x = layer(x, key_padding_mask)
-        return (x,)
+        return (run_layer_stack(self.layers, x, key_padding_mask),)
 
     def __call__(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None):
         outs = self.call((x,), (key_padding_mask,))
@@ -342,6 +341,4 @@ class CudaGraphLayers:
     def run_layers(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self._layer_graphs is not None:
             return self._layer_graphs(x, key_padding_mask)
-        for layer in self.layers:
-            x = layer(x, key_padding_mask)
-        return x
+        return run_layer_stack(self.layers, x, key_padding_mask)

@@ -14,6 +14,10 @@ The ops:
 - ``layer_norm(x, weight, bias, eps=1e-5, residual=None)`` -> ``y``, or ``(y, x + residual)``
 - ``bias_gelu(x, bias, approximate="none"|"tanh")`` -> ``gelu(x + bias)``
 - ``bias_dropout_residual(x, bias, residual, p, training)`` -> ``residual + dropout(x + bias, p)``
+- ``dropout_add_layer_norm(x, bias, residual, p, training, norm_weight, norm_bias, eps)`` ->
+  ``(layer_norm(h), h)`` with ``h = bias_dropout_residual(x, bias, residual, p, training)``: a
+  sublayer's end and the layer norm after it (the dslab set's is one kernel each way,
+  :mod:`dslab.kernels.dropout_add_layer_norm`; the torch set's the two ops)
 - ``attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None)``, q/k/v
   ``[batch, heads, seq, head_dim]``, ``key_padding_mask`` bool ``[batch, seq_k]`` (True = padding)
 - ``attention_packed(qkv, heads, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None)``:
@@ -73,6 +77,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Callable
 
 import torch
@@ -97,6 +102,7 @@ class OpSet:
     layer_norm: Callable
     bias_gelu: Callable
     bias_dropout_residual: Callable
+    dropout_add_layer_norm: Callable
     attention: Callable
     attention_packed: Callable
     softmax_cross_entropy: Callable
@@ -131,6 +137,11 @@ def _torch_bias_gelu(x, bias, approximate="none"):
 
 def _torch_bias_dropout_residual(x, bias, residual, p, training):
     return residual + F.dropout(x + bias.to(x.dtype), p=p, training=training)
+
+
+def _torch_dropout_add_layer_norm(x, bias, residual, p, training, norm_weight, norm_bias, eps=1e-5):
+    h = _torch_bias_dropout_residual(x, bias, residual, p, training)
+    return F.layer_norm(h, h.shape[-1:], norm_weight, norm_bias, eps), h
 
 
 def _torch_attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None):
@@ -190,6 +201,7 @@ TORCH_OPS = OpSet(
     layer_norm=_torch_layer_norm,
     bias_gelu=_torch_bias_gelu,
     bias_dropout_residual=_torch_bias_dropout_residual,
+    dropout_add_layer_norm=_torch_dropout_add_layer_norm,
     attention=_torch_attention,
     attention_packed=_torch_attention_packed,
     softmax_cross_entropy=_torch_cross_entropy,
@@ -224,6 +236,7 @@ def _dslab_ops() -> OpSet:
     from dslab.kernels.bias_dropout_residual import bias_dropout_residual
     from dslab.kernels.bias_gelu import bias_gelu
     from dslab.kernels.cross_entropy import softmax_cross_entropy
+    from dslab.kernels.dropout_add_layer_norm import dropout_add_layer_norm
     from dslab.kernels.embedding import EmbeddingTie, embedding
     from dslab.kernels.layer_norm import layer_norm, layer_norm_fork
     from dslab.kernels.linear_cross_entropy import linear_cross_entropy
@@ -240,6 +253,11 @@ def _dslab_ops() -> OpSet:
         seed = draw_seed(x) if training and p > 0 else None
         return bias_dropout_residual(x, bias.to(x.dtype), residual.to(x.dtype), p, training, seed)
 
+    def dslab_dropout_add_layer_norm(x, bias, residual, p, training, norm_weight, norm_bias, eps=1e-5):
+        seed = draw_seed(x) if training and p > 0 else None
+        return dropout_add_layer_norm(x, bias.to(x.dtype), residual.to(x.dtype), p, training, seed,
+                                      norm_weight, norm_bias, eps)
+
     def dslab_linear_cross_entropy(hidden, weight, target, vocab, ignore_index=IGNORE_INDEX, label_smoothing=0.0,
                                    tie=None):
         return linear_cross_entropy(hidden, weight, target, vocab, ignore_index=ignore_index,
@@ -255,6 +273,7 @@ def _dslab_ops() -> OpSet:
         layer_norm=dslab_layer_norm,
         bias_gelu=dslab_bias_gelu,
         bias_dropout_residual=dslab_bias_dropout_residual,
+        dropout_add_layer_norm=dslab_dropout_add_layer_norm,
         attention=attention,
         attention_packed=attention_packed,
         softmax_cross_entropy=softmax_cross_entropy,
@@ -330,6 +349,12 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
 
+    def after_residual_add(self, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float,
+                           training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(h), h)`` with ``h = residual + dropout(x + bias, p)``, through
+        ``ops.dropout_add_layer_norm``."""
+        return self.ops.dropout_add_layer_norm(x, bias, residual, p, training, self.weight, self.bias, self.eps)
+
     def fork(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(x), x)`` through ``ops.layer_norm_fork`` (x also feeds a residual add)."""
         return self.ops.layer_norm_fork(x, self.weight, self.bias, self.eps)
@@ -346,6 +371,14 @@ class PackedProjection(Linear):
         if bias_grad_elsewhere and bias is not None:
             bias = bias.detach()
         return F.linear(input, weight(self.weight), bias)
+
+
+def _residual_add(out, bias, residual, p, training, ops: OpSet, norm: LayerNorm | None):
+    """A sublayer's end: ``residual + dropout(out + bias)``, or with ``norm`` the pair
+    ``(norm(that), that)`` from one op."""
+    if norm is None:
+        return ops.bias_dropout_residual(out, bias, residual, p, training)
+    return norm.after_residual_add(out, bias, residual, p, training)
 
 
 class SelfAttention(nn.Module):
@@ -370,9 +403,10 @@ class SelfAttention(nn.Module):
         self.out_proj = Linear(hidden, hidden, bias=False)
         self.out_bias = nn.Parameter(torch.zeros(hidden))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x``, ``residual`` [batch, seq, hidden]; ``key_padding_mask`` bool [batch, seq] or None."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+                norm: LayerNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x``, ``residual`` [batch, seq, hidden]; ``key_padding_mask`` bool [batch, seq] or None.
+        With ``norm``, the layer norm that reads the result: ``(norm(out), out)`` in one op."""
         options = dict(causal=self.causal, key_padding_mask=key_padding_mask,
                        dropout_p=self.attention_dropout if self.training else 0.0)
         if self.ops.packed_bias_grad:
@@ -380,9 +414,8 @@ class SelfAttention(nn.Module):
             context = self.ops.attention_packed(qkv, self.heads, bias=weight(self.qkv.bias), **options)
         else:
             context = self.ops.attention_packed(self.qkv(x), self.heads, **options)
-        return self.ops.bias_dropout_residual(
-            self.out_proj(context), weight(self.out_bias), residual, self.hidden_dropout, self.training
-        )
+        return _residual_add(self.out_proj(context), weight(self.out_bias), residual, self.hidden_dropout,
+                             self.training, self.ops, norm)
 
 
 class FeedForward(nn.Module):
@@ -401,11 +434,12 @@ class FeedForward(nn.Module):
         self.fc_out = Linear(intermediate, hidden, bias=False)
         self.fc_out_bias = nn.Parameter(torch.zeros(hidden))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: LayerNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`SelfAttention.forward`, ``norm`` included."""
         h = self.ops.bias_gelu(self.fc_in(x), weight(self.fc_in_bias), self.gelu_approximate)
-        return self.ops.bias_dropout_residual(
-            self.fc_out(h), weight(self.fc_out_bias), residual, self.hidden_dropout, self.training
-        )
+        return _residual_add(self.fc_out(h), weight(self.fc_out_bias), residual, self.hidden_dropout,
+                             self.training, self.ops, norm)
 
 
 class TransformerLayer(nn.Module):
@@ -414,7 +448,8 @@ class TransformerLayer(nn.Module):
         post-LN:  x = LN1(x + Attn(x));      x = LN2(x + FFN(x))
         pre-LN:   x = x + Attn(LN1(x));      x = x + FFN(LN2(x))
 
-    (each ``+`` is ``ops.bias_dropout_residual``, with dropout on the sublayer's output).
+    (each ``+`` is ``ops.bias_dropout_residual``, with dropout on the sublayer's output; a ``+``
+    that a layer norm reads is one ``ops.dropout_add_layer_norm`` with it).
     """
 
     def __init__(self, hidden: int, heads: int, intermediate: int, hidden_dropout: float,
@@ -427,14 +462,43 @@ class TransformerLayer(nn.Module):
         self.mlp = FeedForward(hidden, intermediate, hidden_dropout, gelu_approximate, ops)
         self.mlp_norm = LayerNorm(hidden, eps, ops)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+                normed: torch.Tensor | None = None,
+                next_norm: LayerNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream ``x``. Pre-LN only: ``normed``, ``attention_norm(x)``
+        when the layer before computed it; ``next_norm``, the next layer's first layer norm, which
+        the last residual add then computes with it: ``(next_norm(out), out)`` (see
+        :func:`run_layer_stack`)."""
         if self.pre_ln:
-            y, x = self.attention_norm.fork(x)
-            x = self.attention(y, x, key_padding_mask)
-            y, x = self.mlp_norm.fork(x)
-            return self.mlp(y, x)
-        x = self.attention_norm(self.attention(x, x, key_padding_mask))
-        return self.mlp_norm(self.mlp(x, x))
+            if normed is None:
+                y, x = self.attention_norm.fork(x)
+            else:
+                y = normed
+            y, x = self.attention(y, x, key_padding_mask, norm=self.mlp_norm)
+            return self.mlp(y, x) if next_norm is None else self.mlp(y, x, norm=next_norm)
+        if normed is not None or next_norm is not None:
+            raise ValueError("normed= and next_norm= are for pre-LN layers; this layer is post-LN")
+        x, _ = self.attention(x, x, key_padding_mask, norm=self.attention_norm)
+        return self.mlp(x, x, norm=self.mlp_norm)[0]
+
+
+def run_layer_stack(layers: Iterable[nn.Module], x: torch.Tensor,
+                    key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``x = layer(x, key_padding_mask)`` for each layer in turn, where two pre-LN
+    :class:`TransformerLayer` follow each other the first one's last residual add and the second
+    one's first layer norm run as one ``ops.dropout_add_layer_norm`` (the second layer gets the
+    normalized stream as ``normed``). The result is the same stream."""
+    layers = list(layers)
+    normed = None
+    for layer, after in zip(layers, [*layers[1:], None]):
+        chained = (isinstance(layer, TransformerLayer) and layer.pre_ln
+                   and isinstance(after, TransformerLayer) and after.pre_ln)
+        extra = {} if normed is None else {"normed": normed}
+        if chained:
+            normed, x = layer(x, key_padding_mask, next_norm=after.attention_norm, **extra)
+        else:
+            x, normed = layer(x, key_padding_mask, **extra), None
+    return x
 
 
 def init_normal_(module: nn.Module, std: float) -> None:
