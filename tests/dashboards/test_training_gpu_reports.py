@@ -2,7 +2,8 @@
 (their README says how each was run): ``dslab bench suites/bert_large`` and ``suites/gpt2`` on an
 H200 (2026-11-26, code 4c07f32; BERT again at 91da2f4; all three again at 8016ef2, GPT-2's cases as
 two runs, 1.5b without the hf arm; all four again at 70b6209, GPT-2's two cases in one run without
-hf; GPT-2 again at 507eaec, its cases as two runs without hf) and on an H100 (code 91da2f4; GPT-2 as on the H200 at 8016ef2). They read back whole, their
+hf; GPT-2 again at 507eaec, its cases as two runs without hf; all four again at e0dd9c7, GPT-2's
+cases in one run without hf) and on an H100 (code 91da2f4; GPT-2 as on the H200 at 8016ef2). They read back whole, their
 dslab/best-plain ratios are the ones the arms' median step times give, the latest name their code
 by its source digest, and the dashboard draws their arms page for every case."""
 
@@ -36,6 +37,8 @@ RUNS = {
     "gpt2/20261126T163924Z-a06244": (H200, ARMS - {"hf"}, {"124m": 1.147, "1.5b": 1.230}),
     "gpt2/20261126T235620Z-7e9e98": (H200, ARMS - {"hf"}, {"124m": 1.187}),
     "gpt2/20261126T235751Z-ae547f": (H200, ARMS - {"hf"}, {"1.5b": 1.186}),
+    "bert_large/20261127T045725Z-bf1a36": (H200, ARMS, {"seq128": 1.355, "seq512": 1.305}),
+    "gpt2/20261127T050756Z-85c737": (H200, ARMS - {"hf"}, {"124m": 1.185, "1.5b": 1.246}),
 }
 # Runs that record the source digest of their code: run -> (commit, digest). The lent machine's
 # git_commit field names a stale checkout; the digest is that of the commit's package.
@@ -44,6 +47,8 @@ DIGESTS = {
     "gpt2/20261126T163924Z-a06244": ("70b6209", "454ef6450e7de73f"),
     "gpt2/20261126T235620Z-7e9e98": ("507eaec", "99abf9c0bc2aa78a"),
     "gpt2/20261126T235751Z-ae547f": ("507eaec", "99abf9c0bc2aa78a"),
+    "bert_large/20261127T045725Z-bf1a36": ("e0dd9c7", "0c864a5c203e252a"),
+    "gpt2/20261127T050756Z-85c737": ("e0dd9c7", "0c864a5c203e252a"),
 }
 # The best plain arm is torch-compile-ro except where listed.
 BEST_PLAIN = {("bert_large/20261126T142221Z-72b7aa", "seq512"): "torch-compile",
