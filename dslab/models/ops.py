@@ -346,18 +346,28 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, x_bias: torch.Tensor | None = None,
+                p: float = 0.0, training: bool = False,
+                fork: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of ``x`` (``(norm(x), x)`` with ``fork``, see :meth:`fork`); with ``residual``,
+        of ``h = residual + dropout(x + x_bias, p)`` (dropout when ``training``), returned as
+        ``(norm(h), h)`` from ``ops.dropout_add_layer_norm``."""
+        if residual is None:
+            if fork:
+                return self.ops.layer_norm_fork(x, self.weight, self.bias, self.eps)
+            return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return self.ops.dropout_add_layer_norm(x, x_bias, residual, p, training, self.weight, self.bias, self.eps)
 
     def after_residual_add(self, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float,
                            training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(h), h)`` with ``h = residual + dropout(x + bias, p)``, through
-        ``ops.dropout_add_layer_norm``."""
-        return self.ops.dropout_add_layer_norm(x, bias, residual, p, training, self.weight, self.bias, self.eps)
+        """``(self(h), h)`` with ``h = residual + dropout(x + bias, p)``: a call of this module, so
+        that module hooks (the profilers') see the norm run, inside the sublayer that calls it."""
+        return self(x, residual, bias, p, training)
 
     def fork(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(x), x)`` through ``ops.layer_norm_fork`` (x also feeds a residual add)."""
-        return self.ops.layer_norm_fork(x, self.weight, self.bias, self.eps)
+        """``(self(x), x)`` through ``ops.layer_norm_fork`` (x also feeds a residual add), as a call
+        of this module."""
+        return self(x, fork=True)
 
 
 class PackedProjection(Linear):

@@ -103,3 +103,36 @@ def test_post_ln_layer_refuses_chaining_arguments():
                              ops=GPT2LMHeadModel(gpt2_tiny(), kernels="dslab").ops)
     with pytest.raises(ValueError, match="pre-LN"):
         layer(torch.randn(1, 4, 32), normed=torch.randn(1, 4, 32))
+
+
+@pytest.mark.parametrize("build", [lambda: GPT2LMHeadModel(gpt2_tiny(dropout=0.1), kernels="dslab"),
+                                   lambda: BertForPreTraining(bert_tiny(), kernels="dslab")], ids=["gpt2", "bert"])
+def test_every_norm_runs_as_a_module_call(build):
+    """Module hooks (the profilers' per-module records) see each layer norm run once per forward,
+    fused or forked, inside the module that runs it."""
+    model = build().train()
+    seen, stack = [], []
+
+    def enter(module, args):
+        stack.append(module)
+
+    def leave(module, args, output):
+        stack.pop()
+        if isinstance(module, LayerNorm):
+            seen.append((module, stack[-1] if stack else None))
+
+    for module in model.modules():
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
+    with kernel_backend("triton"):
+        model(ids, ids.clone()) if isinstance(model, GPT2LMHeadModel) else model(ids)
+    norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
+    assert sorted(map(id, (m for m, _ in seen))) == sorted(map(id, norms))
+    layers = list(model.layers)
+    if isinstance(model, GPT2LMHeadModel):
+        # Layer 1's attention norm runs inside layer 0's MLP (its residual add), the MLP norms
+        # inside their layer's attention.
+        parents = {id(m): parent for m, parent in seen}
+        assert parents[id(layers[1].attention_norm)] is layers[0].mlp
+        assert parents[id(layers[0].mlp_norm)] is layers[0].attention
