@@ -122,6 +122,7 @@ def test_without_pipelining_the_steps_are_the_same(tmp_path):
                 assert torch.equal(got[key], expected[key]), key
 
 
+@pytest.mark.serial  # a timing: the step's wait against the read's own duration, on a quiet machine
 def test_a_prefetched_read_is_waited_for_only_briefly(tmp_path):
     engine = build(1, _nvme(tmp_path, buffer_count=3))
     train(engine, 3)
