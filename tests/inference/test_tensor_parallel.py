@@ -1,5 +1,6 @@
 """Tensor parallelism over 2 real gloo processes (torchrun): tp_size 2 gives tp_size 1's logits
-(fp32, within 2e-5: only the order of the partial sums differs, measured ~1e-6) and the same
+(fp32, within 4e-6 of the largest logit, ~32 units in its last place: only the order of the
+partial sums differs; measured 1e-6 to 2.1e-5 absolute on logits up to 13.6, by CPU) and the same
 greedy tokens, for GPT-2 (pre-LN, causal, left-padded batch) and BERT (post-LN); each rank holds
 half the heads and half the MLP columns; the comm layer sees two all_reduces per layer per
 forward (tp_worker.py)."""
@@ -14,6 +15,7 @@ import pytest
 
 HERE = Path(__file__).parent
 HIDDEN, LAYERS, INTERMEDIATE = 128, 2, 512  # dslab's gpt2_tiny
+RELATIVE_TOLERANCE = 4e-6  # of the largest logit (fp32's epsilon is 1.2e-7)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,10 @@ def test_tp2_equals_tp1(two_ranks):
     for result in two_ranks:
         label = f"rank {result['rank']}"
         assert (result["tp_size"], result["tp_rank"]) == (2, result["rank"]), label
-        assert result["gpt2_logit_error"] < 2e-5, label
+        for model in ("gpt2", "bert"):
+            error, scale = result[f"{model}_logit_error"], result[f"{model}_logit_scale"]
+            assert error <= RELATIVE_TOLERANCE * scale, f"{label}: {model} logits differ by {error} (largest {scale})"
         assert result["gpt2_tokens_equal"], label
-        assert result["bert_logit_error"] < 2e-5, label
     assert two_ranks[0]["gpt2_tokens"] == two_ranks[1]["gpt2_tokens"]
 
 

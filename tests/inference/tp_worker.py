@@ -1,7 +1,7 @@
 """One rank of the tensor-parallel inference test, started by torchrun (see test_tensor_parallel.py).
 
 Every rank builds the same dslab GPT-2 (pre-LN, causal) and BERT (post-LN) from one seed, injects
-each at tp_size 1 and at tp_size = world size, and records: the largest logit difference, whether
+each at tp_size 1 and at tp_size = world size, and records: the largest logit difference and the largest logit, whether
 greedy generation (a left-padded batch) gives the same tokens, the shapes of its weight slices,
 and the collectives the comm layer saw during one tp forward. A tp_size that does not divide the
 heads must be refused. Results are pickled to ``argv[1]/rank{r}.pkl``.
@@ -53,7 +53,9 @@ def main(out_dir: Path) -> None:
     comm.remove_observer(recorder)
     result["calls"] = recorder.calls
     real = mask[..., None].bool()
-    result["gpt2_logit_error"] = (logits - single(ids, attention_mask=mask)).masked_fill(~real, 0).abs().max().item()
+    reference = single(ids, attention_mask=mask).masked_fill(~real, 0)
+    result["gpt2_logit_error"] = (logits.masked_fill(~real, 0) - reference).abs().max().item()
+    result["gpt2_logit_scale"] = reference.abs().max().item()
     result["gpt2_tokens_equal"] = torch.equal(sliced.generate(ids, attention_mask=mask, max_new_tokens=16),
                                               single.generate(ids, attention_mask=mask, max_new_tokens=16))
     result["gpt2_tokens"] = sliced.generate(ids, attention_mask=mask, max_new_tokens=16)[:, 10:].tolist()
@@ -63,6 +65,7 @@ def main(out_dir: Path) -> None:
     ours = dslab.init_inference(bert, dtype=torch.float32, mp_size=world)(ids)
     reference = dslab.init_inference(bert, dtype=torch.float32)(ids)
     result["bert_logit_error"] = max((a - b).abs().max().item() for a, b in zip(ours, reference))
+    result["bert_logit_scale"] = max(b.abs().max().item() for b in reference)
 
     try:
         dslab.init_inference(dslab_gpt2(hidden=96, heads=3), dtype=torch.float32, tensor_parallel={"tp_size": world})
