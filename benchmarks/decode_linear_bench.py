@@ -28,9 +28,9 @@ from inference_kernels_bench import copies_beyond_l2, copy_bandwidth_gbs, graph_
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from dslab.kernels import decode_linear_triton as kernels  # noqa: E402
-from dslab.kernels import quantize_int8  # noqa: E402
-from dslab.kernels.decode_linear import decode_linear  # noqa: E402
+from dslab.kernels.decode import decode_linear_triton as kernels  # noqa: E402
+from dslab.kernels.decode.decode_linear import decode_linear  # noqa: E402
+from dslab.kernels.quant.int8_linear import quantize_int8  # noqa: E402
 
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the bare GEMV below.
 BARE_CONFIGS = [(4, 1024, 4, 1), (4, 1024, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (2, 2048, 4, 1),

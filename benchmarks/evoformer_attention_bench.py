@@ -13,9 +13,9 @@ random output gradient). Flops: ``4 * N_seq * N_res**2 * H * D`` forward, 2.5x t
 
 Arms:
 
-- ``dslab``: :func:`dslab.kernels.evoformer_attention.evoformer_attention` (the Triton kernels; the
+- ``dslab``: :func:`dslab.kernels.evoformer.evoformer_attention.evoformer_attention` (the Triton kernels; the
   pair-bias gradient reduced as ``--pair-grad`` says, see
-  :mod:`dslab.kernels.evoformer_attention_triton_bwd`);
+  :mod:`dslab.kernels.evoformer.evoformer_attention_triton_bwd`);
 - ``naive``: :func:`evoformer_attention_reference`, the plain PyTorch computation (materialises the
   ``[N_seq, H, N_res, N_res]`` scores and keeps them for autograd);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on ``[N_seq, H, N_res, D]`` heads with
@@ -49,8 +49,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dslab.kernels import evoformer_attention_triton_bwd  # noqa: E402
-from dslab.kernels.evoformer_attention import evoformer_attention, evoformer_attention_reference  # noqa: E402
+from dslab.kernels.evoformer import evoformer_attention_triton_bwd  # noqa: E402
+from dslab.kernels.evoformer.evoformer_attention import evoformer_attention, evoformer_attention_reference  # noqa: E402
 
 ARMS = ("dslab", "naive", "sdpa")
 GRAD_NAMES = ("dq", "dk", "dv", "dmask", "dpair")
@@ -229,7 +229,7 @@ def check_and_measure_errors(shape, inputs, args) -> tuple[dict, bool]:
 
 def describe_tuning(head_dim: int) -> list[str]:
     """The tiles the autotuners chose for ``head_dim``, per kernel and autotune key."""
-    from dslab.kernels import evoformer_attention_triton as fwd
+    from dslab.kernels.evoformer import evoformer_attention_triton as fwd
 
     bwd = evoformer_attention_triton_bwd
     kernels = [("forward", fwd._fwd_kernel), ("dq", bwd._dq_kernel), ("dkdv", bwd._dkdv_kernel),

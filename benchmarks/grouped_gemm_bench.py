@@ -14,7 +14,7 @@ equivalent of the workload (the same six matmuls with all rows in one group). Ti
 around each call, calls back to back after a warm-up (which includes the Triton autotuning), the
 median of ``--reps`` calls. Rows:
 
-- ``triton``: :func:`dslab.kernels.grouped_gemm.grouped_gemm` (the Triton kernels);
+- ``triton``: :func:`dslab.kernels.moe.grouped_gemm.grouped_gemm` (the Triton kernels);
 - ``torch loop``: :func:`grouped_gemm_reference`, one ``F.linear`` per expert (it reads the offsets
   on the host each call, as a per-expert loop must);
 - ``torch._grouped_mm``: PyTorch's grouped matmul (torch 2.8+, sm_90+), informative only; it takes
@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dslab.kernels import kernel_backend  # noqa: E402
-from dslab.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference  # noqa: E402
+from dslab.kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_reference  # noqa: E402
 
 GROUP_SIZES = [3000, 5200, 4100, 3900, 4500, 3300, 4268, 4500]  # sum 32768
 MATMULS = [(1024, 4096), (4096, 1024)]  # (K, N): the expert MLP's up and down projections
@@ -154,7 +154,7 @@ def main() -> None:
 
     import triton
 
-    from dslab.kernels import grouped_gemm_triton
+    from dslab.kernels.moe import grouped_gemm_triton
 
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "

@@ -7,13 +7,13 @@ Cases (bf16, batch 1 and 32):
 
 - decode attention, one new token per sequence over a KV cache: GPT-2 124M (12 heads of 64) and
   1.5B (25 heads of 64), caches of 160 positions (prompt 32 + 128 new tokens, all valid) and 2048
-  (a long context, all valid). ``dslab`` is :func:`dslab.kernels.decode_attention` (the Triton
+  (a long context, all valid). ``dslab`` is :func:`dslab.kernels.decode.decode_attention.decode_attention` (the Triton
   flash-decoding kernels); ``torch sdpa`` is ``F.scaled_dot_product_attention`` of the one query
   over the whole cache with a boolean mask of the valid positions, as a static-cache decoder runs
   it. Bytes: the valid k and v read once, q read and out written.
 - int8 linear, the decode GEMMs ``[M, K] x [N, K]^T`` of the four projections of each model (QKV,
   attention out, MLP up, MLP down). ``torch bf16`` is ``F.linear`` on the bf16 weight (cuBLAS);
-  ``dslab int8`` and ``dslab int8 g128`` are :func:`dslab.kernels.int8_linear` per output channel
+  ``dslab int8`` and ``dslab int8 g128`` are :func:`dslab.kernels.quant.int8_linear.int8_linear` per output channel
   and per group of 128 (``g64`` where 128 does not divide K: the 1.5B model's K = 1600). Bytes: the weight (2 or 1 per element) and its scales, x read, y written.
 
 How it is timed (STYLE.md #9): each implementation is captured in a CUDA graph of ``--inner``
@@ -42,8 +42,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dslab.kernels import kernel_backend  # noqa: E402
-from dslab.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-from dslab.kernels.int8_linear import int8_linear, int8_linear_reference, quantize_int8  # noqa: E402
+from dslab.kernels.decode.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from dslab.kernels.quant.int8_linear import int8_linear, int8_linear_reference, quantize_int8  # noqa: E402
 
 MODELS = {"124M": dict(hidden=768, heads=12), "1.5B": dict(hidden=1600, heads=25)}
 HEAD_DIM = 64

@@ -49,8 +49,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_attention import SHAPES  # noqa: E402
 
-from dslab.kernels import attention_triton, attention_triton_bwd  # noqa: E402
-from dslab.kernels.attention import attention  # noqa: E402
+from dslab.kernels.attention import attention_triton, attention_triton_bwd  # noqa: E402
+from dslab.kernels.attention.attention import attention  # noqa: E402
 
 CLOCK_HZ = 1.98e9  # H100/H200 boost clock: turns the sleep's seconds into cycles (a longer sleep is harmless)
 

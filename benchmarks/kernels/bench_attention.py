@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
-from dslab.kernels.attention import attention
+from dslab.kernels.attention.attention import attention
 
 SHAPES = [
     # (label, batch, heads, seq, head_dim, causal, target, dropout_p)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
-from dslab.kernels.bias_dropout_residual import bias_dropout_residual
+from dslab.kernels.dropout.bias_dropout_residual import bias_dropout_residual
 
 P = 0.1
 SEED = 1234

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
-from dslab.kernels.bias_gelu import bias_gelu
+from dslab.kernels.activation.bias_gelu import bias_gelu
 
 
 def cases(device) -> list[Case]:

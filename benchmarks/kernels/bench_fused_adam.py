@@ -14,7 +14,7 @@ import torch
 
 from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
 from dslab.kernels import kernel_backend
-from dslab.kernels.fused_adam import FusedAdam
+from dslab.kernels.optim.fused_adam import FusedAdam
 
 
 def bert_large_like_shapes(layers: int = 24, hidden: int = 1024, ffn: int = 4096, vocab: int = 30522):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
-from dslab.kernels.layer_norm import layer_norm
+from dslab.kernels.norm.layer_norm import layer_norm
 
 
 def _tensors(m: int, n: int, device, dtype, requires_grad: bool):

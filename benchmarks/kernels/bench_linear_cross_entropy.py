@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
 from dslab.kernels import kernel_backend
-from dslab.kernels.linear_cross_entropy import linear_cross_entropy
+from dslab.kernels.loss.linear_cross_entropy import linear_cross_entropy
 
 
 def cases(device) -> list[Case]:

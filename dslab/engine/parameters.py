@@ -27,7 +27,7 @@ from torch.utils._foreach_utils import (
     _group_tensors_by_device_and_dtype,
 )
 
-from dslab.kernels.fused_adam import FusedAdam
+from dslab.kernels.optim.fused_adam import FusedAdam
 
 # The nn.Module methods module.parameters() goes through; a tree whose classes override one of
 # them is walked on every call instead of being cached.
@@ -157,7 +157,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
 def steps_with_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` can divide the gradients by a device scalar on its own: torch's
     fused Adam or AdamW (their kernels read ``optimizer.grad_scale``, the hook ``GradScaler`` uses)
-    or dslab's :class:`~dslab.kernels.FusedAdam` (which reads the same attribute),
+    or dslab's :class:`~dslab.kernels.optim.fused_adam.FusedAdam` (which reads the same attribute),
     not already given a scale by someone else."""
     torch_fused = (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
                    and getattr(optimizer, "_step_supports_amp_scaling", False)

@@ -12,8 +12,8 @@ step; GPT-2 1.5B: 5.2 + 2.8 ms of 111). With weight copies (``bf16.weight_copies
   gradient;
 * the forward (and the backward, for any recomputation) runs in a scope where ``weight(p)`` is the
   copy: the matmuls read bf16 directly and autograd leaves the bf16 gradient on the copy;
-* the optimizer is dslab's :class:`~dslab.kernels.FusedAdam`, which reads that bf16 gradient as
-  the parameter's, updates the fp32 parameter (the master) and its moments, and writes the new
+* the optimizer is dslab's :class:`~dslab.kernels.optim.fused_adam.FusedAdam`, which reads that
+  bf16 gradient as the parameter's, updates the fp32 parameter (the master) and its moments, and writes the new
   bf16 copy in the same pass; gradient clipping's scale rides in that pass too.
 
 The arithmetic is autocast's: the copy is the round-to-nearest bf16 of the fp32 parameter, which
@@ -28,7 +28,8 @@ with bf16 on, on a CUDA device, with ZeRO stage 0 on one rank, one micro-step pe
 (accumulating several in bf16 would round where autocast's fp32 ``.grad`` does not), no
 ``compile`` section, no MoE expert parameters, an ``optimizer`` section of type Adam or AdamW
 without amsgrad, and a model that reads some parameter through ``weight()``. ``true`` also
-accepts a CPU device (tests; :class:`~dslab.kernels.FusedAdam` runs its reference path there).
+accepts a CPU device (tests; :class:`~dslab.kernels.optim.fused_adam.FusedAdam` runs its reference
+path there).
 After the parameters change outside a step (a checkpoint load) the engine refreshes the copies.
 """
 
@@ -41,7 +42,7 @@ import torch.nn as nn
 
 from dslab.config_base import parse_section
 from dslab.engine.optimizers import PARAMS_MODELS
-from dslab.kernels.fused_adam import FusedAdam
+from dslab.kernels.optim.fused_adam import FusedAdam
 from dslab.models.weight_cast import use_casts, weights_read_through
 
 AUTO = "auto"

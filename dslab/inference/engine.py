@@ -48,7 +48,7 @@ from dslab.inference.modules import InferenceTransformer
 from dslab.inference.policies import Unsupported, check_shapes, find_policy
 from dslab.inference.tensor_parallel import TensorParallel, check_divisible, tensor_parallel_group
 from dslab.inference.timing import TokenClock
-from dslab.kernels.attention import HEAD_DIMS
+from dslab.kernels.attention.attention import HEAD_DIMS
 
 logger = logging.getLogger(__name__)
 

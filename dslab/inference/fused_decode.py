@@ -17,7 +17,7 @@ in front: 5 launches a layer (6 where attention splits the cache over programs) 
 against about 12 a layer op by op. Each launch reads its weight once; ``x`` and ``d`` stay separate
 tensors, never written while a launch reads them.
 
-The same arithmetic as the op-by-op step (:func:`dslab.kernels.decode_linear` rounds where the
+The same arithmetic as the op-by-op step (:func:`dslab.kernels.decode.decode_linear.decode_linear` rounds where the
 separate ops round), except that bias and GELU act on the GEMM's fp32 accumulator instead of its
 rounded output, and int8 weights multiply in fp32 before their scale instead of being dequantised
 to the activations' dtype first: within bf16 rounding of the op-by-op step (tests/inference).
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from dslab.kernels import decode_attention
-from dslab.kernels.decode_linear import MAX_ROWS, decode_linear
+from dslab.kernels.decode.decode_attention import decode_attention
+from dslab.kernels.decode.decode_linear import MAX_ROWS, decode_linear
 from dslab.kernels.dispatch import use_custom_op
 
 GELUS = {"tanh": "gelu_tanh", "none": "gelu"}

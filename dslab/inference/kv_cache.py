@@ -7,10 +7,10 @@ prompt (left padding included) at positions ``0 .. P - 1`` and its ``t``-th new 
 the pad positions stay before ``valid_start[b]`` and are never attended to.
 
 :class:`PrefillAttention` runs a whole prompt through dslab's training flash attention
-(:func:`dslab.kernels.attention_packed`: causal for GPT-2, the key-padding mask from
+(:func:`dslab.kernels.attention.attention_packed.attention_packed`: causal for GPT-2, the key-padding mask from
 ``attention_mask``) and, with a cache, writes the prompt's keys and values into positions
 ``0 .. P - 1``. :class:`DecodeAttention` writes the new token's key and value at ``write_pos[b]``
-(a scatter with device-side indices) and attends with :func:`dslab.kernels.decode_attention` over
+(a scatter with device-side indices) and attends with :func:`dslab.kernels.decode.decode_attention.decode_attention` over
 ``valid_start[b] <= j <= write_pos[b]``; nothing is read back to the host, so a CUDA graph can
 capture it.
 """
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from dslab.kernels import attention_packed, decode_attention
+from dslab.kernels.attention.attention_packed import attention_packed
+
+from dslab.kernels.decode.decode_attention import decode_attention
 
 
 class KVCache:

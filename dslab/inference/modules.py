@@ -2,7 +2,7 @@
 on dslab's kernels, with no code of the source model on the hot path.
 
 A layer (``x`` the residual stream ``[batch, seq, hidden]``; ``d`` the previous sublayer's output
-that is still to be added to it; each ``LN`` is :func:`dslab.kernels.layer_norm`, which fuses
+that is still to be added to it; each ``LN`` is :func:`dslab.kernels.norm.layer_norm.layer_norm`, which fuses
 that residual add)::
 
     pre-LN (GPT-2):   h, x = LN1(d + x)        qkv = h Wqkv^T + bqkv        c = attention(qkv)
@@ -19,9 +19,9 @@ the KV cache.
 
 Weights are parameters (``requires_grad=False``) in the compute dtype, except the four linear
 weights of each layer under int8 (:class:`InferenceLinear`): an int8 ``[out, in]`` matrix and
-fp32 scales (:func:`dslab.kernels.quantize_int8`, per output channel or per group of inputs),
-multiplied with :func:`dslab.kernels.int8_linear` (the Triton weight-streaming GEMM for the few rows
-of decode, dequantise + cuBLAS for prefill). Embeddings, norms, biases and the heads stay in the
+fp32 scales (:func:`dslab.kernels.quant.int8_linear.quantize_int8`, per output channel or per
+group of inputs), multiplied with :func:`dslab.kernels.quant.int8_linear.int8_linear` (the Triton
+weight-streaming GEMM for the few rows of decode, dequantise + cuBLAS for prefill). Embeddings, norms, biases and the heads stay in the
 compute dtype. The LM head reuses the word-embedding parameter when the source model ties them.
 
 Memory traffic of one decode step at batch B: every weight once (``2 * params`` bytes in bf16,
@@ -40,7 +40,9 @@ from dslab.inference.fused_decode import fused_decode_step, unfused_reason
 from dslab.inference.kv_cache import DecodeAttention, PrefillAttention
 from dslab.inference.policies import LayerSpec, ModelSpec
 from dslab.inference.tensor_parallel import TensorParallel, columns, qkv_shard, row_parallel_bias, rows
-from dslab.kernels import bias_gelu, int8_linear, layer_norm, quantize_int8
+from dslab.kernels.activation.bias_gelu import bias_gelu
+from dslab.kernels.norm.layer_norm import layer_norm
+from dslab.kernels.quant.int8_linear import int8_linear, quantize_int8
 
 
 def _param(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> nn.Parameter | None:
@@ -98,7 +100,7 @@ class InferenceLinear(nn.Module):
 
 
 class InferenceNorm(nn.Module):
-    """Affine LayerNorm parameters; ``forward(x, residual=None)`` as :func:`dslab.kernels.layer_norm`
+    """Affine LayerNorm parameters; ``forward(x, residual=None)`` as :func:`dslab.kernels.norm.layer_norm.layer_norm`
     (``(LN(x + residual), x + residual)`` with a residual)."""
 
     def __init__(self, pair: tuple[torch.Tensor, torch.Tensor], eps: float, dtype: torch.dtype,

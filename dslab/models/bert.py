@@ -32,7 +32,7 @@ Embeddings: the word, position and token-type tables go through the op set's ``e
 ``position_embedding`` (:mod:`dslab.models.ops`). With the dslab set, each forward that needs
 gradients arms a tie between the word embeddings and the MLM decoder (``ops.embedding_tie``): the
 word lookup's backward then writes their fp32 gradient once, the decoder's included
-(:mod:`dslab.kernels.embedding`); the positions are ``position_embeddings.weight[:seq]``, whose
+(:mod:`dslab.kernels.embedding.embedding`); the positions are ``position_embeddings.weight[:seq]``, whose
 gradient is a sum over the batch, and the token types' two rows take the small-vocabulary kernel.
 """
 

@@ -16,7 +16,7 @@ both streams with residual adds, in AF2's order::
 The sublayers and the attention of each kernel set are in :mod:`dslab.models.evoformer_blocks`.
 ``kernels`` picks the attention and the layer norm: ``"torch"`` (OpenFold's reference attention in
 plain PyTorch, ``F.layer_norm``), ``"sdpa"`` (``F.scaled_dot_product_attention`` with the summed
-biases as its mask, ``F.layer_norm``) or ``"dslab"`` (``dslab.kernels.evoformer_attention``,
+biases as its mask, ``F.layer_norm``) or ``"dslab"`` (``dslab.kernels.evoformer.evoformer_attention``,
 DeepSpeed's ``DS4Sci_EvoformerAttention`` semantics, and dslab's layer norm, into which the dslab
 block fuses the residual adds: see :class:`EvoformerBlock`). The three build the same parameters
 under the same names, initialised identically from the same seed.
@@ -221,7 +221,7 @@ class EvoformerStack(nn.Module):
             raise ValueError(f"kernels={kernels!r} is not an Evoformer kernel set; "
                              f"choose one of {', '.join(EVOFORMER_KERNEL_SETS)}")
         if kernels == "dslab":
-            from dslab.kernels.evoformer_attention import HEAD_DIMS
+            from dslab.kernels.evoformer.evoformer_attention import HEAD_DIMS
 
             if config.head_dim not in HEAD_DIMS:
                 raise ValueError(f"head_dim={config.head_dim} is not one that kernels='dslab' supports; "

@@ -18,7 +18,7 @@ first, then an optional pair/triangle bias ``[*, 1, heads, N, N]`` — and the s
 - ``"sdpa"``: ``F.scaled_dot_product_attention`` with the biases summed into one float
   ``attn_mask`` ``[*, heads, N, N]`` (heads and queries broadcast where the mask has no extent; with
   a pair bias the sum is materialised at the logits' size).
-- ``"dslab"``: :func:`dslab.kernels.evoformer_attention.evoformer_attention` (DS4Sci semantics).
+- ``"dslab"``: :func:`dslab.kernels.evoformer.evoformer_attention.evoformer_attention` (DS4Sci semantics).
 
 Masks become additive biases as in OpenFold: ``BIG * (mask - 1)`` with ``BIG = 1e9``, lowered to a
 quarter of the largest finite value in fp16 so that the mask bias plus a pair bias stays finite.
@@ -40,10 +40,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dslab.kernels.column_sum import linear as linear_column_sum_bias
-from dslab.kernels.layer_norm_channels import layer_norm_channels_first
-from dslab.kernels.outer_product_linear import outer_product_linear
-from dslab.kernels.sigmoid_gate import sigmoid_gate
+from dslab.kernels.evoformer.outer_product_linear import outer_product_linear
+from dslab.kernels.evoformer.sigmoid_gate import sigmoid_gate
+from dslab.kernels.linear.column_sum import linear as linear_column_sum_bias
+from dslab.kernels.norm.layer_norm_channels import layer_norm_channels_first
 from dslab.models.ops import LayerNorm, OpSet
 from dslab.models.weight_cast import weight
 
@@ -80,7 +80,7 @@ def attention_sdpa(q, k, v, biases):
 
 
 def attention_dslab(q, k, v, biases):
-    from dslab.kernels.evoformer_attention import evoformer_attention
+    from dslab.kernels.evoformer.evoformer_attention import evoformer_attention
 
     # The kernel takes any strides, but the pair bias comes permuted from [B, R, R, H] (stride H
     # along keys) and is read once per row: one contiguous copy makes every later read coalesced.
@@ -92,7 +92,7 @@ ATTENTION = {"torch": attention_torch, "sdpa": attention_sdpa, "dslab": attentio
 
 def apply_linear(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """``layer(x)``; with ``fused`` (the dslab set) its bias gradient comes from
-    :func:`dslab.kernels.column_sum.linear`'s column sums instead of PyTorch's slow row reduction."""
+    :func:`dslab.kernels.linear.column_sum.linear`'s column sums instead of PyTorch's slow row reduction."""
     return linear_column_sum_bias(x, weight(layer.weight), layer.bias) if fused else layer(x)
 
 
@@ -202,7 +202,7 @@ class GatedAttention(nn.Module):
         ``transposed``: ``x`` is ``[B, N, rows, c_in]`` (each row attends down a column of ``x``) and
         so is the result. q, k, v are projected in that layout and handed to the attention as
         transposed views; the dslab kernel writes its output in their layout (see
-        :func:`dslab.kernels.evoformer_attention.output_like`), so the update comes back in ``x``'s
+        :func:`dslab.kernels.evoformer.evoformer_layout.output_like`), so the update comes back in ``x``'s
         layout with no transposed copy of ``x``, the context or their gradients.
 
         The dslab set projects q, k, v and the gate in one matmul (:func:`fused_projections`)."""
@@ -301,7 +301,7 @@ class Transition(nn.Module):
 def cast_once_weights(module: nn.Module) -> list[nn.Parameter]:
     """The weights the dslab set reads through :func:`dslab.models.weight_cast.weight`: every
     Linear's weight in ``module`` except the outer product mean's ``linear_out``, whose kernel
-    (:func:`dslab.kernels.outer_product_linear.outer_product_linear`) reads the fp32 weight itself
+    (:func:`dslab.kernels.evoformer.outer_product_linear.outer_product_linear`) reads the fp32 weight itself
     and accumulates its gradient in fp32. Biases stay fp32: the gate kernels and column sums take
     them in fp32."""
     skip = {id(sub.linear_out.weight) for sub in module.modules() if isinstance(sub, OuterProductMean)}
@@ -426,11 +426,11 @@ class TriangleMultiplication(nn.Module):
         return torch.sigmoid(self.linear_g(x)) * update
 
     def _forward_fused(self, x: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
-        """The same function on :func:`dslab.kernels.sigmoid_gate`: the five projections of
+        """The same function on :func:`dslab.kernels.evoformer.sigmoid_gate.sigmoid_gate`: the five projections of
         ``x = LN(z)`` in one matmul (:func:`fused_projections`), each gate taking its two projections
         without their biases and adding them itself, and ``a``, ``b`` come out
         channels-first (``[B, c, R, R]``), the layout the triangle product multiplies in; the
-        product is normalised over c by :func:`dslab.kernels.layer_norm_channels.layer_norm_channels_first`,
+        product is normalised over c by :func:`dslab.kernels.norm.layer_norm_channels.layer_norm_channels_first`,
         which reads it channels first and writes ``[B, R, R, c]``."""
         a_g, a_p, b_g, b_p, g = fused_projections(
             x, [self.linear_a_g, self.linear_a_p, self.linear_b_g, self.linear_b_p, self.linear_g])

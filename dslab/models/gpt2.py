@@ -21,12 +21,12 @@ them and calls ``F.cross_entropy`` on their fp32 upcast (its backward writes the
 into a zero-filled padded buffer). The dslab set's op, on CUDA in bf16 or fp16 (under autocast,
 or in a half-precision model), overwrites the padded logits with their gradient (zero over the
 padding columns) in its forward, so that its backward is the head's two matmuls; in fp32 it
-hands the strided slice to ``softmax_cross_entropy`` (:mod:`dslab.kernels.linear_cross_entropy`).
+hands the strided slice to ``softmax_cross_entropy`` (:mod:`dslab.kernels.loss.linear_cross_entropy`).
 
 Embeddings: ``wte`` and ``wpe`` go through the op set's ``embedding`` and ``position_embedding``
 (:mod:`dslab.models.ops`). With the dslab set, each forward that needs gradients arms a tie
 between ``wte`` and the LM head (``ops.embedding_tie``): the token lookup's backward then writes
-``wte``'s fp32 gradient once, the head's included (:mod:`dslab.kernels.embedding`), and the
+``wte``'s fp32 gradient once, the head's included (:mod:`dslab.kernels.embedding.embedding`), and the
 positions are ``wpe.weight[:seq]``, whose gradient is a sum over the batch.
 """
 

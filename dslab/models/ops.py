@@ -17,7 +17,7 @@ The ops:
 - ``dropout_add_layer_norm(x, bias, residual, p, training, norm_weight, norm_bias, eps)`` ->
   ``(layer_norm(h), h)`` with ``h = bias_dropout_residual(x, bias, residual, p, training)``: a
   sublayer's end and the layer norm after it (the dslab set's is one kernel each way,
-  :mod:`dslab.kernels.dropout_add_layer_norm`; the torch set's the two ops)
+  :mod:`dslab.kernels.norm.dropout_add_layer_norm`; the torch set's the two ops)
 - ``attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None)``, q/k/v
   ``[batch, heads, seq, head_dim]``, ``key_padding_mask`` bool ``[batch, seq_k]`` (True = padding)
 - ``attention_packed(qkv, heads, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None)``:
@@ -25,10 +25,10 @@ The ops:
   column blocks, heads in order within each) -> ``[batch, seq, hidden]`` (heads concatenated). The
   torch set splits the heads with views, calls SDPA and merges them back (a copy); the dslab set's
   kernels read and write the packed layouts in place (on Hopper its causal calls run on cuDNN:
-  :mod:`dslab.kernels.attention_cudnn`). Where ``packed_bias_grad`` (the dslab set),
+  :mod:`dslab.kernels.attention.attention_cudnn`). Where ``packed_bias_grad`` (the dslab set),
   it also takes ``bias=``: the projection's bias, already inside qkv (added in the matmul's
   epilogue with the bias detached), whose gradient the attention backward kernels then compute
-  from the rows they write (:mod:`dslab.kernels.attention_packed`); the torch set's projection
+  from the rows they write (:mod:`dslab.kernels.attention.attention_packed`); the torch set's projection
   keeps its own bias gradient.
 - ``softmax_cross_entropy(logits [N, V], target [N], ignore_index=-100, label_smoothing=0.0)`` ->
   fp32 mean loss
@@ -40,18 +40,18 @@ The ops:
   over their first ``vocab`` columns (rows ``vocab..Vp`` of ``weight`` are padding and get zero
   gradient). The torch set computes the logits, takes the strided slice and calls
   ``F.cross_entropy`` on its fp32 upcast; the dslab set's op
-  (:func:`dslab.kernels.linear_cross_entropy.linear_cross_entropy`) writes the logits' gradient
+  (:func:`dslab.kernels.loss.linear_cross_entropy.linear_cross_entropy`) writes the logits' gradient
   over the logits in its forward, so its backward is the head's two matmuls. ``tie=``: see
   ``embedding_tie``.
 - ``embedding(weight [V, H], ids, tie=None)`` -> ``weight[ids]``: the torch set's is
-  ``F.embedding``; the dslab set's (:func:`dslab.kernels.embedding.embedding`) has a
+  ``F.embedding``; the dslab set's (:func:`dslab.kernels.embedding.embedding.embedding`) has a
   deterministic backward that writes the fp32 weight gradient once.
 - ``position_embedding(weight [P, H], seq)`` -> the first ``seq`` rows ``[seq, H]``, to be broadcast
   over the batch: the torch set looks up ``arange(seq)`` with ``F.embedding``; the dslab set slices
   the weight, so its gradient is autograd's sum over the batch (no embedding backward).
 - ``embedding_tie(weight)`` -> a tie for a token-embedding matrix that a head also reads, or None.
   The torch set never ties (None). The dslab set's is
-  :meth:`dslab.kernels.embedding.EmbeddingTie.arm` (None without autograd or under
+  :meth:`dslab.kernels.embedding.embedding.EmbeddingTie.arm` (None without autograd or under
   ``torch.compile``): the model hands the tie to ``embedding`` and to the head
   (``linear_cross_entropy(..., tie=)``, or ``tie.head_weight()`` for a plain ``F.linear``), and the
   lookup's backward adds the head's weight gradient into the one gradient it writes, instead of
@@ -222,24 +222,24 @@ TORCH_OPS = OpSet(
 def draw_seed(x: torch.Tensor) -> torch.Tensor:
     """A dropout seed for an op on ``x``: int64 ``[1]`` on x's device, in ``[0, 2**62)``, from
     torch's generator for that device (no host synchronisation; CUDA-graph safe)."""
-    from dslab.kernels.bias_dropout_residual import draw_seed as draw_device_seed
+    from dslab.kernels.dropout.bias_dropout_residual import draw_seed as draw_device_seed
 
     return draw_device_seed(x.device)
 
 
 @functools.cache
 def _dslab_ops() -> OpSet:
-    # Imported from the op modules, not the package: ``dslab.kernels.layer_norm`` names the module
+    # Imported from the op modules, not the package: ``dslab.kernels.norm.layer_norm`` names the module
     # once that module has been imported.
-    from dslab.kernels.attention import HEAD_DIMS, attention
-    from dslab.kernels.attention_packed import attention_packed
-    from dslab.kernels.bias_dropout_residual import bias_dropout_residual
-    from dslab.kernels.bias_gelu import bias_gelu
-    from dslab.kernels.cross_entropy import softmax_cross_entropy
-    from dslab.kernels.dropout_add_layer_norm import dropout_add_layer_norm
-    from dslab.kernels.embedding import EmbeddingTie, embedding
-    from dslab.kernels.layer_norm import layer_norm, layer_norm_fork
-    from dslab.kernels.linear_cross_entropy import linear_cross_entropy
+    from dslab.kernels.activation.bias_gelu import bias_gelu
+    from dslab.kernels.attention.attention import HEAD_DIMS, attention
+    from dslab.kernels.attention.attention_packed import attention_packed
+    from dslab.kernels.dropout.bias_dropout_residual import bias_dropout_residual
+    from dslab.kernels.embedding.embedding import EmbeddingTie, embedding
+    from dslab.kernels.loss.cross_entropy import softmax_cross_entropy
+    from dslab.kernels.loss.linear_cross_entropy import linear_cross_entropy
+    from dslab.kernels.norm.dropout_add_layer_norm import dropout_add_layer_norm
+    from dslab.kernels.norm.layer_norm import layer_norm, layer_norm_fork
 
     def dslab_layer_norm(x, weight, bias, eps=1e-5, residual=None):
         if residual is not None:

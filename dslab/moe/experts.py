@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dslab.kernels import bias_gelu
-from dslab.kernels.grouped_gemm import grouped_gemm
-from dslab.kernels.grouped_mlp import grouped_mlp
+from dslab.kernels.activation.bias_gelu import bias_gelu
+from dslab.kernels.moe.grouped_gemm import grouped_gemm
+from dslab.kernels.moe.grouped_mlp import grouped_mlp
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 _REFERENCE_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu,
@@ -106,7 +106,7 @@ class Experts(nn.Module):
         self.expert_group_name = expert_group_name
         parts = mlp_parts(expert, hidden_size)
         self.stacked = parts is not None
-        # the stacked experts' activation in the grouped GEMMs' epilogues (dslab.kernels.grouped_mlp)
+        # the stacked experts' activation in the grouped GEMMs' epilogues (dslab.kernels.moe.grouped_mlp)
         # rather than a separate kernel between them
         self.fused_activation = False
         if self.stacked:

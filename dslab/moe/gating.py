@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dslab.kernels.gate_linear import gate_linear
-from dslab.kernels.moe_gating import MAX_EXPERTS, moe_gating, moe_gating_reference
+from dslab.kernels.moe.gate_linear import gate_linear
+from dslab.kernels.moe.moe_gating import MAX_EXPERTS, moe_gating, moe_gating_reference
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 JITTER_EPS = 1e-2
@@ -204,7 +204,7 @@ class TopKGate(nn.Module):
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] (any dtype) -> fp32 logits [T, E], in fp32 even under autocast: the tokens are
-        read in their own dtype and scored in fp32 (:func:`dslab.kernels.gate_linear.gate_linear`,
+        read in their own dtype and scored in fp32 (:func:`dslab.kernels.moe.gate_linear.gate_linear`,
         with no fp32 copy of x), the weight cast to fp32 where a module cast made it half."""
         if self.config.noisy_gate_policy == "Jitter" and self.training:
             x = multiplicative_jitter(x.float())

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dslab.kernels.moe_permute import moe_permute, moe_unpermute
+from dslab.kernels.moe.moe_permute import moe_permute, moe_unpermute
 from dslab.moe import expert_parallel
 from dslab.moe.experts import Experts
 from dslab.moe.gating import TopKGate, gate_capacity, gumbel_rsample, multiplicative_jitter, rts_priority

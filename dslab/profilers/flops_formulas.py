@@ -19,7 +19,8 @@ Every op the flops profiler sees is classified into one of three figures:
   that the total stays equal to ``FlopCounterMode``'s; on a GPU these ops never run.
 
 dslab's custom ops are matched by their qualified names (``"dslab::attention_forward"``), read from
-the dispatcher, so this module does not import :mod:`dslab.kernels`. Their schemas:
+the dispatcher, so counting needs no op module imported; the Evoformer's outer product and sigmoid
+gate are priced by their own modules' formulas (imported when such an op is counted). Their schemas:
 
 - ``attention_forward(q [B,H,Sq,D], k [B,H,Sk,D], v, key_padding_mask, seed, causal, dropout_p,
   scale)``: ``4 B H Sq Sk D`` (the two matmuls ``q k^T`` and ``p v``), half of it when causal
@@ -280,7 +281,7 @@ def _int8_linear(args, kwargs, out) -> int:
 
 def _outer_product_linear(args, kwargs, out) -> int:
     # (x [B, R, C, R, C], weight [E, C*C], bias)
-    from dslab.kernels.outer_product_linear import outer_product_linear_flops
+    from dslab.kernels.evoformer.outer_product_linear import outer_product_linear_flops
 
     batch, res, c = args[0].shape[:3]
     return outer_product_linear_flops(batch, res, c, args[1].shape[0])[0]
@@ -288,7 +289,7 @@ def _outer_product_linear(args, kwargs, out) -> int:
 
 def _outer_product_linear_backward(args, kwargs, out) -> int:
     # (dout [B, R, R, E], x [B, R, C, R, C], weight [E, C*C], bias): dx and dw
-    from dslab.kernels.outer_product_linear import outer_product_linear_flops
+    from dslab.kernels.evoformer.outer_product_linear import outer_product_linear_flops
 
     batch, res, c = args[1].shape[:3]
     return outer_product_linear_flops(batch, res, c, args[2].shape[0])[1]
@@ -340,7 +341,7 @@ def _bias_gelu_backward(args, kwargs, out) -> int:
 
 def _sigmoid_gate(args, kwargs, out) -> int:
     # (gate, x, gate_bias, x_bias, row_mask, batch, channels_first)
-    from dslab.kernels.sigmoid_gate import sigmoid_gate_flops
+    from dslab.kernels.evoformer.sigmoid_gate import sigmoid_gate_flops
 
     biases = int(args[2] is not None) + int(args[3] is not None)
     return sigmoid_gate_flops(args[1].numel(), biases, args[4] is not None)[0]
@@ -348,7 +349,7 @@ def _sigmoid_gate(args, kwargs, out) -> int:
 
 def _sigmoid_gate_backward(args, kwargs, out) -> int:
     # (dy, gate, x, gate_bias, x_bias, row_mask, batch, channels_first)
-    from dslab.kernels.sigmoid_gate import sigmoid_gate_flops
+    from dslab.kernels.evoformer.sigmoid_gate import sigmoid_gate_flops
 
     biases = int(args[3] is not None) + int(args[4] is not None)
     return sigmoid_gate_flops(args[2].numel(), biases, args[5] is not None)[1]

@@ -3,7 +3,7 @@ copies the optimizer keeps, and trains as the same model under plain autocast do
 
 On CPU the copies run only when the config asks for them (``bf16.weight_copies: true``); FusedAdam
 takes its reference path there (and its Triton kernel under the interpreter in
-tests/kernels/test_fused_adam.py). The GPU test at the end runs them where ``"auto"`` turns them
+tests/kernels/optim/test_fused_adam.py). The GPU test at the end runs them where ``"auto"`` turns them
 on, with the layers in CUDA graphs.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 import dslab
 from dslab.bench.parking import park_training_state, unpark_training_state
-from dslab.kernels import FusedAdam
+from dslab.kernels.optim.fused_adam import FusedAdam
 from dslab.models.bert import BertForPreTraining, bert_tiny
 from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
 from dslab.models.weight_cast import weights_read_through

@@ -104,7 +104,7 @@ def test_prefill_attention_follows_each_calls_batch(model):
     the batch-4 attention unwritten), and the caller's int64 ids and mask are bit-for-bit as they
     were (a grid kept from batch 32 launched 32 batches' programs for a batch-1 call on an H100,
     whose stores past the attention output zeroed rows of the caller's mask)."""
-    from dslab.kernels import attention_triton
+    from dslab.kernels.attention import attention_triton
 
     engine = dslab.init_inference(model, dtype=torch.bfloat16, max_out_tokens=64)
     ids, mask = prompts(4, 12, seed=7)

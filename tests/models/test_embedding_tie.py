@@ -1,4 +1,4 @@
-"""The tied token embeddings of GPT-2 and BERT on the dslab set (dslab/kernels/embedding.py):
+"""The tied token embeddings of GPT-2 and BERT on the dslab set (dslab/kernels/embedding/embedding.py):
 the lookup's backward writes the tied matrix's gradient once, the head's included, and the
 positions are sliced rather than looked up.
 

@@ -17,9 +17,9 @@ from dslab.models.evoformer import (
 from dslab.models.evoformer_blocks import GateLinear, shared_dropout
 from dslab.profilers.flops import FlopsProfiler
 
-HAVE_DSLAB_ATTENTION = importlib.util.find_spec("dslab.kernels.evoformer_attention") is not None
+HAVE_DSLAB_ATTENTION = importlib.util.find_spec("dslab.kernels.evoformer.evoformer_attention") is not None
 DSLAB = pytest.param("dslab", marks=pytest.mark.skipif(
-    not HAVE_DSLAB_ATTENTION, reason="dslab.kernels.evoformer_attention is not there yet"))
+    not HAVE_DSLAB_ATTENTION, reason="dslab.kernels.evoformer.evoformer_attention is not there yet"))
 FAST_SETS = ["sdpa", DSLAB]  # compared against "torch"
 ALL_SETS = ["torch", *FAST_SETS]
 
@@ -123,7 +123,7 @@ def test_each_sublayer_matches_the_torch_set(sublayer, kernels):
 
 
 @pytest.mark.skipif(not (HAVE_DSLAB_ATTENTION and dispatch.triton_available() and dispatch.interpreting()),
-                    reason="needs dslab.kernels.evoformer_attention, triton and TRITON_INTERPRET=1")
+                    reason="needs dslab.kernels.evoformer.evoformer_attention, triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize("sublayer", ["msa_att_row", "msa_att_col", "tri_att_start", "tri_att_end"])
 def test_triton_interpreter_path_matches_the_torch_set(sublayer):
     """The dslab set with its attention and layer norms forced onto their Triton kernels
@@ -395,7 +395,7 @@ def test_unknown_kernel_set_is_an_error():
         EvoformerStack(evoformer_tiny(), kernels="triton")
 
 
-@pytest.mark.skipif(not HAVE_DSLAB_ATTENTION, reason="dslab.kernels.evoformer_attention is not there yet")
+@pytest.mark.skipif(not HAVE_DSLAB_ATTENTION, reason="dslab.kernels.evoformer.evoformer_attention is not there yet")
 def test_dslab_set_rejects_a_head_dim_its_kernel_lacks():
     with pytest.raises(ValueError, match="head_dim=8"):
         EvoformerStack(evoformer_tiny(head_dim=8), kernels="dslab")

@@ -1,5 +1,5 @@
 """The dslab set's Evoformer block with each residual add fused into the LayerNorm that reads its
-result (``dslab.kernels.layer_norm`` with ``residual=``), on the Triton kernels under the
+result (``dslab.kernels.norm.layer_norm`` with ``residual=``), on the Triton kernels under the
 interpreter: the same outputs and gradients as the torch set's block, and no separate add of a
 residual-stream tensor forward or backward beyond the block's last one and the accumulation of its
 inputs' gradients."""
@@ -14,7 +14,7 @@ from dslab.models.evoformer import AF2_MSA_DROPOUT, AF2_PAIR_DROPOUT
 
 pytestmark = pytest.mark.skipif(
     not (HAVE_DSLAB_ATTENTION and dispatch.triton_available() and dispatch.interpreting()),
-    reason="needs dslab.kernels.evoformer_attention, triton and TRITON_INTERPRET=1")
+    reason="needs dslab.kernels.evoformer.evoformer_attention, triton and TRITON_INTERPRET=1")
 
 # A small odd crop: slow under the interpreter otherwise, and no other tensor of the block shares
 # the shape of m [1, 3, 5, 32] or of z [1, 5, 5, 16].

@@ -20,7 +20,7 @@ from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
 from dslab.models.ops import LayerNorm, TransformerLayer
 
 # The package attribute is the function; the module holds its autograd.Function.
-fused_module = importlib.import_module("dslab.kernels.dropout_add_layer_norm")
+fused_module = importlib.import_module("dslab.kernels.norm.dropout_add_layer_norm")
 
 
 def _unfuse(monkeypatch):

@@ -7,13 +7,13 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-import dslab.kernels.attention  # noqa: F401  (registers dslab::attention_*)
-import dslab.kernels.attention_packed  # noqa: F401  (registers dslab::attention_packed_*)
-import dslab.kernels.bias_dropout_residual  # noqa: F401
-import dslab.kernels.bias_gelu  # noqa: F401
-import dslab.kernels.cross_entropy  # noqa: F401
-import dslab.kernels.layer_norm  # noqa: F401
-import dslab.kernels.linear_cross_entropy  # noqa: F401
+import dslab.kernels.activation.bias_gelu  # noqa: F401
+import dslab.kernels.attention.attention  # noqa: F401  (registers dslab::attention_*)
+import dslab.kernels.attention.attention_packed  # noqa: F401  (registers dslab::attention_packed_*)
+import dslab.kernels.dropout.bias_dropout_residual  # noqa: F401
+import dslab.kernels.loss.cross_entropy  # noqa: F401
+import dslab.kernels.loss.linear_cross_entropy  # noqa: F401
+import dslab.kernels.norm.layer_norm  # noqa: F401
 from dslab.kernels.dispatch import interpreting, kernel_backend
 from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
 from dslab.profilers.flops import FlopsProfiler
@@ -64,7 +64,7 @@ def test_attention_custom_ops(causal):
 def test_linear_cross_entropy_counts_the_lm_head_matmul_in_both_directions():
     """dslab::linear_cross_entropy_forward holds the LM head's matmul, 2*N*Vp*H; its backward is
     two plain matmuls of the same size (dhidden, dweight): the fused op hides none of the head."""
-    from dslab.kernels.linear_cross_entropy import linear_cross_entropy
+    from dslab.kernels.loss.linear_cross_entropy import linear_cross_entropy
 
     torch.manual_seed(0)
     n, h, vp, vocab = 12, 32, 64, 50
@@ -85,7 +85,7 @@ def test_attention_packed_custom_ops(causal):
     """dslab::attention_packed_forward on qkv [B, S, 3*H*D] is priced like dslab::attention_forward on
     its [B, H, S, D] heads (4*B*H*S*S*D, halved when causal); its backward 2.5x. Also through the
     public op, which takes the custom op under the profiler's dispatch mode."""
-    from dslab.kernels.attention_packed import attention_packed
+    from dslab.kernels.attention.attention_packed import attention_packed
 
     torch.manual_seed(0)
     b, h, s, d = 2, 3, 17, 32
@@ -187,7 +187,7 @@ def test_gpt2_cross_entropy_is_priced_alike_on_both_backends():
 def test_embedding_backward_is_priced_as_the_dense_backward_and_the_add():
     """One add per element of the output gradient, as ``embedding_dense_backward``; with a tied
     head's gradient folded in, one more per element of it (the add autograd no longer makes)."""
-    from dslab.kernels.embedding import EmbeddingTie, embedding
+    from dslab.kernels.embedding.embedding import EmbeddingTie, embedding
 
     vocab, hidden, tokens = 50, 24, 14
     weight = torch.randn(vocab, hidden, requires_grad=True)

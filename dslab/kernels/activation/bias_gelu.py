@@ -9,8 +9,8 @@ and dbias = sum over rows of dx.
 Layers: :func:`bias_gelu_reference` (PyTorch) → the ``dslab::bias_gelu`` custom op with its
 autograd (``dslab::bias_gelu_backward``) under ``torch.compile``, and an ``autograd.Function``
 making the same launches in eager mode with less host time than the custom ops' Python dispatch
-(see :mod:`dslab.kernels.layer_norm`) → the Triton kernels in
-:mod:`dslab.kernels.bias_gelu_triton`. :func:`bias_gelu` picks between them with
+(see :mod:`dslab.kernels.norm.layer_norm`) → the Triton kernels in
+:mod:`dslab.kernels.activation.bias_gelu_triton`. :func:`bias_gelu` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 """
 
@@ -37,7 +37,7 @@ def bias_gelu_reference(
 @torch.library.custom_op("dslab::bias_gelu", mutates_args=())
 def _bias_gelu_op(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> torch.Tensor:
     """gelu(x + bias) for ``x`` [M, N]."""
-    from dslab.kernels import bias_gelu_triton
+    from dslab.kernels.activation import bias_gelu_triton
 
     return bias_gelu_triton.forward(x, bias, approximate)
 
@@ -52,7 +52,7 @@ def _bias_gelu_backward_op(
     dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias) for ``x`` [M, N]; dbias is an empty tensor when there is no bias."""
-    from dslab.kernels import bias_gelu_triton
+    from dslab.kernels.activation import bias_gelu_triton
 
     dx, dbias = bias_gelu_triton.backward(dy, x, bias, approximate)
     return dx, dbias if dbias is not None else x.new_empty(0)
@@ -80,7 +80,7 @@ _bias_gelu_op.register_autograd(_backward, setup_context=_setup)
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import bias_gelu_triton
+    from dslab.kernels.activation import bias_gelu_triton
 
     return bias_gelu_triton
 

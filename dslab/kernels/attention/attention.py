@@ -20,13 +20,13 @@ with q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, heads, seq_k, head
   seed tensor instead of storing it. :func:`triton_dropout_keep_mask` materialises it for tests.
   The reference draws its mask with ``F.dropout``, or from a generator seeded with ``seed``'s value
   (read on the host) when one is passed. The Triton kernels apply ``dropout_p`` rounded to a
-  multiple of ``2**-16`` (:func:`dslab.kernels.attention_triton.kernel_dropout_p`).
+  multiple of ``2**-16`` (:func:`dslab.kernels.attention.attention_triton.kernel_dropout_p`).
 - ``scale`` defaults to ``1 / sqrt(head_dim)`` and must be positive.
 
 The same attention straight from a packed ``[batch, seq, 3 * hidden]`` projection is
-:mod:`dslab.kernels.attention_packed`.
+:mod:`dslab.kernels.attention.attention_packed`.
 
-Backends (:mod:`dslab.kernels.dispatch`): Triton (:mod:`dslab.kernels.attention_triton`, ``_bwd``)
+Backends (:mod:`dslab.kernels.dispatch`): Triton (:mod:`dslab.kernels.attention.attention_triton`, ``_bwd``)
 for fp16 and bf16 inputs when ``use_triton`` says so; :func:`attention_reference` otherwise. The
 Triton path is the custom ops ``dslab::attention_forward`` / ``dslab::attention_backward`` under ``torch.compile``, and an
 ``autograd.Function`` making the same launches in eager mode. fp32
@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from dslab.kernels import attention_triton, attention_triton_bwd
+from dslab.kernels.attention import attention_triton, attention_triton_bwd
 from dslab.kernels.dispatch import use_custom_op, use_triton
 
 HEAD_DIMS = (32, 64, 128)

@@ -2,7 +2,7 @@
 ``scaled_dot_product_attention`` with its cuDNN backend), where that measured faster than
 dslab's Triton kernels.
 
-:func:`dslab.kernels.attention_packed.attention_packed` hands a call here when :func:`eligible`
+:func:`dslab.kernels.attention.attention_packed.attention_packed` hands a call here when :func:`eligible`
 says so: a CUDA device of compute capability 9.x (Hopper), bf16 or fp16, causal, no key padding
 mask, head dim 64 or 128, no seed passed in (the dropout mask then comes from torch's generator,
 as in ``F.dropout``; with a seed the Triton kernels run, whose mask is a function of it), torch's
@@ -100,7 +100,7 @@ def _capability(index: int) -> tuple[int, int]:
 def eligible(qkv: torch.Tensor, heads: int, causal: bool, key_padding_mask: Optional[torch.Tensor],
              dropout_p: float, seed) -> bool:
     """Whether :func:`attention_packed` should run this call (module docstring), for inputs that
-    :func:`dslab.kernels.attention_packed.attention_packed` has validated."""
+    :func:`dslab.kernels.attention.attention_packed.attention_packed` has validated."""
     reason = ineligible_reason(
         is_cuda=qkv.is_cuda, dtype=qkv.dtype, head_dim=qkv.shape[-1] // (3 * heads), causal=bool(causal),
         has_padding_mask=key_padding_mask is not None, has_seed=seed is not None, kernel_backend=backend(),
@@ -204,7 +204,7 @@ class _SplitPacked(torch.autograd.Function):
 def attention_packed(qkv: torch.Tensor, heads: int, dropout_p: float, scale: float,
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal self-attention over qkv ``[B, S, 3 * hidden]`` -> ``[B, S, hidden]`` on cuDNN, the
-    contract of :func:`dslab.kernels.attention_packed.attention_packed`."""
+    contract of :func:`dslab.kernels.attention.attention_packed.attention_packed`."""
     from torch.nn.attention import sdpa_kernel
 
     batch, seq, width = qkv.shape

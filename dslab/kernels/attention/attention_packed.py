@@ -1,4 +1,4 @@
-"""Attention straight from a packed projection: the op of :mod:`dslab.kernels.attention` without
+"""Attention straight from a packed projection: the op of :mod:`dslab.kernels.attention.attention` without
 the layout copies around it.
 
 ``attention_packed(qkv, heads, causal, key_padding_mask, dropout_p, scale)`` is the same attention
@@ -12,17 +12,17 @@ transposes, copies or zero-fills around the kernels (whose memory traffic is ``a
 ``bias`` (optional, ``[3 * hidden]``) is the bias the projection has already added into qkv
 (``qkv = x W^T + bias``, in the matmul's epilogue): it does not change the output, and its
 gradient, the column sums of qkv's gradient, comes out of the backward kernels (each program adds
-up the rows it writes, :func:`dslab.kernels.attention_triton_bwd.bias_partials`) instead of a
+up the rows it writes, :func:`dslab.kernels.attention.attention_triton_bwd.bias_partials`) instead of a
 separate reduction that reads the whole ``[batch * seq, 3 * hidden]`` gradient again (BERT-large
 seq 128 on an H100: 31 us per layer). The key block's gradient is exactly 0: softmax ignores the
 shift ``q_i . b_k`` that the key bias adds to all of query ``i``'s scores (the column sums of dK
 are that 0 up to the rounding of dS), on every path.
 
 On Hopper, causal calls without a key padding mask or a seed go to cuDNN's fused attention
-(:mod:`dslab.kernels.attention_cudnn`, which says when and why) with the same contract.
+(:mod:`dslab.kernels.attention.attention_cudnn`, which says when and why) with the same contract.
 
 Reference, dispatch, dropout seeds, validation and the eager/custom-op split are
-:mod:`dslab.kernels.attention`'s; the custom ops here are ``dslab::attention_packed_forward`` /
+:mod:`dslab.kernels.attention.attention`'s; the custom ops here are ``dslab::attention_packed_forward`` /
 ``dslab::attention_packed_backward``.
 """
 
@@ -31,9 +31,9 @@ from typing import Optional
 
 import torch
 
-from dslab.kernels import attention_cudnn, attention_triton, attention_triton_bwd
 from dslab.kernels._grid import column_sums
-from dslab.kernels.attention import (
+from dslab.kernels.attention import attention_cudnn, attention_triton, attention_triton_bwd
+from dslab.kernels.attention.attention import (
     _DTYPES,
     HEAD_DIMS,
     TRITON_DTYPES,
@@ -118,7 +118,7 @@ def _attention_packed_forward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton forward on qkv ``[batch, seq, 3 * hidden]``: (out ``[batch, seq, hidden]``, base-2
     logsumexp ``[batch, heads, seq]`` fp32, the dropout bits for the backward as
-    :func:`dslab.kernels.attention._attention_forward_op` returns them). ``bias`` is not read here:
+    :func:`dslab.kernels.attention.attention._attention_forward_op` returns them). ``bias`` is not read here:
     it is the input whose gradient the backward returns (see the module docstring)."""
     return _packed_forward(qkv, key_padding_mask, seed, heads, causal, dropout_p, scale)
 

@@ -9,7 +9,7 @@ a ``seq_q x seq_k`` tensor. Scores are turned into base-2 exponents once, ``s * 
 so each probability is one FMA and one ``exp2``.
 
 The forward saves ``lse = m + log2(l)`` per row (base-2 units, fp32, ``[batch, heads, seq_q]``) for
-the backward in :mod:`dslab.kernels.attention_triton_bwd`. A row whose keys are all masked has
+the backward in :mod:`dslab.kernels.attention.attention_triton_bwd`. A row whose keys are all masked has
 ``l = 0``: its output is 0 and its ``lse`` is ``+inf`` so that the backward's recomputed
 probabilities ``exp2(s - lse)`` are exactly 0 there.
 

@@ -8,7 +8,7 @@ dropout keep-mask ``Z`` and ``Pd = P * Z / (1 - p)``:
     dQ = scale * dS K      dK = scale * dS^T Q
 
 One kernel, ``_attention_bwd_kernel``, whose programs take one of two roles (their code is in
-:mod:`dslab.kernels.attention_triton_bwd_roles`). A dQ program owns ``BLOCK_M2`` query rows,
+:mod:`dslab.kernels.attention.attention_triton_bwd_roles`). A dQ program owns ``BLOCK_M2`` query rows,
 computes their ``delta`` from O and dO and accumulates dQ over key blocks (S, dP, dQ: three matmuls
 per tile). A dK/dV program owns ``BLOCK_N1`` keys and accumulates dK, dV over query blocks (S^T, dV,
 dP^T, dK: four matmuls per tile). With both roles S and dP are computed twice (seven matmuls per
@@ -21,7 +21,7 @@ tile instead of five) so that no two programs add into the same dQ rows. The lau
 - ``BOTH`` (small problems, ``BOTH_MAX_WORK``, where host time per launch matters): one launch,
   dK/dV programs and dQ programs side by side; the dK/dV programs recompute delta from O and dO.
 - ``ATOMIC`` (large problems): dK/dV programs that also compute their tiles' dQ (five matmuls per
-  tile) and add it into an fp32 accumulator, between :mod:`dslab.kernels.attention_triton_dq`'s
+  tile) and add it into an fp32 accumulator, between :mod:`dslab.kernels.attention.attention_triton_dq`'s
   launch that computes delta and zeroes the accumulator and its launch that scales and rounds it
   into dQ. The adds' order varies from run to run, so dQ's last bits may too.
 - ``DQ_ONLY`` then ``DKDV_ONLY`` (large problems with ``torch.use_deterministic_algorithms``): the
@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dslab.kernels.attention_triton import (
+from dslab.kernels.attention.attention_triton import (
     LOG2_E,
     CachedLaunch,
     KEEP_DRAW,
@@ -57,9 +57,9 @@ from dslab.kernels.attention_triton import (
     seq_bucket,
     unit_last_stride,
 )
-from dslab.kernels import attention_triton_dq
-from dslab.kernels.attention_triton_bwd_roles import _dkdv_role, _dq_role
-from dslab.kernels.attention_triton_dq import DB_SLOT_ROWS, bias_partials
+from dslab.kernels.attention import attention_triton_dq
+from dslab.kernels.attention.attention_triton_bwd_roles import _dkdv_role, _dq_role
+from dslab.kernels.attention.attention_triton_dq import DB_SLOT_ROWS, bias_partials
 from dslab.kernels.dispatch import interpreting, launches_graphed
 
 # What the programs of one backward launch do (the kernel's ROLES constexpr).
@@ -97,7 +97,7 @@ def _attention_bwd_kernel(
     ``SEED``, the forward's int64 ``[1]`` seed tensor (``KEEP_DRAW``). ``HAS_DB``: each program
     also writes the column sums of the dQ, dK, dV rows it wrote into ``DB``, fp32 ``[slots, batch,
     3 * heads * HEAD_DIM]`` (row strides ``stride_db_slot``, ``stride_db_b``;
-    :func:`~dslab.kernels.attention_triton_dq.bias_partials`), slot ``first row // DB_SLOT``."""
+    :func:`~dslab.kernels.attention.attention_triton_dq.bias_partials`), slot ``first row // DB_SLOT``."""
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
     tl.static_assert(not HAS_DB or ROLES == 1 or BLOCK_N1 % DB_SLOT == 0)
@@ -224,7 +224,7 @@ def backward_roles(
     capturing: bool = False, deterministic: bool | None = None,
 ) -> tuple[int, ...]:
     """The launches of one backward, in order: ``(FUSED,)``, ``(BOTH,)``, ``(ATOMIC,)`` (between
-    :mod:`dslab.kernels.attention_triton_dq`'s two small launches) or ``(DQ_ONLY, DKDV_ONLY)``.
+    :mod:`dslab.kernels.attention.attention_triton_dq`'s two small launches) or ``(DQ_ONLY, DKDV_ONLY)``.
     ``capturing``: the launches go into a CUDA graph (or rehearse one:
     :func:`dslab.kernels.dispatch.launches_graphed`), where the split's extra launch costs no host
     time (:data:`BOTH_MAX_WORK_CAPTURED`). ``deterministic`` (default: whether torch's
@@ -321,7 +321,7 @@ def attention_backward(
     dropout bits the forward stored (:func:`attention_triton.empty_keep_bits`); without it the
     kernels draw the mask again from ``seed``. ``bias_sums``: also return, fourth, the fp32
     ``[rows, 3 * heads * head_dim]`` partial column sums of dq, dk, dv (heads in order within each
-    of the three; :func:`~dslab.kernels.attention_triton_dq.bias_partials`), whose sum over rows
+    of the three; :func:`~dslab.kernels.attention.attention_triton_dq.bias_partials`), whose sum over rows
     is the gradient of a bias added to packed q, k, v; the programs add up their own rows, so no kernel reads the gradients again."""
     if grads is None:
         dq, dk, dv = empty_rows_like(q), empty_rows_like(k), empty_rows_like(v)

@@ -1,4 +1,4 @@
-"""The two program roles of the attention backward (:mod:`dslab.kernels.attention_triton_bwd`
+"""The two program roles of the attention backward (:mod:`dslab.kernels.attention.attention_triton_bwd`
 holds the kernel that runs them, its launch plans and tiles): ``_dq_role``, dQ of a query block over
 key blocks, and ``_dkdv_role``, dK and dV of a key block over query blocks, which can also write or
 add its tiles' dQ. The formulas are those of the backward module's docstring."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dslab.kernels.attention_triton import _dot, _dropout_keep
-from dslab.kernels.attention_triton_dq import store_bias_sum
+from dslab.kernels.attention.attention_triton import _dot, _dropout_keep
+from dslab.kernels.attention.attention_triton_dq import store_bias_sum
 
 
 @triton.jit

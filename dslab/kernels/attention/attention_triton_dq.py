@@ -8,7 +8,7 @@ q, k, v; no kernel reads the gradients again for it.
 
 The ``ATOMIC`` plan:
 
-In the ``ATOMIC`` plan (:mod:`dslab.kernels.attention_triton_bwd`) one launch of dK/dV programs
+In the ``ATOMIC`` plan (:mod:`dslab.kernels.attention.attention_triton_bwd`) one launch of dK/dV programs
 also computes ``dQ = scale * dS K`` (FlashAttention-2's five matmuls per tile instead of the split
 plan's seven), and each program adds its fp32 dQ tiles into an fp32 accumulator shared by all key
 blocks. Around it:
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dslab.kernels.attention_triton import CachedLaunch
+from dslab.kernels.attention.attention_triton import CachedLaunch
 from dslab.kernels.dispatch import interpreting
 
 #: Rows (queries or keys) per slot of the bias-gradient partials: a program owning rows

@@ -24,7 +24,7 @@ that says so, rather than differentiating the reference on one device and failin
 Layers: :func:`decode_attention_reference` (masked softmax attention in fp32; it reads the whole
 cache) → the ``dslab::decode_attention`` custom op (under ``torch.compile`` and dispatch modes) or a
 direct launch in eager mode → the flash-decoding Triton kernels in
-:mod:`dslab.kernels.decode_attention_triton` for D in {16, 32, 64, 128} and fp32/fp16/bf16
+:mod:`dslab.kernels.decode.decode_attention_triton` for D in {16, 32, 64, 128} and fp32/fp16/bf16
 (other head dims take the reference). :func:`decode_attention` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 """
@@ -98,7 +98,7 @@ def decode_attention_reference(
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import decode_attention_triton
+    from dslab.kernels.decode import decode_attention_triton
 
     return decode_attention_triton
 

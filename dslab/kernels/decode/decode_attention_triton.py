@@ -1,4 +1,4 @@
-"""Flash-decoding Triton kernels for :mod:`dslab.kernels.decode_attention`.
+"""Flash-decoding Triton kernels for :mod:`dslab.kernels.decode.decode_attention`.
 
 One query per (sequence, head) has too little work for one program when the batch is small and
 the cache long (batch 1 with 25 heads would use 25 of an H100's 132 SMs), so the cache positions

@@ -12,7 +12,7 @@ GPT-2 layer written op by op launches about a dozen (layer norm, QKV GEMM, two c
 copy of q, attention, output GEMM, layer norm, MLP GEMM, bias + GELU, MLP GEMM). With this op it
 launches five: ``decode_linear`` for QKV (the residual add and layer norm in front, the cache
 writes behind), attention, the output projection, the MLP's first GEMM (add, norm, bias, GELU), its
-second. :mod:`dslab.kernels.decode_linear_triton` says how the kernel does it.
+second. :mod:`dslab.kernels.decode.decode_linear_triton` says how the kernel does it.
 
 Arguments (``M`` rows, ``K`` inputs, ``N`` outputs; activations bf16, fp16 or fp32):
 
@@ -23,7 +23,7 @@ Arguments (``M`` rows, ``K`` inputs, ``N`` outputs; activations bf16, fp16 or fp
   ``a = x + residual`` is rounded to x's dtype, as the separate add would round it;
 - ``norm`` ``(weight [K], bias [K], eps)``: LayerNorm of ``a`` (fp32 statistics), rounded to x's dtype;
 - ``weight`` ``[N, K]`` contiguous, x's dtype, or int8 with ``scale`` fp32 ``[N]`` (per output
-  channel, :func:`dslab.kernels.quantize_int8`); ``bias`` ``[N]`` or None;
+  channel, :func:`dslab.kernels.quant.int8_linear.quantize_int8`); ``bias`` ``[N]`` or None;
 - ``activation``: None, ``"gelu"`` (exact) or ``"gelu_tanh"``;
 - ``kv`` ``(q_out [M, N / 3], k_cache, v_cache, write_pos [M], head_dim)``: ``y`` is a fused QKV
   projection; its q third goes to ``q_out``, its k and v thirds into the layer's caches
@@ -154,7 +154,7 @@ def _programs_wanted(device: torch.device) -> int:
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import decode_linear_triton
+    from dslab.kernels.decode import decode_linear_triton
 
     return decode_linear_triton
 

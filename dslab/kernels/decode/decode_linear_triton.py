@@ -1,4 +1,4 @@
-"""The Triton kernel of :mod:`dslab.kernels.decode_linear`: one weight-streaming GEMM for the few
+"""The Triton kernel of :mod:`dslab.kernels.decode.decode_linear`: one weight-streaming GEMM for the few
 rows of a decode step, with the small ops around it folded into its prologue and epilogue.
 
 ``_decode_linear_kernel``, grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), split_k)``. Each program
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from dslab.kernels._triton_compat import cast_rounding
-from dslab.kernels.bias_gelu_triton import _gelu_and_grad
+from dslab.kernels.activation.bias_gelu_triton import _gelu_and_grad
 
 #: The kernel's ``ACT`` codes by decode_linear's ``activation``.
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2}

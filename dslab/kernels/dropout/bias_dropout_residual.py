@@ -13,7 +13,7 @@ kernels load the seed from device memory, so no host synchronisation happens and
 captured the op draws a new mask on every replay (the captured ``randint`` writes a new value).
 
 Each backend has its own generator — the Triton kernel uses Philox per element (see
-:mod:`dslab.kernels.bias_dropout_residual_triton`), the reference a ``torch.Generator`` seeded with
+:mod:`dslab.kernels.dropout.bias_dropout_residual_triton`), the reference a ``torch.Generator`` seeded with
 the seed's value, which it reads on the host (free on CPU; one synchronisation on a GPU, where the
 reference runs only when forced) — so the two give different masks for one seed;
 :func:`bias_dropout_residual_reference` also takes an explicit ``keep_mask`` so that one backend's
@@ -22,7 +22,7 @@ mask can be replayed through the reference.
 Layers: :func:`bias_dropout_residual_reference` (PyTorch) → the ``dslab::bias_dropout_residual``
 custom op with its autograd (``dslab::bias_dropout_residual_backward``) under ``torch.compile``,
 and an ``autograd.Function`` making the same launches in eager mode with less host time than the
-custom ops' Python dispatch (see :mod:`dslab.kernels.layer_norm`) → the Triton
+custom ops' Python dispatch (see :mod:`dslab.kernels.norm.layer_norm`) → the Triton
 kernels. :func:`bias_dropout_residual` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 """
@@ -96,7 +96,7 @@ def _bias_dropout_residual_op(
 ) -> torch.Tensor:
     """residual + dropout(x + bias, p) for ``x``, ``residual`` [M, N]; no dropout when p == 0.
     ``seed``: int64 ``[1]`` on x's device (None when p == 0)."""
-    from dslab.kernels import bias_dropout_residual_triton
+    from dslab.kernels.dropout import bias_dropout_residual_triton
 
     return bias_dropout_residual_triton.forward(x, bias, residual, p, seed)
 
@@ -112,7 +112,7 @@ def _bias_dropout_residual_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias) for ``dout`` [M, N] and p > 0; dbias is an empty tensor without a bias (whose
     only use here is its presence and dtype)."""
-    from dslab.kernels import bias_dropout_residual_triton
+    from dslab.kernels.dropout import bias_dropout_residual_triton
 
     dx, dbias = bias_dropout_residual_triton.backward(dout, bias, p, seed)
     return dx, dbias if dbias is not None else dout.new_empty(0)
@@ -144,7 +144,7 @@ _bias_dropout_residual_op.register_autograd(_backward, setup_context=_setup)
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import bias_dropout_residual_triton
+    from dslab.kernels.dropout import bias_dropout_residual_triton
 
     return bias_dropout_residual_triton
 

@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.bias_dropout_residual` and the host code that launches
+"""Triton kernels for :mod:`dslab.kernels.dropout.bias_dropout_residual` and the host code that launches
 them.
 
 Rows are ``x2d[M, N]`` with unit stride along N; ``bias`` is ``[N]``; math is fp32, outputs are in

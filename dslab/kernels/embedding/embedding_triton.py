@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.embedding`: the weight gradient of an embedding lookup,
+"""Triton kernels for :mod:`dslab.kernels.embedding.embedding`: the weight gradient of an embedding lookup,
 deterministic (no atomics), with a tied head's gradient folded into the same pass.
 
 For token ids ``ids`` ``[N]``, the lookup's output gradient ``rows`` ``[N, H]`` and a table of

@@ -22,8 +22,8 @@ Layers: :func:`evoformer_attention_reference` (the naive PyTorch computation; ma
 ``[*, N_seq, H, N_res, N_res]`` scores) → the ``dslab::evoformer_attention`` custom op (returning
 the output and the row log-sum-exp) with its autograd through ``dslab::evoformer_attention_backward``
 under ``torch.compile`` and dispatch modes, and an ``autograd.Function`` making the same launches in
-eager mode → the Triton kernels of :mod:`dslab.kernels.evoformer_attention_triton` (forward) and
-:mod:`dslab.kernels.evoformer_attention_triton_bwd` (backward; its docstring explains how the
+eager mode → the Triton kernels of :mod:`dslab.kernels.evoformer.evoformer_attention_triton` (forward) and
+:mod:`dslab.kernels.evoformer.evoformer_attention_triton_bwd` (backward; its docstring explains how the
 pair-bias gradient is reduced over sequences and what that costs). :func:`evoformer_attention`
 picks between them with :func:`dslab.kernels.dispatch.use_triton`.
 :func:`DS4Sci_EvoformerAttention` is the same function under DeepSpeed's name and argument names
@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from dslab.kernels.dispatch import use_custom_op, use_triton
+from dslab.kernels.evoformer.evoformer_layout import output_like
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -63,32 +64,16 @@ def evoformer_attention_reference(
 
 @functools.cache
 def _triton():
-    from dslab.kernels import evoformer_attention_triton
+    from dslab.kernels.evoformer import evoformer_attention_triton
 
     return evoformer_attention_triton
 
 
 @functools.cache
 def _triton_bwd():
-    from dslab.kernels import evoformer_attention_triton_bwd
+    from dslab.kernels.evoformer import evoformer_attention_triton_bwd
 
     return evoformer_attention_triton_bwd
-
-
-def output_like(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor of ``t``'s shape and dtype for the kernels to write (out, dq, dk, dv), in
-    ``t``'s memory layout where the kernels can address it: dense, unit stride along D and batch
-    dims that merge into one. A caller passing transposed views (the Evoformer's column and
-    ending-node attentions attend along the other residue axis) then gets outputs whose inverse
-    transposes are contiguous, so no copy is made around the kernels. Otherwise contiguous."""
-    out = torch.empty_like(t)
-    if out.stride(-1) == 1:
-        try:
-            out.view(math.prod(t.shape[:-4]), *t.shape[-4:])
-            return out
-        except RuntimeError:
-            pass
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _lse_shape(q: torch.Tensor) -> tuple[int, int, int, int]:

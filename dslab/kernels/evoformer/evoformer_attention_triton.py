@@ -46,7 +46,7 @@ import triton.language as tl
 
 from dslab.kernels._grid import device_guard
 from dslab.kernels.dispatch import interpreting
-from dslab.kernels.evoformer_attention import output_like
+from dslab.kernels.evoformer.evoformer_layout import output_like
 
 LOG2_E = 1.4426950408889634
 
@@ -282,7 +282,7 @@ def forward(
     mask_bias: torch.Tensor | None, pair_bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): out like q ``[*, N_seq, N_res, H, D]`` (q's dtype and, where the kernel can write
-    it, q's memory layout: :func:`dslab.kernels.evoformer_attention.output_like`) and the fp32
+    it, q's memory layout: :func:`dslab.kernels.evoformer.evoformer_layout.output_like`) and the fp32
     base-2 ``lse`` ``[B, N_seq, H, N_res]``. Inputs are validated by the caller."""
     batch_shape, batch, n_seq, n_res, heads, head_dim = dims(q)
     out = output_like(q)

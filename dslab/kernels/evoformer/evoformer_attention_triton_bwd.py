@@ -1,6 +1,6 @@
 """Triton Evoformer attention backward: dQ, dK, dV, the pair-bias gradient and the mask-bias gradient.
 
-With the base-2 scores ``s`` of :mod:`dslab.kernels.evoformer_attention_triton`, the probabilities
+With the base-2 scores ``s`` of :mod:`dslab.kernels.evoformer.evoformer_attention_triton`, the probabilities
 are rebuilt from the forward's ``lse`` as ``P = exp2(s - lse)``, and (FlashAttention-2, Dao 2023,
 Algorithm 2)
 
@@ -63,8 +63,8 @@ import triton.language as tl
 
 from dslab.kernels._grid import device_guard
 from dslab.kernels.dispatch import interpreting
-from dslab.kernels.evoformer_attention import output_like
-from dslab.kernels.evoformer_attention_triton import (
+from dslab.kernels.evoformer.evoformer_layout import output_like
+from dslab.kernels.evoformer.evoformer_attention_triton import (
     LOG2_E,
     bias_args,
     configs,
@@ -432,7 +432,7 @@ def backward(
     mask_grad: bool, pair_grad: bool, mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dq, dk, dv, dmask, dpair): dq, dk, dv in q's, k's, v's memory layouts (as
-    :func:`dslab.kernels.evoformer_attention.output_like` allows); dmask and dpair in the
+    :func:`dslab.kernels.evoformer.evoformer_layout.output_like` allows); dmask and dpair in the
     biases' shapes and dtypes when ``mask_grad`` / ``pair_grad`` (else None). ``lse`` is the
     forward's; ``mode`` one of :data:`PAIR_GRAD_MODES`, by default :data:`pair_grad_mode`."""
     mode = pair_grad_mode if mode is None else mode

@@ -10,7 +10,7 @@ W is ``[E, C*C]`` (``linear_out.weight``), bias ``[E]`` or None, row_scale ``[B,
 ``transpose(-2, -3)``, ``reshape``), and the backward copies the input gradient back to the
 matmul's layout: at N_res 256, C 32 each copy moves 2 x 128 MiB in bf16, about 1.5 ms of a 31 ms
 Evoformer training step (4 blocks) on an H100. Here the GEMMs address x through per-row pointers
-instead (:mod:`dslab.kernels.outer_product_linear_triton`), so neither copy is made:
+instead (:mod:`dslab.kernels.evoformer.outer_product_linear_triton`), so neither copy is made:
 
 - forward reads x once (``M K`` elements, ``M = B R^2``, ``K = C^2``) and W per row block, writes
   ``M E``;
@@ -121,7 +121,7 @@ _outer_product_linear_op.register_autograd(_backward, setup_context=_setup)
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import outer_product_linear_triton
+    from dslab.kernels.evoformer import outer_product_linear_triton
 
     return outer_product_linear_triton
 

@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.outer_product_linear` and the host code that launches them.
+"""Triton kernels for :mod:`dslab.kernels.evoformer.outer_product_linear` and the host code that launches them.
 
 Layout. x is the contiguous ``[B, R, C, R, C]`` product of the outer product mean; the GEMM rows
 are the ``M = B * R * R`` pairs ``g = (b * R + i) * R + j`` and its columns the ``C * C`` pairs
@@ -44,7 +44,7 @@ import triton.language as tl
 from dslab.kernels._grid import column_sums, device_guard
 from dslab.kernels._triton_compat import cast_rounding
 from dslab.kernels.dispatch import interpreting
-from dslab.kernels.evoformer_attention_triton import dot, kernel_flags
+from dslab.kernels.evoformer.evoformer_attention_triton import dot, kernel_flags
 
 # (BLOCK_M rows, BLOCK_N outputs, K target (columns per step), num_warps, num_stages)
 FWD_TILES = [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 64, 4, 3), (64, 128, 64, 4, 4),

@@ -20,7 +20,7 @@ the kernel adds them in fp32 and returns their gradients in their own dtype from
 Layers: :func:`sigmoid_gate_reference` (PyTorch) → the ``dslab::sigmoid_gate`` custom op with its
 autograd (``dslab::sigmoid_gate_backward``) under ``torch.compile``, and an ``autograd.Function``
 making the same launches in eager mode → the Triton kernels in
-:mod:`dslab.kernels.sigmoid_gate_triton`. :func:`sigmoid_gate` picks between them with
+:mod:`dslab.kernels.evoformer.sigmoid_gate_triton`. :func:`sigmoid_gate` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 """
 
@@ -103,7 +103,7 @@ _sigmoid_gate_op.register_autograd(_backward, setup_context=_setup)
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import sigmoid_gate_triton
+    from dslab.kernels.evoformer import sigmoid_gate_triton
 
     return sigmoid_gate_triton
 

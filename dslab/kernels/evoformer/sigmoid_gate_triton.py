@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.sigmoid_gate` and the host code that launches them.
+"""Triton kernels for :mod:`dslab.kernels.evoformer.sigmoid_gate` and the host code that launches them.
 
 The rows of ``gate`` and ``x`` are ``[M, N]`` with unit stride along N (any row stride: a column
 slice of a wider projection is read in place), ``M = B * P``. The output and its gradient are

@@ -19,7 +19,7 @@ loss, and the loss's gradient with respect to them,
 ``lse`` and ``g``, the incoming gradient, which is a common factor. So the forward writes
 ``G = d loss / d x`` for ``g = 1`` over the logits themselves, and the backward is three matmuls
 scaled by ``g``: ``dh = g G W``, ``dW = g G^T h``, ``db = g sum_i G_i``. Composed of a sliced
-``F.linear`` and a separate cross-entropy (:mod:`dslab.kernels.cross_entropy`), the same step
+``F.linear`` and a separate cross-entropy (:mod:`dslab.kernels.loss.cross_entropy`), the same step
 also runs the cross-entropy's backward kernel over the logits and autograd's backward of the
 slice: a zero fill of a padded ``[N, Vp]`` buffer and a strided copy into it (at 16384 x 50304
 in bf16 on an H200: 1.64 + 0.49 + 1.89 ms, beside the forward kernel's 0.45 ms).
@@ -30,7 +30,7 @@ the compute dtype, then one kernel, one program per row:
 
 - pass 1 streams the row's first ``vocab`` logits in ``BLOCK``-wide chunks, keeping per segment
   of 16 logits an online maximum and rescaled sum of exponentials in fp32 (the helpers of
-  :mod:`dslab.kernels.cross_entropy`), and stores the row's loss
+  :mod:`dslab.kernels.loss.cross_entropy`), and stores the row's loss
   ``lse - (1 - eps) x_t - (eps / vocab) sum_j x_j`` (fp32);
 - pass 2 reads the row again and overwrites it with its gradient row for ``g = 1``, rounded once
   to the buffer's dtype, and zeros over the padding columns. An ignored row is only written:
@@ -56,22 +56,22 @@ A target outside ``[0, vocab)`` that is not ``ignore_index`` makes that row's lo
 mean) and its gradient row over ``[0, vocab)`` nan on the Triton path, where checking it would
 need a device sync; the reference raises as ``F.cross_entropy`` does.
 
-A tied head (``tie``, an :class:`~dslab.kernels.embedding.EmbeddingTie` armed for ``weight``, the
+A tied head (``tie``, an :class:`~dslab.kernels.embedding.embedding.EmbeddingTie` armed for ``weight``, the
 token embeddings): the head reads ``weight`` through the tie, and its weight gradient goes to the
 embedding lookup's backward, which adds it into the one fp32 gradient it writes. On the fused
 path the backward hands the tie the unscaled ``G^T h`` and ``g``, and the lookup's kernel scales
 it (rounded as ``G^T h * g`` would be), so no ``[Vp, H]`` scale, cast or add runs; where the tie
-refuses (see :mod:`dslab.kernels.embedding`) the backward returns ``g G^T h`` in ``weight``'s
+refuses (see :mod:`dslab.kernels.embedding.embedding`) the backward returns ``g G^T h`` in ``weight``'s
 dtype as without a tie. Elsewhere the head reads :meth:`EmbeddingTie.head_weight`.
 
 Layers: :func:`linear_cross_entropy_reference` (``F.linear``, the slice and
-:func:`dslab.kernels.cross_entropy.cross_entropy_reference`) → the
+:func:`dslab.kernels.loss.cross_entropy.cross_entropy_reference`) → the
 ``dslab::linear_cross_entropy_forward`` custom op returning ``(loss, G)``, ``G`` a
 non-differentiable output saved for the backward, whose autograd formula is the three matmuls
 (``torch.compile`` sees one opaque call and traces the matmuls) → the Triton kernel.
 :func:`linear_cross_entropy` picks with :func:`dslab.kernels.dispatch.use_triton`: the fused op
 for an fp16/bf16 compute dtype; for fp32 compute, ``F.linear``, the slice and
-:func:`dslab.kernels.cross_entropy.softmax_cross_entropy` (its Triton kernels read the strided
+:func:`dslab.kernels.loss.cross_entropy.softmax_cross_entropy` (its Triton kernels read the strided
 rows); the reference otherwise (CPU tensors without the interpreter, the ``torch`` backend, fp64).
 """
 
@@ -85,13 +85,13 @@ import torch.nn.functional as F
 from dslab.kernels._triton_compat import cast_rounding as _cast
 from dslab.kernels._triton_compat import jit as _jit
 from dslab.kernels._triton_compat import tl, triton
-from dslab.kernels.cross_entropy import (
+from dslab.kernels.loss.cross_entropy import (
     _SEGMENT, _grad_chunk, _load_chunk, _online_chunk, cross_entropy_reference, softmax_cross_entropy,
 )
 from dslab.kernels.dispatch import interpreting, use_triton
 
 if TYPE_CHECKING:
-    from dslab.kernels.embedding import EmbeddingTie
+    from dslab.kernels.embedding.embedding import EmbeddingTie
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _AUTOCAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes autocast casts
@@ -141,7 +141,7 @@ def _loss_and_grad_kernel(
     (``1 / n_valid``), zeros past ``vocab`` and over ignored rows.
 
     Pass 1 reads ``vocab`` elements as chunks of ``BLOCK`` = segments x ``SEGMENT`` (the forward
-    kernel of :mod:`dslab.kernels.cross_entropy`); pass 2 reads them again as ``BLOCK``-wide rows
+    kernel of :mod:`dslab.kernels.loss.cross_entropy`); pass 2 reads them again as ``BLOCK``-wide rows
     and writes ``padded_vocab`` elements.
     """
     row = tl.program_id(0).to(tl.int64)
@@ -192,7 +192,7 @@ def _loss_and_grad_kernel(
 
 
 def _launch_config(vocab: int) -> tuple[int, int]:
-    """(BLOCK, num_warps): the chunking of :mod:`dslab.kernels.cross_entropy`'s backward kernel,
+    """(BLOCK, num_warps): the chunking of :mod:`dslab.kernels.loss.cross_entropy`'s backward kernel,
     which this kernel's second pass is: 8192 logits a chunk and 16 warps at a GPT-2 vocabulary. On
     an H200 at 16384 x 50304 in bf16 that takes 1.09 ms, against 1.12 to 1.22 ms for chunks of
     2048, 4096 or 16384 or for 8 warps. Under the interpreter a small block, so that the tests'
@@ -373,10 +373,10 @@ def linear_cross_entropy(
     under autocast, else ``hidden``'s) is fp16 or bf16; its extra memory is the ``[N, Vp]``
     gradient buffer in that dtype, held until the backward, and an fp32 ``[N]`` vector. Where
     Triton runs and the compute dtype is fp32, the logits are made and sliced as in the reference
-    and :func:`dslab.kernels.cross_entropy.softmax_cross_entropy` takes them. Otherwise
+    and :func:`dslab.kernels.loss.cross_entropy.softmax_cross_entropy` takes them. Otherwise
     :func:`linear_cross_entropy_reference` runs.
 
-    ``tie``: an :class:`~dslab.kernels.embedding.EmbeddingTie` armed for ``weight`` (a head tied
+    ``tie``: an :class:`~dslab.kernels.embedding.embedding.EmbeddingTie` armed for ``weight`` (a head tied
     to the token embeddings), whose lookup's backward then writes ``weight``'s gradient, this
     head's included (see the module docstring).
     """

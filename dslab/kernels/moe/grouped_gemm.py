@@ -23,10 +23,10 @@ Layers: :func:`grouped_gemm_reference` (a per-group loop of ``F.linear``; it rea
 the host) → the ``dslab::grouped_gemm`` custom op with its autograd
 (``dslab::grouped_gemm_backward_input`` for dx, ``dslab::grouped_gemm_backward_weight`` for dw and
 dbias) under ``torch.compile`` and dispatch modes, and an ``autograd.Function`` making the same
-launches in eager mode → the Triton kernels in :mod:`dslab.kernels.grouped_gemm_triton`, which read
+launches in eager mode → the Triton kernels in :mod:`dslab.kernels.moe.grouped_gemm_triton`, which read
 the offsets on the device and never synchronise with the host. :func:`grouped_gemm` picks between
 them with :func:`dslab.kernels.dispatch.use_triton`. The experts' two-layer MLP runs on the same
-kernels with its activation fused into their epilogues: :mod:`dslab.kernels.grouped_mlp`.
+kernels with its activation fused into their epilogues: :mod:`dslab.kernels.moe.grouped_mlp`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def grouped_gemm_reference(
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import grouped_gemm_triton
+    from dslab.kernels.moe import grouped_gemm_triton
 
     return grouped_gemm_triton
 

@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.grouped_gemm` and the host code that launches them.
+"""Triton kernels for :mod:`dslab.kernels.moe.grouped_gemm` and the host code that launches them.
 
 Rows ``offsets[g]:offsets[g+1]`` of ``x`` [M, K] belong to group g; ``w`` is [G, N, K] (each group's
 ``nn.Linear`` weight), ``bias`` [G, N]. Three kernels, each on a persistent grid (as many programs as
@@ -26,12 +26,12 @@ launch needs the group sizes on the host:
   ``2 * M * N * K`` flops in all.
 
 Activation epilogues (the rows kernel's ``ACTIVATION`` and ``ACTIVATION_GRAD`` flags), for the
-expert MLP of :mod:`dslab.kernels.grouped_mlp`: the forward writes both ``pre = x @ w[g].T +
+expert MLP of :mod:`dslab.kernels.moe.grouped_mlp`: the forward writes both ``pre = x @ w[g].T +
 bias[g]`` and ``act = activation(pre)`` from the accumulator, where a separate activation kernel
 would read pre back to write act; the input gradient of the second layer multiplies its
 accumulator by ``activation'(pre)``, loading the matching tile of ``pre``, and writes ``d_pre``,
 where the unfused layers would write ``d_act`` and read it back with pre. The activations are
-GELU (erf, and its tanh form, with :mod:`dslab.kernels.bias_gelu_triton`'s formulas), ReLU and
+GELU (erf, and its tanh form, with :mod:`dslab.kernels.activation.bias_gelu_triton`'s formulas), ReLU and
 SiLU, in fp32.
 
 Operand loads: on Hopper-class devices (compute capability 9+) the main loops read A and B
@@ -73,7 +73,7 @@ import triton.language as tl
 from dslab.kernels._grid import device_guard as _device_guard
 from dslab.kernels._grid import unit_stride_rows as _rows
 from dslab.kernels._triton_compat import cast_rounding
-from dslab.kernels.bias_gelu_triton import _gelu_and_grad
+from dslab.kernels.activation.bias_gelu_triton import _gelu_and_grad
 from dslab.kernels.dispatch import interpreting
 
 
@@ -91,7 +91,7 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _activation_and_grad(u, ACTIVATION: tl.constexpr, PRECISE_ERF: tl.constexpr, NEED_GRAD: tl.constexpr):
     """(activation(u), activation'(u)) in fp32 for ``ACTIVATION`` "gelu" (erf), "gelu_tanh", "relu"
-    or "silu"; the GELUs are :mod:`dslab.kernels.bias_gelu_triton`'s (the second is 0 there unless
+    or "silu"; the GELUs are :mod:`dslab.kernels.activation.bias_gelu_triton`'s (the second is 0 there unless
     NEED_GRAD). relu's derivative is 1 where u > 0 (0 at 0, as torch's); silu(u) = u * sigmoid(u),
     silu'(u) = sigmoid(u) * (1 + u * (1 - sigmoid(u)))."""
     if ACTIVATION == "gelu":

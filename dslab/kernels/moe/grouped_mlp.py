@@ -8,7 +8,7 @@ experts, with the activation fused into the grouped GEMMs.
 ``x`` [M, H] holds the rows sorted by group, ``w1`` [G, F, H] and ``w2`` [G, H, F] are each group's
 ``nn.Linear`` weights ([out, in]), ``b1`` [G, F] and ``b2`` [G, H] their biases (each may be None),
 ``group_offsets`` [G + 1] (int32 or int64, on x's device) the groups' row boundaries, as for
-:func:`dslab.kernels.grouped_gemm.grouped_gemm`; a group may be empty. ``activation`` is
+:func:`dslab.kernels.moe.grouped_gemm.grouped_gemm`; a group may be empty. ``activation`` is
 ``"gelu"`` (erf), ``"gelu_tanh"``, ``"relu"`` or ``"silu"``. Gradients:
 
     d_pre  = (dy @ w2[g]) * activation'(pre)     per group's rows          [M, F]
@@ -37,7 +37,7 @@ and act, marked non-differentiable, for its autograd to save) with its autograd
 (``dslab::grouped_mlp_backward_hidden`` for d_pre, then the grouped GEMM's
 ``dslab::grouped_gemm_backward_weight`` and ``dslab::grouped_gemm_backward_input``) under
 ``torch.compile`` and dispatch modes, and an ``autograd.Function`` making the same launches in
-eager mode → the Triton kernels of :mod:`dslab.kernels.grouped_gemm_triton` with their activation
+eager mode → the Triton kernels of :mod:`dslab.kernels.moe.grouped_gemm_triton` with their activation
 epilogues, which read the offsets on the device and never synchronise with the host.
 :func:`grouped_mlp` picks between them with :func:`dslab.kernels.dispatch.use_triton`.
 """
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from dslab.kernels.dispatch import use_custom_op, use_triton
-from dslab.kernels.grouped_gemm import (
+from dslab.kernels.moe.grouped_gemm import (
     TRITON_DTYPES,
     _backward_input_op,
     _backward_weight_op,

@@ -21,8 +21,8 @@ outputs are not differentiable, and nothing flows to the noise.
 
 Layers: :func:`moe_gating_reference` (PyTorch) → the ``dslab::moe_gating`` custom op with its
 autograd (``dslab::moe_gating_backward``) under ``torch.compile``, and an ``autograd.Function``
-making the same launches in eager mode (see :mod:`dslab.kernels.layer_norm` for why both) → the
-Triton kernels in :mod:`dslab.kernels.moe_gating_triton` (two forward launches, one backward; no
+making the same launches in eager mode (see :mod:`dslab.kernels.norm.layer_norm` for why both) → the
+Triton kernels in :mod:`dslab.kernels.moe.moe_gating_triton` (two forward launches, one backward; no
 host synchronisation). :func:`moe_gating` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 """
@@ -88,7 +88,7 @@ def _moe_gating_op(
     logits: torch.Tensor, k: int, second_choice_noise: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs, expert_index, gate_weight, position, expert_counts) for ``logits`` [T, E]."""
-    from dslab.kernels import moe_gating_triton
+    from dslab.kernels.moe import moe_gating_triton
 
     return moe_gating_triton.forward(logits, k, second_choice_noise)
 
@@ -115,7 +115,7 @@ def _moe_gating_backward_op(
 ) -> torch.Tensor:
     """d logits [T, E] in ``logits_dtype`` from d probs [T, E] and d gate_weight [T, k] (None where
     no gradient arrived), given the forward's ``probs`` and ``expert_index``."""
-    from dslab.kernels import moe_gating_triton
+    from dslab.kernels.moe import moe_gating_triton
 
     return moe_gating_triton.backward(dprobs, dgate_weight, probs, expert_index, logits_dtype)
 
@@ -147,7 +147,7 @@ _moe_gating_op.register_autograd(_backward, setup_context=_setup)
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import moe_gating_triton
+    from dslab.kernels.moe import moe_gating_triton
 
     return moe_gating_triton
 

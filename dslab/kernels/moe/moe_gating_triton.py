@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.moe_gating` and the host code that launches them.
+"""Triton kernels for :mod:`dslab.kernels.moe.moe_gating` and the host code that launches them.
 
 Logits are ``[T, E]`` with unit stride along E (E <= 128, padded to ``BLOCK_E``, a power of two);
 math is fp32. The forward is two launches, neither waiting on the host:

@@ -24,8 +24,8 @@ The Triton path treats an entry >= R as dropped; the reference raises an IndexEr
 Layers: :func:`moe_permute_reference` / :func:`moe_unpermute_reference` (PyTorch) → the
 ``dslab::moe_permute`` / ``dslab::moe_unpermute`` custom ops with their autograd
 (``dslab::moe_permute_backward``, ``dslab::moe_unpermute_backward``) under ``torch.compile``, and
-``autograd.Function``\\ s making the same launches in eager mode (see :mod:`dslab.kernels.layer_norm`)
-→ the Triton kernels in :mod:`dslab.kernels.moe_permute_triton` (row gathers and token gather-sums,
+``autograd.Function``\\ s making the same launches in eager mode (see :mod:`dslab.kernels.norm.layer_norm`)
+→ the Triton kernels in :mod:`dslab.kernels.moe.moe_permute_triton` (row gathers and token gather-sums,
 no atomics, no host synchronisation). :func:`moe_permute` and :func:`moe_unpermute` pick between
 them with :func:`dslab.kernels.dispatch.use_triton`.
 """
@@ -71,7 +71,7 @@ def moe_unpermute_reference(
 @torch.library.custom_op("dslab::moe_permute", mutates_args=())
 def _moe_permute_op(x: torch.Tensor, row_index: torch.Tensor, num_rows: int) -> torch.Tensor:
     """x_perm [num_rows, H] from ``x`` [T, H] and ``row_index`` [T, k]."""
-    from dslab.kernels import moe_permute_triton
+    from dslab.kernels.moe import moe_permute_triton
 
     return moe_permute_triton.permute(x, row_index, num_rows)
 
@@ -84,7 +84,7 @@ def _(x, row_index, num_rows):
 @torch.library.custom_op("dslab::moe_permute_backward", mutates_args=())
 def _moe_permute_backward_op(dx_perm: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
     """dx [T, H] from ``dx_perm`` [R, H] and ``row_index`` [T, k]."""
-    from dslab.kernels import moe_permute_triton
+    from dslab.kernels.moe import moe_permute_triton
 
     return moe_permute_triton.permute_backward(dx_perm, row_index)
 
@@ -110,7 +110,7 @@ _moe_permute_op.register_autograd(_backward_permute, setup_context=_setup_permut
 @torch.library.custom_op("dslab::moe_unpermute", mutates_args=())
 def _moe_unpermute_op(y_perm: torch.Tensor, row_index: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """y [T, H] from ``y_perm`` [R, H], ``row_index`` [T, k] and ``gate_weight`` [T, k]."""
-    from dslab.kernels import moe_permute_triton
+    from dslab.kernels.moe import moe_permute_triton
 
     return moe_permute_triton.unpermute(y_perm, row_index, gate_weight)
 
@@ -130,7 +130,7 @@ def _moe_unpermute_backward_op(
     need_gate_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dy_perm [R, H], dgate_weight [T, k] fp32); an empty tensor for each one not needed."""
-    from dslab.kernels import moe_permute_triton
+    from dslab.kernels.moe import moe_permute_triton
 
     dy_perm, dgate = moe_permute_triton.unpermute_backward(
         dy, y_perm, row_index, gate_weight, need_y_perm_grad, need_gate_grad
@@ -161,7 +161,7 @@ _moe_unpermute_op.register_autograd(_backward_unpermute, setup_context=_setup_un
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import moe_permute_triton
+    from dslab.kernels.moe import moe_permute_triton
 
     return moe_permute_triton
 

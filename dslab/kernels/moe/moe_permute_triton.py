@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.moe_permute` and the host code that launches them.
+"""Triton kernels for :mod:`dslab.kernels.moe.moe_permute` and the host code that launches them.
 
 Token rows ``x`` [T, H] and expert-ordered rows [R, H] have unit stride along H; ``row_index``
 [T, k] (int32 or int64, contiguous) maps assignment ``s = t * k + c`` to its row, -1 when dropped.

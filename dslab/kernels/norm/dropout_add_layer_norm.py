@@ -6,7 +6,7 @@
 returns ``(y, h)``. A post-LN layer (BERT) keeps ``y``; a pre-LN layer (GPT-2) feeds ``y`` to its
 next sublayer and ``h`` to the residual add after it.
 
-Apart, :func:`dslab.kernels.bias_dropout_residual.bias_dropout_residual` writes h and the layer
+Apart, :func:`dslab.kernels.dropout.bias_dropout_residual.bias_dropout_residual` writes h and the layer
 norm reads it back; the backward's layer norm writes h's gradient and the dropout's backward reads
 it back. Together, the forward kernel keeps h in registers between the two (one read of an
 activation less) and the backward kernel writes both of the residual add's input gradients from
@@ -14,13 +14,13 @@ the row it has just computed, with the dropout, bias and layer-norm parameter gr
 one finishing launch (:func:`dslab.kernels._grid.column_sums`): one read less and two launches
 fewer each way.
 
-The dropout mask is the one :mod:`dslab.kernels.bias_dropout_residual_triton` draws for the same
+The dropout mask is the one :mod:`dslab.kernels.dropout.bias_dropout_residual_triton` draws for the same
 seed (a function of seed, row and column), and h is rounded to x's dtype before it is normalized,
 so the op gives the unfused pair's outputs; its gradients differ from the pair's only in the order
 the parameter gradients' partial sums are added.
 
 Layers: :func:`dropout_add_layer_norm_reference` (PyTorch) → an ``autograd.Function`` over the
-Triton kernels of :mod:`dslab.kernels.layer_norm_triton` in eager mode. Under ``torch.compile``
+Triton kernels of :mod:`dslab.kernels.norm.layer_norm_triton` in eager mode. Under ``torch.compile``
 (and off the Triton path) the op is the unfused pair, each through its own dispatch, so compiled
 graphs see the two custom ops they already know.
 """
@@ -32,15 +32,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels.bias_dropout_residual import (
+from dslab.kernels.dropout.bias_dropout_residual import (
     _check as _check_residual_add,
     bias_dropout_residual,
     bias_dropout_residual_reference,
     seed_tensor,
 )
 from dslab.kernels.dispatch import use_custom_op, use_triton
-from dslab.kernels.layer_norm import MAX_FUSED_N, TRITON_DTYPES, layer_norm
-from dslab.kernels.layer_norm import _check as _check_layer_norm
+from dslab.kernels.norm.layer_norm import MAX_FUSED_N, TRITON_DTYPES, layer_norm
+from dslab.kernels.norm.layer_norm import _check as _check_layer_norm
 
 
 def dropout_add_layer_norm_reference(
@@ -56,14 +56,15 @@ def dropout_add_layer_norm_reference(
     keep_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch reference, ``(y, h)``; the mask as in
-    :func:`dslab.kernels.bias_dropout_residual.bias_dropout_residual_reference`."""
+    :func:`dslab.kernels.dropout.bias_dropout_residual.bias_dropout_residual_reference`."""
     h = bias_dropout_residual_reference(x, x_bias, residual, p, training, seed, keep_mask)
     return F.layer_norm(h, h.shape[-1:], weight, bias, eps), h
 
 
 @functools.cache
 def _kernels():
-    from dslab.kernels import bias_dropout_residual_triton, layer_norm_triton
+    from dslab.kernels.dropout import bias_dropout_residual_triton
+    from dslab.kernels.norm import layer_norm_triton
 
     return layer_norm_triton, bias_dropout_residual_triton
 
@@ -116,7 +117,7 @@ def dropout_add_layer_norm(
     ``x``, ``residual`` [..., N] in one dtype, ``x_bias`` [N] in that dtype or None; ``weight`` and
     ``bias`` (the layer norm's) [N] or None, in any float dtype. Dropout applies when ``training``
     and ``p > 0``, its mask a function of ``seed`` as in
-    :func:`dslab.kernels.bias_dropout_residual.bias_dropout_residual` (the same mask for the same
+    :func:`dslab.kernels.dropout.bias_dropout_residual.bias_dropout_residual` (the same mask for the same
     seed). Gradients flow to every tensor argument. The fused Triton path runs on CUDA tensors (or
     under the ``triton`` backend with ``TRITON_INTERPRET=1``) in fp32/fp16/bf16 with N <= 8192 and
     outside ``torch.compile``; otherwise the two ops run one after the other.

@@ -13,7 +13,7 @@ kernel adds (the pre-LN residual stream's two uses, without autograd's add kerne
 Layers: :func:`layer_norm_reference` (PyTorch) → the ``dslab::layer_norm`` / ``dslab::add_layer_norm``
 custom ops with their autograd (``dslab::layer_norm_backward``) under ``torch.compile``, and an
 ``autograd.Function`` making the same launches in eager mode → the Triton kernels in
-:mod:`dslab.kernels.layer_norm_triton`. :func:`layer_norm` picks between them with
+:mod:`dslab.kernels.norm.layer_norm_triton`. :func:`layer_norm` picks between them with
 :func:`dslab.kernels.dispatch.use_triton`.
 
 Why two wrappers: the whole fwd+bwd of a 65536 x 1024 bf16 layer norm is ~0.24 ms of device
@@ -66,7 +66,7 @@ def _layer_norm_op(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd) for ``x`` [M, N]."""
-    from dslab.kernels import layer_norm_triton
+    from dslab.kernels.norm import layer_norm_triton
 
     y, _, mean, rstd = layer_norm_triton.forward(x, weight, bias, None, eps)
     return y, mean, rstd
@@ -86,7 +86,7 @@ def _add_layer_norm_op(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, mean, rstd) for ``x``, ``residual`` [M, N] with ``h = x + residual``."""
-    from dslab.kernels import layer_norm_triton
+    from dslab.kernels.norm import layer_norm_triton
 
     return layer_norm_triton.forward(x, weight, bias, residual, eps)
 
@@ -108,7 +108,7 @@ def _layer_norm_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias) for the normalized input ``h`` [M, N]; ``dh`` (the gradient reaching
     ``h`` directly) is added to dx. A missing parameter's gradient is an empty tensor."""
-    from dslab.kernels import layer_norm_triton
+    from dslab.kernels.norm import layer_norm_triton
 
     dx, dw, db = layer_norm_triton.backward(dy, h, weight, bias, mean, rstd, dh)
     return dx, _or_empty(dw, h), _or_empty(db, h)
@@ -166,7 +166,7 @@ _add_layer_norm_op.register_autograd(_backward_add_layer_norm, setup_context=_se
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import layer_norm_triton
+    from dslab.kernels.norm import layer_norm_triton
 
     return layer_norm_triton
 

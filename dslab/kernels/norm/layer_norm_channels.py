@@ -29,7 +29,7 @@ Layers: :func:`layer_norm_channels_first_reference` (PyTorch) → the
 ``dslab::layer_norm_channels_first`` custom op with its autograd
 (``dslab::layer_norm_channels_first_backward``) under ``torch.compile``, and an
 ``autograd.Function`` making the same launches in eager mode → the Triton kernels in
-:mod:`dslab.kernels.layer_norm_channels_triton`. :func:`layer_norm_channels_first` picks between
+:mod:`dslab.kernels.norm.layer_norm_channels_triton`. :func:`layer_norm_channels_first` picks between
 them with :func:`dslab.kernels.dispatch.use_triton`.
 """
 
@@ -73,7 +73,7 @@ def _empty_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import layer_norm_channels_triton
+    from dslab.kernels.norm import layer_norm_channels_triton
 
     return layer_norm_channels_triton
 

@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.layer_norm_channels` and the host code that launches them.
+"""Triton kernels for :mod:`dslab.kernels.norm.layer_norm_channels` and the host code that launches them.
 
 ``x`` is ``[B, C, P]`` (channels first, unit stride along the positions P, any batch and channel
 strides); ``y`` and its gradient ``dy`` are ``[B, P, C]`` (channels last; y contiguous, dy with any

@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.layer_norm` and the host code that launches them.
+"""Triton kernels for :mod:`dslab.kernels.norm.layer_norm` and the host code that launches them.
 
 Rows are ``x2d[M, N]`` with unit stride along N; ``weight``/``bias`` are ``[N]``; statistics are
 fp32 and the outputs are in the input's dtype.
@@ -24,7 +24,7 @@ while a row is reduced) and its grid is two programs per SM: on an H100 (bf16, w
 gradient of h, fp32 weight and bias) this took 16384 x 768 from 51.5 to 40.3 us, 8192 x 1024 from
 37.1 to 29.3 and 4096 x 1600 from 33.3 to 24.9 against one row per step, no pipelining and the
 eight programs per SM that registers allow. The whole fwd+bwd is little device work next to its
-host time (see :mod:`dslab.kernels.layer_norm`), so each call makes few launches (forward 1,
+host time (see :mod:`dslab.kernels.norm.layer_norm`), so each call makes few launches (forward 1,
 backward 2) and few allocations.
 """
 
@@ -39,7 +39,7 @@ import triton.language as tl
 from dslab.kernels._grid import column_sums, resident_programs
 from dslab.kernels._grid import device_guard as _device_guard
 from dslab.kernels._grid import unit_stride_rows as _rows
-from dslab.kernels.bias_dropout_residual_triton import _keep_mask, _scale, _threshold
+from dslab.kernels.dropout.bias_dropout_residual_triton import _keep_mask, _scale, _threshold
 
 # Whole rows live in registers; wider rows go to the PyTorch reference (see layer_norm.py).
 MAX_FUSED_N = 8192
@@ -194,7 +194,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(y, h or None, mean, rstd) for ``x`` [M, N]; ``h = residual + dropout(x + x_bias, p)`` when a
     residual is given (``x_bias`` [N] or None; dropout when p > 0, its mask that of
-    :mod:`dslab.kernels.bias_dropout_residual_triton` for ``seed``, int64 ``[1]`` on x's device)."""
+    :mod:`dslab.kernels.dropout.bias_dropout_residual_triton` for ``seed``, int64 ``[1]`` on x's device)."""
     assert x.dim() == 2 and x.shape[1] <= MAX_FUSED_N
     assert residual is not None or (x_bias is None and p == 0.0)
     m, n = x.shape

@@ -23,7 +23,7 @@ Which path runs (:func:`int8_linear`):
   fp32/fp16/bf16;
 - for more than :data:`SKINNY_MAX_ROWS` rows (prefill): the weight is dequantised once into x's
   dtype and ``F.linear`` (cuBLAS) runs, compute-bound work where the weight read is amortised;
-- otherwise the Triton kernel of :mod:`dslab.kernels.int8_linear_triton` (int8 loaded and
+- otherwise the Triton kernel of :mod:`dslab.kernels.quant.int8_linear_triton` (int8 loaded and
   dequantised in registers, fp32 accumulation, split-K when the output tiles alone cannot fill the
   device, reduced in a fixed order: deterministic).
 
@@ -40,7 +40,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels.decode_attention import forward_only_message, run_forward_only
+from dslab.kernels.decode.decode_attention import forward_only_message, run_forward_only
 from dslab.kernels.dispatch import use_custom_op, use_triton
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -124,7 +124,7 @@ def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
 
 @functools.cache
 def _triton_module():
-    from dslab.kernels import int8_linear_triton
+    from dslab.kernels.quant import int8_linear_triton
 
     return int8_linear_triton
 

@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`dslab.kernels.int8_linear`: a weight-streaming GEMM for decode's
+"""Triton kernels for :mod:`dslab.kernels.quant.int8_linear`: a weight-streaming GEMM for decode's
 skinny matmuls, ``y [M, N] = x [M, K] @ dequant(qweight [N, K], scale).T + bias``, M <= 64.
 
 ``_int8_matmul_kernel``, grid ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), split_k)``: each program
@@ -145,7 +145,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
     """y [M, N] in x's dtype for x [M, K] (fp32/fp16/bf16), qweight int8 [N, K], scale fp32 [N]
     or [N, K // group_size], bias [N] in x's dtype or None; inputs already validated, M, N, K > 0.
     ``split_k`` overrides :func:`plan_split_k` (tests). qweight and scale are read row-major; a
-    non-contiguous one is copied first, on every call (see :func:`dslab.kernels.int8_linear`)."""
+    non-contiguous one is copied first, on every call (see :func:`dslab.kernels.quant.int8_linear.int8_linear`)."""
     m, k = x.shape
     n = qweight.shape[0]
     if x.stride(-1) != 1:

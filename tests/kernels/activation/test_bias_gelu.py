@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.bias_gelu import bias_gelu, bias_gelu_reference
-from dslab.kernels.bias_gelu_triton import _erf_rational
+from dslab.kernels.activation.bias_gelu import bias_gelu, bias_gelu_reference
+from dslab.kernels.activation.bias_gelu_triton import _erf_rational
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

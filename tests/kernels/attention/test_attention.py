@@ -1,4 +1,4 @@
-"""dslab.kernels.attention: the Triton flash attention against the PyTorch reference.
+"""dslab.kernels.attention.attention: the Triton flash attention against the PyTorch reference.
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (forced with ``kernel_backend("triton")``)
 at small irregular shapes, in bf16 and fp16 (bf16 dot operands are upcast to fp32 inside the same
@@ -19,9 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dslab.kernels
-from dslab.kernels import attention_triton_bwd
-from dslab.kernels.attention import (
+from dslab.kernels.attention import attention_triton_bwd
+from dslab.kernels.attention.attention import (
     attention,
     attention_reference,
     draw_dropout_seed,
@@ -189,7 +188,7 @@ def test_dropout_draws_within_a_key_group_are_independent_and_tile_free():
     """Eight adjacent keys share one Philox call (two 16-bit draws from each 32-bit output): each
     pair of them is kept together at the rate of independent draws, and the mask does not depend
     on the tile sizes the kernels run (the forward and the backward roles use different ones)."""
-    from dslab.kernels.attention_triton import _dropout_mask_kernel, kernel_dropout_p
+    from dslab.kernels.attention.attention_triton import _dropout_mask_kernel, kernel_dropout_p
 
     seed = torch.tensor([2**33 + 5])
     with kernel_backend("triton"):
@@ -215,7 +214,7 @@ def test_dropout_mask_is_the_documented_philox_draw():
     """Each kept bit is the documented draw, computed here from the Philox definition itself: key
     ``n`` of query ``i`` in head ``bh`` uses 16-bit half ``n % 2`` of output ``(n % 8) // 2`` of the
     call with counter ``(n // 8, i, bh, 0)``, kept when at least ``p * 2**16``."""
-    from dslab.kernels.attention_triton import kernel_dropout_p
+    from dslab.kernels.attention.attention_triton import kernel_dropout_p
 
     seed, heads, seq_q, seq_k, dropout_p = 2**37 + 12345, 2, 24, 40, 0.3
     with kernel_backend("triton"):
@@ -234,7 +233,7 @@ def test_dropout_mask_is_the_documented_philox_draw():
 def test_backward_loads_the_dropout_bits_the_forward_stored(causal):
     """The forward stores a bit per probability; the backward that loads them gives exactly the
     gradients of the one that draws the mask again, and the bits are the debug mask's."""
-    from dslab.kernels import attention_triton
+    from dslab.kernels.attention import attention_triton
 
     batch, heads, seq_q, seq_k, dim = 2, 3, 40, 56, 32
     q, k, v, grad = _inputs(batch, heads, seq_q, seq_k, dim, torch.bfloat16, seed=9)
@@ -452,7 +451,6 @@ def test_auto_backend_on_cpu_and_fp32_use_the_reference():
     assert torch.equal(attention(q, k, v, causal=True, key_padding_mask=mask), expected)
     with kernel_backend("triton"):  # fp32 always takes the reference
         assert torch.equal(attention(q, k, v, causal=True, key_padding_mask=mask), expected)
-    assert dslab.kernels.attention is attention  # the package exports the function, not the module
 
 
 @pytest.mark.parametrize("causal,padding", [(False, None), (True, "first"), (False, "full")])
@@ -570,7 +568,7 @@ def test_gpu_cached_launch_matches_triton_launch(seq_q, seq_k, head_dim, causal,
     """Calls after the first with the same key launch the kept compiled kernels directly
     (``attention_triton.CachedLaunch``); on the same inputs they must give exactly what Triton's
     own launch path gives."""
-    from dslab.kernels import attention_triton
+    from dslab.kernels.attention import attention_triton
 
     batch, heads = 2, 3
     mask = _padding(padding, batch, seq_k, device="cuda")
@@ -601,7 +599,7 @@ def test_gpu_cached_launch_grid_follows_the_batch():
     store batch 1's second, absent, batch past it), and forward and backward equal Triton's own
     launch of the same inputs (a kept grid would leave batches 2 and 3 of the batch-4 call
     unwritten)."""
-    from dslab.kernels import attention_triton
+    from dslab.kernels.attention import attention_triton
 
     heads, seq, head_dim, pad = 3, 200, 64, 3
     batches = (2, 1, 4)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from test_attention_packed import _check_bias_gradient, _packed_inputs
 
-from dslab.kernels import attention_cudnn
-from dslab.kernels.attention_packed import attention_packed, attention_packed_reference
+from dslab.kernels.attention import attention_cudnn
+from dslab.kernels.attention.attention_packed import attention_packed, attention_packed_reference
 from dslab.kernels.dispatch import kernel_backend
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from test_attention import _forward_backward, _padding, force_plan
 
-from dslab.kernels import attention_triton_bwd
-from dslab.kernels.attention import draw_dropout_seed, triton_dropout_keep_mask
-from dslab.kernels.attention_packed import attention_packed, attention_packed_reference
+from dslab.kernels.attention import attention_triton_bwd
+from dslab.kernels.attention.attention import draw_dropout_seed, triton_dropout_keep_mask
+from dslab.kernels.attention.attention_packed import attention_packed, attention_packed_reference
 from dslab.kernels.dispatch import interpreting, kernel_backend
 
 

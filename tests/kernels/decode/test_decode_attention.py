@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels import decode_attention, kernel_backend
-from dslab.kernels import decode_attention_triton as triton_impl
-from dslab.kernels.decode_attention import decode_attention_reference
+from dslab.kernels.decode.decode_attention import decode_attention
+
+from dslab.kernels import kernel_backend
+from dslab.kernels.decode import decode_attention_triton as triton_impl
+from dslab.kernels.decode.decode_attention import decode_attention_reference
 from dslab.kernels.dispatch import interpreting
 
 needs_interpreter = pytest.mark.skipif(

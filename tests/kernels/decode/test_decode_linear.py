@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dslab.kernels import kernel_backend, quantize_int8
-from dslab.kernels.decode_linear import decode_linear, decode_linear_reference
+from dslab.kernels import kernel_backend
+
+from dslab.kernels.decode.decode_linear import decode_linear, decode_linear_reference
 from dslab.kernels.dispatch import interpreting
+from dslab.kernels.quant.int8_linear import quantize_int8
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="the Triton interpreter runs on CPU (TRITON_INTERPRET=1)")
 
@@ -137,8 +139,8 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
     last split of each tile adds the partials in split order and resets the tile's counter."""
     import importlib
 
-    module = importlib.import_module("dslab.kernels.decode_linear")  # the package attribute is the function
-    from dslab.kernels.decode_linear_triton import INTERPRETER_BLOCK_K, INTERPRETER_BLOCK_N, plan_split_k
+    module = importlib.import_module("dslab.kernels.decode.decode_linear")  # the package attribute is the function
+    from dslab.kernels.decode.decode_linear_triton import INTERPRETER_BLOCK_K, INTERPRETER_BLOCK_N, plan_split_k
 
     assert plan_split_k(-(-N // INTERPRETER_BLOCK_N), K, INTERPRETER_BLOCK_K, 4)[0] == 2
     g = torch.Generator().manual_seed(21)

@@ -3,7 +3,7 @@
 projections for 1 and 32 rows), against float64 references; CUDA-graph capture and replay without
 a host synchronisation.
 
-    python3 -m pytest -q -m gpu tests/kernels/test_inference_kernels_gpu.py
+    python3 -m pytest -q -m gpu tests/kernels/decode/test_inference_kernels_gpu.py
 
 Errors are relative Frobenius errors against float64 and must stay within twice PyTorch's own
 error in the same precision (SDPA over the masked cache; ``F.linear`` on the dequantised weights),
@@ -14,9 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels import decode_attention, dequantize_int8, int8_linear, kernel_backend, quantize_int8
-from dslab.kernels.decode_attention import decode_attention_reference
-from dslab.kernels.int8_linear import int8_linear_reference
+from dslab.kernels.decode.decode_attention import decode_attention
+
+from dslab.kernels.quant.int8_linear import dequantize_int8, int8_linear, quantize_int8
+
+from dslab.kernels import kernel_backend
+from dslab.kernels.decode.decode_attention import decode_attention_reference
+from dslab.kernels.quant.int8_linear import int8_linear_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.bias_dropout_residual import (
+from dslab.kernels.dropout.bias_dropout_residual import (
     bias_dropout_residual,
     bias_dropout_residual_reference,
     draw_seed,
     dropout_keep_mask_reference,
 )
-from dslab.kernels.bias_dropout_residual_triton import kernel_p
+from dslab.kernels.dropout.bias_dropout_residual_triton import kernel_p
 from dslab.models import ops as model_ops
 from philox_reference import sixteen_bit_draws
 

@@ -1,4 +1,4 @@
-"""The embedding weight gradient (dslab/kernels/embedding.py): the Triton kernels (under the
+"""The embedding weight gradient (dslab/kernels/embedding/embedding.py): the Triton kernels (under the
 interpreter on CPU) against the reference and fp64 sums on fresh random inputs at odd shapes,
 bitwise determinism, the tied head's gradient folded in, and the tie's protocol on the bare ops.
 
@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels import kernel_backend, linear_cross_entropy
-from dslab.kernels.embedding import EmbeddingTie, embedding, embedding_grad, embedding_grad_reference
-from dslab.kernels.embedding_triton import SMALL_VOCAB
+from dslab.kernels import kernel_backend
+
+from dslab.kernels.embedding.embedding import EmbeddingTie, embedding, embedding_grad, embedding_grad_reference
+from dslab.kernels.embedding.embedding_triton import SMALL_VOCAB
+from dslab.kernels.loss.linear_cross_entropy import linear_cross_entropy
 from dispatch_recorder import DispatchRecorder
 
 EPS32 = torch.finfo(torch.float32).eps

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels import linear_cross_entropy
-from dslab.kernels.embedding import EmbeddingTie, embedding, embedding_grad
+from dslab.kernels.embedding.embedding import EmbeddingTie, embedding, embedding_grad
+from dslab.kernels.loss.linear_cross_entropy import linear_cross_entropy
 
 pytestmark = pytest.mark.gpu
 

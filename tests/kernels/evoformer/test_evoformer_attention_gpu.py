@@ -1,7 +1,7 @@
 """evoformer_attention on a CUDA GPU: the Triton kernels at the Evoformer anchor sizes, against the
 fp32 reference.
 
-    python3 -m pytest -q -m gpu tests/kernels/test_evoformer_attention_gpu.py
+    python3 -m pytest -q -m gpu tests/kernels/evoformer/test_evoformer_attention_gpu.py
 
 Anchors: q, k, v ``[1, N_seq, N_res, 8, 32]`` in bf16 for N_seq x N_res = 256 x 256, 512 x 512 and
 1024 x 384, with OpenFold's mask bias ``[1, N_seq, 1, 1, N_res]`` (``-1e9`` on masked keys) and a
@@ -15,8 +15,10 @@ about 30 GiB of GPU memory.
 import pytest
 import torch
 
-from dslab.kernels import evoformer_attention_triton_bwd, kernel_backend
-from dslab.kernels.evoformer_attention import evoformer_attention, evoformer_attention_reference
+from dslab.kernels.evoformer import evoformer_attention_triton_bwd
+
+from dslab.kernels import kernel_backend
+from dslab.kernels.evoformer.evoformer_attention import evoformer_attention, evoformer_attention_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.outer_product_linear import outer_product_linear, outer_product_linear_reference
+from dslab.kernels.evoformer.outer_product_linear import outer_product_linear, outer_product_linear_reference
 
 
 def _inputs(batch, res, c, e, dtype, weight_dtype, bias, seed=0):

@@ -7,7 +7,7 @@ product mean's row scale ``1 / (count + eps)``, against the reference's separate
 import pytest
 import torch
 
-from dslab.kernels.outer_product_linear import outer_product_linear, outer_product_linear_reference
+from dslab.kernels.evoformer.outer_product_linear import outer_product_linear, outer_product_linear_reference
 
 pytestmark = pytest.mark.gpu
 

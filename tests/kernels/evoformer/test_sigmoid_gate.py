@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.sigmoid_gate import sigmoid_gate, sigmoid_gate_reference
+from dslab.kernels.evoformer.sigmoid_gate import sigmoid_gate, sigmoid_gate_reference
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 

@@ -4,7 +4,7 @@ against the float64 reference in both layouts, bf16 inputs with fp32 master bias
 import pytest
 import torch
 
-from dslab.kernels.sigmoid_gate import sigmoid_gate, sigmoid_gate_reference
+from dslab.kernels.evoformer.sigmoid_gate import sigmoid_gate, sigmoid_gate_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.column_sum import column_sum, column_sum_reference, linear
+from dslab.kernels.linear.column_sum import column_sum, column_sum_reference, linear
 
 
 @pytest.mark.parametrize("shape", [(37, 24), (1000, 130), (5, 3)], ids=str)

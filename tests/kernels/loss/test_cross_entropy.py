@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels import kernel_backend, softmax_cross_entropy
-from dslab.kernels import cross_entropy as ce
+from dslab.kernels import kernel_backend
+
+from dslab.kernels.loss import cross_entropy as ce
+from dslab.kernels.loss.cross_entropy import softmax_cross_entropy
 from dispatch_recorder import DispatchRecorder
 
 IGNORE = -100

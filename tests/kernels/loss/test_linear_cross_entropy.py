@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels import kernel_backend, linear_cross_entropy
-from dslab.kernels.linear_cross_entropy import linear_cross_entropy_forward_triton, linear_cross_entropy_reference
+from dslab.kernels import kernel_backend
+
+from dslab.kernels.loss.linear_cross_entropy import linear_cross_entropy
+from dslab.kernels.loss.linear_cross_entropy import linear_cross_entropy_forward_triton, linear_cross_entropy_reference
 from dispatch_recorder import DispatchRecorder
 
 IGNORE = -100

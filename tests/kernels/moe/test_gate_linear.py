@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.gate_linear import gate_linear, gate_linear_reference
+from dslab.kernels.moe.gate_linear import gate_linear, gate_linear_reference
 
 
 def _inputs(tokens, hidden, experts, dtype, seed=0):

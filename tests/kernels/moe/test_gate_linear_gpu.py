@@ -1,13 +1,13 @@
 """gate_linear on a CUDA GPU at the mixture-of-experts anchor (16,384 tokens, hidden 1024, 8
 experts), against float64 products, within twice the error of the upcast-and-cuBLAS reference.
 
-    python3 -m pytest -q -m gpu tests/kernels/test_gate_linear_gpu.py
+    python3 -m pytest -q -m gpu tests/kernels/moe/test_gate_linear_gpu.py
 """
 
 import pytest
 import torch
 
-from dslab.kernels.gate_linear import gate_linear, gate_linear_reference
+from dslab.kernels.moe.gate_linear import gate_linear, gate_linear_reference
 
 pytestmark = pytest.mark.gpu
 

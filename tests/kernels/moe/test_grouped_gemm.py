@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from dslab.kernels import kernel_backend
 from dslab.kernels.dispatch import interpreting
-from dslab.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from dslab.kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -95,7 +95,7 @@ def test_tensor_descriptor_loads_give_the_pointer_loads_bit_for_bit(dtype, case,
     against their pointer loads: the same products in the same order, so the same bits. Operands
     whose rows break the copy engine's 16-byte rule (N = 19 here) take the pointer loads. Widths
     that the 16-wide interpreter tile does not divide read zeros past the edge from the descriptor."""
-    import dslab.kernels.grouped_gemm_triton as kernels
+    import dslab.kernels.moe.grouped_gemm_triton as kernels
 
     k, n, sizes = DESCRIPTOR_CASES[case]
     x, w, bias, dy = _inputs(k, n, sizes, dtype)

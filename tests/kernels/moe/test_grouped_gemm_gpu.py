@@ -1,7 +1,7 @@
 """grouped_gemm on a CUDA GPU: the Triton kernels at the mixture-of-experts anchor and at uneven
 sizes, against the float64 reference.
 
-    python3 -m pytest -q -m gpu tests/kernels/test_grouped_gemm_gpu.py
+    python3 -m pytest -q -m gpu tests/kernels/moe/test_grouped_gemm_gpu.py
 
 Errors are measured against the reference in float64 and must stay within twice PyTorch's own
 error in the same precision (its per-expert loop of cuBLAS matmuls), plus a floor of one unit in the
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from dslab.kernels.moe.grouped_gemm import grouped_gemm, grouped_gemm_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -124,7 +124,7 @@ def test_torch_backend_runs_the_reference():
 def test_pointer_and_descriptor_main_loops(mode, monkeypatch):
     """Both main loops of the kernels at the anchor and at uneven widths: "on" takes the tensor
     descriptors wherever the operands allow (a Hopper device), "off" the pointer loads."""
-    import dslab.kernels.grouped_gemm_triton as kernels
+    import dslab.kernels.moe.grouped_gemm_triton as kernels
 
     if mode == "on" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need compute capability 9+")

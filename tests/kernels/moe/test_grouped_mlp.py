@@ -11,7 +11,7 @@ import torch
 
 from dslab.kernels import kernel_backend
 from dslab.kernels.dispatch import interpreting
-from dslab.kernels.grouped_mlp import ACTIVATIONS, grouped_mlp, grouped_mlp_reference
+from dslab.kernels.moe.grouped_mlp import ACTIVATIONS, grouped_mlp, grouped_mlp_reference
 from dslab.moe.experts import Experts, MLPExpert
 
 H, F = 24, 40

@@ -1,7 +1,7 @@
 """grouped_mlp on a CUDA GPU: the fused Triton path (the activation in the grouped GEMMs' epilogues)
 at the mixture-of-experts anchor and at uneven sizes, against the float64 reference.
 
-    python3 -m pytest -q -m gpu tests/kernels/test_grouped_mlp_gpu.py
+    python3 -m pytest -q -m gpu tests/kernels/moe/test_grouped_mlp_gpu.py
 
 Errors are measured against the reference in float64 and must stay within twice PyTorch's own
 error in the same precision (its per-expert loop of cuBLAS matmuls and torch activations), plus a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.grouped_mlp import ACTIVATIONS, grouped_mlp, grouped_mlp_reference
+from dslab.kernels.moe.grouped_mlp import ACTIVATIONS, grouped_mlp, grouped_mlp_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.moe_gating import GatingOutput, moe_gating, moe_gating_reference
+from dslab.kernels.moe.moe_gating import GatingOutput, moe_gating, moe_gating_reference
 
 FLOAT_OUTPUTS = ("probs", "gate_weight")
 INT_OUTPUTS = ("expert_index", "position", "expert_counts")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.moe_gating import moe_gating, moe_gating_reference
-from dslab.kernels.moe_permute import (
+from dslab.kernels.moe.moe_gating import moe_gating, moe_gating_reference
+from dslab.kernels.moe.moe_permute import (
     moe_permute,
     moe_permute_reference,
     moe_unpermute,

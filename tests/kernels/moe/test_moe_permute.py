@@ -9,9 +9,11 @@ output's dtype; the gate-weight gradient is an fp32 dot product over H in a diff
 import pytest
 import torch
 
-from dslab.kernels import kernel_backend, moe_permute_triton
-from dslab.kernels.moe_gating import moe_gating
-from dslab.kernels.moe_permute import (
+from dslab.kernels import kernel_backend
+
+from dslab.kernels.moe import moe_permute_triton
+from dslab.kernels.moe.moe_gating import moe_gating
+from dslab.kernels.moe.moe_permute import (
     moe_permute,
     moe_permute_reference,
     moe_unpermute,

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.bias_dropout_residual import bias_dropout_residual
-from dslab.kernels.bias_dropout_residual_triton import kernel_p
-from dslab.kernels.dropout_add_layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_reference
-from dslab.kernels.layer_norm import layer_norm_fork
+from dslab.kernels.dropout.bias_dropout_residual import bias_dropout_residual
+from dslab.kernels.dropout.bias_dropout_residual_triton import kernel_p
+from dslab.kernels.norm.dropout_add_layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_reference
+from dslab.kernels.norm.layer_norm import layer_norm_fork
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.layer_norm import MAX_FUSED_N, layer_norm, layer_norm_reference
+from dslab.kernels.norm.layer_norm import MAX_FUSED_N, layer_norm, layer_norm_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -213,7 +213,7 @@ def test_gpu_real_sizes(shape, dtype, residual):
 def test_layer_norm_fork_gradients_match_autograds_sum(dtype, used):
     # A pre-LN layer's residual stream: one use through the layer norm, one as the residual. The
     # fork's input gradient (the kernel adding the second use's gradient) equals autograd's sum.
-    from dslab.kernels.layer_norm import layer_norm_fork
+    from dslab.kernels.norm.layer_norm import layer_norm_fork
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(3, 7, 40, generator=gen).to(dtype)

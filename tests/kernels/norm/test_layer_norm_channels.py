@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.layer_norm_channels import (
+from dslab.kernels.norm.layer_norm_channels import (
     MAX_CHANNELS, layer_norm_channels_first, layer_norm_channels_first_reference,
 )
 

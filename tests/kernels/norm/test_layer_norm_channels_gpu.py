@@ -8,7 +8,7 @@ Deterministic parameter gradients; the custom op under torch.compile."""
 import pytest
 import torch
 
-from dslab.kernels.layer_norm_channels import layer_norm_channels_first, layer_norm_channels_first_reference
+from dslab.kernels.norm.layer_norm_channels import layer_norm_channels_first, layer_norm_channels_first_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,9 @@ import copy
 import pytest
 import torch
 
-from dslab.kernels import FusedAdam, kernel_backend
+from dslab.kernels.optim.fused_adam import FusedAdam
+
+from dslab.kernels import kernel_backend
 
 SHAPES = [(7,), (1000,), (33, 17), (1537,), (3, 5, 7), (512,)]
 TOL = dict(rtol=1e-6, atol=1e-6)

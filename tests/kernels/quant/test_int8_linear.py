@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dslab.kernels import dequantize_int8, int8_linear, kernel_backend, quantize_int8
-from dslab.kernels import int8_linear_triton as triton_impl
+from dslab.kernels.quant.int8_linear import dequantize_int8, int8_linear, quantize_int8
+
+from dslab.kernels import kernel_backend
 from dslab.kernels.dispatch import interpreting
-from dslab.kernels.int8_linear import SKINNY_MAX_ROWS, int8_linear_reference
+from dslab.kernels.quant import int8_linear_triton as triton_impl
+from dslab.kernels.quant.int8_linear import SKINNY_MAX_ROWS, int8_linear_reference
 
 needs_interpreter = pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="Triton kernels need a GPU or TRITON_INTERPRET=1"
