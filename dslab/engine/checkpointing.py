@@ -34,6 +34,7 @@ from dslab.engine.expert_parallel import describe_layout
 from dslab.engine.rng import capture_rng_state, restore_rng_state
 from dslab.engine.zero import checkpoint as zero_checkpoint
 from dslab.engine.zero.consolidate import shard_file_name
+from dslab.io.handle import AsyncIOHandle
 
 _ENGINE_FILES = ("model", "optimizer", "scheduler", "engine", "client_state")
 
@@ -46,7 +47,7 @@ def save(engine, save_dir, tag, client_state: dict, save_latest: bool) -> Path:
     if tag is None:
         tag = f"global_step{engine.global_steps}"
     tag = str(tag)
-    handle = engine.config.aio.build_handle() if engine.config.aio is not None else None
+    handle = AsyncIOHandle.from_config(engine.config.aio) if engine.config.aio is not None else None
     try:
         return _save(engine, save_dir, tag, client_state, save_latest, handle)
     finally:

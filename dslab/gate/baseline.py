@@ -25,63 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from dslab.gate.fingerprint import Fingerprint, explain_difference, fingerprint_of, stable_hash
 from dslab.gate.stats import rank_z
+from dslab.gate.trial_set import BASELINE_SCHEMA, BASELINE_VERSION, TrialSet
 from dslab.gate.verdict import DEFAULT_METRICS, GateSettings, compare_samples
 from dslab.report.schema import METRIC_DIRECTIONS
 from dslab.report.store import atomic_write_text, list_runs, read_report, utc_now
 
-BASELINE_SCHEMA = "dslab.baseline"
-BASELINE_VERSION = 1
 CHANGE_POINTS_SCHEMA = "dslab.change_points"
 CHANGE_POINTS_FILE = "change_points.json"
 BASELINES_DIR = "baselines"
-
-
-@dataclass
-class TrialSet:
-    """Per-trial values of one or more runs with one fingerprint.
-
-    ``trials[(case, arm)][metric]`` is the list of trial values (pooled over ``source_runs`` in
-    run order); ``status[(case, arm)]`` is ``{"status": "ok" | "failed" | "skipped", "error": ...}``
-    (failed or skipped only when no source run measured it; the error then names the run);
-    ``label`` says where the set came from.
-    """
-
-    suite: str
-    fingerprint: Fingerprint
-    source_runs: list[str]
-    label: str
-    trials: dict[tuple[str, str], dict[str, list[float]]] = field(default_factory=dict)
-    status: dict[tuple[str, str], dict] = field(default_factory=dict)
-    created: str | None = None
-
-    def values(self, case: str, arm: str, metric: str) -> list[float]:
-        return list(self.trials.get((case, arm), {}).get(metric, []))
-
-    def pairs(self) -> list[tuple[str, str]]:
-        return list(dict.fromkeys([*self.status, *self.trials]))
-
-    def to_dict(self) -> dict:
-        return {
-            "schema": BASELINE_SCHEMA,
-            "schema_version": BASELINE_VERSION,
-            "suite": self.suite,
-            "created": self.created,
-            "label": self.label,
-            "source_runs": list(self.source_runs),
-            "fingerprint": self.fingerprint.to_dict(),
-            "results": [
-                {"case": case, "arm": arm, **self.status.get((case, arm), {"status": "ok", "error": None}),
-                 "trials": self.trials.get((case, arm), {})}
-                for case, arm in self.pairs()
-            ],
-        }
 
 
 def _result_trials(result) -> dict[str, list[float]]:

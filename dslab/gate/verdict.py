@@ -34,16 +34,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dslab.gate.fingerprint import explain_case_difference, explain_difference
 from dslab.gate.stats import as_sample, bootstrap_ratio_ci, mann_whitney
+from dslab.gate.trial_set import TrialSet
 from dslab.report.schema import METRIC_DIRECTIONS
 
-if TYPE_CHECKING:
-    from dslab.gate.baseline import TrialSet
 
 PASS, REGRESSION, IMPROVEMENT, CANNOT_JUDGE = "pass", "regression", "improvement", "cannot-judge"
 VERDICTS = (PASS, REGRESSION, IMPROVEMENT, CANNOT_JUDGE)

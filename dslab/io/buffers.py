@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dslab.io.config import DIRECT_IO_ALIGNMENT
+DIRECT_IO_ALIGNMENT = 4096  # bytes: O_DIRECT offsets, lengths and buffers are multiples of it
 
 
 def pinning_available() -> bool:

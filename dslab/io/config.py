@@ -16,8 +16,8 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 
 from dslab.config_base import ConfigSection
+from dslab.io.buffers import DIRECT_IO_ALIGNMENT
 
-DIRECT_IO_ALIGNMENT = 4096  # bytes: O_DIRECT offsets, lengths and buffers are multiples of it
 
 
 class AioConfig(ConfigSection):
@@ -65,10 +65,3 @@ class AioConfig(ConfigSection):
         return {"block_size": self.block_size, "queue_depth": self.queue_depth,
                 "single_submit": self.single_submit, "overlap_events": self.overlap_events,
                 "intra_op_parallelism": self.intra_op_parallelism}
-
-    def build_handle(self, **kwargs):
-        """A new :class:`~dslab.io.handle.AsyncIOHandle` with these parameters (``kwargs``:
-        its dslab-only options)."""
-        from dslab.io.handle import AsyncIOHandle
-
-        return AsyncIOHandle(**self.handle_kwargs(), **kwargs)

@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from dslab.io import kernel_aio
-from dslab.io.buffers import aligned_empty, byte_view, pinning_available
-from dslab.io.config import DIRECT_IO_ALIGNMENT
+from dslab.io.buffers import DIRECT_IO_ALIGNMENT, aligned_empty, byte_view, pinning_available
+from dslab.io.config import AioConfig
 from dslab.io.lanes import AsyncIOError, Chunk, Lane, Request
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,12 @@ class AsyncIOHandle:
         self._closed = False
 
     # -- DeepNVMe's probes --------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: AioConfig, **kwargs) -> "AsyncIOHandle":
+        """A handle with the ``aio`` section's parameters (``kwargs``: dslab's own options,
+        ``backend`` and ``direct_io``)."""
+        return cls(**config.handle_kwargs(), **kwargs)
 
     def get_block_size(self) -> int:
         return self.block_size

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dslab.io import kernel_aio
-from dslab.io.config import DIRECT_IO_ALIGNMENT
+from dslab.io.buffers import DIRECT_IO_ALIGNMENT
 
 BOUNCE_BYTES_PER_LANE = 64 << 20  # the most memory a lane's bounce slots take
 

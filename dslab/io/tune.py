@@ -45,7 +45,8 @@ from typing import Callable, TextIO
 import torch
 
 from dslab.io import fio as fio_runner
-from dslab.io.config import DIRECT_IO_ALIGNMENT, AioConfig
+from dslab.io.buffers import DIRECT_IO_ALIGNMENT
+from dslab.io.config import AioConfig
 from dslab.io.handle import AsyncIOHandle
 
 DEFAULT_SPACE = {

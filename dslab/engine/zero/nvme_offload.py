@@ -48,8 +48,9 @@ import torch
 from dslab.engine.zero.offload import CpuOptimizerOffload
 from dslab.engine.zero.partition import FlatUnit
 from dslab.io import events
-from dslab.io.buffers import aligned_empty
-from dslab.io.config import DIRECT_IO_ALIGNMENT, AioConfig
+from dslab.io.buffers import DIRECT_IO_ALIGNMENT, aligned_empty
+from dslab.io.config import AioConfig
+from dslab.io.handle import AsyncIOHandle
 from dslab.io.lanes import Request
 
 _STATE_ALIGNMENT = 64  # bytes between state tensors inside a chunk's buffer
@@ -99,7 +100,7 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
         except OSError as err:
             raise ValueError(f"config key 'zero_optimization.offload_optimizer.nvme_path' = "
                              f"{nvme_path!r}: cannot create the swap directory there ({err})") from None
-        self.handle = aio.build_handle()
+        self.handle = AsyncIOHandle.from_config(aio)
         self.buffer_count = buffer_count
         self.pipeline_read = pipeline_read
         self.pipeline_write = pipeline_write
