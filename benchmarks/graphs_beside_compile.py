@@ -32,8 +32,8 @@ def _arms(suite_dir: str, case: str, layers: int | None, profilers: bool):
     import torch
 
     from dslab.bench.arms import build_arm
-    from dslab.bench.runner import engine_config
     from dslab.bench.suite import load_suite
+    from dslab.bench.training import engine_config
     from dslab.bench.workloads import workloads_for
 
     suite, _ = load_suite(suite_dir)

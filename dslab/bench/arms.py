@@ -40,6 +40,7 @@ import time
 import torch
 
 from dslab import comm
+from dslab.bench.common import ArmSkipped
 from dslab.bench.parking import park_training_state, unpark_training_state
 from dslab.bench.suite import check_arms
 from dslab.bench.workloads import Workload
@@ -320,8 +321,3 @@ def build_arm(name: str, workload: Workload, device: torch.device, precision: st
         except ImportError:
             raise ArmSkipped("transformers is not installed") from None
     return PlainArm(name, workload, device, precision, engine_cfg)
-
-
-class ArmSkipped(Exception):
-    """The arm cannot run here (a missing optional package, a distributed run of a
-    single-process arm); recorded as skipped, not failed."""

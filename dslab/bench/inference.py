@@ -11,9 +11,10 @@ eos), so all arms do the same work:
 - ``hf`` / ``hf-static``: the model's own ``generate`` (``cache_implementation="static"`` for the
   second).
 
-Trials run interleaved with the arm order rotated, as the training runner does
-(:mod:`dslab.bench.runner`). A trial times ``steps`` generate calls with
-:class:`dslab.inference.TokenClock` (CUDA events; transformers' calls are marked by a stopping
+The inference kind of :mod:`dslab.bench.protocol`: the runner (:mod:`dslab.bench.runner`) runs
+the trials interleaved with the arm order rotated, as for training; later trials settle with one
+call. It runs in one process (``WORLD_SIZE`` > 1 and ``zero_stage`` are refused). A trial times
+``steps`` generate calls with :class:`dslab.inference.TokenClock` (CUDA events; transformers' calls are marked by a stopping
 criterion that runs after every token): per call its prefill (start to the first new token), the
 gaps between later tokens, and its total. The trial's metrics: ``step_time_ms`` (median total),
 ``prefill_ms`` (median), ``per_token_ms_p50`` / ``_p90`` (over every gap of the trial's calls),
@@ -38,25 +39,20 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 from pathlib import Path
-from typing import TextIO
 
 import torch
 
-from dslab.bench.arms import ArmSkipped
+from dslab.bench.common import ArmSkipped, World, error_text, free_memory
 from dslab.bench.inference_suite import (
     InferenceCase, InferenceSuiteConfig, select_inference_arms, select_inference_cases,
 )
-from dslab.bench.measure import measure_peaks, sync
-from dslab.bench.runner import Progress, _datasheet_bf16, _device, _error_text, _failure_status, _free
+from dslab.bench.measure import sync
+from dslab.bench.protocol import Counts, Plan, RunContext
 from dslab.inference import TokenClock, init_inference
 from dslab.profilers.memory import MemoryTracer
 from dslab.profilers.telemetry import TelemetrySampler
-from dslab.report import Result, RunReport, Trial, new_run_id, write_report
-from dslab.report.environment import collect_environment
-from dslab.report.store import utc_now
-from dslab.report.summary import describe, results_table
+from dslab.report import Result, RunReport
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SETTLE_STEPS = 1
@@ -244,152 +240,114 @@ def _case_record(report: RunReport, case: InferenceCase, preset: str, memory: di
             "model": preset, "arms": arms, "greedy": compare_greedy(outputs, case.prompt_len, compare_tokens)}
 
 
-def _run_case(report: RunReport, suite: InferenceSuiteConfig, case: InferenceCase, preset: str, arm_names: list[str],
-              device: torch.device, trials: int, steps: int, warmup: int, out, progress: Progress) -> None:
-    tag = f"[{suite.name} {case.name}]"
-    built: dict[str, GenerateArm] = {}
-    try:
-        model = build_hf_gpt2(preset, {**suite.model_options, **case.model_options}, suite.seed,
-                              DTYPES[suite.precision], device)
-    except Exception as err:
-        for name in arm_names:
-            report.results.append(Result(case=case.name, arm=name, status="failed",
-                                         error=_error_text(err, "building the model")))
-        progress.line(f"{tag} the model could not be built: {_error_text(err).splitlines()[0]}")
-        return
-    if case.prompt_len + case.max_new_tokens > model.config.n_positions:
-        raise ValueError(f"case {case.name!r}: prompt_len + max_new_tokens = {case.prompt_len + case.max_new_tokens} "
-                         f"exceeds the model's {model.config.n_positions} positions")
-    prompts = make_prompts(case.batch, case.prompt_len, model.config.vocab_size, suite.seed, device)
-    for name in arm_names:
-        result = Result(case=case.name, arm=name)
-        report.results.append(result)
+class InferenceSuite:
+    """The inference kind (:class:`~dslab.bench.protocol.SuiteKind`): one process, no ZeRO."""
+
+    def __init__(self, suite: InferenceSuiteConfig, suite_file: Path, zero_stage: int | None = None,
+                 verbose: bool = False):
+        if zero_stage is not None:
+            raise ValueError(f"--zero-stage applies to training suites; {suite.name} is an inference suite")
+        self.suite, self.suite_file = suite, suite_file
+
+    def join_world(self) -> World:
+        if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+            raise ValueError(f"inference suite {self.suite.name} runs in one process "
+                             f"(WORLD_SIZE={os.environ['WORLD_SIZE']}); tensor-parallel inference is tested by "
+                             f"tests/inference/test_tensor_parallel.py")
+        return World()
+
+    def plan(self, scale: str, arms: list[str] | None, cases: list[str] | None, counts: Counts, world: World,
+             device: torch.device) -> Plan:
+        suite = self.suite
+        sc = suite.scales[scale]
+        arm_names = select_inference_arms(suite, arms, scale)
+        chosen = select_inference_cases(sc, cases)
+        config = {
+            "suite_file": str(self.suite_file), "kind": "inference", "scale": scale, "arms": arm_names,
+            "trials": counts.trials, "steps": counts.steps, "warmup_steps": counts.warmup_steps,
+            "precision": suite.precision, "family": suite.family,
+            "cases": [{**c.model_dump(), "preset": c.preset or sc.preset} for c in chosen],
+            "model_options": suite.model_options, "inference": suite.inference, "compare_tokens": suite.compare_tokens,
+            "world_size": 1, "device": str(device), "seed": suite.seed,
+        }
+        data = {"kind": "synthetic", "description": "uniform random prompt token ids (the suite's seed), no padding; "
+                "greedy generation of exactly max_new_tokens new tokens (no eos); random weights"}
+        return Plan(arms=arm_names, cases=[(c, c.preset or sc.preset) for c in chosen], config=config, data=data,
+                    step_noun="generate calls")
+
+    def open_case(self, planned: tuple[InferenceCase, str], context: RunContext) -> "GenerationCase | None":
+        case, preset = planned
+        suite = self.suite
         try:
-            built[name] = GenerateArm(name, model, prompts, case, suite.precision, suite.inference, device)
-        except ArmSkipped as err:
-            result.status, result.error = "skipped", str(err)
+            model = build_hf_gpt2(preset, {**suite.model_options, **case.model_options}, suite.seed,
+                                  DTYPES[suite.precision], context.device)
         except Exception as err:
-            result.error = _error_text(err, "building the arm")
-            result.status = _failure_status(result.error)
-            progress.line(f"{tag} {name}: {result.status} while building: {result.error.splitlines()[0]}")
-            _free(device)
-    write_report(report, out)
-    telemetry = TelemetrySampler.from_config(suite.telemetry)
-    if telemetry is not None:
-        telemetry.start()
-    outputs, memory, warmed = {}, {}, set()
-    for t in range(trials):
-        live = [n for n in arm_names if n in built]
-        if not live:
-            break
-        shift = t % len(live)
-        for name in live[shift:] + live[:shift]:
-            result = report.result(case.name, name)
-            try:
-                measured = run_generations(built[name], device, warmup if name not in warmed else SETTLE_STEPS, steps)
-                warmed.add(name)
-            except Exception as err:
-                result.error = _error_text(err, f"trial {t + 1}")
-                result.status = _failure_status(result.error)
-                progress.line(f"{tag} trial {t + 1}/{trials} {name}: {result.status}: {result.error.splitlines()[0]}")
-                built.pop(name).close()
-                _free(device)
-                continue
-            metrics = trial_metrics(measured, case)
-            result.trials.append(Trial(trial=t, step_times_ms=[c["total_ms"] for c in measured["calls"]],
-                                       metrics=metrics))
-            result.summarize()
-            outputs[name] = measured["tokens"]
-            memory[name] = built[name].memory()
-            progress.line(f"{tag} trial {t + 1}/{trials} {name:<10} {metrics['tokens_per_s']:>10.1f} tokens/s  "
-                          f"prefill {metrics['prefill_ms']:>8.2f} ms  per token "
-                          f"{metrics.get('per_token_ms_p50', float('nan')):>7.3f} ms")
-        write_report(report, out)
-    if telemetry is not None:
-        telemetry.close()
-        if report.profilers.get("telemetry") is None:
-            report.profilers["telemetry"] = {}
-        report.profilers["telemetry"][case.name] = telemetry.records()
-    report.inference[case.name] = _case_record(report, case, preset, memory, outputs, suite.compare_tokens)
-    if "dslab" in built:  # the Memory tab's record of the case, as the training suites' dslab arm
-        if report.profilers.get("memory") is None:
-            report.profilers["memory"] = {}
-        report.profilers["memory"][case.name] = built["dslab"].memory_trace()
-    for name, arm in built.items():
-        stats = arm.engine.cuda_graph_stats if arm.engine is not None else {}
-        if stats:
-            report.notes.append(f"{case.name}: {name} decode steps: "
-                                f"{', '.join(f'{k} {v}' for k, v in sorted(stats.items()))}")
-        arm.close()
-    built.clear()
-    del model
-    _free(device)
+            for name in context.arms:
+                context.report.results.append(Result(case=case.name, arm=name, status="failed",
+                                                     error=error_text(err, "building the model")))
+            context.progress.line(f"[{suite.name} {case.name}] the model could not be built: "
+                                  f"{error_text(err).splitlines()[0]}")
+            return None
+        if case.prompt_len + case.max_new_tokens > model.config.n_positions:
+            raise ValueError(f"case {case.name!r}: prompt_len + max_new_tokens = "
+                             f"{case.prompt_len + case.max_new_tokens} exceeds the model's "
+                             f"{model.config.n_positions} positions")
+        return GenerationCase(suite, case, preset, model, context)
 
 
-def run_inference_suite(suite: InferenceSuiteConfig, suite_file: Path, scale: str | None = None,
-                        arms: list[str] | None = None, cases: list[str] | None = None, trials: int | None = None,
-                        steps: int | None = None, warmup_steps: int | None = None, out: str | Path = "reports",
-                        stream: TextIO | None = None, zero_stage: int | None = None) -> tuple[RunReport, Path]:
-    """Run an inference suite (module docstring); returns the report and the path of its run.json.
-    Runs in one process: ``WORLD_SIZE`` > 1 and ``zero_stage`` are refused."""
-    if zero_stage is not None:
-        raise ValueError(f"--zero-stage applies to training suites; {suite.name} is an inference suite")
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
-        raise ValueError(f"inference suite {suite.name} runs in one process (WORLD_SIZE={os.environ['WORLD_SIZE']}); "
-                         f"tensor-parallel inference is tested by tests/inference/test_tensor_parallel.py")
-    device = _device()
-    progress = Progress(stream or sys.stderr)
-    if scale is None:
-        scale = "full" if device.type == "cuda" else "tiny"
-        if device.type != "cuda":
-            progress.line(f"no CUDA GPU: running suite {suite.name} at the 'tiny' scale on the CPU")
-    if scale not in suite.scales:
-        raise ValueError(f"suite {suite.name} has no scale {scale!r}; it has {', '.join(suite.scales)}")
-    sc = suite.scales[scale]
-    arm_names = select_inference_arms(suite, arms, scale)
-    chosen = select_inference_cases(sc, cases)
-    n_trials, n_steps = trials or sc.trials, steps or sc.steps
-    n_warmup = sc.warmup_steps if warmup_steps is None else warmup_steps
-    for name, value in (("--trials", n_trials), ("--steps", n_steps)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    report = RunReport(run_id=new_run_id(), suite=suite.name, created=utc_now())
-    report.environment = collect_environment()
-    report.config = {
-        "suite_file": str(suite_file), "kind": "inference", "scale": scale, "arms": arm_names, "trials": n_trials,
-        "steps": n_steps, "warmup_steps": n_warmup, "precision": suite.precision, "family": suite.family,
-        "cases": [{**c.model_dump(), "preset": c.preset or sc.preset} for c in chosen],
-        "model_options": suite.model_options, "inference": suite.inference, "compare_tokens": suite.compare_tokens,
-        "world_size": 1, "device": str(device), "seed": suite.seed,
-    }
-    report.data = {"kind": "synthetic", "description": "uniform random prompt token ids (the suite's seed), no "
-                   "padding; greedy generation of exactly max_new_tokens new tokens (no eos); random weights"}
-    path = write_report(report, out)
-    progress.line(f"run {report.run_id}: {len(chosen)} case(s) x {len(arm_names)} arm(s) x {n_trials} trial(s) "
-                  f"of {n_steps} generate calls on {device} -> {path.parent}")
-    try:
-        report.peaks = measure_peaks(device)
-        datasheet = _datasheet_bf16(report.environment)
-        if datasheet:
-            report.peaks["datasheet_bf16_tflops"] = datasheet
-        for case in chosen:
-            _run_case(report, suite, case, case.preset or sc.preset, arm_names, device, n_trials, n_steps, n_warmup,
-                      out, progress)
-        report.compute_ratios("dslab", "samples_per_s")
-        report.status = "complete"
-    except KeyboardInterrupt:
-        report.status = "incomplete"
-        report.notes.append("interrupted (Ctrl-C) before the run finished")
-        report.compute_ratios("dslab", "samples_per_s")
-        raise
-    except BaseException:
-        report.status = "incomplete"
-        report.notes.append("the runner stopped on an error before the run finished")
-        raise
-    finally:
-        report.finished = utc_now()
-        path = write_report(report, out)
-        progress.line("")
-        progress.line(describe(report) + "\n" + results_table(report))
-        progress.line(f"report: {path}")
-    return report, path
+class GenerationCase:
+    """One case's arms generating from one model and one batch of prompts
+    (:class:`~dslab.bench.protocol.CaseRun`)."""
+
+    settle_steps = SETTLE_STEPS
+
+    def __init__(self, suite: InferenceSuiteConfig, case: InferenceCase, preset: str, model, context: RunContext):
+        self.suite, self.case, self.preset, self.model, self.context = suite, case, preset, model, context
+        self.name = case.name
+        self.prompts = make_prompts(case.batch, case.prompt_len, model.config.vocab_size, suite.seed, context.device)
+        self.telemetry = None
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.memory: dict[str, dict] = {}
+
+    def build_arm(self, name: str) -> GenerateArm:
+        return GenerateArm(name, self.model, self.prompts, self.case, self.suite.precision, self.suite.inference,
+                           self.context.device)
+
+    def before_trials(self) -> None:
+        self.telemetry = TelemetrySampler.from_config(self.suite.telemetry)
+        if self.telemetry is not None:
+            self.telemetry.start()
+
+    def run_trial(self, name: str, arm: GenerateArm, warmup: int, steps: int, trial: int) -> tuple[list[float], dict]:
+        measured = run_generations(arm, self.context.device, warmup, steps)
+        self.outputs[name] = measured["tokens"]
+        self.memory[name] = arm.memory()
+        return [c["total_ms"] for c in measured["calls"]], trial_metrics(measured, self.case)
+
+    def trial_line(self, name: str, metrics: dict) -> str:
+        return (f"{name:<10} {metrics['tokens_per_s']:>10.1f} tokens/s  prefill {metrics['prefill_ms']:>8.2f} ms  "
+                f"per token {metrics.get('per_token_ms_p50', float('nan')):>7.3f} ms")
+
+    def finish(self, arms: dict[str, GenerateArm]) -> None:
+        report = self.context.report
+        if self.telemetry is not None:
+            self.telemetry.close()
+            if report.profilers.get("telemetry") is None:
+                report.profilers["telemetry"] = {}
+            report.profilers["telemetry"][self.name] = self.telemetry.records()
+        report.inference[self.name] = _case_record(report, self.case, self.preset, self.memory, self.outputs,
+                                                   self.suite.compare_tokens)
+        if "dslab" in arms:  # the Memory tab's record of the case, as the training suites' dslab arm
+            if report.profilers.get("memory") is None:
+                report.profilers["memory"] = {}
+            report.profilers["memory"][self.name] = arms["dslab"].memory_trace()
+        for name, arm in arms.items():
+            stats = arm.engine.cuda_graph_stats if arm.engine is not None else {}
+            if stats:
+                report.notes.append(f"{self.name}: {name} decode steps: "
+                                    f"{', '.join(f'{k} {v}' for k, v in sorted(stats.items()))}")
+
+    def close(self) -> None:
+        self.model = self.prompts = None
+        self.outputs.clear()
+        free_memory(self.context.device)

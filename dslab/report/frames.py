@@ -343,7 +343,7 @@ def memory_activations(reports, *, case: str | None = None, strict: bool = False
     return _frame("memory_activations", rows)
 
 
-# A trial's per-rank peak metrics (dslab.bench.runner.gather_trial) and the kind each one is.
+# A trial's per-rank peak metrics (dslab.bench.training.gather_trial) and the kind each one is.
 RANK_PEAK_METRICS = {"peak_memory_bytes": "cuda_peak", "peak_rss_bytes": "host_rss"}
 # The arm whose profiler records the bench runner keeps.
 PROFILED_ARM = RATIO_ARM

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dslab.bench.runner import World, engine_config, gather_trial
+from dslab.bench.common import World
+from dslab.bench.training import engine_config, gather_trial
 from dslab.report import list_runs, read_report
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -70,7 +71,7 @@ def test_gather_trial_takes_the_slowest_rank_and_every_peak(monkeypatch):
         {"measured": {"step_times_ms": [13.0, 14.0, 15.0], "peak_memory_bytes": 300, "final_loss": 2.5},
          "error": None, "rss": 7},
     ]
-    monkeypatch.setattr("dslab.bench.runner.comm.all_gather_object", lambda obj: outcomes)
+    monkeypatch.setattr("dslab.bench.training.comm.all_gather_object", lambda obj: outcomes)
     combined, error = gather_trial(outcomes[0]["measured"], None, World(0, 2))
     assert error is None and combined["step_times_ms"] == [13.0, 14.0, 15.0]
     assert combined["peak_memory_bytes"] == 300 and combined["final_loss"] == 2.0

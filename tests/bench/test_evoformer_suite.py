@@ -13,7 +13,7 @@ import torch
 
 from dslab import cli
 from dslab.bench import arms as arms_module
-from dslab.bench import runner
+from dslab.bench import common, runner, training
 from dslab.bench.evoformer import EvoformerTrainModel
 from dslab.bench.runner import run_suite
 from dslab.bench.suite import load_suite, select_arms
@@ -147,7 +147,7 @@ def test_cli_bench_runs_the_eager_arms_and_a_compiled_one(tmp_path, capsys):
 def test_an_arm_out_of_gpu_memory_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     """torch arm: out of memory while it is built (every case); sdpa arm: in its second trial.
     Both are recorded as ``oom`` with the first line of PyTorch's message; dslab runs on."""
-    real_build, real_step, real_free = runner.build_arm, arms_module.PlainArm.step, runner._free
+    real_build, real_step, real_free = training.build_arm, arms_module.PlainArm.step, common.free_memory
     sdpa_steps, frees = {"n": 0}, []
 
     def build(name, *args, **kwargs):
@@ -162,9 +162,10 @@ def test_an_arm_out_of_gpu_memory_is_recorded_and_the_run_goes_on(tmp_path, monk
                 raise torch.cuda.OutOfMemoryError(OOM_MESSAGE)
         return real_step(self)
 
-    monkeypatch.setattr(runner, "build_arm", build)
+    monkeypatch.setattr(training, "build_arm", build)
     monkeypatch.setattr(arms_module.PlainArm, "step", step)
-    monkeypatch.setattr(runner, "_free", lambda device: (frees.append(device), real_free(device)))
+    for module in (runner, training):  # the count's frees are the case's, the failures' the runner's
+        monkeypatch.setattr(module, "free_memory", lambda device: (frees.append(device), real_free(device)))
     stream = io.StringIO()
     report, path = run_suite(SUITE, scale="tiny", arms=EAGER_ARMS, cases=["initial"], trials=2, steps=2,
                              warmup_steps=1, out=tmp_path / "r", stream=stream)
@@ -193,21 +194,21 @@ def test_an_arm_out_of_gpu_memory_is_recorded_and_the_run_goes_on(tmp_path, monk
 
 
 def test_failure_status_tells_out_of_memory_from_other_failures():
-    oom = runner._error_text(torch.OutOfMemoryError(OOM_MESSAGE), "trial 3")
+    oom = common.error_text(torch.OutOfMemoryError(OOM_MESSAGE), "trial 3")
     assert oom == "out of memory (trial 3): CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total " \
                   "capacity of 79.11 GiB"
-    assert runner._failure_status(oom) == "oom"
-    assert runner._failure_status(f"rank 1: {oom}") == "oom"  # gathered from another rank
-    other = runner._error_text(RuntimeError("out of memory, said the allocator of a plugin"))
-    assert runner._failure_status(other) == "failed"
-    assert runner._failure_status("rank 0: RuntimeError: boom") == "failed"
+    assert common.failure_status(oom) == "oom"
+    assert common.failure_status(f"rank 1: {oom}") == "oom"  # gathered from another rank
+    other = common.error_text(RuntimeError("out of memory, said the allocator of a plugin"))
+    assert common.failure_status(other) == "failed"
+    assert common.failure_status("rank 0: RuntimeError: boom") == "failed"
 
 
 def test_flop_count_out_of_memory_counts_again_on_fake_tensors(monkeypatch):
     suite, _ = load_suite(SUITE)
     (workload,) = workloads_for(suite, "tiny", ["initial"])
     cpu = torch.device("cpu")
-    real = runner._count_flops_on
+    real = training._count_flops_on
     expected = real(workload, suite, cpu)
 
     def count(workload, suite, device, fake=False):
@@ -215,8 +216,8 @@ def test_flop_count_out_of_memory_counts_again_on_fake_tensors(monkeypatch):
             raise torch.OutOfMemoryError(OOM_MESSAGE)
         return real(workload, suite, device, fake=True)
 
-    monkeypatch.setattr(runner, "_count_flops_on", count)
-    flops, note = runner._count_flops(workload, suite, cpu)
+    monkeypatch.setattr(training, "_count_flops_on", count)
+    flops, note = training._count_flops(workload, suite, cpu)
     assert flops == expected
     assert note == ("flops counted on fake tensors (shapes only): counting on cpu ran out of memory: "
                     "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 79.11 GiB")

@@ -89,7 +89,7 @@ def test_arm_that_fails_to_build_is_recorded(tmp_path, monkeypatch):
             raise MemoryError("cannot allocate the torch arm")
         return real(name, *args, **kwargs)
 
-    monkeypatch.setattr("dslab.bench.runner.build_arm", build)
+    monkeypatch.setattr("dslab.bench.training.build_arm", build)
     report, _ = run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"])
     assert [r.case for r in report.results] == ["b", "b"]
     assert report.result("b", "torch").status == "failed"
@@ -251,7 +251,7 @@ def test_reduce_overhead_arm_is_interleaved_and_parks(tmp_path, monkeypatch):
         marks.append(len(order))
         real_mark()
 
-    monkeypatch.setattr("dslab.bench.runner.build_arm", build)
+    monkeypatch.setattr("dslab.bench.training.build_arm", build)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", mark)
     path = tiny_suite(tmp_path, arms=["dslab", "torch-compile-ro"])
     report, _ = run_suite(path, out=tmp_path / "r", cases=["b"], trials=2, steps=2)

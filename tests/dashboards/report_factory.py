@@ -1,7 +1,7 @@
 """Run reports for the dashboard and trace tests, made in the shapes the profilers write.
 
 :func:`make_report` builds one run's ``run.json`` content: two cases, three arms with trials, and
-every profiler section per case as ``dslab.bench.runner`` stores it (flops module tree, memory
+every profiler section per case as ``dslab.bench.training`` stores it (flops module tree, memory
 steps and activations, multi-rank comms with a straggler, NVML telemetry, wall clock). The comms
 section is made by the real analysis functions (:mod:`dslab.profilers.comms_analysis`) from
 generated records, so its shape follows the comms logger's. :func:`make_small_report` is the

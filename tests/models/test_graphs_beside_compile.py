@@ -27,8 +27,8 @@ def _run(compiled: bool, recapture: bool) -> list[float]:
     import dslab.models.graphs  # noqa: F401  (fails here, not in the child, if dslab is missing)
 
     from dslab.bench.arms import build_arm
-    from dslab.bench.runner import engine_config
     from dslab.bench.suite import load_suite
+    from dslab.bench.training import engine_config
     from dslab.bench.workloads import workloads_for
 
     suite, _ = load_suite(ROOT / "suites" / "bert_large")
