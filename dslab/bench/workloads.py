@@ -79,7 +79,9 @@ class Workload:
     def is_moe(self) -> bool:
         return self.family in MOE_FAMILIES
 
-    def model_config(self):
+    def model_config(self, overrides: dict | None = None):
+        """The preset's config with the suite's ``model_options`` and then ``overrides`` (an arm's
+        own settings, such as ``chain_layer_norms=False`` for FSDP2) set on it, validated."""
         import importlib
 
         if self.family not in FAMILIES:
@@ -89,16 +91,18 @@ class Workload:
         if not callable(factory):
             raise ValueError(f"unknown {self.family} preset {self.preset!r} (presets live in {module.__name__})")
         config = factory()
-        for key, value in self.model_options.items():
+        for key, value in {**self.model_options, **(overrides or {})}.items():
             if not hasattr(config, key):
                 raise ValueError(f"model option {key!r} is not a field of {type(config).__name__}")
             setattr(config, key, value)
         config.validate()
         return config
 
-    def build_model(self, kernels: str, device: torch.device | str | None = None) -> nn.Module:
+    def build_model(self, kernels: str, device: torch.device | str | None = None,
+                    overrides: dict | None = None) -> nn.Module:
         """Our model with ``kernels``, its weights initialised directly on ``device`` from the
-        suite's seed (so the dslab and torch arms start from the same weights)."""
+        suite's seed (so the dslab and torch arms start from the same weights); ``overrides``
+        as for :meth:`model_config` (settings that leave the weights as they are)."""
         from dslab.bench.evoformer import EvoformerTrainModel
         from dslab.bench.moe_layer import MoELayerModel
         from dslab.models.bert import BertForPreTraining
@@ -107,7 +111,7 @@ class Workload:
 
         cls = {"bert": BertForPreTraining, "gpt2": GPT2LMHeadModel, "gpt2_moe": GPT2MoELMHeadModel,
                "moe_layer": MoELayerModel, "evoformer": EvoformerTrainModel}[self.family]
-        config = self.model_config()
+        config = self.model_config(overrides)
         torch.manual_seed(self.seed)
         with torch.device(device or "cpu"):
             return cls(config, kernels=kernels)

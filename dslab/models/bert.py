@@ -57,7 +57,13 @@ from dslab.models.weight_cast import Linear, weight
 @dataclass
 class BertConfig:
     """BERT's shape and regularisation. Defaults are BERT-large with the vocabulary padded from
-    30522 to 30528 (a multiple of 8, for tensor-core-friendly decoder matmuls)."""
+    30522 to 30528 (a multiple of 8, for tensor-core-friendly decoder matmuls).
+
+    ``chain_layer_norms`` (pre-LN only; post-LN layers never read another layer's parameters):
+    True fuses each layer's last residual add with the next layer's first LayerNorm, so layer i
+    reads layer i+1's norm parameters; False keeps each layer to its own parameters, which
+    FSDP2's per-layer ``fully_shard`` and pipeline stages need. The loss is the same either way
+    (:func:`dslab.models.ops.run_layer_stack`)."""
 
     vocab_size: int = 30528
     hidden: int = 1024
@@ -72,6 +78,7 @@ class BertConfig:
     pre_ln: bool = False
     sparse_mlm: bool = True
     initializer_range: float = 0.02
+    chain_layer_norms: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -91,6 +98,8 @@ class BertConfig:
             raise ValueError(f"layer_norm_eps must be >= 0, got {self.layer_norm_eps!r}")
         if not self.initializer_range > 0.0:
             raise ValueError(f"initializer_range must be > 0, got {self.initializer_range!r}")
+        if not isinstance(self.chain_layer_norms, bool):
+            raise ValueError(f"chain_layer_norms must be a bool, got {self.chain_layer_norms!r}")
 
     @classmethod
     def from_hf(cls, hf_config, **overrides) -> BertConfig:
@@ -221,7 +230,7 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(h, config.heads, config.intermediate, config.hidden_dropout, config.attention_dropout,
                              config.layer_norm_eps, config.pre_ln, causal=False, gelu_approximate="none",
-                             ops=self.ops)
+                             ops=self.ops, chain_layer_norms=config.chain_layer_norms)
             for _ in range(config.layers)
         )
         self.final_norm = LayerNorm(h, config.layer_norm_eps, self.ops) if config.pre_ln else None

@@ -51,7 +51,13 @@ from dslab.models.ops import (
 @dataclass
 class GPT2Config:
     """GPT-2's shape and regularisation (defaults: the 124M model). ``dropout`` is used for the
-    embeddings, the attention probabilities and the residual branches alike."""
+    embeddings, the attention probabilities and the residual branches alike.
+
+    ``chain_layer_norms``: True fuses each block's last residual add with the next block's first
+    LayerNorm (one ``dropout_add_layer_norm``, so block i reads block i+1's norm parameters);
+    False makes each block read only its own parameters (the next block normalizes its input
+    itself), which FSDP2's per-block ``fully_shard`` and pipeline stages need. The loss is the
+    same either way (:func:`dslab.models.ops.run_layer_stack`)."""
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -62,6 +68,7 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     vocab_pad_multiple: int = 1
     initializer_range: float = 0.02
+    chain_layer_norms: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -80,6 +87,8 @@ class GPT2Config:
             raise ValueError(f"layer_norm_epsilon must be >= 0, got {self.layer_norm_epsilon!r}")
         if not self.initializer_range > 0.0:
             raise ValueError(f"initializer_range must be > 0, got {self.initializer_range!r}")
+        if not isinstance(self.chain_layer_norms, bool):
+            raise ValueError(f"chain_layer_norms must be a bool, got {self.chain_layer_norms!r}")
 
     @property
     def intermediate(self) -> int:
@@ -154,7 +163,7 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(config.hidden, config.heads, config.intermediate, config.dropout, config.dropout,
                              config.layer_norm_epsilon, pre_ln=True, causal=True, gelu_approximate="tanh",
-                             ops=self.ops)
+                             ops=self.ops, chain_layer_norms=config.chain_layer_norms)
             for _ in range(config.layers)
         )
         self.final_norm = LayerNorm(config.hidden, config.layer_norm_epsilon, self.ops)

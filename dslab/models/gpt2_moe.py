@@ -23,6 +23,12 @@ host: its buffers have static sizes (T * k rows dropless, E * C with a capacity)
 group boundaries are read on the device, so one graph serves every routing. The layers' ``l_aux``
 sum is the stack's side output, and the routing statistics point at the replayed buffers after
 each replay. The torch set's loop and ``ep_size > 1`` read sizes on the host and are refused.
+
+FSDP2 (``fully_shard`` per block, then the root): with ``chain_layer_norms=False``
+(:class:`dslab.models.gpt2.GPT2Config`) every block reads only its own parameters. The MoE FFNs
+add no cross-block read: the stack's ``l_aux`` sum is taken from the FFNs' attributes after the
+stack, and with ``ep_size`` 1 every rank holds every expert, so the experts' stacked weights are
+sharded like any other parameter.
 """
 
 from __future__ import annotations

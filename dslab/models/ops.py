@@ -460,13 +460,22 @@ class TransformerLayer(nn.Module):
 
     (each ``+`` is ``ops.bias_dropout_residual``, with dropout on the sublayer's output; a ``+``
     that a layer norm reads is one ``ops.dropout_add_layer_norm`` with it).
+
+    ``chain_layer_norms`` (pre-LN only): whether :func:`run_layer_stack` may fuse this layer's
+    last residual add with the next layer's first layer norm, so that this layer reads the next
+    one's norm parameters. False keeps every read inside the layer, which FSDP2 (it unshards one
+    layer's parameters for that layer's forward) and pipeline stages (a stage holds its own
+    layers) need; the result is the same either way.
     """
 
     def __init__(self, hidden: int, heads: int, intermediate: int, hidden_dropout: float,
                  attention_dropout: float, eps: float, pre_ln: bool, causal: bool,
-                 gelu_approximate: str, ops: OpSet):
+                 gelu_approximate: str, ops: OpSet, chain_layer_norms: bool = True):
         super().__init__()
+        if not isinstance(chain_layer_norms, bool):
+            raise ValueError(f"chain_layer_norms must be a bool, got {chain_layer_norms!r}")
         self.pre_ln = pre_ln
+        self.chain_layer_norms = chain_layer_norms
         self.attention = SelfAttention(hidden, heads, attention_dropout, hidden_dropout, causal, ops)
         self.attention_norm = LayerNorm(hidden, eps, ops)
         self.mlp = FeedForward(hidden, intermediate, hidden_dropout, gelu_approximate, ops)
@@ -492,17 +501,24 @@ class TransformerLayer(nn.Module):
         return self.mlp(x, x, norm=self.mlp_norm)[0]
 
 
+def chains_into(layer: nn.Module, after: nn.Module | None) -> bool:
+    """Whether ``layer``'s last residual add may compute ``after``'s first layer norm: two pre-LN
+    :class:`TransformerLayer` that both allow it (``chain_layer_norms``)."""
+    return all(isinstance(m, TransformerLayer) and m.pre_ln and m.chain_layer_norms for m in (layer, after))
+
+
 def run_layer_stack(layers: Iterable[nn.Module], x: torch.Tensor,
                     key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``x = layer(x, key_padding_mask)`` for each layer in turn, where two pre-LN
     :class:`TransformerLayer` follow each other the first one's last residual add and the second
     one's first layer norm run as one ``ops.dropout_add_layer_norm`` (the second layer gets the
-    normalized stream as ``normed``). The result is the same stream."""
+    normalized stream as ``normed``), unless either layer has ``chain_layer_norms`` off: then
+    each layer reads only its own parameters and the second one normalizes its input itself
+    (``layer_norm_fork``). The result is the same stream either way."""
     layers = list(layers)
     normed = None
     for layer, after in zip(layers, [*layers[1:], None]):
-        chained = (isinstance(layer, TransformerLayer) and layer.pre_ln
-                   and isinstance(after, TransformerLayer) and after.pre_ln)
+        chained = chains_into(layer, after)
         extra = {} if normed is None else {"normed": normed}
         if chained:
             normed, x = layer(x, key_padding_mask, next_norm=after.attention_norm, **extra)
