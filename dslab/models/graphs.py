@@ -90,11 +90,28 @@ def _dispatch_mode_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
 
 
-def _clear_cublas_workspaces() -> None:
+def clear_cublas_workspaces() -> None:
     """Drop torch's cached cuBLAS workspaces (see the module docstring)."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+def capture_blocker(modules: nn.Module, x: torch.Tensor) -> str | None:
+    """Why a training call of ``modules`` on ``x`` cannot be captured or replayed (see the module
+    docstring), or None: off CUDA, under ``torch.compile``, inside another capture, under a
+    ``TorchDispatchMode``, or while a module or the process has forward/backward hooks."""
+    if x.device.type != "cuda":
+        return "not_cuda"
+    if torch.compiler.is_compiling():
+        return "compiling"
+    if torch.cuda.is_current_stream_capturing():
+        return "capturing"
+    if _dispatch_mode_active():
+        return "dispatch_mode"
+    if _hooked(modules):
+        return "hooks"
+    return None
 
 
 class StackSideOutput(Protocol):
@@ -145,7 +162,7 @@ class _Captured:
             torch.cuda.current_stream().wait_stream(stream)
 
             pool = torch.cuda.graph_pool_handle()
-            _clear_cublas_workspaces()
+            clear_cublas_workspaces()
             self.forward_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.forward_graph, pool=pool):
                 outs = forward()
@@ -154,7 +171,7 @@ class _Captured:
             self.backward_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.backward_graph, pool=pool):
                 grads = torch.autograd.grad(outs, grad_inputs, self.static_grad_outs, allow_unused=True)
-            _clear_cublas_workspaces()
+            clear_cublas_workspaces()
         n_grad_inputs = len(self.grad_input_index)
         self.static_grad_inputs = list(grads[:n_grad_inputs])
         self.static_grad_params = list(grads[n_grad_inputs:])
@@ -246,19 +263,7 @@ class GraphedStack:
             return "eval"
         if not torch.is_grad_enabled():
             return "no_grad"
-        if x.device.type != "cuda":
-            return "not_cuda"
-        if torch.compiler.is_compiling():
-            return "compiling"
-        if torch.cuda.is_current_stream_capturing():
-            return "capturing"
-        if _dispatch_mode_active():
-            return "dispatch_mode"
-        if _hooked(self.layers):
-            return "hooks"
-        if self._awaiting_backward:
-            return "awaiting_backward"
-        return None
+        return capture_blocker(self.layers, x) or ("awaiting_backward" if self._awaiting_backward else None)
 
     def call(self, inputs: tuple, consts: tuple = ()) -> tuple:
         """The stack's outputs for ``inputs`` and ``consts`` (graphed or eager)."""

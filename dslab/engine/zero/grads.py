@@ -69,9 +69,30 @@ class GradientReduceScatter:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def set_issue_order(self, order: list[FlatUnit]) -> None:
-        """Issue units in ``order`` (units missing from it go last, in index order)."""
+        """Issue units in ``order`` (units missing from it go last, in index order; excluded
+        units never)."""
+        kept = {u.index for u in self.units}
+        order = [u for u in order if u.index in kept]
         seen = {u.index for u in order}
-        self.issue_order = list(order) + [u for u in self.units if u.index not in seen]
+        self.issue_order = order + [u for u in self.units if u.index not in seen]
+
+    def exclude(self, units: list[FlatUnit]) -> None:
+        """Stop reducing ``units``: their gradients are reduced elsewhere (stage 3's layer stack,
+        :mod:`.stage3_stack`), which hands over their shards through :meth:`deliver_shard`."""
+        gone = {u.index for u in units}
+        self.units = [u for u in self.units if u.index not in gone]
+        self.issue_order = [u for u in self.issue_order if u.index not in gone]
+
+    def deliver_shard(self, unit: FlatUnit, shard: torch.Tensor) -> None:
+        """Take ``unit``'s reduced (averaged) gradient shard from elsewhere, as a completed
+        reduction would: added into ``unit.grad_shard`` (a copy the first time: ``shard`` stays
+        its owner's) or handed to ``deliver``."""
+        if self.deliver is not None:
+            self.deliver(unit, shard)
+        elif unit.grad_shard is None:
+            unit.grad_shard = shard.clone()
+        else:
+            unit.grad_shard.add_(shard)
 
     def begin(self, is_boundary: bool) -> None:
         """Before each backward: reduce in this backward (always for stages 2 and 3, only on the
@@ -83,7 +104,10 @@ class GradientReduceScatter:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.active:
             return
-        self._ready[self._unit_of[id(param)].index] += 1
+        index = self._unit_of[id(param)].index
+        if index not in self._ready:  # an excluded unit: reduced elsewhere
+            return
+        self._ready[index] += 1
         self._issue_ready()
 
     def _issue_ready(self, force: bool = False) -> None:

@@ -42,8 +42,10 @@ from dslab.engine.zero.nvme_offload import NvmeOptimizerOffload
 from dslab.engine.zero.offload import CpuOptimizerOffload
 from dslab.engine.zero.partition import FlatUnit, plan_buckets, plan_module_units
 from dslab.engine.zero.stage3 import ParameterGatherer
+from dslab.engine.zero.stage3_stack import Stage3LayerStack, stack_units
 from dslab.engine.zero_config import ZeroConfig
 from dslab.io.config import AioConfig
+from dslab.models.graphs import LayerStackGraphs
 
 
 def refuse_lamb(optimizer, stage: int) -> None:
@@ -52,6 +54,19 @@ def refuse_lamb(optimizer, stage: int) -> None:
             f"optimizer Lamb cannot run with ZeRO stage {stage} ('zero_optimization.stage'): its "
             "trust ratio needs each parameter's whole norm, and ZeRO splits parameters across "
             "ranks; use stage 0 or an Adam/AdamW/SGD optimizer")
+
+
+def _graphed_stack_units(module: nn.Module, units: list[FlatUnit], owners: list[nn.Module]
+                         ) -> list[list[FlatUnit]] | None:
+    """The sharded units of each layer of ``module``'s layer stack when the stack runs through
+    CUDA graphs (the engine's ``cuda_graphs`` on a :class:`~dslab.models.graphs.CudaGraphLayers`
+    model whose stack yields nothing beside its output), else None: stage 3 then gathers the
+    stack's layers itself (:mod:`.stage3_stack`)."""
+    graphs = getattr(module, "_layer_graphs", None)
+    if not isinstance(graphs, LayerStackGraphs) or graphs.side is not None:
+        return None
+    by_layer = stack_units(module.layers, units, owners)
+    return by_layer if any(by_layer) else None
 
 
 def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
@@ -109,11 +124,14 @@ class ZeroRuntime:
                                        sync, group=reduction.group,
                                        grad_divisor=reduction.divisor))
         self.gatherer = None
+        by_layer = None
         if self.stage == 3:
+            by_layer = _graphed_stack_units(module, self.units, owners)
+            external = {u.index for units in by_layer for u in units} if by_layer else set()
             self.gatherer = ParameterGatherer(
                 module, list(zip(self.units, owners)), config.stage3_prefetch_bucket_size,
                 config.stage3_max_live_parameters, group,
-                max_reuse_numel=config.stage3_max_reuse_distance)
+                max_reuse_numel=config.stage3_max_reuse_distance, external=external)
         self.offload: CpuOptimizerOffload | None = None
         offload = config.offload_optimizer
         if offload.device == "cpu":
@@ -136,6 +154,12 @@ class ZeroRuntime:
             deliver=self.offload.receive if self.offload is not None else None, group=group,
             reduce_scatter=config.reduce_scatter)
         self.comm_device = self.units[0].device if self.units else torch.device("cpu")
+        # stage 3 over a model's CUDA-graphed layer stack: the stack gathers and reduces its own
+        # layers inside its graphs (stage3_stack.py)
+        self.stack: Stage3LayerStack | None = None
+        if by_layer:
+            self.stack = Stage3LayerStack(module.layers, by_layer, self.reducer, group=group)
+            module._layer_graphs = self.stack
 
     def _named_groups(self, groups: list[dict]) -> list[list[tuple[str, nn.Parameter]]]:
         name_of = {id(p): name for name, p in self.module.named_parameters()}
@@ -300,6 +324,8 @@ class ZeroRuntime:
         for handle in handles:
             if handle is not None:
                 handle.wait()
+        if self.stack is not None:
+            self.stack.refresh_shards()
         if self.gatherer is not None:
             self.gatherer.release_all()
 

@@ -48,10 +48,14 @@ class _GatheringParameters(dict):
 
 
 class ParameterGatherer:
-    """Gathers and releases stage 3 units around their modules' forward and backward."""
+    """Gathers and releases stage 3 units around their modules' forward and backward. Units whose
+    index is in ``external`` are gathered by someone else (a layer stack,
+    :mod:`.stage3_stack`): no hooks for them, but :meth:`gathered_state_dict` and
+    :meth:`release_all` still cover them."""
 
     def __init__(self, root: nn.Module, units: list[tuple[FlatUnit, nn.Module]],
-                 prefetch_numel: int, max_live_numel: int, group=None, max_reuse_numel: int = 0):
+                 prefetch_numel: int, max_live_numel: int, group=None, max_reuse_numel: int = 0,
+                 external: set[int] = frozenset()):
         self.root = root
         self.group = group
         self.prefetch_numel = prefetch_numel
@@ -62,7 +66,7 @@ class ParameterGatherer:
         self._unit_of_param: dict[int, FlatUnit] = {}
         owners: dict[int, nn.Module] = {}
         for unit, owner in units:
-            if unit.resident:
+            if unit.resident or unit.index in external:
                 continue
             self._units_of.setdefault(id(owner), []).append(unit)
             owners[id(owner)] = owner
