@@ -6,6 +6,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# DeepSpeed for the peer arms of suites/zero: its sdist builds offline without its ops (FusedAdam
+# is compiled on first use, for the H200's sm_90).
+if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import deepspeed" 2>/dev/null; then
+  DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
+    .whl/deepspeed-*.tar.gz >/tmp/deepspeed_install.log 2>&1 \
+    || { echo "gpu_setup: deepspeed did not install (its arms will be skipped); log:" >&2; tail -5 /tmp/deepspeed_install.log >&2; }
+fi
+# DeepSpeed's JIT builder (FusedAdam) reads this; it cannot parse the '9.0a' spelling of Hopper
+export TORCH_CUDA_ARCH_LIST=9.0
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
 if ! python3 -c "import pydantic" 2>/dev/null; then
   echo "gpu_setup: pydantic is missing on this machine: carry its wheels in .whl/ (see the device README's" \

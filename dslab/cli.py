@@ -62,6 +62,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per trial (default: the suite's)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per trial (default: the suite's)")
     parser.add_argument("--out", default="reports", help="reports root (default: reports/)")
+    parser.add_argument("--nprocs", default=None,
+                        help="a data-parallel suite's process counts, comma-separated (e.g. 1,2,4; default: the "
+                             "suite's, else 1, 2, 4, ... up to the GPUs here)")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="ZeRO stage of the dslab arm's engine (overrides the suite's "
                              "zero_optimization.stage); start under torchrun / dslab launch to shard")
@@ -75,8 +78,14 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
+    nprocs = None
+    if args.nprocs:
+        from dslab.bench.data_parallel_suite import parse_nprocs
+
+        nprocs = parse_nprocs(args.nprocs)
     report, _ = run_suite(args.suite, scale=args.scale, arms=arms, cases=cases, trials=args.trials, steps=args.steps,
-                          warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage, verbose=args.verbose)
+                          warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage, verbose=args.verbose,
+                          nprocs=nprocs)
     failed = [f"{r.case}/{r.arm}" for r in report.results if r.status == "failed"]
     if failed and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
         print(f"dslab: {len(failed)} arm(s) failed: {', '.join(failed)} (errors are in the report)",

@@ -207,6 +207,34 @@ class EngineArm:
         del self.engine
 
 
+def plain_step(forward, loss_fn, batch: dict, model: torch.nn.Module, optimizer, dtype: torch.dtype | None,
+               device: torch.device, scaler, clip: float, keep_loss: bool = False) -> torch.Tensor:
+    """One step of a plain loop: the loss under autocast to ``dtype`` (None: none), backward
+    (through ``scaler`` for fp16), clipping of ``model``'s gradients at ``clip`` (> 0), the
+    optimizer's step and its gradients set to None. Returns the loss (a copy with ``keep_loss``:
+    CUDA-graph trees overwrite the one they return at the next replay)."""
+    if dtype is not None:
+        with torch.autocast(device.type, dtype=dtype):
+            loss = loss_fn(forward, batch)
+    else:
+        loss = loss_fn(forward, batch)
+    reported = loss.detach().clone() if keep_loss else loss
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+    else:
+        loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return reported
+
+
 class PlainArm:
     """A hand-written loop: autocast forward, backward, AdamW (fused on CUDA), optional clipping.
 
@@ -271,26 +299,8 @@ class PlainArm:
     def step(self) -> torch.Tensor:
         if self.cudagraph_trees:
             torch.compiler.cudagraph_mark_step_begin()
-        if self.dtype is not None:
-            with torch.autocast(self.device.type, dtype=self.dtype):
-                loss = self.loss_fn(self.forward, self.batch)
-        else:
-            loss = self.loss_fn(self.forward, self.batch)
-        reported = loss.detach().clone() if self.cudagraph_trees else loss
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.unscale_(self.optimizer)
-        else:
-            loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return reported
+        return plain_step(self.forward, self.loss_fn, self.batch, self.model, self.optimizer, self.dtype,
+                          self.device, self.scaler, self.clip, keep_loss=self.cudagraph_trees)
 
     def park(self) -> None:
         self._parked = park_training_state(self.model, self.optimizer)

@@ -83,18 +83,32 @@ class Progress:
             print(text, file=self.stream, flush=True)
 
 
+# Set by the launcher (:mod:`dslab.bench.launcher`) in the processes it starts: the run id they
+# share, and the part of the run's report that they write (``part-<part>.json`` beside run.json).
+RUN_ID_ENV = "DSLAB_BENCH_RUN_ID"
+PART_ENV = "DSLAB_BENCH_PART"
+
+
+def part_file(part: str) -> str:
+    """The file name of part ``part`` of a run's report."""
+    return f"part-{part}.json"
+
+
 @dataclass(frozen=True)
 class World:
-    """This process's rank and the number of processes running the suite together."""
+    """This process's rank, the number of processes running the suite together and, in a launch
+    of the data-parallel launcher, the part of the run's report they write."""
 
     rank: int = 0
     size: int = 1
+    part: str | None = None
 
     def write(self, report: RunReport, out) -> Path:
-        """Write the report on rank 0; every rank gets the path of run.json."""
+        """Write the report on rank 0 (run.json, or the part's file); every rank gets its path."""
+        name = part_file(self.part) if self.part else REPORT_FILE
         if self.rank == 0:
-            return write_report(report, out)
-        return run_dir(out, report.suite, report.run_id) / REPORT_FILE
+            return write_report(report, out, name)
+        return run_dir(out, report.suite, report.run_id) / name
 
 
 def requested_world_size() -> int:
@@ -110,4 +124,4 @@ def join_world() -> World:
     """Join the process group torchrun / ``dslab launch`` describe when ``WORLD_SIZE`` > 1."""
     if requested_world_size() > 1:
         comm.init_distributed()
-    return World(comm.get_rank(), comm.get_world_size())
+    return World(comm.get_rank(), comm.get_world_size(), os.environ.get(PART_ENV) or None)

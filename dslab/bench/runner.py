@@ -25,15 +25,21 @@ The terminal gets the progress lines (one per arm and trial) and the summary tab
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
+import torch
+
 from dslab import comm
 from dslab.bench.common import (
-    ArmSkipped, Progress, TrialFailed, current_device, datasheet_bf16, error_text, failure_status, free_memory,
+    RUN_ID_ENV, ArmSkipped, Progress, TrialFailed, World, current_device, datasheet_bf16, error_text, failure_status,
+    free_memory,
 )
+from dslab.bench.data_parallel import DataParallelSuite
 from dslab.bench.inference import InferenceSuite
+from dslab.bench.launcher import run_launches
 from dslab.bench.measure import measure_peaks
 from dslab.bench.protocol import CaseRun, Counts, RunContext, SuiteKind
 from dslab.bench.suite import load_suite
@@ -41,18 +47,26 @@ from dslab.bench.training import TrainingSuite
 from dslab.report import Result, RunReport, Trial, new_run_id
 from dslab.report.environment import collect_environment
 from dslab.report.store import utc_now
+from dslab.report.scaling import best_peer_ratios, scaling_table
 from dslab.report.summary import describe, results_table
 
 # Each suite.json "kind" and the class that runs it.
-KINDS = {"training": TrainingSuite, "inference": InferenceSuite}
+KINDS = {"training": TrainingSuite, "inference": InferenceSuite, "data_parallel": DataParallelSuite}
 
 
-def suite_kind(suite, suite_file: Path, zero_stage: int | None = None, verbose: bool = False) -> SuiteKind:
+def suite_kind(suite, suite_file: Path, zero_stage: int | None = None, verbose: bool = False,
+               nprocs: list[int] | None = None) -> SuiteKind:
     """The :class:`~dslab.bench.protocol.SuiteKind` that runs ``suite`` (its ``kind``, training by
     default), with the command's options checked for it."""
     kind = getattr(suite, "kind", None) or "training"
     if kind not in KINDS:
         raise ValueError(f"suite {suite.name}: unknown kind {kind!r}; choose from {', '.join(KINDS)}")
+    if kind == "data_parallel":
+        return KINDS[kind](suite, suite_file, zero_stage=zero_stage, verbose=verbose, nprocs=nprocs)
+    if nprocs:
+        raise ValueError(f"--nprocs: suite {suite.name} ({kind}) runs in the processes it is started in; "
+                         f"only a data-parallel suite starts processes of its own (start this one under "
+                         f"torchrun or dslab launch)")
     return KINDS[kind](suite, suite_file, zero_stage=zero_stage, verbose=verbose)
 
 
@@ -68,6 +82,7 @@ def run_suite(
     stream: TextIO | None = None,
     zero_stage: int | None = None,
     verbose: bool = False,
+    nprocs: list[int] | None = None,
 ) -> tuple[RunReport, Path]:
     """Run the suite at ``suite_path``; returns the report and the path of its run.json.
 
@@ -75,11 +90,16 @@ def run_suite(
     ``scale`` defaults to ``full`` on a CUDA device and ``tiny`` elsewhere; ``trials``, ``steps``
     and ``warmup_steps`` override the scale's. The training kind also takes ``zero_stage`` (it
     overrides the suite engine's ``zero_optimization.stage``) and ``verbose`` (the profilers' text
-    reports printed as well as written); an inference suite refuses ``zero_stage``."""
+    reports printed as well as written); an inference suite refuses ``zero_stage``.
+
+    A data-parallel suite started outside torchrun launches its processes itself, one torchrun
+    per process count (``nprocs``, else the suite's; :mod:`dslab.bench.launcher`), and merges
+    what they measured into this run's report; the summary adds the scaling table."""
     suite, suite_file = load_suite(suite_path)
-    kind = suite_kind(suite, suite_file, zero_stage, verbose)
-    world = kind.join_world()
-    device = current_device()
+    kind = suite_kind(suite, suite_file, zero_stage, verbose, nprocs)
+    launching = getattr(kind, "launches_processes", False) and not os.environ.get("WORLD_SIZE")
+    world = World() if launching else kind.join_world()
+    device = current_device() if not launching else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     progress = Progress(stream or sys.stderr, enabled=world.rank == 0)
     if scale is None:
         scale = "full" if device.type == "cuda" else "tiny"
@@ -90,7 +110,7 @@ def run_suite(
     counts = _counts(suite.scales[scale], trials, steps, warmup_steps)
     plan = kind.plan(scale, arms, cases, counts, world, device)
 
-    run_id = new_run_id()
+    run_id = os.environ.get(RUN_ID_ENV) or new_run_id()
     if world.size > 1:  # one run, one id: rank 0's
         run_id = comm.all_gather_object(run_id)[0]
     report = RunReport(run_id=run_id, suite=suite.name, created=utc_now())
@@ -106,20 +126,23 @@ def run_suite(
     progress.line(f"run {report.run_id}: {len(plan.cases)} case(s) x {len(plan.arms)} arm(s) x {counts.trials} "
                   f"trial(s) of {counts.steps} {plan.step_noun} on {device}{ranks} -> {path.parent}")
     try:
-        report.peaks = measure_peaks(device)
-        datasheet = datasheet_bf16(report.environment)
-        if datasheet:
-            report.peaks["datasheet_bf16_tflops"] = datasheet
-        for case in plan.cases:
-            case_run = kind.open_case(case, context)
-            if case_run is not None:
-                run_case(case_run, context)
-        report.compute_ratios("dslab", "samples_per_s")
+        if launching:
+            _launch(report, plan, suite_file, scale, counts, out, verbose, context, progress)
+        else:
+            report.peaks = measure_peaks(device)
+            datasheet = datasheet_bf16(report.environment)
+            if datasheet:
+                report.peaks["datasheet_bf16_tflops"] = datasheet
+            for case in plan.cases:
+                case_run = kind.open_case(case, context)
+                if case_run is not None:
+                    run_case(case_run, context)
+        _ratios(report)
         report.status = "complete"
     except KeyboardInterrupt:
         report.status = "incomplete"
         report.notes.append("interrupted (Ctrl-C) before the run finished")
-        report.compute_ratios("dslab", "samples_per_s")
+        _ratios(report)
         raise
     except BaseException:
         report.status = "incomplete"
@@ -129,9 +152,36 @@ def run_suite(
         report.finished = utc_now()
         path = context.write()
         progress.line("")
-        progress.line(describe(report) + "\n" + results_table(report))
-        progress.line(f"report: {path}")
+        if world.part:  # one launch of a data-parallel run: the launcher prints the run's summary
+            progress.line(f"part {world.part} of run {report.run_id}: {path}")
+        else:
+            scaling = scaling_table(report)
+            progress.line(describe(report) + "\n" + results_table(report) + (f"\n{scaling}" if scaling else ""))
+            progress.line(f"report: {path}")
     return report, path
+
+
+def _ratios(report: RunReport) -> None:
+    """dslab's ratios: over every other arm of a case, or for a data-parallel run over the peers
+    that shard the same way (:func:`dslab.report.scaling.best_peer_ratios`)."""
+    if report.config.get("kind") == "data_parallel":
+        report.ratios, report.best_plain = best_peer_ratios(report), {}
+    else:
+        report.compute_ratios("dslab", "samples_per_s")
+
+
+def _launch(report: RunReport, plan, suite_file: Path, scale: str, counts: Counts, out, verbose: bool,
+            context: RunContext, progress: Progress) -> None:
+    """A data-parallel run's launches, one per process count (:mod:`dslab.bench.launcher`)."""
+    nprocs = list(plan.config["nprocs"])
+    cases_by_n = {n: [c["name"] for c in plan.config["cases"] if c["nprocs"] == n] for n in nprocs}
+    bases = list(dict.fromkeys(c["base_case"] for c in plan.config["cases"]))
+    options = ["--scale", scale, "--arms", ",".join(plan.arms), "--cases", ",".join(bases),
+               "--trials", str(counts.trials), "--steps", str(counts.steps), "--warmup", str(counts.warmup_steps),
+               "--out", str(out), *(["--verbose"] if verbose else [])]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    run_launches(report, suite_file, nprocs, cases_by_n, plan.arms, options, context.run_path, gpus, progress,
+                 context.write)
 
 
 def _counts(scale_config, trials: int | None, steps: int | None, warmup_steps: int | None) -> Counts:
@@ -147,63 +197,103 @@ def _counts(scale_config, trials: int | None, steps: int | None, warmup_steps: i
 
 def run_case(case: CaseRun, context: RunContext) -> None:
     """Build every arm of ``case``, run its trials interleaved, then let the case record what it
-    measured and close the arms (module docstring)."""
-    report, device, progress, counts = context.report, context.device, context.progress, context.counts
-    tag = f"[{report.suite} {case.name}]"
+    measured and close the arms (module docstring). A case that keeps one arm at a time
+    (``one_arm_at_a_time``: a data-parallel case) builds, times, records and closes each arm in
+    turn instead."""
+    if getattr(case, "one_arm_at_a_time", False):
+        for name in context.arms:
+            arm = _build(case, name, context)
+            context.write()
+            if arm is None:
+                continue
+            built = {name: arm}
+            case.before_trials()
+            for t in range(context.counts.trials):
+                if not _trial(case, name, built, t, context.counts.warmup_steps if t == 0 else
+                              min(context.counts.warmup_steps, case.settle_steps), context):
+                    break
+                context.write()
+            case.finish(built)
+            for arm in built.values():
+                arm.close()
+            built.clear()
+            free_memory(context.device)
+            context.write()
+        case.close()
+        return
     built = {}
     for name in context.arms:
-        result = Result(case=case.name, arm=name)
-        report.results.append(result)
-        try:
-            built[name] = case.build_arm(name)
-        except ArmSkipped as err:
-            result.status, result.error = "skipped", str(err)
-            progress.line(f"{tag} {name}: skipped ({err})")
-        except Exception as err:
-            result.error = error_text(err, "building the arm")
-            result.status = failure_status(result.error)
-            progress.line(f"{tag} {name}: {result.status} while building: {result.error.splitlines()[0]}")
-        if result.status not in ("ok", "skipped"):
-            built.pop(name, None)  # an arm that failed after its build (parking, say) is dropped too
-            free_memory(device)  # outside the except block: its traceback no longer holds the arm's tensors
+        arm = _build(case, name, context)
+        if arm is not None:
+            built[name] = arm
     context.write()
 
     case.before_trials()
     warmed: set[str] = set()
-    for t in range(counts.trials):
+    for t in range(context.counts.trials):
         live = [n for n in context.arms if n in built]
         if not live:
             break
         shift = t % len(live)
         for name in live[shift:] + live[:shift]:
-            result = report.result(case.name, name)
             # The full warm-up (compilation, autotuning, allocator growth) once per arm; later
             # trials only settle for a step or two after the other arms ran.
-            warmup = counts.warmup_steps if name not in warmed else min(counts.warmup_steps, case.settle_steps)
-            error = None
-            try:
-                step_times, metrics = case.run_trial(name, built[name], warmup, counts.steps, t)
+            warmup = context.counts.warmup_steps if name not in warmed else min(context.counts.warmup_steps,
+                                                                                 case.settle_steps)
+            if _trial(case, name, built, t, warmup, context):
                 warmed.add(name)
-            except TrialFailed as err:
-                error = str(err)
-            except Exception as err:
-                error = error_text(err, f"trial {t + 1}")
-            if error is not None:
-                result.status, result.error = failure_status(error), error
-                progress.line(f"{tag} trial {t + 1}/{counts.trials} {name}: {result.status}: {error.splitlines()[0]}")
-                try:
-                    built.pop(name).close()
-                except Exception as err:  # an arm that broke mid-step may not close cleanly; drop it anyway
-                    progress.line(f"{tag} {name}: closing it failed: {error_text(err).splitlines()[0]}")
-                free_memory(device)
-                continue
-            result.trials.append(Trial(trial=t, step_times_ms=step_times, metrics=metrics))
-            result.summarize()
-            progress.line(f"{tag} trial {t + 1}/{counts.trials} {case.trial_line(name, metrics)}")
         context.write()
     case.finish(built)
     for arm in built.values():
         arm.close()
     built.clear()
-    free_memory(device)
+    free_memory(context.device)
     case.close()
+
+
+def _build(case: CaseRun, name: str, context: RunContext):
+    """Arm ``name`` of ``case``, or None when it was skipped or failed (recorded in the report)."""
+    report, progress = context.report, context.progress
+    tag = f"[{report.suite} {case.name}]"
+    result = Result(case=case.name, arm=name)
+    report.results.append(result)
+    try:
+        return case.build_arm(name)
+    except ArmSkipped as err:
+        result.status, result.error = "skipped", str(err)
+        progress.line(f"{tag} {name}: skipped ({err})")
+    except Exception as err:
+        result.error = error_text(err, "building the arm")
+        result.status = failure_status(result.error)
+        progress.line(f"{tag} {name}: {result.status} while building: {result.error.splitlines()[0]}")
+    # outside the except blocks: their tracebacks no longer hold the arm's tensors
+    free_memory(context.device)
+    return None
+
+
+def _trial(case: CaseRun, name: str, built: dict, t: int, warmup: int, context: RunContext) -> bool:
+    """Trial ``t`` of arm ``name``; on failure the arm is recorded, closed and dropped from
+    ``built``. Returns whether the trial ran."""
+    report, progress, counts = context.report, context.progress, context.counts
+    tag = f"[{report.suite} {case.name}]"
+    result = report.result(case.name, name)
+    error = None
+    try:
+        step_times, metrics = case.run_trial(name, built[name], warmup, counts.steps, t)
+    except TrialFailed as err:
+        error = str(err)
+    except Exception as err:
+        error = error_text(err, f"trial {t + 1}")
+    if error is not None:
+        result.status, result.error = failure_status(error), error
+        progress.line(f"{tag} trial {t + 1}/{counts.trials} {name}: {result.status}: {error.splitlines()[0]}")
+        try:
+            built.pop(name).close()
+        except Exception as err:  # an arm that broke mid-step may not close cleanly; drop it anyway
+            progress.line(f"{tag} {name}: closing it failed: {error_text(err).splitlines()[0]}")
+        free_memory(context.device)
+        return False
+    result.trials.append(Trial(trial=t, step_times_ms=step_times, metrics=metrics))
+    result.summarize()
+    progress.line(f"{tag} trial {t + 1}/{counts.trials} {case.trial_line(name, metrics)}")
+    return True

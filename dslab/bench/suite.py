@@ -152,7 +152,9 @@ def check_arms(arms: list[str], families: list[str], where: str | None = None) -
 
 def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
     """Read a suite from its directory (holding suite.json) or the JSON file itself. A suite with
-    ``"kind": "inference"`` is an :class:`dslab.bench.inference_suite.InferenceSuiteConfig`."""
+    ``"kind": "inference"`` is an :class:`dslab.bench.inference_suite.InferenceSuiteConfig`, one
+    with ``"kind": "data_parallel"`` a
+    :class:`dslab.bench.data_parallel_suite.DataParallelSuiteConfig`."""
     path = Path(path)
     file = path / SUITE_FILE if path.is_dir() else path
     if not file.is_file():
@@ -164,6 +166,8 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
     model = SuiteConfig
     if isinstance(data, dict) and data.get("kind") == "inference":
         from dslab.bench.inference_suite import InferenceSuiteConfig as model
+    elif isinstance(data, dict) and data.get("kind") == "data_parallel":
+        from dslab.bench.data_parallel_suite import DataParallelSuiteConfig as model
     try:
         suite = parse_section(model, data)
     except ValueError as err:

@@ -116,6 +116,8 @@ class TrainingCase:
     """One workload's arms, trained side by side (:class:`~dslab.bench.protocol.CaseRun`)."""
 
     settle_steps = SETTLE_STEPS
+    # idle arms wait in host memory between their trials when they do not all fit on the GPU
+    parks_idle_arms = True
 
     def __init__(self, kind: TrainingSuite, workload: Workload, context: RunContext):
         self.suite, self.engine, self.verbose = kind.suite, kind.engine, kind.verbose
@@ -136,7 +138,8 @@ class TrainingCase:
             free_memory(device)  # again outside the except block, whose traceback held the count's tensors
         if self.flops:
             report.config.setdefault("flops_per_step", {})[self.name] = self.flops
-        self.parking = _needs_parking(workload, len(context.arms) if world.size == 1 else 1, device)
+        self.parking = self.parks_idle_arms and _needs_parking(workload, len(context.arms) if world.size == 1 else 1,
+                                                               device)
         if self.parking:
             report.notes.append(f"{self.name}: the arms do not all fit on the GPU at once; each waits in host "
                                 f"memory between its trials (moved back and settled before it is timed)")
@@ -186,28 +189,37 @@ class TrainingCase:
         return f"{name:<13} {metrics['samples_per_s']:>10.1f} samples/s  {metrics['step_time_ms']:>9.2f} ms/step"
 
     def finish(self, arms: dict) -> None:
-        report, world = self.context.report, self.context.world
         dslab_arm = arms.get("dslab")
         if dslab_arm is not None:
-            try:
-                records = dslab_arm.records()
-                self.text_files = _text_files_in_run(records, self.context.run_path)
-                if world.size > 1 and records.get("memory") is not None:
-                    per_rank = comm.all_gather_object(records["memory"].get("model_states"))
-                    records["memory"] = {**records["memory"], "model_states_per_rank": per_rank}
-                for section, data in records.items():
-                    if report.profilers.get(section) is None:
-                        report.profilers[section] = {}
-                    report.profilers[section][self.name] = data
-                _steady_state_from_trials(report, self.name)
-            except Exception as err:  # a profiler's failure must not lose the measured trials
-                report.notes.append(f"{self.name}: profiler records failed: {error_text(err).splitlines()[0]}")
-            graph_stats = dslab_arm.cuda_graph_stats()
-            if graph_stats:
-                counts = ", ".join(f"{k} {v}" for k, v in sorted(graph_stats.items()))
-                report.notes.append(f"{self.name}: dslab arm CUDA graphs of the layer stack: {counts}")
+            self.record_profilers(dslab_arm, "dslab", self.name)
         if self.workload.is_moe:
-            _record_moe(report, self.workload, dslab_arm, self.context.arms, self.context.progress, self.suite.name)
+            _record_moe(self.context.report, self.workload, dslab_arm, self.context.arms, self.context.progress,
+                        self.suite.name)
+
+    def record_profilers(self, engine_arm, arm: str, key: str) -> None:
+        """The profiler records of ``engine_arm`` (an engine arm named ``arm``) into
+        ``report.profilers[section][key]``, with every rank's model states in a distributed run
+        and the flops profile's steady state at the arm's timed steps; its CUDA-graph counts go
+        into the notes. A collective when several processes run: call it on every rank."""
+        report, world = self.context.report, self.context.world
+        label = key if arm == "dslab" else f"{key} {arm}"
+        try:
+            records = engine_arm.records()
+            self.text_files += _text_files_in_run(records, self.context.run_path)
+            if world.size > 1 and records.get("memory") is not None:
+                per_rank = comm.all_gather_object(records["memory"].get("model_states"))
+                records["memory"] = {**records["memory"], "model_states_per_rank": per_rank}
+            for section, data in records.items():
+                if report.profilers.get(section) is None:
+                    report.profilers[section] = {}
+                report.profilers[section][key] = data
+            _steady_state_from_trials(report, key, self.name, arm)
+        except Exception as err:  # a profiler's failure must not lose the measured trials
+            report.notes.append(f"{label}: profiler records failed: {error_text(err).splitlines()[0]}")
+        graph_stats = engine_arm.cuda_graph_stats()
+        if graph_stats:
+            counts = ", ".join(f"{k} {v}" for k, v in sorted(graph_stats.items()))
+            report.notes.append(f"{self.name}: {arm} arm CUDA graphs of the layer stack: {counts}")
 
     def close(self) -> None:
         # after the arms closed: the flops profile is written at the latest then
@@ -238,6 +250,10 @@ def gather_trial(measured: dict | None, error: str | None, world: World) -> tupl
     """Every rank's trial as one: the slowest rank's step times, the largest peak, each rank's
     peak memory (``per_rank_memory``), or the first rank's error."""
     if world.size == 1:
+        if measured is not None and measured.get("peak_memory_bytes") is None and world.part:
+            # a launch of one process in a data-parallel run: its CPU memory, as the other launches report it
+            rss = _peak_rss_bytes()
+            measured = {**measured, "per_rank_memory": {} if rss is None else {"peak_rss_bytes_rank0": float(rss)}}
         return measured, error
     mine = {"measured": measured, "error": error, "rss": _peak_rss_bytes()}
     outcomes = comm.all_gather_object(mine)
@@ -314,16 +330,17 @@ def _text_files_in_run(records: dict[str, dict], run_path: Path) -> list[tuple[s
     return files
 
 
-def _steady_state_from_trials(report: RunReport, case: str) -> None:
-    """The flops profile's whole-model figure at the dslab arm's timed steps (every trial's),
-    in place of the engine's own few steps: the run's steady state is what the benchmark timed."""
-    record = (report.profilers.get("flops") or {}).get(case)
-    result = report.result(case, "dslab")
+def _steady_state_from_trials(report: RunReport, key: str, case: str, arm: str = "dslab") -> None:
+    """The flops profile's whole-model figure (``profilers["flops"][key]``) at ``arm``'s timed
+    steps of ``case`` (every trial's), in place of the engine's own few steps: the run's steady
+    state is what the benchmark timed."""
+    record = (report.profilers.get("flops") or {}).get(key)
+    result = report.result(case, arm)
     if not isinstance(record, dict) or not record.get("profiled") or result is None or not result.trials:
         return
     times = [t for trial in result.trials for t in trial.step_times_ms]
     record["steady_state"] = steady_state(
-        record, times, f"the benchmark: median of the dslab arm's {len(times)} timed steps over "
+        record, times, f"the benchmark: median of the {arm} arm's {len(times)} timed steps over "
                        f"{len(result.trials)} trial(s)")
 
 

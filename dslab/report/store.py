@@ -63,9 +63,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def write_report(report: RunReport, root: str | Path) -> Path:
-    """Write ``report`` to ``<root>/<suite>/<run_id>/run.json`` atomically; returns the path."""
-    path = run_dir(root, report.suite, report.run_id) / REPORT_FILE
+def write_report(report: RunReport, root: str | Path, file_name: str = REPORT_FILE) -> Path:
+    """Write ``report`` to ``<root>/<suite>/<run_id>/run.json`` (or ``file_name`` there, a part
+    of a run that several launches write) atomically; returns the path."""
+    path = run_dir(root, report.suite, report.run_id) / _check_name(file_name, "report file name")
     atomic_write_text(path, json.dumps(report.to_dict(), indent=1, sort_keys=False, default=_jsonable) + "\n")
     return path
 
