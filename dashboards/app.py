@@ -4,7 +4,8 @@ Routes (all read-only, all under the reports directory):
 
 - ``/``: Runs - the filterable run table, throughput over time per suite, compare two runs.
 - ``/run/<suite>/<run_id>[/<tab>][?case=<case>]``: one run; tabs flops, comms, memory, telemetry, io,
-  experts (the expert load of a mixture-of-experts run) and inference (an inference suite's run).
+  experts (the expert load of a mixture-of-experts run), inference (an inference suite's run) and
+  scaling (a data-parallel run's cases ``<model case>-n<N>``; ``?case=`` picks the model case).
 - ``/compare?a=<suite>/<run_id>&b=<suite>/<run_id>``: two runs side by side.
 - ``/trace/<suite>/<run_id>``: the run's ``trace.pftrace`` (written by ``dslab trace``).
 

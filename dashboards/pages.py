@@ -14,7 +14,7 @@ from urllib.parse import quote
 import dash_ag_grid as dag
 from dash import dcc, html
 
-from dashboards import experts_view, figures, io_view, views
+from dashboards import experts_view, figures, io_view, scaling_view, views
 from dashboards import inference as inference_view
 from dashboards.data import RunStore, RunSummary, commit_label, gpu_label, source_label
 from dslab.report import frames
@@ -27,6 +27,8 @@ TABS = (("", "Run"), ("flops", "Flops"), ("comms", "Comms"), ("memory", "Memory"
 EXPERTS_TAB = ("experts", "Expert load")
 # Shown only for an inference suite's run (inference_view.has_inference).
 INFERENCE_TAB = ("inference", "Inference")
+# Shown only for a run with process-count cases (scaling_view.has_scaling: a data-parallel suite's).
+SCALING_TAB = ("scaling", "Scaling")
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 HEADLINE_METRIC = "samples_per_s"
 PAGE_SIZE = 25
@@ -162,9 +164,11 @@ def compare_href(a: str | None, b: str | None) -> str:
 # -- one run ----------------------------------------------------------------------------------
 
 
-def _nav(suite: str, run_id: str, current: str, moe: bool = False, inference: bool = False) -> html.Div:
+def _nav(suite: str, run_id: str, current: str, moe: bool = False, inference: bool = False,
+         scaling: bool = False) -> html.Div:
     links = []
-    for tab, label in TABS + ((EXPERTS_TAB,) if moe else ()) + ((INFERENCE_TAB,) if inference else ()):
+    for tab, label in (TABS + ((EXPERTS_TAB,) if moe else ()) + ((INFERENCE_TAB,) if inference else ())
+                       + ((SCALING_TAB,) if scaling else ())):
         href = f"/run/{quote(suite)}/{quote(run_id)}" + (f"/{tab}" if tab else "")
         links.append(dcc.Link(label, href=href, className="tab current" if tab == current else "tab"))
     return html.Div(links, className="tabs")
@@ -193,7 +197,8 @@ def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
         *[warning(p) for p in problems],
         *[html.P(f"note: {n}", className="note") for n in report.notes],
         trace_line,
-        _nav(suite, run_id, tab, experts_view.has_moe(report), inference_view.has_inference(report)),
+        _nav(suite, run_id, tab, experts_view.has_moe(report), inference_view.has_inference(report),
+             scaling_view.has_scaling(report)),
     ]
 
 
@@ -210,7 +215,7 @@ def run_page(store: RunStore, suite: str, run_id: str, tab: str = "", case: str 
     report = store.report(suite, run_id)
     body = {"": _run_tab, "flops": _flops_tab, "comms": _comms_tab, "memory": _memory_tab,
             "telemetry": _telemetry_tab, "io": _io_tab, "experts": _experts_tab,
-            "inference": _inference_tab}.get(tab)
+            "inference": _inference_tab, "scaling": _scaling_tab}.get(tab)
     if body is None:
         raise FileNotFoundError(f"no page {tab!r}")
     return _header(store, report, suite, run_id, tab) + body(report, suite, run_id, case)
@@ -421,6 +426,42 @@ def _inference_tab(report, suite, run_id, case) -> list:
 
     out += guarded("Greedy tokens against the reference arm", greedy)
     out.append(html.P(inference_view.NOTE, className="note"))
+    return out
+
+
+def _scaling_tab(report, suite, run_id, case) -> list:
+    """A data-parallel run's scaling per model case (:mod:`dashboards.scaling_view`): tokens/s,
+    weak-scaling efficiency and peak memory per GPU against the process count, dslab against its
+    sharding peers, and every arm and process count with its status."""
+    pts = scaling_view.points(report)
+    if not pts:
+        return [html.P("no cases with a process count in this run (not a data-parallel suite)", id="scaling-empty")]
+    base = scaling_view.chosen_model_case(report, pts, case)
+    out = [_case_links(suite, run_id, "scaling", scaling_view.model_cases(pts), base)]
+    counts = scaling_view.process_counts(pts, base)
+    colours = scaling_view.arm_colours(report)
+    rows = scaling_view.series(pts, base)
+    out += guarded("Throughput against processes", lambda: graph(
+        "scaling-throughput", scaling_view.throughput_figure(rows, base, counts, colours)))
+    out += guarded("Weak-scaling efficiency", lambda: graph(
+        "scaling-efficiency", scaling_view.efficiency_figure(rows, base, counts, colours)))
+    out += guarded("Peak memory per GPU", lambda: graph(
+        "scaling-memory", scaling_view.memory_figure(rows, base, counts, colours)))
+
+    def peers():
+        peer_rows = scaling_view.peer_rows(report, pts, base)
+        if not peer_rows:
+            return [html.P("no dslab arm ran beside a peer that shards the same way", id="scaling-peers-empty")]
+        return table("scaling-peers", peer_rows, [
+            ("case", "case"), ("arm", "dslab arm"), ("peer", "peer"), ("status", "status"),
+            ("speedup", "speedup ×"), ("memory_ratio", "memory ×")])
+
+    out += guarded("dslab against its sharding peers", peers)
+    out += guarded("Every arm and process count", lambda: table(
+        "scaling-points", scaling_view.point_rows(report, pts, base), [
+            ("arm", "arm"), ("nprocs", "N"), ("case", "case"), ("status", "status"), ("tokens_per_s", "tokens/s"),
+            ("efficiency", "efficiency"), ("peak_gib", "peak GiB per GPU"), ("error", "error")]))
+    out.append(html.P(scaling_view.NOTE, className="note"))
     return out
 
 

@@ -5,7 +5,8 @@ every profiler section per case as ``dslab.bench.training`` stores it (flops mod
 steps and activations, multi-rank comms with a straggler, NVML telemetry, wall clock). The comms
 section is made by the real analysis functions (:mod:`dslab.profilers.comms_analysis`) from
 generated records, so its shape follows the comms logger's. :func:`make_small_report` is the
-minimal report of the 500-run load test.
+minimal report of the 500-run load test. :func:`make_scaling_report` is a data-parallel run
+(``suites/zero``'s shape: cases ``<model case>-n<N>``) with made-up, consistent numbers.
 """
 
 from __future__ import annotations
@@ -230,6 +231,79 @@ def make_small_report(run_id: str, suite: str, created: str, throughput: float) 
             "created": created, "environment": {"dslab": {"git_commit": f"{zlib.crc32(run_id.encode()):010x}"},
                                                 "cuda": {"gpus": [{"name": GPU}]}},
             "config": {}, "data": {}, "peaks": {}, "results": results, "ratios": {}, "profilers": {}, "notes": []}
+
+
+# A data-parallel run (make_scaling_report): tokens/s (all ranks) and peak GiB per GPU (largest rank) of
+# each (model case, arm) at N processes; None: the arm failed there (out of memory). SCALING_SKIPPED ran
+# nowhere (DeepSpeed does not import).
+SCALING_SUITE = "zero"
+SCALING_RUN_ID = "20261205T100000Z-zero00"
+SCALING_SEQ = 1024
+SCALING_MICRO_BATCH = 8
+SCALING_TOKENS = {
+    "355m": {"dslab-zero0": {1: 10000.0, 2: 19000.0, 4: 36000.0},
+             "ddp": {1: 9000.0, 2: 16650.0, 4: 30600.0},
+             "dslab-zero3": {1: 8000.0, 2: 14400.0, 4: 25600.0},
+             "fsdp2": {1: 8000.0, 2: 12800.0, 4: None}},
+    "124m": {"dslab-zero0": {1: 30000.0, 2: 57000.0},
+             "ddp": {1: 30000.0, 2: 54000.0}},
+}
+SCALING_PEAK_GIB = {
+    "355m": {"dslab-zero0": {1: 12.0, 2: 12.0, 4: 12.0},
+             "ddp": {1: 13.0, 2: 13.0, 4: 13.0},
+             "dslab-zero3": {1: 12.0, 2: 7.0, 4: 4.5},
+             "fsdp2": {1: 12.5, 2: 7.5, 4: None}},
+    "124m": {"dslab-zero0": {1: 4.0, 2: 4.0},
+             "ddp": {1: 4.5, 2: 4.5}},
+}
+SCALING_SKIPPED = "deepspeed-zero3"
+SCALING_OOM = "CUDA out of memory. Tried to allocate 3.00 GiB on rank 2"
+
+
+def make_scaling_report(run_id: str = SCALING_RUN_ID, suite: str = SCALING_SUITE, *,
+                        created: str = "2026-12-05T10:00:00+00:00") -> dict:
+    """The ``run.json`` content of a data-parallel run: model cases ``355m`` (N = 1, 2, 4; arms
+    dslab-zero0, ddp, dslab-zero3, fsdp2 failing out of memory at N=4, and deepspeed-zero3 skipped
+    everywhere) and ``124m`` (N = 1, 2; dslab-zero0 and ddp), numbers from :data:`SCALING_TOKENS`
+    and :data:`SCALING_PEAK_GIB`, three trials each with the table's value as their median."""
+    tokens_per_step = SCALING_SEQ * SCALING_MICRO_BATCH
+    cases, results = [], []
+    for base, arms in SCALING_TOKENS.items():
+        counts = sorted(next(iter(arms.values())))
+        for n in counts:
+            case = f"{base}-n{n}"
+            cases.append({"name": case, "base_case": base, "nprocs": n, "model": f"gpt2_{base}",
+                          "seq_len": SCALING_SEQ, "micro_batch": SCALING_MICRO_BATCH})
+            for arm, by_n in arms.items():
+                tokens = by_n[n]
+                if tokens is None:
+                    results.append({"case": case, "arm": arm, "status": "failed", "error": SCALING_OOM + "\nTraceback ...",
+                                    "trials": [], "metrics": {}})
+                    continue
+                peak = SCALING_PEAK_GIB[base][arm][n] * 2**30
+                metrics = {"tokens_per_s": tokens, "samples_per_s": tokens / SCALING_SEQ,
+                           "step_time_ms": n * tokens_per_step / tokens * 1e3, "peak_memory_bytes": peak,
+                           **{f"peak_memory_bytes_rank{r}": peak - r * 2**20 for r in range(n)}}
+                trials = [{"trial": t, "step_times_ms": [metrics["step_time_ms"] / f] * 3,
+                           "metrics": {k: (v * f if k in ("tokens_per_s", "samples_per_s") else v)
+                                       for k, v in metrics.items()}}
+                          for t, f in enumerate((0.99, 1.0, 1.01))]
+                results.append({"case": case, "arm": arm, "status": "ok", "error": None, "trials": trials,
+                                "metrics": metrics})
+            if base == "355m":
+                results.append({"case": case, "arm": SCALING_SKIPPED, "status": "skipped",
+                                "error": "deepspeed is not importable: No module named 'deepspeed'",
+                                "trials": [], "metrics": {}})
+    return {
+        "schema": "dslab.run", "schema_version": 3, "run_id": run_id, "suite": suite, "status": "complete",
+        "created": created, "finished": created,
+        "environment": {"dslab": {"version": "0.1.0", "git_commit": "5ca1ab1e00", "git_dirty": False},
+                        "cuda": {"available": True, "device_count": 4,
+                                 "gpus": [{"index": i, "name": GPU, "total_memory_bytes": 85 << 30} for i in range(4)]}},
+        "config": {"kind": "data_parallel", "scale": "full", "precision": "bf16", "trials": 3, "cases": cases},
+        "data": {"kind": "synthetic", "description": "synthetic tokens"}, "peaks": {},
+        "results": results, "ratios": {}, "best_plain": {}, "profilers": {}, "inference": {}, "notes": [],
+    }
 
 
 def write_run(root: Path, data: dict | str, suite: str | None = None, run_id: str | None = None) -> Path:
