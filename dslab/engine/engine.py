@@ -96,7 +96,6 @@ class DslabEngine(nn.Module):
         self.world_size = comm.get_world_size()
         self.rank = comm.get_rank()
         config.resolve_batch_size(self.world_size)
-        expert_parallel.check_zero_stage(config.zero_optimization.stage, model.parameters())
         dispatch.set_backend(None if config.kernels == "auto" else config.kernels)
 
         self.device = _default_device()

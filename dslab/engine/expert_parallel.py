@@ -148,17 +148,6 @@ def split_param_groups(params: Iterable) -> list:
     return out
 
 
-def check_zero_stage(stage: int, params: Iterable[torch.Tensor]) -> None:
-    """ZeRO stage 3 shards every parameter over the data-parallel group, and an expert's shards
-    would have to live on its expert-data-parallel group: refused, as DeepSpeed does."""
-    if stage == 3 and any(is_expert_param(p) for p in params):
-        raise ValueError(
-            "ZeRO stage 3 ('zero_optimization.stage') does not support expert-parallel (MoE) "
-            "parameters: their gradients and shards belong to expert-data-parallel groups, not "
-            "the data-parallel group stage 3 partitions over; use zero_optimization.stage 0, 1 "
-            "or 2")
-
-
 # -- the layout a checkpoint records --------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """One rank of the engine's MoE tests, started by torchrun (see test_moe_engine.py).
 
-``four OUT CKPT``: 4 ranks. ZeRO stages 0-2 with ep_size 1, 2 and 4 (plain and clipped with
+``four OUT CKPT``: 4 ranks. ZeRO stages 0-3 with ep_size 1, 2 and 4 (plain and clipped with
 accumulation), DeepSpeed-style param groups, optimizer offload, an fp16 overflow in one rank's
 expert gradients, and checkpoints (resume, the files, loads at other layouts).
 ``two OUT CKPT``: 2 ranks. ep_size 2 against ep_size 1 at stages 0-2, and loading the 4-rank
@@ -101,7 +101,7 @@ SCENARIOS = {
 
 def run_matrix(results, ep_sizes):
     for name, overrides in SCENARIOS.items():
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             for ep_size in ep_sizes:
                 run(results, f"{name}/stage{stage}/ep{ep_size}", stage, ep_size, **overrides)
 
@@ -196,8 +196,8 @@ def run_checkpoints(results, ckpt_root):
 
 
 def run_real_moe(results):
-    """dslab.moe.MoE (top-1, no random token selection) at ep_size 2 and 1, stages 0 and 2."""
-    for stage in (0, 2):
+    """dslab.moe.MoE (top-1, no random token selection) at ep_size 2 and 1, stages 0, 2 and 3."""
+    for stage in (0, 2, 3):
         for ep_size in (1, 2):
             cfg = base_config(train_micro_batch_size_per_gpu=4, gradient_clipping=0.05,
                               gradient_accumulation_steps=2, optimizer=SGD,

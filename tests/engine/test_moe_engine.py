@@ -25,8 +25,8 @@ from dslab.moe.groups import reset_expert_groups
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from helpers import base_config  # noqa: E402
-from moe_model import MoENet, dense_and_expert_groups  # noqa: E402
+from helpers import base_config, make_data  # noqa: E402
+from moe_model import CLASSES, DIM, MoENet, dense_and_expert_groups  # noqa: E402
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -68,7 +68,7 @@ def _assert_run_matches(result, reference):
 
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("scenario", ["fp32", "accum_clip"])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("ep_size", [1, 2, 4])
 def test_every_ep_size_and_stage_ends_where_ep1_stage0_ends(four_ranks, scenario, stage, ep_size):
     reference = four_ranks[f"{scenario}/stage0/ep1"]
@@ -191,7 +191,7 @@ def test_two_ranks_ep2_ends_where_ep1_ends(two_ranks, stage, ep_size):
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_dslab_moe_layer_trains_the_same_at_ep2(two_ranks, stage):
     reference = two_ranks["real_moe/stage0/ep1"]
     experts = [k for k in reference["state"] if ".experts." in k]
@@ -210,10 +210,25 @@ def fresh_groups():
     reset_expert_groups()
 
 
-def test_stage3_with_experts_is_refused(fresh_groups):
-    cfg = base_config(train_micro_batch_size_per_gpu=4, zero_optimization={"stage": 3})
-    with pytest.raises(ValueError, match=r"'zero_optimization.stage'.*expert-parallel"):
-        dslab.initialize(model=MoENet(1), config=cfg)
+def test_stage3_with_experts_trains_as_stage0_in_one_process(fresh_groups):
+    def losses(stage):
+        reset_expert_groups()
+        torch.manual_seed(0)
+        cfg = base_config(train_micro_batch_size_per_gpu=4, zero_optimization={
+            "stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0})
+        engine, _, _, _ = dslab.initialize(model=MoENet(1, expert_seed=1), config=cfg)
+        x, y = make_data(12, dim=DIM, classes=CLASSES, seed=7)
+        out = []
+        for i in range(3):
+            loss = engine(x[4 * i:4 * i + 4], y[4 * i:4 * i + 4])
+            engine.backward(loss)
+            engine.step()
+            out.append(float(loss.detach()))
+        engine.destroy()
+        return out
+
+    reference = losses(0)
+    assert losses(3) == pytest.approx(reference, rel=1e-6) and reference[0] != reference[-1]
 
 
 def test_split_param_groups(fresh_groups):

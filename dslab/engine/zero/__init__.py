@@ -18,7 +18,8 @@ are sharded per rank
 Expert parameters of MoE layers (:mod:`dslab.engine.expert_parallel`) are partitioned at stages
 1 and 2 like the others, but over their expert-data-parallel group (the ranks that hold the same
 experts): their units are reduce-scattered and all-gathered there, summed and divided by the
-data-parallel world size. Stage 3 refuses them.
+data-parallel world size. At stage 3 an expert's units are also gathered over that group, before
+its module's forward and backward, like any other module's.
 
 Every collective goes through :mod:`dslab.comm` (``reduce_scatter`` and ``all_gather``, sized as
 nccl-tests count them), so the comms logger sees them all.

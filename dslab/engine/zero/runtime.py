@@ -113,13 +113,18 @@ class ZeroRuntime:
             planned = [(layout, params) for layout, params, _ in planned]
         else:
             planned = plan_buckets(named_groups, config.reduce_bucket_size)
-        sync = None
-        if broadcast and self.world_size > 1:
-            def sync(full: torch.Tensor) -> None:
-                comm.broadcast(full, src=0, group=group)
         self.units = []
         for i, (layout, params) in enumerate(planned):
             reduction = reduction_group(params[0], group)
+            sync = None
+            if broadcast and self.world_size > 1:
+                # from rank 0, or for an expert's unit from the first rank of its
+                # expert-data-parallel group (the other ep ranks hold other experts)
+                def sync(full: torch.Tensor, reduction=reduction) -> None:
+                    if reduction.is_expert:
+                        comm.broadcast(full, src=reduction.source_rank, group=reduction.group)
+                    else:
+                        comm.broadcast(full, src=0, group=group)
             self.units.append(FlatUnit(i, layout, params, reduction.size, reduction.rank, device,
                                        sync, group=reduction.group,
                                        grad_divisor=reduction.divisor))

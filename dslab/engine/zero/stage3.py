@@ -107,7 +107,9 @@ class ParameterGatherer:
 
     def _start_gather(self, unit: FlatUnit, async_op: bool) -> None:
         unit.full = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
-        work = comm.all_gather_into_tensor(unit.full, unit.shard, group=self.group,
+        # over the unit's partition group: the data-parallel group, or an expert unit's
+        # expert-data-parallel group
+        work = comm.all_gather_into_tensor(unit.full, unit.shard, group=unit.group,
                                            async_op=async_op)
         self.live_numel += unit.padded
         if async_op and work is not None:
