@@ -190,5 +190,6 @@ class DataParallelCase(TrainingCase):
                 self.record_profilers(arm, name, f"{self.name} {name}")
 
     def trial_line(self, name: str, metrics: dict) -> str:
+        host = f"  host {metrics['host_step_ms']:.2f} ms" if "host_step_ms" in metrics else ""
         return (f"{name:<19} {metrics.get('tokens_per_s', metrics['samples_per_s']):>12,.0f} tokens/s  "
-                f"{metrics['step_time_ms']:>9.2f} ms/step")
+                f"{metrics['step_time_ms']:>9.2f} ms/step{host}")

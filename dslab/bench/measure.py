@@ -97,8 +97,10 @@ def run_trial(step, device: torch.device, warmup: int, steps: int,
               pools: set[tuple[int, int]] | None = None) -> dict:
     """Warm up, then time ``steps`` calls of ``step`` one by one.
 
-    Returns ``{"step_times_ms": [...], "peak_memory_bytes": int or None, "final_loss": float}``
-    and, when ``pools`` is given, ``"graph_pool_bytes"``.
+    Returns ``{"step_times_ms": [...], "peak_memory_bytes": int or None, "final_loss": float}``,
+    on CUDA ``"host_times_ms"`` (how long each ``step()`` took to return on the host: close to the
+    step time when the host, or a synchronisation inside the step, is what the device waits for;
+    well below it when the device is busy) and, when ``pools`` is given, ``"graph_pool_bytes"``.
 
     ``pools`` is the arm's set of CUDA-graph pool ids, kept by the caller across the arm's trials:
     the private pools that appear while this arm warms up or runs are added to it (only one arm
@@ -118,9 +120,12 @@ def run_trial(step, device: torch.device, warmup: int, steps: int,
         torch.cuda.reset_peak_memory_stats(device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        host = []
         for s, e in zip(starts, ends):
             s.record()
+            t0 = time.perf_counter()
             loss = step()
+            host.append((time.perf_counter() - t0) * 1e3)
             e.record()
         torch.cuda.synchronize(device)
         times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
@@ -143,6 +148,8 @@ def run_trial(step, device: torch.device, warmup: int, steps: int,
         "peak_memory_bytes": peak,
         "final_loss": float(loss.detach().float()) if loss is not None else float("nan"),
     }
+    if cuda:
+        trial["host_times_ms"] = host
     if cuda and pools is not None:
         trial["graph_pool_bytes"] = pool_bytes
     return trial
@@ -163,6 +170,8 @@ def trial_metrics(trial: dict, samples: int, tokens: int, flops: int | None, pea
     if len(times) >= 4:
         q = statistics.quantiles(times, n=10)
         metrics["step_time_p10_ms"], metrics["step_time_p90_ms"] = q[0], q[-1]
+    if trial.get("host_times_ms"):
+        metrics["host_step_ms"] = statistics.median(trial["host_times_ms"])
     if trial["peak_memory_bytes"] is not None:
         metrics["peak_memory_bytes"] = float(trial["peak_memory_bytes"])
     if trial.get("graph_pool_bytes") is not None:

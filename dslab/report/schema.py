@@ -91,6 +91,7 @@ METRIC_DIRECTIONS = {
     "samples_per_s": "higher",
     "tokens_per_s": "higher",
     "step_time_ms": "lower",
+    "host_step_ms": "lower",
     "model_tflops": "higher",
     "mfu_measured": "higher",
     "mfu_datasheet": "higher",

@@ -211,3 +211,14 @@ def test_scaling_points_and_peer_ratios():
     assert ("m-n4", "fsdp2-compile") not in pairs
     ratios = best_peer_ratios(report)
     assert ratios["m-n4"]["dslab-zero3/best_peer"] == pytest.approx(2.4)  # against the fastest peer
+
+
+def test_host_time_per_step_is_the_median_of_the_host_times():
+    from dslab.bench.measure import trial_metrics
+
+    trial = {"step_times_ms": [10.0, 12.0, 11.0], "host_times_ms": [3.0, 9.0, 4.0], "peak_memory_bytes": None,
+             "final_loss": 1.0}
+    metrics = trial_metrics(trial, samples=8, tokens=800, flops=None, peaks={}, datasheet_bf16_tflops=None)
+    assert metrics["host_step_ms"] == 4.0 and metrics["step_time_ms"] == 11.0
+    del trial["host_times_ms"]  # a CPU trial: the host is the device
+    assert "host_step_ms" not in trial_metrics(trial, 8, 800, None, {}, None)
