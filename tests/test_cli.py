@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 EXPECTED_TOP_LEVEL_OPTIONS = {"--version"}
 # A subcommand with actions of its own (dslab report list/show) maps to {action: options}.
 EXPECTED_COMMANDS = {
-    "bench": {"--scale", "--arms", "--cases", "--trials", "--steps", "--warmup", "--out", "--zero-stage",
-              "--verbose"},
+    "bench": {"--scale", "--arms", "--cases", "--trials", "--steps", "--warmup", "--out", "--nprocs",
+              "--zero-stage", "--verbose"},
     "report": {
         "list": {"--suite", "--reports"},
         "show": {"--reports", "--json"},

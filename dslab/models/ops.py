@@ -84,7 +84,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dslab.models.weight_cast import Linear, weight
+from dslab.models.weight_cast import Linear, linear, weight
 
 KERNEL_SETS = ("dslab", "torch")
 IGNORE_INDEX = -100
@@ -380,7 +380,7 @@ class PackedProjection(Linear):
         bias = weight(self.bias)
         if bias_grad_elsewhere and bias is not None:
             bias = bias.detach()
-        return F.linear(input, weight(self.weight), bias)
+        return linear(input, weight(self.weight), bias)
 
 
 def _residual_add(out, bias, residual, p, training, ops: OpSet, norm: LayerNorm | None):

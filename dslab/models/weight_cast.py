@@ -38,7 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["cast_weights", "use_casts", "weight", "autocast_dtype", "Linear", "weights_read_through", "READ_THROUGH"]
+__all__ = ["cast_weights", "use_casts", "weight", "autocast_dtype", "Linear", "linear", "linear_saves_weights",
+           "weights_read_through", "READ_THROUGH"]
 
 _local = threading.local()
 
@@ -145,6 +146,63 @@ def cast_weights(params: Iterable[torch.Tensor], dtype: torch.dtype | None) -> I
 READ_THROUGH = "_read_through_weight"
 
 
+class _LinearSavingWeight(torch.autograd.Function):
+    """``F.linear`` whose backward keeps the weight tensor it was given (the parameter itself),
+    not a view of it: see :func:`linear_saves_weights`."""
+
+    @staticmethod
+    def forward(ctx, input, weight_, bias):
+        out = F.linear(input, weight_, bias)  # under autocast: in the autocast dtype
+        # the input as the product saw it (autocast casts it), the weight as given
+        ctx.save_for_backward(input.to(out.dtype), weight_)
+        ctx.input_dtype = input.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        input, weight_ = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad.matmul(weight_.to(grad.dtype)).to(ctx.input_dtype)
+        flat = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = flat.t().matmul(input.reshape(-1, input.shape[-1])).to(weight_.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = flat.sum(0).to(ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias
+
+
+# Open linear_saves_weights() blocks (in any thread): while none is, linear() is F.linear.
+_saving_weights = 0
+
+
+@contextlib.contextmanager
+def linear_saves_weights() -> Iterator[None]:
+    """Within the block, :func:`linear` (every :class:`Linear`'s forward) keeps its weight
+    parameter itself for the backward instead of ``F.linear``'s view of it (``weight.t()``).
+
+    For ZeRO stage 3 (:mod:`dslab.engine.zero.stage3_stack`): a gathered weight is a parameter
+    bound to a buffer that is freed after the layer's forward and gathered again for its
+    backward. A view saved by ``F.linear`` would keep the first buffer alive until the backward;
+    the parameter itself sees the buffer it is bound to when the backward runs. The gradients are
+    the same products ``F.linear``'s backward computes."""
+    global _saving_weights
+    _saving_weights += 1
+    try:
+        yield
+    finally:
+        _saving_weights -= 1
+
+
+def linear(input: torch.Tensor, weight_: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or inside :func:`linear_saves_weights` its twin that saves ``weight_`` itself."""
+    if _saving_weights and torch.is_grad_enabled() and weight_.requires_grad:
+        return _LinearSavingWeight.apply(input, weight_, bias)
+    return F.linear(input, weight_, bias)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` reading its weight and bias through :func:`weight`: the module parameters
     outside any scope, their casts or copies inside one. Same parameters, state dict and
@@ -153,7 +211,7 @@ class Linear(nn.Linear):
     _read_through_weight = ("weight", "bias")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.linear(input, weight(self.weight), weight(self.bias))
+        return linear(input, weight(self.weight), weight(self.bias))
 
 
 def weights_read_through(module: nn.Module) -> list[nn.Parameter]:

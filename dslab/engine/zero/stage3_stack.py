@@ -37,13 +37,13 @@ when the engine's ``cuda_graphs`` are on:
   freed.
 
 Memory: one layer's full gradients at a time, and a layer's gathered weights plus the next one's
-in flight, except where the forward saved a weight for the backward: ``F.linear`` saves a view of
-its weight (``weight.t()``), which keeps that layer's gathered buffer alive until its backward,
-as autocast's saved casts do in the other stages. So the forward ends holding the stack's weights
-in the gather dtype (2 bytes a parameter under bf16), and the backward frees them layer by layer;
-its own gathers rebind the parameters for the ops that saved the parameter itself. The graphs
-keep these buffers in their pool; the gradient shards the backward writes live outside it (one
-fp32 shard per sharded unit).
+in flight. ``F.linear`` would save a view of its weight (``weight.t()``) for the backward, which
+would keep each layer's gathered buffer alive from its forward to its backward (the whole stack's
+weights at the end of the forward); inside the stack the layers' linears save the weight
+parameter itself instead (:func:`dslab.models.weight_cast.linear_saves_weights`), which the
+backward's gather binds again. The graphs keep these buffers in their pool; the gradient shards
+the backward writes live outside it (one fp32 shard per sharded unit), beside each unit's shard
+copy in the gather dtype.
 
 A capture that fails (an error inside ``torch.cuda.graph``) is logged, counted
 (``eager_capture_failed``), and the stack runs its passes eagerly from then on.
@@ -64,6 +64,7 @@ from dslab.engine.zero.partition import FlatUnit
 from dslab.kernels.dispatch import graphed_launches
 from dslab.models.graphs import WARMUP_RUNS, capture_blocker, clear_cublas_workspaces
 from dslab.models.ops import chains_into
+from dslab.models.weight_cast import linear_saves_weights
 
 __all__ = ["Stage3LayerStack", "stack_units"]
 
@@ -294,12 +295,13 @@ class Stage3LayerStack:
                 normed = None if normed is None else normed.detach().requires_grad_(True)
                 state.inputs.append((x, normed))
             extra = {} if normed is None else {"normed": normed}
-            if chains_into(layer, after):
-                normed, x = layer(x, mask, next_norm=after.attention_norm, **extra)
-                outputs = (normed, x)
-            else:
-                x, normed = layer(x, mask, **extra), None
-                outputs = (x,)
+            with linear_saves_weights():  # the layer's saved weights are its parameters (docstring)
+                if chains_into(layer, after):
+                    normed, x = layer(x, mask, next_norm=after.attention_norm, **extra)
+                    outputs = (normed, x)
+                else:
+                    x, normed = layer(x, mask, **extra), None
+                    outputs = (x,)
             if track:
                 state.outputs.append(outputs)
             self._release(i)

@@ -78,3 +78,63 @@ def test_stack_gathers_in_the_autocast_dtype(runs):
     # fp32 run: the same gathers in fp32, twice the bytes
     fp32_bytes = sorted(nb for op, nb, dt in runs[("gpt2", 3, False, 1)]["calls"] if op == "all_gather")
     assert {nb * 2 for _, nb, _ in bf16} <= set(fp32_bytes)
+
+
+@pytest.mark.parametrize("linear_saves_weights", [True, False])
+def test_the_forward_keeps_no_gathered_buffer_for_the_backward(monkeypatch, linear_saves_weights):
+    """In one process: what the stack's forward saves for its backward holds no gathered buffer,
+    except through the parameters themselves (rebound by the backward's gathers). With
+    ``F.linear``'s saved views instead, every layer's buffers would stay alive."""
+    import contextlib
+
+    import dslab
+    from dslab.engine.zero import stage3_stack
+    from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
+
+    if not linear_saves_weights:
+        monkeypatch.setattr(stage3_stack, "linear_saves_weights", contextlib.nullcontext)
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
+              "cuda_graphs": {"enabled": True}, "steps_per_print": 10**6}
+    engine, _, _, _ = dslab.initialize(model=GPT2LMHeadModel(gpt2_tiny(dropout=0.0)), config=config)
+    stack = engine.module._layer_graphs
+    assert isinstance(stack, stage3_stack.Stage3LayerStack)
+    # the storages of the gathered buffers alive now, by layer (a freed buffer's address may
+    # come back as an activation's)
+    live, start, release, forward = {}, stack._gather_start, stack._release, [True]
+
+    def recording(i):
+        pending = start(i)
+        if forward[0]:
+            live[i] = {b.untyped_storage().data_ptr() for b in pending.buffers}
+        return pending
+
+    def releasing(i):
+        release(i)
+        live.pop(i, None)
+
+    monkeypatch.setattr(stack, "_gather_start", recording)
+    monkeypatch.setattr(stack, "_release", releasing)
+    gathered, held = set(), set()
+
+    def pack(t):
+        alive = set().union(*live.values()) if live else set()
+        gathered.update(alive)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in alive and not isinstance(t, torch.nn.Parameter):
+            held.add(ptr)
+        return t
+
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = engine(input_ids=ids, labels=ids)
+    forward[0] = False
+    engine.backward(loss)
+    engine.step()
+    assert len(gathered) >= 2 * 4  # 2 layers x 4 sharded units, each gathered in the forward
+    if linear_saves_weights:
+        assert not held
+    else:  # F.linear's saved weight views: every layer's 4 projections
+        assert len(held) == 2 * 4
+    engine.destroy()
