@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from dslab.config_base import ConfigSection, closest_key, known_keys, parse_section
+from dslab.engine.activation_checkpointing import ActivationCheckpointingConfig
 from dslab.engine.compile_config import CompileConfig
 from dslab.engine.cuda_graph_config import CudaGraphConfig
 from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
@@ -33,7 +34,6 @@ from dslab.profilers.telemetry import TelemetryConfig
 # DeepSpeed keys that dslab knows and does not implement. A section that is present but switched
 # off ({"enabled": false}, false, null) is accepted and ignored; anything else is refused.
 UNSUPPORTED_DEEPSPEED_KEYS = (
-    "activation_checkpointing",
     "amp",
     "autotuning",
     "checkpoint",
@@ -79,6 +79,7 @@ class DslabConfig(ConfigSection):
     compile: CompileConfig = CompileConfig()
     # dslab's own keys
     cuda_graphs: CudaGraphConfig = CudaGraphConfig()
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     kernels: Literal["auto", "torch", "triton"] = "auto"
     flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()
     comms_logger: CommsLoggerConfig = CommsLoggerConfig()

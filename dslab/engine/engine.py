@@ -107,6 +107,8 @@ class DslabEngine(nn.Module):
         # Kept out of nn.Module's registry: it is self.module or its compiled wrapper, and must
         # not show up a second time in the engine's modules or state dict.
         config.cuda_graphs.apply(self.module)
+        if "activation_checkpointing" in config.model_fields_set:
+            config.activation_checkpointing.apply()  # the process's checkpoint settings, as DeepSpeed's
         object.__setattr__(self, "_run_module", config.compile.wrap(self.module))
         if self.world_size > 1:
             self._broadcast_parameters(trainable=not shard_in_place)

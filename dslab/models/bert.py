@@ -63,7 +63,9 @@ class BertConfig:
     True fuses each layer's last residual add with the next layer's first LayerNorm, so layer i
     reads layer i+1's norm parameters; False keeps each layer to its own parameters, which
     FSDP2's per-layer ``fully_shard`` and pipeline stages need. The loss is the same either way
-    (:func:`dslab.models.ops.run_layer_stack`)."""
+    (:func:`dslab.models.ops.run_layer_stack`).
+    ``checkpoint_layers``: in training, the layer stack in segments of that many layers, each an
+    activation checkpoint (:mod:`dslab.models.checkpoint`); 0 (the default) keeps every activation."""
 
     vocab_size: int = 30528
     hidden: int = 1024
@@ -79,6 +81,7 @@ class BertConfig:
     sparse_mlm: bool = True
     initializer_range: float = 0.02
     chain_layer_norms: bool = True
+    checkpoint_layers: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -100,6 +103,9 @@ class BertConfig:
             raise ValueError(f"initializer_range must be > 0, got {self.initializer_range!r}")
         if not isinstance(self.chain_layer_norms, bool):
             raise ValueError(f"chain_layer_norms must be a bool, got {self.chain_layer_norms!r}")
+        if isinstance(self.checkpoint_layers, bool) or not isinstance(self.checkpoint_layers, int) \
+                or self.checkpoint_layers < 0:
+            raise ValueError(f"checkpoint_layers must be an int >= 0, got {self.checkpoint_layers!r}")
 
     @classmethod
     def from_hf(cls, hf_config, **overrides) -> BertConfig:

@@ -57,7 +57,11 @@ class GPT2Config:
     LayerNorm (one ``dropout_add_layer_norm``, so block i reads block i+1's norm parameters);
     False makes each block read only its own parameters (the next block normalizes its input
     itself), which FSDP2's per-block ``fully_shard`` and pipeline stages need. The loss is the
-    same either way (:func:`dslab.models.ops.run_layer_stack`)."""
+    same either way (:func:`dslab.models.ops.run_layer_stack`).
+
+    ``checkpoint_layers``: in training, the layer stack in segments of that many layers, each an
+    activation checkpoint (:mod:`dslab.models.checkpoint`): its activations recomputed in the
+    backward; 0 (the default) keeps them all."""
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -69,6 +73,7 @@ class GPT2Config:
     vocab_pad_multiple: int = 1
     initializer_range: float = 0.02
     chain_layer_norms: bool = True
+    checkpoint_layers: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -89,6 +94,9 @@ class GPT2Config:
             raise ValueError(f"initializer_range must be > 0, got {self.initializer_range!r}")
         if not isinstance(self.chain_layer_norms, bool):
             raise ValueError(f"chain_layer_norms must be a bool, got {self.chain_layer_norms!r}")
+        if isinstance(self.checkpoint_layers, bool) or not isinstance(self.checkpoint_layers, int) \
+                or self.checkpoint_layers < 0:
+            raise ValueError(f"checkpoint_layers must be an int >= 0, got {self.checkpoint_layers!r}")
 
     @property
     def intermediate(self) -> int:

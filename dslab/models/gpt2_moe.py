@@ -107,6 +107,9 @@ class GPT2MoEConfig(GPT2Config, MoESettings):
     def validate(self) -> None:
         GPT2Config.validate(self)
         self.validate_moe()
+        if self.checkpoint_layers:
+            raise ValueError(f"checkpoint_layers={self.checkpoint_layers}: GPT-2-MoE does not checkpoint its "
+                             "layers (each MoE layer's load-balancing loss leaves the stack beside its output)")
 
     @property
     def moe_layers(self) -> list[int]:

@@ -72,7 +72,7 @@ import torch.nn as nn
 from torch.nn.modules import module as module_globals
 
 from dslab.kernels.dispatch import graphed_launches
-from dslab.models.ops import run_layer_stack
+from dslab.models.ops import run_checkpointed_stack, run_layer_stack
 from dslab.models.weight_cast import weight
 
 WARMUP_RUNS = 3
@@ -344,6 +344,13 @@ class CudaGraphLayers:
         return dict(self._layer_graphs.stats) if self._layer_graphs is not None else {}
 
     def run_layers(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        every = getattr(getattr(self, "config", None), "checkpoint_layers", 0)
+        if every and self.training and torch.is_grad_enabled():
+            # checkpointed segments recompute in the backward under the forward's random state,
+            # which a replayed graph cannot restore: they run eagerly
+            if self._layer_graphs is not None:
+                self._layer_graphs.stats["eager_activation_checkpointing"] += 1
+            return run_checkpointed_stack(self.layers, x, key_padding_mask, every)
         if self._layer_graphs is not None:
             return self._layer_graphs(x, key_padding_mask)
         return run_layer_stack(self.layers, x, key_padding_mask)

@@ -84,6 +84,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dslab.models.checkpoint import checkpoint
 from dslab.models.weight_cast import Linear, linear, weight
 
 KERNEL_SETS = ("dslab", "torch")
@@ -524,6 +525,36 @@ def run_layer_stack(layers: Iterable[nn.Module], x: torch.Tensor,
             normed, x = layer(x, key_padding_mask, next_norm=after.attention_norm, **extra)
         else:
             x, normed = layer(x, key_padding_mask, **extra), None
+    return x
+
+
+def _run_segment(layers: list[nn.Module], after: nn.Module | None, key_padding_mask, x, normed):
+    """:func:`run_layer_stack`'s loop over ``layers``, from ``x`` (and ``normed``, the first
+    layer's normalized input when the layer before computed it), the last layer chaining into
+    ``after`` (the next segment's first layer) when they chain; returns ``(x, normed)``."""
+    for layer, nxt in zip(layers, [*layers[1:], after]):
+        extra = {} if normed is None else {"normed": normed}
+        if chains_into(layer, nxt):
+            normed, x = layer(x, key_padding_mask, next_norm=nxt.attention_norm, **extra)
+        else:
+            x, normed = layer(x, key_padding_mask, **extra), None
+    return x, normed
+
+
+def run_checkpointed_stack(layers: Iterable[nn.Module], x: torch.Tensor, key_padding_mask: torch.Tensor | None,
+                           every: int) -> torch.Tensor:
+    """:func:`run_layer_stack` in segments of ``every`` layers, each one activation checkpoint
+    (:func:`dslab.models.checkpoint.checkpoint`): a segment keeps its inputs (the stream, and the
+    normalized stream when the segment before chained into it) and recomputes the rest in the
+    backward, under the forward's random states. The result and the gradients are the same."""
+    if every < 1:
+        raise ValueError(f"checkpoint segments must hold >= 1 layer, got {every}")
+    layers = list(layers)
+    normed = None
+    for start in range(0, len(layers), every):
+        segment = layers[start:start + every]
+        after = layers[start + every] if start + every < len(layers) else None
+        x, normed = checkpoint(_run_segment, segment, after, key_padding_mask, x, normed)
     return x
 
 

@@ -65,6 +65,8 @@ def _graphed_stack_units(module: nn.Module, units: list[FlatUnit], owners: list[
     graphs = getattr(module, "_layer_graphs", None)
     if not isinstance(graphs, LayerStackGraphs) or graphs.side is not None:
         return None
+    if getattr(getattr(module, "config", None), "checkpoint_layers", 0):
+        return None  # checkpointed segments run eagerly, through the per-module hooks
     by_layer = stack_units(module.layers, units, owners)
     return by_layer if any(by_layer) else None
 
