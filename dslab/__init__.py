@@ -33,7 +33,13 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+# DeepSpeed's submodule names, loaded on first use (``dslab.zero.Init``, ``dslab.checkpointing``)
+_SUBMODULES = ("zero", "checkpointing")
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dslab.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'dslab' has no attribute {name!r}")

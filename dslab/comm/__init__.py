@@ -23,6 +23,7 @@ from dslab.comm.collectives import (
     remove_observer,
 )
 from dslab.comm.process import (
+    get_global_rank,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -43,6 +44,7 @@ __all__ = [
     "averaging_op",
     "barrier",
     "broadcast",
+    "get_global_rank",
     "get_local_rank",
     "get_rank",
     "get_world_size",

@@ -28,6 +28,14 @@ def get_world_size(group=None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
+def get_global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank`` (itself for the default group, or when
+    not distributed)."""
+    if group is None or not is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
 def new_group(ranks: list[int]):
     """A process group over ``ranks`` (every rank of the world must call this, in the same order,
     for every group created); None when not distributed."""

@@ -46,6 +46,7 @@ from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
 from dslab.engine.profiling import ProfilerHooks, build_profilers
 from dslab.engine.schedulers import build_scheduler
 from dslab.engine.zero import build_zero
+from dslab.parallel.partitioned import forget_partition, gather_, is_partitioned
 from dslab.kernels import dispatch
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,19 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+
+def _check_partitioned(model: nn.Module, stage: int) -> None:
+    """A model built under ``dslab.zero.Init`` trains at stage 3 only (its parameters are
+    partitioned; stages 0-2 keep whole parameters on every rank)."""
+    if stage == 3:
+        return
+    for name, p in model.named_parameters():
+        if is_partitioned(p):
+            raise ValueError(
+                f"parameter '{name}' was built partitioned (dslab.zero.Init) and config key "
+                f"'zero_optimization.stage' = {stage}: a model built under zero.Init trains at "
+                "stage 3; build it without zero.Init for stages 0-2")
+
 class DslabEngine(nn.Module):
     """Wraps ``model`` for training; built by :func:`dslab.initialize`."""
 
@@ -103,6 +117,7 @@ class DslabEngine(nn.Module):
         # unit at a time (zero/partition.py), so the whole model never has to fit on the device;
         # everything else moves now.
         shard_in_place = config.zero_optimization.stage == 3
+        _check_partitioned(model, config.zero_optimization.stage)
         self.module = _move_to_device(model, self.device, keep_trainable=shard_in_place)
         # Kept out of nn.Module's registry: it is self.module or its compiled wrapper, and must
         # not show up a second time in the engine's modules or state dict.
@@ -179,6 +194,9 @@ class DslabEngine(nn.Module):
         parameter it did not take, which is still where the model was built."""
         with torch.no_grad():
             for p in self.module.parameters():
+                if is_partitioned(p):  # built under dslab.zero.Init and not trained: made whole
+                    gather_(p)
+                    forget_partition(p)
                 if p.device != self.device:
                     p.data = p.data.to(self.device)
                     if self.world_size > 1:

@@ -79,24 +79,42 @@ class OffloadOptimizerConfig(ConfigSection):
 
 
 class OffloadParamConfig(ConfigSection):
-    """``offload_param`` (DeepSpeed's stage 3 parameter offload): read so that DeepSpeed configs
-    that switch it off load; dslab keeps parameter shards on the GPU, so any device but
-    ``none`` is refused by name."""
+    """``offload_param`` (ZeRO-Infinity's parameter offload, stage 3 only): every sharded
+    parameter unit (:mod:`dslab.engine.zero.partition`) keeps its shard off the GPU between uses
+    and is fetched ahead of use (:mod:`dslab.engine.zero.param_offload`).
+
+    ``device: cpu`` keeps the shards in CPU memory (pinned with ``pin_memory`` when CUDA is in
+    use, so the copies to the GPU run on a side stream); ``device: nvme`` keeps them in files
+    under ``nvme_path``, read through the ``aio`` section's handle into ``buffer_count`` pinned
+    buffers, each sized to the largest shard (``buffer_size`` is read for DeepSpeed configs;
+    DeepSpeed refuses a parameter larger than it, dslab sizes the buffers to fit). Units under
+    ``stage3_param_persistence_threshold`` stay on the GPU, as DeepSpeed keeps them.
+    ``max_in_cpu`` is DeepSpeed's cap on parameter elements cached in CPU memory under NVMe
+    offload; dslab caches none (every fetch reads its file), so it is read and has no effect.
+    Parameter offload needs ``offload_optimizer`` (cpu or nvme): the optimizer updates the
+    offloaded shards where they live."""
 
     device: str = "none"
+    nvme_path: str | None = None
     pin_memory: bool = False
-    buffer_count: int = Field(5, ge=0)
-    buffer_size: int = Field(100_000_000, ge=0)
+    buffer_count: int = Field(5, ge=1)
+    buffer_size: int = Field(100_000_000, ge=1)
     max_in_cpu: int = Field(1_000_000_000, ge=0)
 
     @field_validator("device")
     @classmethod
-    def _only_none(cls, value: str) -> str:
-        if value != "none":
-            raise ValueError(f"offload_param.device {value!r} (parameter offload) is a DeepSpeed "
-                             "feature that dslab does not support; use 'none', or "
-                             "offload_optimizer.device 'cpu' to move the optimizer states")
+    def _known_device(cls, value: str) -> str:
+        if value not in ("cpu", "nvme", "none"):
+            raise ValueError(f"offload_param.device must be 'cpu', 'nvme' or 'none', got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self):
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("config key 'zero_optimization.offload_param.nvme_path' is required "
+                             "with offload_param.device 'nvme': the directory (on the NVMe "
+                             "drive) that holds the parameter shards")
+        return self
 
 
 class ZeroConfig(ConfigSection):
@@ -172,6 +190,17 @@ class ZeroConfig(ConfigSection):
                 f"{self.offload_optimizer.device!r} needs 'zero_optimization.stage' >= 1: stage 0 "
                 "keeps whole optimizer states on every rank"
             )
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(
+                "config key 'zero_optimization.offload_param.device' = "
+                f"{self.offload_param.device!r} needs 'zero_optimization.stage' = 3: only stage 3 "
+                f"partitions the parameters (the config has stage {self.stage})")
+        if self.offload_param.device != "none" and self.offload_optimizer.device == "none":
+            raise ValueError(
+                "config key 'zero_optimization.offload_param.device' = "
+                f"{self.offload_param.device!r} needs 'zero_optimization.offload_optimizer.device' "
+                "'cpu' or 'nvme': the optimizer steps the offloaded parameter shards where they "
+                "live, off the GPU")
         if self.stage > 0 and optimizer_type == "Lamb":
             raise ValueError(
                 f"config key 'optimizer.type' = 'Lamb' cannot run with 'zero_optimization.stage' "

@@ -49,6 +49,7 @@ from dslab.models.evoformer_blocks import (
 from dslab.models.graphs import GraphedStack
 from dslab.models.ops import op_set
 from dslab.models.weight_cast import autocast_dtype, cast_weights, use_casts
+from dslab.parallel.partitioned import GatheredParameters
 
 EVOFORMER_KERNEL_SETS = ("dslab", "torch", "sdpa")
 AF2_MSA_DROPOUT = 0.15
@@ -200,9 +201,11 @@ def init_evoformer_(module: nn.Module, std: float) -> None:
     """Linear weights ~ N(0, std), biases 0, gate biases 1 (LayerNorms keep their 1 and 0)."""
     for sub in module.modules():
         if isinstance(sub, nn.Linear):
-            nn.init.normal_(sub.weight, mean=0.0, std=std)
-            if sub.bias is not None:
-                nn.init.constant_(sub.bias, 1.0 if isinstance(sub, GateLinear) else 0.0)
+            # whole while initialised when built partitioned (dslab.zero.Init)
+            with GatheredParameters(list(sub.parameters(recurse=False)), modifier_rank=0):
+                nn.init.normal_(sub.weight, mean=0.0, std=std)
+                if sub.bias is not None:
+                    nn.init.constant_(sub.bias, 1.0 if isinstance(sub, GateLinear) else 0.0)
 
 
 def _block_with_casts(casts, block, m, z, msa_mask, pair_mask):

@@ -43,6 +43,7 @@ import torch.nn as nn
 from dslab.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from dslab.models.graphs import LayerStackGraphs
 from dslab.models.ops import LayerNorm, OpSet, op_set
+from dslab.parallel.partitioned import GatheredParameters
 
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 # The MoE layer's parameters by role, in the order they are initialised.
@@ -167,13 +168,15 @@ def init_moe_(moe: nn.Module, std: float, out_std: float, generator_seed: int) -
     device = params["w1"].device
     if device.type == "meta":
         return
-    generator = torch.Generator(device=device).manual_seed(generator_seed)
-    for role in MOE_PARAMETER_ROLES:
-        param = params[role]
-        if role.startswith("b"):
-            param.zero_()
-        else:
-            param.normal_(0.0, out_std if role == "w2" else std, generator=generator)
+    # whole while initialised when built partitioned (dslab.zero.Init; rank 0's values kept)
+    with GatheredParameters(list(params.values()), modifier_rank=0):
+        generator = torch.Generator(device=params["w1"].device).manual_seed(generator_seed)
+        for role in MOE_PARAMETER_ROLES:
+            param = params[role]
+            if role.startswith("b"):
+                param.zero_()
+            else:
+                param.normal_(0.0, out_std if role == "w2" else std, generator=generator)
 
 
 def moe_capacity(settings: MoESettings, tokens: int, training: bool) -> int | None:

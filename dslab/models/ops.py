@@ -85,6 +85,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dslab.models.checkpoint import checkpoint
+from dslab.parallel.partitioned import GatheredParameters
 from dslab.models.weight_cast import Linear, linear, weight
 
 KERNEL_SETS = ("dslab", "torch")
@@ -560,12 +561,15 @@ def run_checkpointed_stack(layers: Iterable[nn.Module], x: torch.Tensor, key_pad
 
 def init_normal_(module: nn.Module, std: float) -> None:
     """BERT/GPT-2 initialisation: Linear and Embedding weights ~ N(0, std), Linear biases 0;
-    LayerNorm and the separate bias parameters keep their construction values (1 and 0)."""
+    LayerNorm and the separate bias parameters keep their construction values (1 and 0).
+    Each module's parameters are gathered whole while it is initialised when they were built
+    partitioned (``dslab.zero.Init``; rank 0's values are kept), one module at a time."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=std)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+            with GatheredParameters(list(m.parameters(recurse=False)), modifier_rank=0):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    nn.init.zeros_(m.bias)
 
 
 def scale_residual_init_(layers: nn.ModuleList, std: float) -> None:
@@ -573,5 +577,6 @@ def scale_residual_init_(layers: nn.ModuleList, std: float) -> None:
     ``std / sqrt(2 * n_layers)`` (Radford et al. 2019, section 2.3)."""
     scaled = std / math.sqrt(2 * len(layers))
     for layer in layers:
-        nn.init.normal_(layer.attention.out_proj.weight, mean=0.0, std=scaled)
-        nn.init.normal_(layer.mlp.fc_out.weight, mean=0.0, std=scaled)
+        for weight in (layer.attention.out_proj.weight, layer.mlp.fc_out.weight):
+            with GatheredParameters(weight, modifier_rank=0):
+                nn.init.normal_(weight, mean=0.0, std=scaled)

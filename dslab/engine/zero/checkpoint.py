@@ -72,7 +72,7 @@ def shard_state(runtime, optimizer) -> dict:
         "world_size": runtime.world_size,
         "stage": runtime.stage,
         "units": [u.layout.to_dict() for u in runtime.units],
-        "params": [m.detach().cpu().clone() for m in runtime.masters],
+        "params": runtime.shard_values(),
         "optimizer": runtime.optimizer_state_dict(optimizer),
         "optimizer_units": order,
     }

@@ -90,8 +90,8 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
 
     def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int,
                  nvme_path: str, aio: AioConfig, buffer_count: int, rank: int,
-                 pipeline_read: bool = True, pipeline_write: bool = True):
-        super().__init__(units, pin_memory, chunk_numel)
+                 pipeline_read: bool = True, pipeline_write: bool = True, home=None):
+        super().__init__(units, pin_memory, chunk_numel, home=home)
         root = Path(nvme_path)
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -230,15 +230,16 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
                 if self.pipeline_read and k + 1 < len(self.chunks):
                     reads[k + 1] = self._swap_in(k + 1)
                 self._attach(k, reads.pop(k), optimizer)
-                grads = [self.grads[u.index] for u in chunk]
-                if factor is not None:
-                    torch._foreach_mul_(grads, factor)
-                for unit, grad in zip(chunk, grads):
-                    self.masters[unit.index].grad = grad
-                optimizer.step()
-                for unit in chunk:
-                    self.masters[unit.index].grad = None
-                    handles.append(publish(unit, self.masters[unit.index]))
+                with self.open_masters(chunk):
+                    grads = [self.grads[u.index] for u in chunk]
+                    if factor is not None:
+                        torch._foreach_mul_(grads, factor)
+                    for unit, grad in zip(chunk, grads):
+                        self.masters[unit.index].grad = grad
+                    optimizer.step()
+                    for unit in chunk:
+                        self.masters[unit.index].grad = None
+                        handles.append(publish(unit, self.masters[unit.index]))
                 self._swap_out(k, optimizer)
                 if not self.pipeline_read and k + 1 < len(self.chunks):
                     reads[k + 1] = self._swap_in(k + 1)

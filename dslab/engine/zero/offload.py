@@ -42,6 +42,7 @@ moments, write master and moments).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -53,15 +54,20 @@ from dslab.engine.zero.partition import FlatUnit
 class CpuOptimizerOffload:
     """The CPU side of ZeRO-Offload for ``units`` (module docstring)."""
 
-    def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int):
+    def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int, home=None):
         self.units = units
         self.cuda = any(u.device.type == "cuda" for u in units)
+        # parameter offload (param_offload.py): an offloaded unit's master is its home copy
+        self.home = home
         pin_masters = pin_memory and self.cuda
         self.masters: list[nn.Parameter] = []
         self.grads: list[torch.Tensor] = []
         for unit in units:
-            master = torch.empty(unit.shard_numel, dtype=unit.dtype, pin_memory=pin_masters)
-            master.copy_(unit.shard)
+            if home is not None and home.holds(unit):
+                master = home.master(unit)
+            else:
+                master = torch.empty(unit.shard_numel, dtype=unit.dtype, pin_memory=pin_masters)
+                master.copy_(unit.shard)
             self.masters.append(nn.Parameter(master))
             self.grads.append(torch.zeros(unit.shard_numel, dtype=unit.dtype, pin_memory=self.cuda))
         self.chunks = plan_chunks(units, chunk_numel)
@@ -143,15 +149,16 @@ class CpuOptimizerOffload:
         handles = []
         try:
             for chunk in self.chunks:
-                grads = [self.grads[u.index] for u in chunk]
-                if factor is not None:
-                    torch._foreach_mul_(grads, factor)
-                for unit, grad in zip(chunk, grads):
-                    self.masters[unit.index].grad = grad
-                optimizer.step()
-                for unit in chunk:
-                    self.masters[unit.index].grad = None
-                    handles.append(publish(unit, self.masters[unit.index]))
+                with self.open_masters(chunk):
+                    grads = [self.grads[u.index] for u in chunk]
+                    if factor is not None:
+                        torch._foreach_mul_(grads, factor)
+                    for unit, grad in zip(chunk, grads):
+                        self.masters[unit.index].grad = grad
+                    optimizer.step()
+                    for unit in chunk:
+                        self.masters[unit.index].grad = None
+                        handles.append(publish(unit, self.masters[unit.index]))
         finally:
             for master in self.masters:
                 master.grad = None
@@ -159,6 +166,13 @@ class CpuOptimizerOffload:
             self._published = torch.cuda.Event()
             self._published.record()
         return handles
+
+    def open_masters(self, chunk: list[FlatUnit]):
+        """A context in which ``chunk``'s masters hold their values (NVMe parameter offload
+        reads them in and writes them back after; otherwise they always do)."""
+        if self.home is None:
+            return contextlib.nullcontext()
+        return self.home.open_masters(chunk, self.masters)
 
     def zero_grad(self) -> None:
         """Start a new accumulation window: the next received shard overwrites ``grads``."""

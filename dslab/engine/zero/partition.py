@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from dslab.engine.expert_parallel import expert_group_name
+from dslab.parallel.partitioned import forget_partition, full_numel, full_shape, gather_, is_partitioned
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,11 @@ def plan_buckets(named_groups: list[list[tuple[str, nn.Parameter]]], bucket_size
         current_numel, current_key = 0, None
         for name, p in reversed(named):
             key = (p.dtype, p.device, expert_group_name(p))
-            if current and (current_numel + p.numel() > bucket_size or key != current_key):
+            if current and (current_numel + full_numel(p) > bucket_size or key != current_key):
                 units.append(_unit(current, group_index, resident=True))
                 current, current_numel = [], 0
             current.append((name, p))
-            current_numel += p.numel()
+            current_numel += full_numel(p)
             current_key = key
         if current:
             units.append(_unit(current, group_index, resident=True))
@@ -143,7 +144,7 @@ def plan_module_units(module: nn.Module, named_groups: list[list[tuple[str, nn.P
             key = (group_of[id(p)], p.dtype, p.device)
             by_key.setdefault(key, []).append((name_of[id(p)], p))
         for (group_index, _, _), named in by_key.items():
-            numel = sum(p.numel() for _, p in named)
+            numel = sum(full_numel(p) for _, p in named)
             layout, params = _unit(named, group_index, resident=numel <= persistence_threshold)
             units.append((layout, params, owner))
     return units
@@ -160,7 +161,7 @@ def _gathered_whole(root: nn.Module, threshold: int) -> set[int]:
         return set()
     whole = set()
     for m in root.modules():
-        elements = sum(p.numel() for p in m.parameters())
+        elements = sum(full_numel(p) for p in m.parameters())
         descendants = sum(1 for _ in m.modules()) - 1
         if elements and _has_forward(m) and elements / (1 + descendants) < threshold:
             whole.add(id(m))
@@ -183,7 +184,7 @@ def _modules_outside(root: nn.Module, whole: set[int]) -> list[nn.Module]:
 
 def _unit(named: list[tuple[str, nn.Parameter]], group: int, resident: bool
           ) -> tuple[UnitLayout, list[nn.Parameter]]:
-    layout = UnitLayout(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named),
+    layout = UnitLayout(tuple(n for n, _ in named), tuple(tuple(full_shape(p)) for _, p in named),
                         group, resident, expert_group_name(named[0][1]))
     return layout, [p for _, p in named]
 
@@ -226,9 +227,15 @@ class FlatUnit:
         self.grad_shard: torch.Tensor | None = None
         self.pending = None
         self.held = False
+        # parameters built partitioned (dslab.zero.Init) are gathered whole here, one unit at a
+        # time, and leave their own layout for the unit's
+        built_partitioned = [p for p in params if is_partitioned(p)]
+        for p in built_partitioned:
+            gather_(p)
+            forget_partition(p)
         with torch.no_grad():
             full = flatten([p.detach() for p in params], self.padded).to(self.device)
-            if sync is not None:
+            if sync is not None and len(built_partitioned) < len(params):
                 sync(full)
         self.full: torch.Tensor | None = full
         lo = rank * self.shard_numel

@@ -40,6 +40,7 @@ from dslab.engine.optimizers import fused_kernels_supported
 from dslab.engine.zero.grads import GradientReduceScatter
 from dslab.engine.zero.nvme_offload import NvmeOptimizerOffload
 from dslab.engine.zero.offload import CpuOptimizerOffload
+from dslab.engine.zero.param_offload import ParamHome, build_param_home
 from dslab.engine.zero.partition import FlatUnit, plan_buckets, plan_module_units
 from dslab.engine.zero.stage3 import ParameterGatherer
 from dslab.engine.zero.stage3_stack import Stage3LayerStack, stack_units
@@ -86,6 +87,37 @@ def _as_groups(params) -> list[dict]:
     return [{"params": params}]
 
 
+class _UnitAccess:
+    """What ``dslab.zero.GatheredParameters`` calls for a parameter of a ZeRO unit: ``gather()``
+    makes the unit whole (stage 3 holds it gathered), ``release(modifier_rank)`` keeps this
+    rank's shard of ``modifier_rank``'s values (broadcast over the unit's group) in the unit,
+    its master and its home, then releases a stage 3 unit again."""
+
+    def __init__(self, runtime: "ZeroRuntime", unit: FlatUnit):
+        self.runtime = runtime
+        self.unit = unit
+
+    def gather(self) -> bool:
+        unit, gatherer = self.unit, self.runtime.gatherer
+        if not unit.resident and gatherer is not None:
+            gatherer.gather(unit)
+            unit.held = True
+        return True
+
+    def release(self, modifier_rank: int | None) -> None:
+        runtime, unit = self.runtime, self.unit
+        if modifier_rank is not None:
+            with torch.no_grad():
+                if unit.world_size > 1:
+                    comm.broadcast(unit.full, src=comm.get_global_rank(unit.group, modifier_rank),
+                                   group=unit.group)
+                lo = unit.rank * unit.shard_numel
+                shard = unit.full[lo: lo + unit.shard_numel]
+                runtime.set_shard(unit, shard)
+        if not unit.resident and runtime.gatherer is not None:
+            runtime.gatherer.release(unit)
+
+
 class ZeroRuntime:
     """ZeRO stages 1 to 3 for one module; built by the engine when ``zero_optimization.stage`` > 0.
 
@@ -130,26 +162,38 @@ class ZeroRuntime:
             self.units.append(FlatUnit(i, layout, params, reduction.size, reduction.rank, device,
                                        sync, group=reduction.group,
                                        grad_divisor=reduction.divisor))
+        aio = aio if aio is not None else AioConfig()
         self.gatherer = None
+        # parameter offload (stage 3): the released shards' home off the GPU (param_offload.py)
+        self.param_home: ParamHome | None = None
         by_layer = None
         if self.stage == 3:
-            by_layer = _graphed_stack_units(module, self.units, owners)
+            self.param_home = build_param_home(
+                config.offload_param, self.units,
+                self.units[0].device if self.units else torch.device("cpu"), aio, comm.get_rank())
+            # the graphed layer stack gathers from device-resident shards; offloaded shards go
+            # through the per-module hooks, which fetch them from their home first
+            if self.param_home is None:
+                by_layer = _graphed_stack_units(module, self.units, owners)
             external = {u.index for units in by_layer for u in units} if by_layer else set()
             self.gatherer = ParameterGatherer(
                 module, list(zip(self.units, owners)), config.stage3_prefetch_bucket_size,
                 config.stage3_max_live_parameters, group,
-                max_reuse_numel=config.stage3_max_reuse_distance, external=external)
+                max_reuse_numel=config.stage3_max_reuse_distance, external=external,
+                home=self.param_home)
         self.offload: CpuOptimizerOffload | None = None
         offload = config.offload_optimizer
         if offload.device == "cpu":
             self.offload = CpuOptimizerOffload(
-                self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size)
+                self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
+                home=self.param_home)
         elif offload.device == "nvme":
             self.offload = NvmeOptimizerOffload(
                 self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
-                nvme_path=offload.nvme_path, aio=aio if aio is not None else AioConfig(),
+                nvme_path=offload.nvme_path, aio=aio,
                 buffer_count=offload.buffer_count, rank=comm.get_rank(),
-                pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
+                pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write,
+                home=self.param_home)
         if self.offload is not None:
             self.masters: list[nn.Parameter] = self.offload.masters
         else:
@@ -167,6 +211,11 @@ class ZeroRuntime:
         if by_layer:
             self.stack = Stage3LayerStack(module.layers, by_layer, self.reducer, group=group)
             module._layer_graphs = self.stack
+        # dslab.zero.GatheredParameters reaches the units through each parameter's access
+        for unit in self.units:
+            access = _UnitAccess(self, unit)
+            for p in unit.params:
+                p.ds_access = access
 
     def _named_groups(self, groups: list[dict]) -> list[list[tuple[str, nn.Parameter]]]:
         name_of = {id(p): name for name, p in self.module.named_parameters()}
@@ -300,7 +349,9 @@ class ZeroRuntime:
         all-gather it into the full buffer of a resident unit. Returns the collective's handle
         (or None)."""
         with torch.no_grad():
-            if master is not None:
+            # an offloaded unit's master is its home copy (param_offload.py): nothing to copy
+            if master is not None and not (self.param_home is not None
+                                           and self.param_home.holds(unit)):
                 unit.shard.copy_(master, non_blocking=True)
         if not unit.resident:
             return None
@@ -348,10 +399,37 @@ class ZeroRuntime:
         full buffers (a collective)."""
         with torch.no_grad():
             for unit, master, shard in zip(self.units, self.masters, shards):
+                if self.param_home is not None and self.param_home.holds(unit):
+                    self.param_home.write(unit, shard)  # the master shares the home copy
+                    continue
                 unit.shard.copy_(shard)
                 if self.offload is not None:
                     master.copy_(shard)
         self._publish()
+
+    def set_shard(self, unit: FlatUnit, values: torch.Tensor) -> None:
+        """Set one unit's shard (and its master, and the layer stack's copy) to ``values``."""
+        master = self.masters[unit.index]
+        with torch.no_grad():
+            if self.param_home is not None and self.param_home.holds(unit):
+                self.param_home.write(unit, values)
+            else:
+                if unit.shard.data_ptr() != values.data_ptr():
+                    unit.shard.copy_(values)
+                if self.offload is not None:
+                    master.copy_(values)
+        if self.stack is not None:
+            self.stack.refresh_shards()
+
+    def shard_values(self) -> list[torch.Tensor]:
+        """Every unit's shard as this rank holds it, CPU copies (checkpoints)."""
+        values = []
+        for unit, master in zip(self.units, self.masters):
+            if self.param_home is not None and self.param_home.holds(unit):
+                values.append(self.param_home.read(unit))
+            else:
+                values.append(master.detach().cpu().clone())
+        return values
 
     # -- whole model --------------------------------------------------------------------------
 
@@ -380,3 +458,5 @@ class ZeroRuntime:
             self.gatherer.remove()
         if self.offload is not None:
             self.offload.close()
+        if self.param_home is not None:
+            self.param_home.close()

@@ -47,17 +47,38 @@ class _GatheringParameters(dict):
         return value
 
 
+class _FetchThenGather:
+    """A gather of an offloaded unit over several ranks: the shard's fetch to the device (in
+    flight), then the all-gather when it is waited on."""
+
+    def __init__(self, unit: FlatUnit, staged: torch.Tensor, fetch):
+        self.unit = unit
+        self.staged = staged
+        self.fetch = fetch
+
+    def wait(self) -> None:
+        if self.fetch is not None:
+            self.fetch.wait()
+            self.fetch = None
+        if self.staged is not None:
+            comm.all_gather_into_tensor(self.unit.full, self.staged, group=self.unit.group)
+            self.staged = None
+
+
 class ParameterGatherer:
     """Gathers and releases stage 3 units around their modules' forward and backward. Units whose
     index is in ``external`` are gathered by someone else (a layer stack,
     :mod:`.stage3_stack`): no hooks for them, but :meth:`gathered_state_dict` and
-    :meth:`release_all` still cover them."""
+    :meth:`release_all` still cover them. With ``home`` (parameter offload,
+    :mod:`.param_offload`) a unit's shard is fetched from there to the device before its
+    all-gather (with one rank, straight into the unit's full buffer)."""
 
     def __init__(self, root: nn.Module, units: list[tuple[FlatUnit, nn.Module]],
                  prefetch_numel: int, max_live_numel: int, group=None, max_reuse_numel: int = 0,
-                 external: set[int] = frozenset()):
+                 external: set[int] = frozenset(), home=None):
         self.root = root
         self.group = group
+        self.home = home
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_numel = max_reuse_numel
@@ -107,15 +128,30 @@ class ParameterGatherer:
 
     def _start_gather(self, unit: FlatUnit, async_op: bool) -> None:
         unit.full = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
-        # over the unit's partition group: the data-parallel group, or an expert unit's
-        # expert-data-parallel group
-        work = comm.all_gather_into_tensor(unit.full, unit.shard, group=unit.group,
-                                           async_op=async_op)
         self.live_numel += unit.padded
+        if self.home is not None and self.home.holds(unit):
+            work = self._fetch(unit, async_op)
+        else:
+            # over the unit's partition group: the data-parallel group, or an expert unit's
+            # expert-data-parallel group
+            work = comm.all_gather_into_tensor(unit.full, unit.shard, group=unit.group,
+                                               async_op=async_op)
         if async_op and work is not None:
             unit.pending = work
         else:
             unit.bind()
+
+    def _fetch(self, unit: FlatUnit, async_op: bool):
+        """Start an offloaded unit's gather: its shard's fetch from the home (and, over several
+        ranks, the all-gather after it); the work to wait on, or None when it is done."""
+        if unit.world_size == 1:
+            return self.home.fetch(unit, unit.full, async_op)
+        staged = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        work = _FetchThenGather(unit, staged, self.home.fetch(unit, staged, async_op))
+        if not async_op:
+            work.wait()
+            return None
+        return work
 
     def release(self, unit: FlatUnit) -> None:
         if unit.resident or unit.full is None:

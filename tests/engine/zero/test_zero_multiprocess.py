@@ -74,6 +74,34 @@ def test_every_stage_ends_where_stage0_ends(two_ranks, scenario):
         assert 0 < reference["skipped"] < 3  # overflow skipped some steps, not all
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("name", ["cpu", "cpu_reuse_chunks", "nvme", "nvme_both"])
+def test_stage3_with_parameter_offload_ends_where_stage0_ends(two_ranks, name, tied):
+    """offload_param on the CPU or in files (with the optimizer offloaded to the CPU or NVMe):
+    the losses of every step and the final parameters are stage 0's; the shards live off the
+    device (or in files: the placeholders are empty), and the files go when the engine does."""
+    reference = two_ranks[f"param_offload/tied{tied}/stage0"]
+    result = two_ranks[f"param_offload/tied{tied}/{name}"]
+    expected_losses = two_ranks[f"param_offload/tied{tied}/losses/stage0"]
+    for step, (loss, expected) in enumerate(zip(result["losses"], expected_losses)):
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6, msg=f"micro-step {step}")
+    _assert_states_close(result["state"], reference)
+    assert result["ranks_agree"]
+    stats = result["stats"]
+    assert stats["fetches"] > 0 and stats["h2d_bytes"] > 0
+    if name.startswith("nvme"):
+        assert result["shard_sizes"] == [0]  # every unit released: its shard is in its file
+        assert result["files"] > 0 and result["removed"]
+        assert stats["disk_read_bytes"] >= stats["h2d_bytes"] > 0
+    else:
+        assert result["shard_devices"] == ["cpu"] and 0 not in result["shard_sizes"]
+
+
+def test_parameter_offload_to_nvme_resumes_from_a_checkpoint(two_ranks):
+    _assert_states_close(two_ranks["param_offload/ckpt/resumed"],
+                         two_ranks["param_offload/ckpt/straight"])
+
+
 def test_granularity_threshold_gathers_the_block_whole(two_ranks):
     units = two_ranks["nested_granularity/stage3"]["units"]
     assert sorted(map(sorted, units)) == [["block.emb.weight", "block.fc.bias", "block.fc.weight"],

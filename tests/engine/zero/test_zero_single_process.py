@@ -51,9 +51,16 @@ def test_bad_offload_configs_are_refused():
         load_config(base_config(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}))
     with pytest.raises(ValueError, match="pin_mem"):
         load_config(base_config(zero_optimization={"stage": 1, "offload_optimizer": {"pin_mem": True}}))
-    for device in ("cpu", "nvme"):
-        with pytest.raises(ValueError, match=f"offload_param.device '{device}' .*does not support"):
-            load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": device}}))
+    with pytest.raises(ValueError, match="offload_param.device' = 'cpu' needs 'zero_optimization.stage' = 3"):
+        load_config(base_config(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"},
+                                                   "offload_optimizer": {"device": "cpu"}}))
+    with pytest.raises(ValueError, match="offload_param.device' = 'cpu' needs .*offload_optimizer.device"):
+        load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}))
+    with pytest.raises(ValueError, match="'zero_optimization.offload_param.nvme_path' is required"):
+        load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"},
+                                                   "offload_optimizer": {"device": "cpu"}}))
+    with pytest.raises(ValueError, match="offload_param.device must be 'cpu', 'nvme' or 'none'"):
+        load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": "gpu"}}))
     # a DeepSpeed ZeRO-3 config with parameter offload switched off loads
     config = load_config(base_config(zero_optimization={
         "stage": 3, "offload_param": {"device": "none", "pin_memory": True},

@@ -255,8 +255,70 @@ def run_16bit(results, ckpt_root):
     engine.destroy()
 
 
+def param_offload_runs(nvme_root: Path) -> dict:
+    """Stage 3 with ``offload_param`` (and the optimizer offload it needs), by name."""
+    return {
+        "cpu": {"offload_param": {"device": "cpu", "pin_memory": True},
+                "offload_optimizer": {"device": "cpu"}},
+        "cpu_reuse_chunks": {"offload_param": {"device": "cpu"}, "sub_group_size": 40,
+                             "offload_optimizer": {"device": "cpu"},
+                             "stage3_max_reuse_distance": 1_000_000_000},
+        "nvme": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
+                                   "buffer_count": 2},
+                 "offload_optimizer": {"device": "cpu"}},
+        "nvme_both": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
+                                        "buffer_count": 3},
+                      "offload_optimizer": {"device": "nvme",
+                                            "nvme_path": str(nvme_root / "states")},
+                      "sub_group_size": 40},
+    }
+
+
+PARAM_OFFLOAD_TRAINING = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}
+
+
+def run_param_offload(results, ckpt_root):
+    """Stage 3 with parameter offload against stage 0 (plain and tied models), and a sharded
+    checkpoint of an NVMe-offloaded run that resumes where the uninterrupted run goes."""
+    for tied in (False, True):
+        reference = build(0, tied=tied, **PARAM_OFFLOAD_TRAINING)
+        results[f"param_offload/tied{tied}/losses/stage0"] = train(reference, 3, tied)
+        results[f"param_offload/tied{tied}/stage0"] = state(reference)
+        reference.destroy()
+        for name, zero in param_offload_runs(ckpt_root / "nvme").items():
+            engine = build(3, tied=tied, zero=zero, **PARAM_OFFLOAD_TRAINING)
+            home = engine.zero.param_home
+            directory = getattr(home, "directory", None)
+            losses = train(engine, 3, tied)
+            sd = state(engine)
+            results[f"param_offload/tied{tied}/{name}"] = {
+                "losses": losses, "state": sd, "ranks_agree": same_on_all_ranks(sd),
+                "shard_devices": sorted({str(u.shard.device) for u in engine.zero.units}),
+                "shard_sizes": sorted({u.shard.numel() for u in engine.zero.units}),
+                "files": len(list(directory.iterdir())) if directory is not None else None,
+                "stats": home.stats()}
+            engine.destroy()
+            if directory is not None:
+                results[f"param_offload/tied{tied}/{name}"]["removed"] = not directory.exists()
+    runs = param_offload_runs(ckpt_root / "nvme")
+    straight = build(3, zero=runs["nvme_both"], **CKPT)
+    train(straight, 4)
+    results["param_offload/ckpt/straight"] = state(straight)
+    straight.destroy()
+    first = build(3, zero=runs["nvme_both"], **CKPT)
+    train(first, 2)
+    first.save_checkpoint(ckpt_root / "param-offload")
+    first.destroy()
+    resumed = build(3, seed=99, zero=runs["nvme_both"], **CKPT)
+    resumed.load_checkpoint(ckpt_root / "param-offload")
+    train(resumed, 2, start=2)
+    results["param_offload/ckpt/resumed"] = state(resumed)
+    resumed.destroy()
+
+
 def main_mode(out, ckpt_root):
     results = {}
+    run_param_offload(results, ckpt_root)
     run_16bit(results, ckpt_root)
     run_start_from_rank0(results)
     run_matrix(results)
