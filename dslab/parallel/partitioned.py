@@ -44,8 +44,9 @@ from dslab import comm
 
 
 def is_partitioned(p: torch.Tensor) -> bool:
-    """True for a parameter that holds only its shard (built under :class:`Init`)."""
-    return getattr(p, "ds_tensor", None) is not None
+    """True for a parameter that holds only its shard (built under :class:`Init`; DeepSpeed's
+    own partitioned parameters, which carry the same ``ds_*`` names, are not dslab's)."""
+    return getattr(p, "_dslab_partitioned", False) and getattr(p, "ds_tensor", None) is not None
 
 
 def full_shape(p: torch.Tensor) -> torch.Size:
@@ -85,6 +86,7 @@ def partition_(p: nn.Parameter, group=None, remote_device: str | None = None,
     p.ds_shape = tuple(full.shape)
     p.ds_group = group
     p.ds_tensor = shard
+    p._dslab_partitioned = True
     p.data = torch.empty(0, dtype=full.dtype, device=device)
 
 
@@ -118,7 +120,7 @@ def release_(p: nn.Parameter, modifier_rank: int | None = None) -> None:
 
 def forget_partition(p: nn.Parameter) -> None:
     """Drop the ``ds_*`` attributes (the engine took the parameter into its own layout)."""
-    for name in ("ds_tensor", "ds_numel", "ds_shape", "ds_group"):
+    for name in ("ds_tensor", "ds_numel", "ds_shape", "ds_group", "_dslab_partitioned"):
         if hasattr(p, name):
             delattr(p, name)
 
@@ -188,7 +190,9 @@ class Init:
     engine's ``offload_param.device: nvme`` moves the shards to files when it takes the model.
     Without ``remote_device`` a config's ``zero_optimization.offload_param.device`` picks
     ``"cpu"`` when it says cpu. ``dtype``: the parameters' dtype (default: as built).
-    ``enabled=False`` builds modules as usual."""
+    ``enabled=False`` builds modules as usual. With CUDA, tensors created inside the block are
+    created on the current CUDA device (parameters are built and initialised there, then
+    partitioned), as DeepSpeed's ``Init`` does."""
 
     _lock = threading.Lock()
     _active = 0
@@ -264,11 +268,19 @@ class Init:
 
         nn.Module.__init_subclass__ = classmethod(init_subclass)
         self._subclass_hook = original_hook
+        # tensors made inside the block are made on the compute device, as DeepSpeed's Init
+        # does: a module's parameters are built and initialised there, then partitioned
+        self._device_context = torch.device(_compute_device()) if torch.cuda.is_available() else None
+        if self._device_context is not None:
+            self._device_context.__enter__()
         return self
 
     def __exit__(self, *exc):
         if not self.enabled:
             return False
+        if self._device_context is not None:
+            self._device_context.__exit__(None, None, None)
+            self._device_context = None
         for cls, original in reversed(self._patched):
             cls.__init__ = original
         self._patched = []

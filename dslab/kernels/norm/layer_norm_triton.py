@@ -174,7 +174,20 @@ def _backward_config(n: int) -> tuple[int, int, int, int]:
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(64, 2048 // block_n))
     num_warps = max(4, min(16, block_n // 256))
-    return block_m, block_n, num_warps, 4
+    return block_m, block_n, num_warps, _backward_stages(block_m * block_n)
+
+
+#: Shared memory the backward's pipelined loads may take: ``STAGES - 1`` tiles in flight of up to
+#: three 4-byte inputs (h, dy, the gradient of h) per element. Hopper gives one program 227 KB.
+_PIPELINE_BYTES = 160 * 1024
+
+
+def _backward_stages(tile_elements: int) -> int:
+    """Four stages while their buffered loads fit :data:`_PIPELINE_BYTES` (rows up to 4096),
+    fewer for wider rows: rows of 5120 (tiles of 8192) with four stages asked for 288 KB of
+    shared memory and failed to compile on an H200; they get two."""
+    per_tile = 3 * 4 * tile_elements
+    return max(1, min(4, 1 + _PIPELINE_BYTES // per_tile))
 
 
 #: The backward's programs per SM: with pipelined loads two keep the memory busy, and fewer

@@ -236,3 +236,15 @@ def test_layer_norm_fork_gradients_match_autograds_sum(dtype, used):
             continue
         assert got.dtype == want.dtype
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+def test_backward_pipeline_fits_hopper_shared_memory_for_wide_rows():
+    """Rows of 5120 (GPT-3 13B) with four pipelined stages asked for 288 KB of shared memory and
+    did not compile on an H200: the stages shrink with the tile, and every width keeps its
+    buffered loads (stages - 1 tiles of three 4-byte inputs) within one program's 227 KB."""
+    from dslab.kernels.norm.layer_norm_triton import _backward_config
+
+    assert _backward_config(1024)[3] == 4 and _backward_config(4096)[3] == 4
+    for n in (768, 1600, 2560, 4096, 5120, 6144, 8192, 12288, 16384):
+        block_m, block_n, _, stages = _backward_config(n)
+        assert 1 <= stages <= 4
+        assert (stages - 1) * block_m * block_n * 12 <= 227 * 1024, n
+    assert _backward_config(5120)[3] < 4

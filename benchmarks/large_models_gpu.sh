@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call for the larger-than-GPU work: set up, check on the GPU that parameter offload
+# and zero.Init give the reference losses, then measure. What runs is chosen by LARGE_PARTS
+# (space-separated, in order): check, activations, ladder. The ladder's configs and sizes come
+# from LADDER_CONFIGS / LADDER_SIZES and it stops at LADDER_BUDGET seconds. Results land in $OUT
+# (flat: act.json, ladder.json, ladder rows) and the tables print last.
+#   LARGE_PARTS="check activations ladder" LADDER_CONFIGS=stage3 bash benchmarks/large_models_gpu.sh
+set -u
+. benchmarks/gpu_setup.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+PARTS=${LARGE_PARTS:-"check activations ladder"}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+free -g | head -2
+df -h /tmp | tail -1
+for part in $PARTS; do
+  case $part in
+    check)
+      timeout "${CHECK_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/engine/zero/test_param_offload_gpu.py 2>&1 | tail -15 ;;
+    activations)
+      timeout "${ACT_S:-240}" python3 benchmarks/activation_memory.py --json "$OUT/act.json" \
+        > "$OUT/act.log" 2>&1; tail -8 "$OUT/act.log" ;;
+    ladder)
+      python3 benchmarks/size_ladder.py --configs "${LADDER_CONFIGS:-stage3,offload}" \
+        --sizes "${LADDER_SIZES:-1.3b,2.7b,6.7b,13b}" --budget "${LADDER_BUDGET:-300}" \
+        --size-timeout "${LADDER_SIZE_S:-240}" --json "$OUT/ladder.json" > "$OUT/ladder.log" 2>&1
+      cp "$OUT"/size_ladder_rows/*.json "$OUT/" 2>/dev/null
+      grep -v "^  " "$OUT/ladder.log" | tail -30 ;;
+  esac
+done

@@ -1,0 +1,288 @@
+"""The largest GPT-2-family model a ZeRO config trains on this machine: a ladder over the GPT-3
+paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
+
+    python benchmarks/size_ladder.py [--configs stage3,offload,deepspeed-offload]
+        [--sizes 1.3b,2.7b,6.7b,13b,13b-48l] [--micro-batch 8] [--seq 1024] [--accum 4]
+        [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json]
+    python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
+
+For each config, the sizes run in order, each in a process of its own (a failed size leaves
+nothing behind); the ladder of a config stops at its first size that does not train: CUDA
+out-of-memory (caught, recorded as ``oom`` with where it happened), the process killed (host
+memory; recorded as ``killed``), or past ``--size-timeout`` (``timeout``). A size trains when it
+completes ``--warmup`` + ``--steps`` optimizer steps; the loss of each is recorded.
+
+The model: dslab's GPT-2 (dslab kernels, bf16 autocast over fp32 parameters, dropout 0,
+vocab 50257, every layer an activation checkpoint), built under ``dslab.zero.Init`` so no
+process ever holds it whole; AdamW (lr 1e-4), clipping 1.0, micro-batch x seq tokens per
+micro-step and ``--accum`` micro-steps per optimizer step.
+
+Configs:
+
+- ``stage3``: ZeRO stage 3, everything on the GPU.
+- ``offload``: stage 3 with ``offload_optimizer`` and ``offload_param`` on the CPU (pinned).
+- ``offload-opt``: stage 3 with ``offload_optimizer`` on the CPU only.
+- ``deepspeed-stage3`` / ``deepspeed-offload``: the same jobs through DeepSpeed (when it
+  imports): ``deepspeed.zero.Init`` around the same model, its bf16 engine and CPU Adam.
+
+Per size: step time (median of ``--steps``), tokens/s, model TFLOP/s by Megatron's count
+(Narayanan et al. 2021: ``72 B s L h^2 (1 + s/6h + V/12Lh)`` per step, the recompute not
+counted), MFU against the bf16 matmul peak measured in the same process
+(:func:`dslab.bench.measure.measure_peaks`), peak GPU memory allocated, the process's peak host
+RSS, and for dslab with parameter offload the bytes fetched per step and how long the device
+stood waiting for them (:mod:`dslab.engine.zero.param_offload`). The table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {  # name: (layers, hidden, heads): the GPT-3 paper's, heads of 128 (2.7B: 80 -> 128)
+    "tiny-a": (2, 128, 4),
+    "tiny-b": (4, 128, 4),
+    "1.3b": (24, 2048, 16),
+    "2.7b": (32, 2560, 20),
+    "6.7b": (32, 4096, 32),
+    "13b-2l": (2, 5120, 40),  # 13B's layer shapes in two layers: a quick check of its kernels
+    "13b": (40, 5120, 40),
+    "13b-48l": (48, 5120, 40),
+    "13b-56l": (56, 5120, 40),
+}
+VOCAB = 50257
+CONFIGS = ("stage3", "offload", "offload-opt", "deepspeed-stage3", "deepspeed-offload")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="stage3,offload")
+    parser.add_argument("--sizes", default="1.3b,2.7b,6.7b,13b,13b-48l")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--accum", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--size-timeout", type=float, default=600.0)
+    parser.add_argument("--budget", type=float, default=0.0,
+                        help="seconds for the whole ladder (0: none); sizes past it are skipped")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # config:size, run in this process
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.sizes, args.micro_batch, args.seq, args.accum = "tiny-a,tiny-b", 2, 64, 2
+        args.configs = args.configs if args.configs != "stage3,offload" else "stage3,offload"
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            parser.error(f"--configs: unknown config {name!r}; known: {', '.join(CONFIGS)}")
+    for name in args.sizes.split(","):
+        if name not in SIZES:
+            parser.error(f"--sizes: unknown size {name!r}; known: {', '.join(SIZES)}")
+    return args
+
+
+def model_flops_per_step(layers: int, hidden: int, seq: int, tokens: int) -> float:
+    """Megatron's model flops of one optimizer step over ``tokens`` tokens (module docstring)."""
+    batch = tokens / seq
+    return 72 * batch * seq * layers * hidden**2 * (
+        1 + seq / (6 * hidden) + VOCAB / (12 * layers * hidden))
+
+
+def parameter_count(layers: int, hidden: int, seq: int) -> int:
+    per_layer = 12 * hidden**2 + 13 * hidden
+    return layers * per_layer + VOCAB * hidden + seq * hidden + 2 * hidden
+
+
+def engine_config(config: str, args) -> dict:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 100_000}
+    if config in ("offload", "offload-opt", "deepspeed-offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if config in ("offload", "deepspeed-offload"):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.accum,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+
+
+# -- one size, in its own process -----------------------------------------------------------
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_child(config: str, size: str, args) -> dict:
+    import torch
+
+    import dslab
+    from dslab.bench.measure import measure_peaks
+    from dslab.models.gpt2 import GPT2Config, GPT2LMHeadModel
+
+    layers, hidden, heads = SIZES[size]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peaks = measure_peaks(device)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=args.seq, hidden=hidden, layers=layers,
+                     heads=heads, dropout=0.0, checkpoint_layers=1)
+    kernels = "dslab" if device.type == "cuda" else "torch"
+    ds_config = engine_config(config, args)
+    row = {"config": config, "size": size, "layers": layers, "hidden": hidden, "heads": heads,
+           "params": parameter_count(layers, hidden, args.seq), "peaks": peaks}
+    phase = "build"
+    try:
+        t0 = time.perf_counter()
+        if config.startswith("deepspeed"):
+            import deepspeed
+
+            with deepspeed.zero.Init(config_dict_or_path=ds_config):
+                model = GPT2LMHeadModel(cfg, kernels=kernels)
+            phase = "initialize"
+            engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                                   model_parameters=model.parameters())
+        else:
+            with dslab.zero.Init(config_dict_or_path=ds_config):
+                model = GPT2LMHeadModel(cfg, kernels=kernels)
+            phase = "initialize"
+            engine, _, _, _ = dslab.initialize(model=model, config=ds_config)
+        row["build_s"] = time.perf_counter() - t0
+        g = torch.Generator(device="cpu").manual_seed(0)
+        batches = [torch.randint(0, VOCAB, (args.micro_batch, args.seq), generator=g).to(device)
+                   for _ in range(args.accum)]
+        losses, times, host = [], [], []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        home = getattr(getattr(engine, "zero", None), "param_home", None)
+        before = home.stats() if home is not None else None
+        for step in range(args.warmup + args.steps):
+            phase = f"step {step}"
+            if step == args.warmup and home is not None:
+                before = home.stats()
+            start = time.perf_counter()
+            total = 0.0
+            for ids in batches:
+                loss = engine(ids, labels=ids)
+                engine.backward(loss)
+                engine.step()
+                total += float(loss.detach())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+            losses.append(total / len(batches))
+            if step >= args.warmup:
+                times.append(elapsed)
+            print(f"  {config} {size} step {step}: {elapsed:.2f} s loss {losses[-1]:.4f}", flush=True)
+        step_s = statistics.median(times)
+        tokens = args.micro_batch * args.seq * args.accum
+        flops = model_flops_per_step(layers, hidden, args.seq, tokens)
+        row.update(status="ok", losses=losses, step_s=step_s, step_times_s=times,
+                   tokens_per_step=tokens, tokens_per_s=tokens / step_s,
+                   model_tflops=flops / step_s / 1e12)
+        if peaks.get("bf16_matmul_tflops"):
+            row["mfu"] = row["model_tflops"] / peaks["bf16_matmul_tflops"]
+        if device.type == "cuda":
+            row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+        if home is not None:
+            after = home.stats()
+            row["param_offload_per_step"] = {
+                k: (after[k] - before[k]) / args.steps for k in after if k != "device"}
+    except torch.OutOfMemoryError as err:
+        row.update(status="oom", where=phase, error=str(err).splitlines()[0][:300])
+    row["peak_host_rss_bytes"] = _peak_rss_bytes()
+    return row
+
+
+# -- the ladder -----------------------------------------------------------------------------
+
+
+def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dict:
+    out = out_dir / f"{config}-{size}.json"
+    cmd = [sys.executable, __file__, "--child", f"{config}:{size}", "--json", str(out),
+           "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
+           "--accum", str(args.accum), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, timeout=timeout, stderr=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired:
+        return {"config": config, "size": size, "status": "timeout", "seconds": timeout}
+    seconds = time.perf_counter() - start
+    if out.exists():
+        row = json.loads(out.read_text())
+    elif proc.returncode < 0 or proc.returncode == 137:
+        row = {"config": config, "size": size, "status": "killed",
+               "error": f"signal {-proc.returncode if proc.returncode < 0 else 9} (host memory)"}
+    else:
+        tail = (proc.stderr or "").strip().splitlines()[-3:]
+        row = {"config": config, "size": size, "status": "error", "error": " | ".join(tail)[-400:]}
+    row["seconds"] = seconds
+    return row
+
+
+def fmt_table(rows: list[dict]) -> str:
+    lines = ["| config | size | params | status | step s | tokens/s | TFLOP/s | MFU | peak GPU GiB "
+             "| peak host GiB | fetched GB/step | device wait ms/step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        def num(key, scale=1.0, digits=1):
+            value = r.get(key)
+            return f"{value / scale:.{digits}f}" if isinstance(value, (int, float)) else ""
+        offload = r.get("param_offload_per_step") or {}
+        fetched = f"{offload['h2d_bytes'] / 1e9:.1f}" if offload else ""
+        waited = f"{offload['copy_stall_ms']:.0f}" if offload else ""
+        status = r["status"] + (f" ({r['where']})" if r.get("where") else "")
+        params = f"{r['params'] / 1e9:.2f}B" if r.get("params") else ""
+        lines.append(
+            f"| {r['config']} | {r['size']} | {params} | {status} | {num('step_s', digits=2)} "
+            f"| {num('tokens_per_s', digits=0)} | {num('model_tflops')} | {num('mfu', 0.01)}{'%' if 'mfu' in r else ''} "
+            f"| {num('peak_gpu_bytes', 2**30)} | {num('peak_host_rss_bytes', 2**30)} | {fetched} "
+            f"| {waited} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        config, size = args.child.split(":")
+        row = run_child(config, size, args)
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(row, indent=1))
+        os.replace(tmp, args.json)
+        return 0
+    out_dir = (args.json.parent if args.json else Path("reports")) / "size_ladder_rows"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    start = time.perf_counter()
+    for config in args.configs.split(","):
+        for size in args.sizes.split(","):
+            left = args.budget - (time.perf_counter() - start) if args.budget else args.size_timeout
+            if left < 30:
+                rows.append({"config": config, "size": size, "status": "skipped (budget)"})
+                continue
+            print(f"{config} {size} ...", flush=True)
+            row = run_size(config, size, args, out_dir, min(args.size_timeout, left))
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "peaks"}), flush=True)
+            if row["status"] != "ok":
+                break  # larger sizes of this config will not fit either
+    if args.json:
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                   "rows": rows}, indent=1))
+        os.replace(tmp, args.json)
+    print(fmt_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

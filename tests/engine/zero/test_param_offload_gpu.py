@@ -1,0 +1,60 @@
+"""Parameter offload and ``zero.Init`` on a CUDA device: the side-stream fetches from pinned
+host memory and from files give the losses of stage 3 with the parameters on the GPU."""
+
+import pytest
+import torch
+
+import dslab
+from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 4
+
+
+def _config(**zero):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "gradient_clipping": 1.0, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                  "stage3_prefetch_bucket_size": 100_000, **zero}}
+
+
+def _losses(zero, partitioned=False):
+    torch.manual_seed(0)
+    with dslab.zero.Init(enabled=partitioned), torch.device("cuda"):
+        model = GPT2LMHeadModel(gpt2_tiny(dropout=0.0, layers=4), kernels="dslab")
+    engine, _, _, _ = dslab.initialize(model=model, config=_config(**zero))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS * 2):
+        ids = torch.randint(0, 1000, (2, 64), generator=g).cuda()
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    home = engine.zero.param_home
+    stats = home.stats() if home is not None else None
+    engine.destroy()
+    return losses, stats
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _losses({"stage3_param_persistence_threshold": 0})[0]
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_offloaded_parameters_train_like_device_resident_ones(reference, offload, tmp_path):
+    zero = {"stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": offload, "pin_memory": True, "nvme_path": str(tmp_path)}}
+    losses, stats = _losses(zero)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    assert stats["fetches"] > 0 and stats["h2d_bytes"] > 0 and stats["copy_stall_ms"] >= 0
+    if offload == "nvme":
+        assert stats["disk_read_bytes"] >= stats["h2d_bytes"]
+
+
+def test_a_model_built_partitioned_on_the_gpu_trains_like_a_plain_one(reference):
+    losses, _ = _losses({"stage3_param_persistence_threshold": 0}, partitioned=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
