@@ -126,11 +126,11 @@ def test_configure_and_the_engine_section():
         gpt2_moe_tiny(checkpoint_layers=1)
 
 
-def _engine_losses(stage, every, cuda_graphs=False, section=None):
+def _engine_losses(stage, every, cuda_graphs=False, section=None, zero=None):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2_tiny(checkpoint_layers=every))
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **(zero or {})},
               "steps_per_print": 10**6, "cuda_graphs": {"enabled": cuda_graphs}}
     if section is not None:
         config["activation_checkpointing"] = section
@@ -143,6 +143,8 @@ def _engine_losses(stage, every, cuda_graphs=False, section=None):
         engine.step()
         losses.append(float(loss.detach()))
     stats = dict(getattr(engine.module, "cuda_graph_stats", {}) or {})
+    if engine.zero is not None and engine.zero.gatherer is not None:
+        stats["gathers"] = engine.zero.gatherer.gathers
     engine.destroy()
     return losses, stats
 
@@ -154,4 +156,31 @@ def test_engine_trains_checkpointed_layers_as_plain_ones_at_stage_0_and_3():
     # stage 3 with graphs on: checkpointing keeps the per-module hooks (no graphed stage 3 stack)
     losses, stats = _engine_losses(3, 1, cuda_graphs=True)
     assert losses == pytest.approx(plain, abs=1e-5)
-    assert stats == {"eager_activation_checkpointing": 3}
+    assert stats["eager_activation_checkpointing"] == 3
+
+
+def test_stage3_keeps_a_recomputed_layer_gathered_for_its_backward(monkeypatch):
+    """Checkpointed layers at stage 3 with every module released after its forward: inside a
+    backward each unit is gathered once, for its layer's recompute, and that gather serves the
+    layer's backward too (released again once its gradients are reduced); a recompute prefetches
+    the layers before it, not the ones whose backward is done."""
+    from dslab.engine.zero.stage3 import ParameterGatherer
+
+    events = []
+    start = ParameterGatherer._start_gather
+
+    def recording(self, unit, async_op):
+        events.append((unit.layout.names, torch._C._current_graph_task_id() != -1))
+        return start(self, unit, async_op)
+
+    monkeypatch.setattr(ParameterGatherer, "_start_gather", recording)
+    plain, _ = _engine_losses(0, 0)
+    losses, stats = _engine_losses(3, 1, zero={"stage3_max_reuse_distance": 0})
+    assert losses == pytest.approx(plain, abs=1e-5)
+    in_backward = [names for names, backward in events if backward]
+    assert in_backward and stats["gathers"] == len(events)
+    per_unit = {names: in_backward.count(names) for names in set(in_backward)}
+    # once per backward over three steps; a LayerNorm is read again by the recompute of the
+    # layer before it (chained norms), after its own backward released it
+    linear = {names: n for names, n in per_unit.items() if not any("norm" in x for x in names)}
+    assert len(linear) >= 8 and set(linear.values()) == {3}, per_unit

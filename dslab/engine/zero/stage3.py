@@ -6,7 +6,9 @@ or the ancestor gathered whole under ``stage3_module_granularity_threshold``) ge
 - a forward pre-hook that all-gathers its units (waiting for a prefetch already in flight) and
   then prefetches the units that the recorded forward order says come next, up to
   ``prefetch_numel`` elements, while fewer than ``max_live_numel`` gathered elements are live;
-- a forward hook that releases its units again, unless backward will reuse them within
+- a forward hook that releases its units again (not after an activation checkpoint's recompute,
+  which runs inside backward right before the module's own backward), unless backward will
+  reuse them within
   ``stage3_max_reuse_distance`` gathered elements (the last modules of the forward are the first
   of the backward), and registers a hook on each output tensor that needs a gradient: when
   backward reaches the module's output, the units are gathered again if they were released
@@ -100,6 +102,7 @@ class ParameterGatherer:
         self._order_done = False
         self._root_depth = 0
         self.live_numel = 0
+        self.gathers = 0  # units gathered so far (prefetches included)
         self._hooks = [
             root.register_forward_pre_hook(self._root_pre_forward, prepend=True),
             root.register_forward_hook(self._root_post_forward),
@@ -127,6 +130,7 @@ class ParameterGatherer:
             self._start_gather(unit, async_op=False)
 
     def _start_gather(self, unit: FlatUnit, async_op: bool) -> None:
+        self.gathers += 1
         unit.full = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
         self.live_numel += unit.padded
         if self.home is not None and self.home.holds(unit):
@@ -212,12 +216,19 @@ class ParameterGatherer:
                 self._position[unit.index] = len(self.order)
                 self.order.append(unit)
             self.gather(unit)
-        self._prefetch_after(units[-1], reverse=False)
+        if torch._C._current_graph_task_id() != -1:
+            # a recompute inside backward: what comes next is the backward of earlier modules
+            self._prefetch_after(units[0], reverse=True)
+        else:
+            self._prefetch_after(units[-1], reverse=False)
 
     def _post_forward(self, module, args, output):
         units = self._units_of[id(module)]
+        # a forward inside backward is an activation checkpoint's recompute: the module's own
+        # backward comes next, so its units stay gathered until their gradients are reduced
+        recompute = torch._C._current_graph_task_id() != -1
         for unit in units:
-            if not unit.held and not self._reused_soon(unit):
+            if not unit.held and not recompute and not self._reused_soon(unit):
                 self.release(unit)
         if torch.is_grad_enabled():
             for leaf in tree_leaves(output):
