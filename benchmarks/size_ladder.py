@@ -9,7 +9,8 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
 For each config, the sizes run in order, each in a process of its own (a failed size leaves
 nothing behind); the ladder of a config stops at its first size that does not train: CUDA
 out-of-memory (caught, recorded as ``oom`` with where it happened), the process killed (host
-memory; recorded as ``killed``), or past ``--size-timeout`` (``timeout``). A size trains when it
+memory; recorded as ``killed``), or past ``--size-timeout`` (``timeout``). Each size runs with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the caller set it. A size trains when it
 completes ``--warmup`` + ``--steps`` optimizer steps; the loss of each is recorded.
 
 The model: dslab's GPT-2 (dslab kernels, bf16 autocast over fp32 parameters, dropout 0,
@@ -21,6 +22,9 @@ Configs:
 
 - ``stage3``: ZeRO stage 3, everything on the GPU.
 - ``offload``: stage 3 with ``offload_optimizer`` and ``offload_param`` on the CPU (pinned).
+- ``offload-split``: ``offload`` with ``offload_optimizer.ratio`` ``--ratio`` (default 0.5):
+  that fraction of the shards steps on the CPU with its parameters in host memory, the rest
+  stays on the GPU (host memory, not the GPU, is what bounds ``offload`` on one H200).
 - ``offload-opt``: stage 3 with ``offload_optimizer`` on the CPU only.
 - ``deepspeed-stage3`` / ``deepspeed-offload``: the same jobs through DeepSpeed (when it
   imports): ``deepspeed.zero.Init`` around the same model, its bf16 engine and CPU Adam.
@@ -57,7 +61,8 @@ SIZES = {  # name: (layers, hidden, heads): the GPT-3 paper's, heads of 128 (2.7
     "13b-56l": (56, 5120, 40),
 }
 VOCAB = 50257
-CONFIGS = ("stage3", "offload", "offload-opt", "deepspeed-stage3", "deepspeed-offload")
+CONFIGS = ("stage3", "offload", "offload-split", "offload-opt", "deepspeed-stage3",
+           "deepspeed-offload")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--accum", type=int, default=4)
+    parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--size-timeout", type=float, default=600.0)
@@ -102,9 +108,11 @@ def parameter_count(layers: int, hidden: int, seq: int) -> int:
 
 def engine_config(config: str, args) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 100_000}
-    if config in ("offload", "offload-opt", "deepspeed-offload"):
+    if config in ("offload", "offload-split", "offload-opt", "deepspeed-offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if config in ("offload", "deepspeed-offload"):
+    if config == "offload-split":
+        zero["offload_optimizer"]["ratio"] = args.ratio
+    if config in ("offload", "offload-split", "deepspeed-offload"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -210,10 +218,14 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
     out = out_dir / f"{config}-{size}.json"
     cmd = [sys.executable, __file__, "--child", f"{config}:{size}", "--json", str(out),
            "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
-           "--accum", str(args.accum), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--accum", str(args.accum), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--ratio", str(args.ratio)]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=timeout, stderr=subprocess.PIPE, text=True)
+        # expandable segments: the near-full sizes fail on fragmentation otherwise
+        env = dict(os.environ)
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        proc = subprocess.run(cmd, timeout=timeout, stderr=subprocess.PIPE, text=True, env=env)
     except subprocess.TimeoutExpired:
         return {"config": config, "size": size, "status": "timeout", "seconds": timeout}
     seconds = time.perf_counter() - start

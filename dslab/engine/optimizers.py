@@ -159,13 +159,14 @@ class OptimizerConfig(ConfigSection):
 
 
 def fused_kernels_supported(params: Iterable[torch.Tensor]) -> bool:
-    """True when ``params`` (non-empty) are floating-point tensors all on CUDA or all in CPU
-    memory: the devices torch's fused Adam/AdamW/SGD kernels run on, one device type at a time."""
+    """True when ``params`` (non-empty) are floating-point tensors on CUDA or in CPU memory:
+    the devices torch's fused Adam/AdamW/SGD kernels run on (a mix of both is stepped device by
+    device, as ZeRO's partial optimizer offload needs)."""
     params = list(params)
     if not params or not all(torch.is_floating_point(p) for p in params):
         return False
     kinds = {p.device.type for p in params}
-    return kinds == {"cuda"} or kinds == {"cpu"}
+    return kinds <= {"cuda", "cpu"}
 
 
 def build_optimizer(config: OptimizerConfig | dict[str, Any],

@@ -53,11 +53,17 @@ class OffloadOptimizerConfig(ConfigSection):
     CPU step through the ``aio`` section's handle (:mod:`dslab.engine.zero.nvme_offload`).
     ``pipeline_read`` (prefetch the next sub-group's states while the current one steps) and
     ``pipeline_write`` (write a stepped sub-group back while the next steps) are DeepSpeed's
-    keys; dslab's default for both is true (DeepSpeed's is false), false serialises them."""
+    keys; dslab's default for both is true (DeepSpeed's is false), false serialises them.
+
+    ``ratio`` (DeepSpeed's ZeRO-Offload++ key) is the fraction of the shards, by elements, that
+    the offload steps on the CPU; the other units keep their masters, gradients and optimizer
+    states on the GPU and step there, ahead of the CPU chunks (1.0, the default, offloads all).
+    With ``offload_param`` only the CPU-stepped units' parameters leave the GPU."""
 
     device: str = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
+    ratio: float = Field(1.0, gt=0.0, le=1.0)
     buffer_count: int = Field(4, ge=2)
     pipeline_read: bool = True
     pipeline_write: bool = True

@@ -90,8 +90,9 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
 
     def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int,
                  nvme_path: str, aio: AioConfig, buffer_count: int, rank: int,
-                 pipeline_read: bool = True, pipeline_write: bool = True, home=None):
-        super().__init__(units, pin_memory, chunk_numel, home=home)
+                 pipeline_read: bool = True, pipeline_write: bool = True, home=None,
+                 on_device: set[int] = frozenset()):
+        super().__init__(units, pin_memory, chunk_numel, home=home, on_device=on_device)
         root = Path(nvme_path)
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -223,7 +224,7 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
         if self._published is not None:
             self._published.synchronize()
             self._published = None
-        handles = []
+        handles = self.step_on_device(optimizer, factor, publish)
         reads = {0: self._swap_in(0)} if self.chunks else {}
         try:
             for k, chunk in enumerate(self.chunks):

@@ -54,15 +54,22 @@ from dslab.engine.zero.partition import FlatUnit
 class CpuOptimizerOffload:
     """The CPU side of ZeRO-Offload for ``units`` (module docstring)."""
 
-    def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int, home=None):
+    def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int, home=None,
+                 on_device: set[int] = frozenset()):
         self.units = units
         self.cuda = any(u.device.type == "cuda" for u in units)
         # parameter offload (param_offload.py): an offloaded unit's master is its home copy
         self.home = home
+        # partial offload (offload_optimizer.ratio): these units step where they live
+        self.on_device = [u.index in on_device for u in units]
         pin_masters = pin_memory and self.cuda
         self.masters: list[nn.Parameter] = []
-        self.grads: list[torch.Tensor] = []
-        for unit in units:
+        self.grads: list[torch.Tensor | None] = []
+        for unit, device in zip(units, self.on_device):
+            if device:
+                self.masters.append(nn.Parameter(unit.shard))  # shares the shard, as without offload
+                self.grads.append(None)  # the gradient stays in unit.grad_shard
+                continue
             if home is not None and home.holds(unit):
                 master = home.master(unit)
             else:
@@ -70,7 +77,9 @@ class CpuOptimizerOffload:
                 master.copy_(unit.shard)
             self.masters.append(nn.Parameter(master))
             self.grads.append(torch.zeros(unit.shard_numel, dtype=unit.dtype, pin_memory=self.cuda))
-        self.chunks = plan_chunks(units, chunk_numel)
+        self.device_units = [u for u, device in zip(units, self.on_device) if device]
+        self.chunks = plan_chunks([u for u, device in zip(units, self.on_device) if not device],
+                                  chunk_numel)
         self.last_backward = True
         self._filled = [False] * len(units)
         self._squares: list[torch.Tensor | None] = [None] * len(units)
@@ -93,6 +102,12 @@ class CpuOptimizerOffload:
         docstring, step 1); the caller drops its reference to ``shard`` afterwards."""
         i = unit.index
         accumulate, self._filled[i] = self._filled[i], True
+        if self.on_device[i]:  # summed where it is, as without offload
+            if not accumulate:
+                unit.grad_shard = shard.clone() if shard._base is not None else shard
+            else:
+                unit.grad_shard.add_(shard)
+            return
         if not shard.is_cuda:
             total = self.grads[i].add_(shard) if accumulate else self.grads[i].copy_(shard)
             self._squares[i] = _square_norm(total) if self.last_backward else None
@@ -119,7 +134,12 @@ class CpuOptimizerOffload:
             if event is not None:
                 event.synchronize()
             self._copied[i] = None
-            if not self._filled[i]:
+            if self.on_device[i]:
+                unit = self.units[i]
+                if not self._filled[i] or unit.grad_shard is None:
+                    unit.grad_shard = torch.zeros(unit.shard_numel, dtype=unit.dtype,
+                                                  device=unit.shard.device)
+            elif not self._filled[i]:
                 self.grads[i].zero_()
         return self.grads
 
@@ -130,7 +150,10 @@ class CpuOptimizerOffload:
         their CPU gradients."""
         parts = []
         for i, square in enumerate(self._squares):
-            parts.append(square if square is not None else _square_norm(self.grads[i]))
+            if self.on_device[i]:
+                parts.append(_square_norm(self.units[i].grad_shard))
+            else:
+                parts.append(square if square is not None else _square_norm(self.grads[i]))
         if not parts:
             return torch.zeros((), dtype=torch.float32, device=device)
         return torch.stack([p.to(device) for p in parts]).sum()
@@ -146,7 +169,7 @@ class CpuOptimizerOffload:
         if self._published is not None:  # last step's copies to the GPU read the masters
             self._published.synchronize()
             self._published = None
-        handles = []
+        handles = self.step_on_device(optimizer, factor, publish)
         try:
             for chunk in self.chunks:
                 with self.open_masters(chunk):
@@ -167,6 +190,25 @@ class CpuOptimizerOffload:
             self._published.record()
         return handles
 
+    def step_on_device(self, optimizer: torch.optim.Optimizer, factor: float | None,
+                       publish: Callable[[FlatUnit, torch.Tensor], object]) -> list:
+        """Step the units kept on the device (``offload_optimizer.ratio`` < 1) in one
+        ``optimizer.step()``, before the CPU chunks: its kernels run while the host steps."""
+        if not self.device_units:
+            return []
+        grads = [u.grad_shard for u in self.device_units]
+        if factor is not None:
+            torch._foreach_mul_(grads, factor)
+        masters = [self.masters[u.index] for u in self.device_units]
+        for master, grad in zip(masters, grads):
+            master.grad = grad
+        try:
+            optimizer.step()
+        finally:
+            for master in masters:
+                master.grad = None
+        return [publish(u, m) for u, m in zip(self.device_units, masters)]
+
     def open_masters(self, chunk: list[FlatUnit]):
         """A context in which ``chunk``'s masters hold their values (NVMe parameter offload
         reads them in and writes them back after; otherwise they always do)."""
@@ -181,7 +223,7 @@ class CpuOptimizerOffload:
 
     def buffers(self) -> list[torch.Tensor]:
         """The CPU gradient buffers: model-state memory."""
-        return list(self.grads)
+        return [g for g in self.grads if g is not None]
 
     # -- what the NVMe offload (:mod:`.nvme_offload`) does differently --------------------------
 

@@ -76,6 +76,7 @@ class ParamHome(abc.ABC):
 
     def __init__(self, units: list[FlatUnit], device: torch.device):
         self.units = [u for u in units if not u.resident]
+        self._held = {u.index for u in self.units}
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
@@ -84,7 +85,7 @@ class ParamHome(abc.ABC):
                        "disk_write_bytes": 0, "disk_wait_s": 0.0, "copy_stall_ms": 0.0}
 
     def holds(self, unit: FlatUnit) -> bool:
-        return not unit.resident
+        return unit.index in self._held
 
     # -- fetching -----------------------------------------------------------------------------
 

@@ -72,6 +72,22 @@ def _graphed_stack_units(module: nn.Module, units: list[FlatUnit], owners: list[
     return by_layer if any(by_layer) else None
 
 
+def _stepped_on_device(units: list[FlatUnit], offload) -> set[int]:
+    """Indices of the units that ``offload_optimizer.ratio`` keeps on the device: with offload
+    on and ratio ``r`` < 1, the units in index order are offloaded until ``r`` of all shard
+    elements are, the rest stay (none with ``r`` = 1 or without offload)."""
+    if offload.device == "none" or offload.ratio >= 1.0 or not units:
+        return set()
+    total = sum(u.shard_numel for u in units)
+    offloaded, stay = 0, set()
+    for unit in units:
+        if offloaded >= offload.ratio * total:
+            stay.add(unit.index)
+        else:
+            offloaded += unit.shard_numel
+    return stay
+
+
 def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -167,9 +183,11 @@ class ZeroRuntime:
         # parameter offload (stage 3): the released shards' home off the GPU (param_offload.py)
         self.param_home: ParamHome | None = None
         by_layer = None
+        # partial optimizer offload (offload_optimizer.ratio < 1): units stepped on the device
+        on_device = _stepped_on_device(self.units, config.offload_optimizer)
         if self.stage == 3:
             self.param_home = build_param_home(
-                config.offload_param, self.units,
+                config.offload_param, [u for u in self.units if u.index not in on_device],
                 self.units[0].device if self.units else torch.device("cpu"), aio, comm.get_rank())
             # the graphed layer stack gathers from device-resident shards; offloaded shards go
             # through the per-module hooks, which fetch them from their home first
@@ -186,14 +204,14 @@ class ZeroRuntime:
         if offload.device == "cpu":
             self.offload = CpuOptimizerOffload(
                 self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
-                home=self.param_home)
+                home=self.param_home, on_device=on_device)
         elif offload.device == "nvme":
             self.offload = NvmeOptimizerOffload(
                 self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
                 nvme_path=offload.nvme_path, aio=aio,
                 buffer_count=offload.buffer_count, rank=comm.get_rank(),
                 pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write,
-                home=self.param_home)
+                home=self.param_home, on_device=on_device)
         if self.offload is not None:
             self.masters: list[nn.Parameter] = self.offload.masters
         else:
@@ -350,8 +368,8 @@ class ZeroRuntime:
         (or None)."""
         with torch.no_grad():
             # an offloaded unit's master is its home copy (param_offload.py): nothing to copy
-            if master is not None and not (self.param_home is not None
-                                           and self.param_home.holds(unit)):
+            if master is not None and master.data_ptr() != unit.shard.data_ptr() and not (
+                    self.param_home is not None and self.param_home.holds(unit)):
                 unit.shard.copy_(master, non_blocking=True)
         if not unit.resident:
             return None

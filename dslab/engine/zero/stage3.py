@@ -16,6 +16,10 @@ or the ancestor gathered whole under ``stage3_module_granularity_threshold``) ge
 - after backward, :class:`~dslab.engine.zero.grads.GradientReduceScatter` releases a unit as soon
   as its gradients are copied out for the reduce-scatter.
 
+With one rank a unit's shard is the whole unit: a gather points the parameters at the shard
+itself (no copy, no memory), except for a unit whose shard lives off the GPU
+(:mod:`.param_offload`), which is fetched into a buffer of its own.
+
 A parameter read outside its own module's forward while the root module runs forward (a tied LM
 head reading ``self.wte.weight``) is gathered on access through the module's parameter registry
 and held until its gradients are reduced (or, without autograd, until the forward ends).
@@ -131,9 +135,15 @@ class ParameterGatherer:
 
     def _start_gather(self, unit: FlatUnit, async_op: bool) -> None:
         self.gathers += 1
+        offloaded = self.home is not None and self.home.holds(unit)
+        if unit.world_size == 1 and not offloaded:
+            # one rank: the shard is the whole unit; the parameters view it, nothing is copied
+            unit.full = unit.shard
+            unit.bind()
+            return
         unit.full = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
         self.live_numel += unit.padded
-        if self.home is not None and self.home.holds(unit):
+        if offloaded:
             work = self._fetch(unit, async_op)
         else:
             # over the unit's partition group: the data-parallel group, or an expert unit's
@@ -162,7 +172,8 @@ class ParameterGatherer:
             return
         if unit.pending is not None:
             unit.pending.wait()
-        self.live_numel -= unit.padded
+        if unit.full is not unit.shard:
+            self.live_numel -= unit.padded
         unit.release()
 
     def release_all(self) -> None:

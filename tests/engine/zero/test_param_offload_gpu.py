@@ -44,10 +44,15 @@ def reference():
     return _losses({"stage3_param_persistence_threshold": 0})[0]
 
 
-@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("offload", ["cpu", "nvme", "cpu-ratio"])
 def test_offloaded_parameters_train_like_device_resident_ones(reference, offload, tmp_path):
+    """``cpu-ratio``: half the units step on the GPU (fused AdamW over CUDA and CPU masters at
+    once) and keep their parameters there."""
+    device = offload.split("-")[0]
     zero = {"stage3_param_persistence_threshold": 0,
-            "offload_param": {"device": offload, "pin_memory": True, "nvme_path": str(tmp_path)}}
+            "offload_param": {"device": device, "pin_memory": True, "nvme_path": str(tmp_path)}}
+    if offload.endswith("ratio"):
+        zero["offload_optimizer"] = {"device": "cpu", "ratio": 0.5}
     losses, stats = _losses(zero)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
     assert stats["fetches"] > 0 and stats["h2d_bytes"] > 0 and stats["copy_stall_ms"] >= 0

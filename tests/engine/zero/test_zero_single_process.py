@@ -59,6 +59,10 @@ def test_bad_offload_configs_are_refused():
     with pytest.raises(ValueError, match="'zero_optimization.offload_param.nvme_path' is required"):
         load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"},
                                                    "offload_optimizer": {"device": "cpu"}}))
+    for ratio in (0.0, 1.5):
+        with pytest.raises(ValueError, match="ratio"):
+            load_config(base_config(zero_optimization={
+                "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}}))
     with pytest.raises(ValueError, match="offload_param.device must be 'cpu', 'nvme' or 'none'"):
         load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": "gpu"}}))
     # a DeepSpeed ZeRO-3 config with parameter offload switched off loads

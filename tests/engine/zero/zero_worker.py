@@ -137,6 +137,10 @@ SCENARIOS = {
     # and the unscaling come from the gradient norms.
     "offload_accum_clip": {"gradient_accumulation_steps": 3, "gradient_clipping": 0.05,
                            "zero": {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 40}},
+    # partial offload: about half of the shard elements step on the CPU, the rest where they are
+    "offload_ratio": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+                      "zero": {"offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                               "sub_group_size": 40}},
     "offload_fp16": {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1},
                      "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False,
                                                               "weight_decay": 0.01}},
@@ -266,6 +270,11 @@ def param_offload_runs(nvme_root: Path) -> dict:
         "nvme": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
                                    "buffer_count": 2},
                  "offload_optimizer": {"device": "cpu"}},
+        "cpu_ratio": {"offload_param": {"device": "cpu"},
+                      "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+        "nvme_ratio": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params")},
+                       "offload_optimizer": {"device": "nvme", "ratio": 0.6,
+                                             "nvme_path": str(nvme_root / "states")}},
         "nvme_both": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
                                         "buffer_count": 3},
                       "offload_optimizer": {"device": "nvme",
@@ -295,6 +304,9 @@ def run_param_offload(results, ckpt_root):
                 "losses": losses, "state": sd, "ranks_agree": same_on_all_ranks(sd),
                 "shard_devices": sorted({str(u.shard.device) for u in engine.zero.units}),
                 "shard_sizes": sorted({u.shard.numel() for u in engine.zero.units}),
+                "held": sum(home.holds(u) for u in engine.zero.units),
+                "released": sum(not u.resident for u in engine.zero.units),
+                "on_device": sum(engine.zero.offload.on_device),
                 "files": len(list(directory.iterdir())) if directory is not None else None,
                 "stats": home.stats()}
             engine.destroy()
