@@ -168,7 +168,7 @@ def run_child(config: str, size: str, args) -> dict:
         g = torch.Generator(device="cpu").manual_seed(0)
         batches = [torch.randint(0, VOCAB, (args.micro_batch, args.seq), generator=g).to(device)
                    for _ in range(args.accum)]
-        losses, times, host = [], [], []
+        losses, times = [], []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         home = getattr(getattr(engine, "zero", None), "param_home", None)

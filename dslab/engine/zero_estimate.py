@@ -67,6 +67,8 @@ def estimate_zero_memory(
     additional_buffer_factor: float = 1.5,
     param_bytes: int | None = None,
     master_bytes: int | None = None,
+    offload_param: str = "none",
+    offload_ratio: float = 1.0,
     print_table: bool = False,
 ) -> list[ZeroMemoryRow]:
     """Model-state memory (bytes) per GPU and per node's CPU, one row per option asked for.
@@ -77,7 +79,12 @@ def estimate_zero_memory(
         num_gpus: GPUs (ranks) per node; the data-parallel world is ``num_gpus * num_nodes``.
         stage: a ZeRO stage 0-3, several, or None for all four.
         num_nodes: nodes.
-        offload_optimizer: ``"none"``, ``"cpu"`` (or False/True), or None for both (stages 1-3).
+        offload_optimizer: ``"none"``, ``"cpu"`` (or False/True), ``"nvme"``, or None for
+            none and cpu (stages 1-3).
+        offload_param: ``"none"``, ``"cpu"`` or ``"nvme"``: stage 3's parameter partitions off
+            the GPU (with an offloaded optimizer; rows of other stages are refused).
+        offload_ratio: the fraction of the partitions the optimizer offload takes
+            (``offload_optimizer.ratio``); the rest stays on the GPU.
         precision: ``"bf16"``/``"fp16"`` (2 + 2 + 12 bytes per parameter with Adam, fp32 master
             weights in the optimizer: DeepSpeed's layout) or ``"fp32"`` (4 + 4 + 8).
         param_bytes: bytes of a parameter and of its gradient (default: from ``precision``).
@@ -116,7 +123,8 @@ def estimate_zero_memory(
                         precision=precision, optimizer_states=optimizer_states,
                         largest_layer_params=found_largest if largest_layer is None else largest_layer,
                         additional_buffer_factor=additional_buffer_factor,
-                        param_bytes=param_bytes, master_bytes=master_bytes)
+                        param_bytes=param_bytes, master_bytes=master_bytes,
+                        offload_param=offload_param, offload_ratio=offload_ratio)
         for s, offload in _offload_options(offload_optimizer, stages)
     ]
     if print_table:

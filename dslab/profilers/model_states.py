@@ -124,11 +124,14 @@ def count_storages(model: nn.Module, optimizer=None, runtime=None) -> StorageCou
     offload = _offload(runtime)
     params = list(model.parameters())
     units = _units(runtime)
+    home = getattr(runtime, "param_home", None) if runtime is not None else None
     for p in params:
         counter.add(p, "params")
     for unit in units:
         counter.add(getattr(unit, "full", None), "params")
-        counter.add(getattr(unit, "shard", None), "params")
+        # a shard that parameter offload keeps in CPU memory is held by the offload
+        counter.add(getattr(unit, "shard", None), "params",
+                    offloaded=home is not None and home.holds(unit))
     # The low-precision copies an optimizer keeps of the parameters (the engine's bf16 weight
     # copies, which the model computes with) are parameters too, and their .grad the gradients.
     copies = list(getattr(optimizer, "param_copies", lambda: [])())
@@ -140,19 +143,39 @@ def count_storages(model: nn.Module, optimizer=None, runtime=None) -> StorageCou
         counter.add(c.grad, "grads")
     for unit in units:
         counter.add(getattr(unit, "grad_shard", None), "grads")
-    offloaded = offload is not None
-    if offloaded:
+    # what the optimizer offload steps in CPU memory: every master, or with a partial offload
+    # (offload_optimizer.ratio) those not stepped on the device
+    on_device = getattr(offload, "on_device", None) or []
+    masters = list(getattr(runtime, "masters", None) or []) if runtime is not None else []
+    kept = {id(m) for m, device in zip(masters, on_device) if device}
+    if offload is not None:
         for buffer in offload.buffers():
             counter.add(buffer, "grads", offloaded=True)
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
+                offloaded = offload is not None and id(p) not in kept
                 counter.add(p, "optimizer_params", offloaded=offloaded)
                 counter.add(p.grad, "grads", offloaded=offloaded)
-        for state in optimizer.state.values():
+        for p, state in optimizer.state.items():
+            offloaded = offload is not None and id(p) not in kept
             for value in state.values() if isinstance(state, dict) else ():
                 counter.add(value, "optimizer_states", offloaded=offloaded)
     return counter
+
+
+def offload_layout(runtime) -> dict:
+    """``{"offload", "param", "ratio"}`` of a ZeRO runtime: whether the optimizer is offloaded,
+    whether parameters are, and the fraction of shard elements the offload steps."""
+    offload = _offload(runtime)
+    if offload is None:
+        return {"offload": False, "param": False, "ratio": 1.0}
+    units = _units(runtime)
+    on_device = list(getattr(offload, "on_device", None) or [False] * len(units))
+    total = sum(u.shard_numel for u in units)
+    stepped = sum(u.shard_numel for u, device in zip(units, on_device) if not device)
+    return {"offload": True, "param": getattr(runtime, "param_home", None) is not None,
+            "ratio": stepped / total if total else 1.0}
 
 
 def _full_numels(model: nn.Module, runtime) -> tuple[dict[int, int], dict[int, object]]:
@@ -240,7 +263,7 @@ def model_state_bytes(model: nn.Module, optimizer=None, world_size: int | None =
     n = totals["num_params"]
     estimate = None if note is not None else totals["params"] + totals["grads"] + totals["optimizer_states"]
     zero_estimate = None
-    offload = _offload(runtime) is not None
+    offload = offload_layout(runtime)
     if estimate is not None:
         ranks = comm.get_world_size() if world_size is None else world_size
         rows = [{"stage": s, **partition_per_gpu(s, ranks, totals["params"], totals["grads"],
@@ -266,12 +289,14 @@ def model_state_bytes(model: nn.Module, optimizer=None, world_size: int | None =
     }
 
 
-def _compared(counter: StorageCounter, totals: dict, stage: int, ranks: int, offload: bool) -> dict:
+def _compared(counter: StorageCounter, totals: dict, stage: int, ranks: int, layout: dict) -> dict:
     """This rank's measured model states beside the estimate of ``stage`` (see
-    :func:`model_state_bytes`)."""
+    :func:`model_state_bytes`; ``layout`` from :func:`offload_layout`)."""
+    offload, ratio = layout["offload"], layout["ratio"]
     row = partition_per_gpu(stage, ranks, totals["params"], totals["grads"],
                             totals["optimizer_states"], totals["layer_buffer"],
-                            offload_optimizer=offload and stage > 0)
+                            offload_optimizer=offload and stage > 0,
+                            offload_param=layout["param"], offload_ratio=ratio)
     expected = row["total"] - row["buffer"]
     measured = counter.total - counter.offloaded
     compared = {
@@ -283,8 +308,9 @@ def _compared(counter: StorageCounter, totals: dict, stage: int, ranks: int, off
         def shard(total: int) -> int:
             return -(-int(total) // ranks)
 
-        cpu_expected = 2 * shard(totals["grads"]) + shard(totals["optimizer_states"])
-        compared.update(offload=True, cpu_measured=counter.offloaded, cpu_estimate=cpu_expected,
+        cpu_expected = int(ratio * (2 * shard(totals["grads"]) + shard(totals["optimizer_states"])))
+        compared.update(offload=True, offload_param=layout["param"], offload_ratio=ratio,
+                        cpu_measured=counter.offloaded, cpu_estimate=cpu_expected,
                         cpu_ratio=counter.offloaded / cpu_expected if cpu_expected else None)
     return compared
 

@@ -28,6 +28,18 @@ gradient it all-reduces before copying its partition out. Each node's CPU holds 
 partitions of the copy the optimizer steps and its gradient (``M`` bytes each, ``M`` the master's
 bytes, or the parameter's when there is no master) and the states: ``(2·M + 4·k)·Ψ/nodes``.
 
+Parameter offload (ZeRO-Infinity, stage 3 with optimizer offload, ``offload_param: {"device":
+"cpu"}``) moves the parameter partitions off the GPU too: the GPU keeps only the gathered
+working buffer. The CPU then also holds the parameter partition, unless the stepped copy *is*
+the parameter (dslab's layout, no master: ``M = P``), where nothing is added. With ``nvme``
+devices the stepped copies (``offload_param: nvme``) and the optimizer states
+(``offload_optimizer: nvme``) move from the CPU figure to the ``nvme`` one.
+
+Partial offload (``offload_optimizer.ratio`` ``r`` < 1, ZeRO-Offload++) offloads a fraction
+``r`` of the partitions: the GPU keeps ``1 - r`` of the gradient and optimizer-state partitions
+(and of the parameter partition under parameter offload), the CPU and NVMe figures are ``r``
+times the full offload's.
+
 Without offload the CPU figure is what building the model takes: every process of a node
 constructs the whole model in fp32 on the CPU before the engine moves or partitions it,
 ``4·Ψ·gpus_per_node``. Both CPU figures are multiplied by ``additional_buffer_factor`` (pinned
@@ -44,6 +56,7 @@ import dataclasses
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("bf16", "fp16", "fp32")
 OFFLOAD_DEVICES = ("none", "cpu")
+PARAM_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 FP32_BYTES = 4
 GIB = 1024 ** 3
 
@@ -70,37 +83,52 @@ def bytes_per_param(precision: str, optimizer_states: int = 2, *, param_bytes: i
     return param_bytes, param_bytes, master_bytes + FP32_BYTES * optimizer_states
 
 
-def check_layout(stage: int, num_gpus: int, num_nodes: int = 1, offload_optimizer: str = "none") -> None:
-    """Raise ValueError naming the argument for a stage, GPU count, node count or offload device
-    ZeRO cannot have."""
+def check_layout(stage: int, num_gpus: int, num_nodes: int = 1, offload_optimizer: str = "none",
+                 offload_param: str = "none", offload_ratio: float = 1.0) -> None:
+    """Raise ValueError naming the argument for a stage, GPU count, node count, offload device or
+    ratio ZeRO cannot have."""
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (ZeRO stages), got {stage!r}")
     for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if offload_optimizer not in OFFLOAD_DEVICES:
-        raise ValueError(f"offload_optimizer must be one of {', '.join(OFFLOAD_DEVICES)}, "
+    if offload_optimizer not in PARAM_OFFLOAD_DEVICES:
+        raise ValueError(f"offload_optimizer must be one of {', '.join(PARAM_OFFLOAD_DEVICES)}, "
                          f"got {offload_optimizer!r}")
+    if offload_param not in PARAM_OFFLOAD_DEVICES:
+        raise ValueError(f"offload_param must be one of {', '.join(PARAM_OFFLOAD_DEVICES)}, "
+                         f"got {offload_param!r}")
+    if offload_param != "none" and (stage != 3 or offload_optimizer == "none"):
+        raise ValueError("offload_param needs ZeRO stage 3 and offload_optimizer 'cpu' or 'nvme': "
+                         "only stage 3 partitions the parameters, and the CPU optimizer steps them")
+    if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, (int, float)) \
+            or not 0.0 < offload_ratio <= 1.0:
+        raise ValueError(f"offload_ratio must be a number in (0, 1], got {offload_ratio!r}")
     if offload_optimizer != "none" and stage == 0:
         raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3: stage 0 does not partition "
                          "the optimizer states it would offload")
 
 
 def partition_per_gpu(stage: int, world_size: int, params: float, grads: float, optimizer_states: float,
-                      layer_buffer: float = 0.0, offload_optimizer: bool = False) -> dict[str, int]:
+                      layer_buffer: float = 0.0, offload_optimizer: bool = False,
+                      offload_param: bool = False, offload_ratio: float = 1.0) -> dict[str, int]:
     """Bytes one GPU holds of whole-model totals ``params``, ``grads``, ``optimizer_states``
     (bytes, summed over every parameter) at ZeRO ``stage`` over ``world_size`` ranks.
 
-    ``layer_buffer`` is stage 3's gathered-layer buffer (ignored below stage 3). Returns
-    ``{"params", "grads", "optimizer_states", "buffer", "total"}``; partitions round up, as a
-    rank's shard of a padded flat buffer does."""
+    ``layer_buffer`` is stage 3's gathered-layer buffer (ignored below stage 3). With
+    ``offload_optimizer`` the fraction ``offload_ratio`` of the gradient (stages 2-3) and
+    optimizer-state partitions leaves the GPU, and with ``offload_param`` (stage 3) that fraction
+    of the parameter partition too. Returns ``{"params", "grads", "optimizer_states", "buffer",
+    "total"}``; partitions round up, as a rank's shard of a padded flat buffer does."""
     def shard(total: float, partitioned: bool) -> int:
         return -(-int(total) // world_size) if partitioned else int(total)
 
+    kept = 1.0 - offload_ratio if offload_optimizer else 1.0
     row = {
-        "params": shard(params, stage >= 3),
-        "grads": 0 if offload_optimizer and stage >= 2 else shard(grads, stage >= 2),
-        "optimizer_states": 0 if offload_optimizer else shard(optimizer_states, stage >= 1),
+        "params": int(shard(params, stage >= 3) * (kept if offload_param and stage >= 3 else 1.0)),
+        "grads": int(shard(grads, True) * kept) if offload_optimizer and stage >= 2
+        else shard(grads, stage >= 2),
+        "optimizer_states": int(shard(optimizer_states, stage >= 1) * kept),
         "buffer": int(layer_buffer) if stage >= 3 else 0,
     }
     row["total"] = sum(row.values())
@@ -129,6 +157,9 @@ class ZeroMemoryRow:
     cpu_init: int
     cpu_offload: int
     cpu_total: int
+    offload_param: str = "none"
+    offload_ratio: float = 1.0
+    nvme_total: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -137,10 +168,11 @@ class ZeroMemoryRow:
 def model_state_row(num_params: int, num_gpus: int, stage: int, *, num_nodes: int = 1,
                     offload_optimizer: str = "none", precision: str = "bf16", optimizer_states: int = 2,
                     largest_layer_params: int = 0, additional_buffer_factor: float = 1.5,
-                    param_bytes: int | None = None, master_bytes: int | None = None) -> ZeroMemoryRow:
+                    param_bytes: int | None = None, master_bytes: int | None = None,
+                    offload_param: str = "none", offload_ratio: float = 1.0) -> ZeroMemoryRow:
     """The model-state memory of ``num_params`` parameters at one ZeRO option (module docstring;
     ``param_bytes``/``master_bytes`` as in :func:`bytes_per_param`)."""
-    check_layout(stage, num_gpus, num_nodes, offload_optimizer)
+    check_layout(stage, num_gpus, num_nodes, offload_optimizer, offload_param, offload_ratio)
     for name, value in (("num_params", num_params), ("largest_layer_params", largest_layer_params)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -153,17 +185,30 @@ def model_state_row(num_params: int, num_gpus: int, stage: int, *, num_nodes: in
     master = k - FP32_BYTES * optimizer_states
     world_size = num_gpus * num_nodes
     offload = offload_optimizer != "none"
+    ratio = offload_ratio if offload else 1.0
     gpu = partition_per_gpu(stage, world_size, p * num_params, g * num_params, k * num_params,
-                            layer_buffer=(p + g) * largest_layer_params, offload_optimizer=offload)
+                            layer_buffer=(p + g) * largest_layer_params, offload_optimizer=offload,
+                            offload_param=offload_param != "none", offload_ratio=ratio)
     cpu_init = FP32_BYTES * num_params * num_gpus
     stepped = master or p  # the copy the CPU optimizer steps, and its gradient, in its dtype
-    cpu_offload = -(-(2 * stepped + k - master) * num_params // num_nodes) if offload else 0
+    cpu_offload = nvme = 0
+    if offload:
+        per_node = num_params * ratio / num_nodes
+        states = (k - master) * per_node
+        copy = stepped * per_node
+        # the parameter partition beside a master (a parameter without master is the copy)
+        param_copy = p * per_node if offload_param != "none" and master else 0
+        on_disk = (states if offload_optimizer == "nvme" else 0) + \
+            (copy + param_copy if offload_param == "nvme" else 0)
+        cpu_offload = int(stepped * per_node + copy + states + param_copy - on_disk)
+        nvme = int(on_disk)
     return ZeroMemoryRow(
         stage=stage, offload_optimizer=offload_optimizer, num_gpus=num_gpus, num_nodes=num_nodes,
         precision=precision, num_params=num_params, largest_layer_params=largest_layer_params,
         param_bytes=p, master_bytes=master, gpu_params=gpu["params"], gpu_grads=gpu["grads"], gpu_optimizer_states=gpu["optimizer_states"],
         gpu_buffer=gpu["buffer"], gpu_total=gpu["total"], cpu_init=cpu_init, cpu_offload=cpu_offload,
         cpu_total=int(additional_buffer_factor * max(cpu_init, cpu_offload)),
+        offload_param=offload_param, offload_ratio=ratio, nvme_total=nvme,
     )
 
 

@@ -52,11 +52,12 @@ def distinct_storage_bytes(engine) -> int:
     return sum(storages.values())
 
 
-def run(precision, stage, offload=False):
+def run(precision, stage, offload=False, offload_param="none", ratio=1.0):
     torch.manual_seed(0)
     model = DeepNet()
     layout = {"precision": "bf16" if precision == "bf16" else "fp32",
-              "offload_optimizer": "cpu" if offload else "none"}
+              "offload_optimizer": "cpu" if offload else "none",
+              "offload_param": offload_param, "offload_ratio": ratio}
     rows = {
         "dslab": dslab.estimate_zero_memory(model, 2, stage, param_bytes=4, master_bytes=0, **layout)[0],
         "deepspeed": dslab.estimate_zero_memory(model, 2, stage, **layout)[0],
@@ -71,7 +72,9 @@ def run(precision, stage, offload=False):
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     if offload:
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "ratio": ratio}
+    if offload_param != "none":
+        config["zero_optimization"]["offload_param"] = {"device": offload_param}
     engine, _, _, _ = dslab.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(comm.get_rank())
     instant = None
@@ -97,6 +100,9 @@ def main(out):
             results[f"{precision}/stage{stage}"] = run(precision, stage)
     for stage in (1, 2, 3):
         results[f"offload/stage{stage}"] = run("bf16", stage, offload=True)
+    results["param_offload/stage3"] = run("bf16", 3, offload=True, offload_param="cpu")
+    results["ratio/stage2"] = run("bf16", 2, offload=True, ratio=0.5)
+    results["ratio/stage3"] = run("bf16", 3, offload=True, offload_param="cpu", ratio=0.5)
     gathered = comm.all_gather_object(results)
     if comm.get_rank() == 0:
         torch.save(gathered, out)

@@ -127,3 +127,50 @@ def test_offload_splits_measured_states_between_device_and_cpu(ranks, stage):
         instant = result["instant"]
         traced = instant["traced"]
         assert traced["total"] == instant["distinct"]
+
+
+@pytest.mark.parametrize("name", ["param_offload/stage3", "ratio/stage2", "ratio/stage3"])
+def test_parameter_and_partial_offload_are_in_the_estimate(ranks, name):
+    """Parameter offload moves the parameter shards to the CPU side (nothing but gathered
+    buffers stays on the device between uses); a partial offload (ratio 0.5) keeps about half
+    of the partitions on the device. The tracer's comparison takes the fraction the runtime
+    offloads; the estimate's row, the ratio asked for."""
+    for rank, results in enumerate(ranks):
+        result = results[name]
+        states, row = result["states"], result["estimate"]["dslab"]
+        compared = states["zero_estimate"]["compared"]
+        assert compared["offload"] is True and compared["offload_param"] == ("param" in name
+                                                                              or name.endswith("3"))
+        assert 0.9 <= compared["cpu_ratio"] <= 1.1, (rank, compared)
+        if name == "param_offload/stage3":
+            assert compared["measured"] == 0 and compared["estimate_model_states"] == 0
+            assert row["gpu_total"] == row["gpu_buffer"]
+            assert compared["cpu_estimate"] == pytest.approx(row["cpu_offload"] / 2, rel=0.01)
+        else:
+            assert 0.4 <= compared["offload_ratio"] <= 0.6
+            assert 0.9 <= compared["ratio"] <= 1.1, (rank, compared)
+            measured_cpu = compared["cpu_measured"]
+            assert measured_cpu == pytest.approx(row["cpu_offload"] / 2, rel=0.2)
+            assert compared["measured"] == pytest.approx(row["gpu_total"] - row["gpu_buffer"], rel=0.2)
+
+
+def test_estimate_of_parameter_offload_and_ratio():
+    import dslab
+
+    n = 1_000_000
+    kwargs = {"param_bytes": 4, "master_bytes": 0, "offload_optimizer": "cpu"}
+    (full,) = dslab.estimate_zero_memory(n, 1, 3, **kwargs)
+    (params,) = dslab.estimate_zero_memory(n, 1, 3, offload_param="cpu", **kwargs)
+    (half,) = dslab.estimate_zero_memory(n, 1, 3, offload_param="cpu", offload_ratio=0.5, **kwargs)
+    assert (full.gpu_params, params.gpu_params, half.gpu_params) == (4 * n, 0, 2 * n)
+    assert full.cpu_offload == params.cpu_offload == 16 * n  # the parameter is the stepped copy
+    assert half.cpu_offload == 8 * n and half.gpu_optimizer_states == 4 * n
+    # DeepSpeed's layout keeps a 2-byte parameter beside the 4-byte master on the CPU
+    (theirs,) = dslab.estimate_zero_memory(n, 1, 3, offload_optimizer="cpu", offload_param="cpu")
+    assert theirs.cpu_offload == (4 + 4 + 8 + 2) * n and theirs.gpu_params == 0
+    (disk,) = dslab.estimate_zero_memory(n, 1, 3, offload_param="nvme", **dict(kwargs, offload_optimizer="nvme"))
+    assert (disk.cpu_offload, disk.nvme_total) == (4 * n, 12 * n)  # gradients stay in memory
+    with pytest.raises(ValueError, match="offload_param needs ZeRO stage 3"):
+        dslab.estimate_zero_memory(n, 1, 2, offload_param="cpu", **kwargs)
+    with pytest.raises(ValueError, match="offload_ratio must be a number in"):
+        dslab.estimate_zero_memory(n, 1, 3, offload_ratio=0.0, **kwargs)
