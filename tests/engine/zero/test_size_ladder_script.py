@@ -1,0 +1,59 @@
+"""benchmarks/size_ladder.py end to end on CPU (``--tiny``): each size in its own process, the
+rows and the table, and a config's ladder stopping at its first size that does not train."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import size_ladder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ladder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ladder") / "ladder.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # deepspeed is not installed here: its first size fails and its ladder stops there
+    cmd = [sys.executable, str(REPO / "benchmarks" / "size_ladder.py"), "--tiny",
+           "--configs", "stage3,offload-split,deepspeed-stage3", "--json", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())["rows"]
+
+
+def test_each_config_climbs_until_a_size_fails(ladder):
+    stdout, rows = ladder
+    done = [(r["config"], r["size"], r["status"]) for r in rows]
+    assert done[:4] == [("stage3", "tiny-a", "ok"), ("stage3", "tiny-b", "ok"),
+                        ("offload-split", "tiny-a", "ok"), ("offload-split", "tiny-b", "ok")]
+    assert done[4][:2] == ("deepspeed-stage3", "tiny-a") and done[4][2] == "error"
+    assert len(done) == 5  # the failed config's larger size is not tried
+    assert "| offload-split | tiny-b |" in stdout
+
+
+def test_rows_hold_the_measurements(ladder):
+    _, rows = ladder
+    for row in rows[:4]:
+        assert len(row["losses"]) == 3 and all(math.isfinite(x) for x in row["losses"])
+        assert row["losses"][-1] < row["losses"][0]  # it trains
+        assert row["tokens_per_step"] == 2 * 64 * 2
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+        layers, hidden, _ = size_ladder.SIZES[row["size"]]
+        flops = size_ladder.model_flops_per_step(layers, hidden, 64, row["tokens_per_step"])
+        assert row["model_tflops"] == pytest.approx(flops / row["step_s"] / 1e12)
+    offloaded = [r for r in rows if r["config"] == "offload-split"]
+    assert all(r["param_offload_per_step"]["fetches"] > 0 for r in offloaded)
+
+
+def test_model_flops_is_megatrons_count():
+    # 72 B s L h^2 (1 + s / 6h + V / 12 L h) for one sequence of 1024 at GPT-3 1.3B's shape
+    flops = size_ladder.model_flops_per_step(24, 2048, 1024, 1024)
+    expected = 72 * 1024 * 24 * 2048**2 * (1 + 1024 / (6 * 2048) + 50257 / (12 * 24 * 2048))
+    assert flops == pytest.approx(expected)
+    assert size_ladder.parameter_count(24, 2048, 1024) == pytest.approx(1.31e9, rel=0.01)
