@@ -14,6 +14,9 @@ ZeRO stage 0, dropout 0.1 (the recompute replays it). Arms:
   segments run eagerly: a graph cannot restore the random state of a recompute);
 - ``ckpt-2``: segments of two layers.
 
+``--size`` picks GPT-2 355M, 774M or 1.5B (default). Each row has the estimate of
+:mod:`dslab.profilers.activation_model` beside the measurement.
+
 Per arm: ``activation bytes``, what the forward leaves allocated for the backward (CUDA
 ``memory_allocated`` after the forward minus before it, on the last measured step; with CUDA
 graphs the graph pool's activations are counted by the pool's growth instead, see below);
@@ -39,13 +42,16 @@ from pathlib import Path
 import torch
 
 import dslab
-from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_1558m, gpt2_tiny
+from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_355m, gpt2_774m, gpt2_1558m, gpt2_tiny
+from dslab.profilers.activation_model import estimate_activation_memory
 
 ARMS = {"graphs": (0, True), "eager": (0, False), "ckpt-1": (1, False), "ckpt-2": (2, False)}
+SIZES = {"355m": gpt2_355m, "774m": gpt2_774m, "1.5b": gpt2_1558m}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=list(SIZES), default="1.5b")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=3)
@@ -64,7 +70,7 @@ def parse_args(argv=None):
 
 def run_arm(name: str, args, device: torch.device) -> dict:
     every, graphs = ARMS[name]
-    make = gpt2_tiny if args.tiny else gpt2_1558m
+    make = gpt2_tiny if args.tiny else SIZES[args.size]
     cfg = make(n_positions=max(args.seq, 64), checkpoint_layers=every)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg, kernels="dslab" if device.type == "cuda" else "torch")
@@ -101,7 +107,8 @@ def run_arm(name: str, args, device: torch.device) -> dict:
         if step >= args.warmup:
             times.append(elapsed)
     row = {"arm": name, "checkpoint_layers": every, "cuda_graphs": graphs and cuda,
-           "step_ms": statistics.median(times), "step_times_ms": times, "losses": losses}
+           "step_ms": statistics.median(times), "step_times_ms": times, "losses": losses,
+           "estimate_bytes": estimate_activation_memory(cfg, args.micro_batch, args.seq)["total"]}
     if cuda:
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         if not row["cuda_graphs"]:
@@ -127,8 +134,9 @@ def main(argv=None) -> int:
         os.replace(tmp, args.json)
     eager = rows.get("eager", {})
     graphs = rows.get("graphs", {})
-    print("| arm | step ms | vs graphs | vs eager | activation GiB | vs eager | peak GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"GPT-2 {args.size if not args.tiny else 'tiny'}, micro-batch {args.micro_batch} x {args.seq}")
+    print("| arm | step ms | vs graphs | vs eager | activation GiB | estimate GiB | vs eager | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in rows.items():
         act = r.get("activation_bytes")
         ratio_g = f"{r['step_ms'] / graphs['step_ms']:.2f}" if graphs else ""
@@ -136,7 +144,7 @@ def main(argv=None) -> int:
         act_ratio = (f"{eager['activation_bytes'] / act:.2f}x smaller"
                      if act and eager.get("activation_bytes") else "")
         print(f"| {name} | {r['step_ms']:.1f} | {ratio_g} | {ratio_e} | "
-              f"{act / 2**30 if act else float('nan'):.2f} | {act_ratio} | "
+              f"{act / 2**30 if act else float('nan'):.2f} | {r['estimate_bytes'] / 2**30:.2f} | {act_ratio} | "
               f"{r.get('peak_bytes', 0) / 2**30:.1f} |")
     return 0
 

@@ -27,6 +27,7 @@ _EXPORTS = {
     "add_config_arguments": "dslab.engine.initialize",
     "init_distributed": "dslab.comm",
     "estimate_zero_memory": "dslab.engine.zero_estimate",
+    "estimate_activation_memory": "dslab.profilers.activation_model",
     "init_inference": "dslab.inference.engine",
 }
 
