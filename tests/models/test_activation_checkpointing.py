@@ -180,7 +180,10 @@ def test_stage3_keeps_a_recomputed_layer_gathered_for_its_backward(monkeypatch):
     in_backward = [names for names, backward in events if backward]
     assert in_backward and stats["gathers"] == len(events)
     per_unit = {names: in_backward.count(names) for names in set(in_backward)}
-    # once per backward over three steps; a LayerNorm is read again by the recompute of the
-    # layer before it (chained norms), after its own backward released it
+    # at most once per backward over three steps (twice for the qkv projection, which the
+    # attention module reads again after calling it: held through the first step, adopted by
+    # the attention module after it); a LayerNorm is read again by the recompute of the layer
+    # before it (chained norms), after its own backward released it
     linear = {names: n for names, n in per_unit.items() if not any("norm" in x for x in names)}
-    assert len(linear) >= 8 and set(linear.values()) == {3}, per_unit
+    assert len(linear) >= 8 and set(linear.values()) <= {2, 3} and 3 in linear.values(), per_unit
+    assert all(n == 2 for names, n in linear.items() if "qkv" in names[0]), per_unit

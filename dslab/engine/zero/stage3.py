@@ -20,6 +20,11 @@ With one rank a unit's shard is the whole unit: a gather points the parameters a
 itself (no copy, no memory), except for a unit whose shard lives off the GPU
 (:mod:`.param_offload`), which is fetched into a buffer of its own.
 
+A unit read outside its owner's forward, inside another hooked module's forward (an attention
+module reading its ``qkv`` projection's bias after calling the projection), is adopted by that
+module on the recorded forward: from the next step on it is gathered and released with the
+adopter's own units, and its owner's forward leaves it gathered while the adopter runs.
+
 A parameter read outside its own module's forward while the root module runs forward (a tied LM
 head reading ``self.wte.weight``) is gathered on access through the module's parameter registry
 and held until its gradients are reduced (or, without autograd, until the forward ends).
@@ -92,11 +97,13 @@ class ParameterGatherer:
         self._units_of: dict[int, list[FlatUnit]] = {}
         self._unit_of_param: dict[int, FlatUnit] = {}
         owners: dict[int, nn.Module] = {}
+        self._owner_of: dict[int, int] = {}  # unit index -> id of the module that owns it
         for unit, owner in units:
             if unit.resident or unit.index in external:
                 continue
             self._units_of.setdefault(id(owner), []).append(unit)
             owners[id(owner)] = owner
+            self._owner_of[unit.index] = id(owner)
             for p in unit.params:
                 self._unit_of_param[id(p)] = unit
         self.order: list[FlatUnit] = []
@@ -105,6 +112,8 @@ class ParameterGatherer:
         self._reuse_distance: dict[int, int] = {}  # unit index -> elements gathered until reuse
         self._order_done = False
         self._root_depth = 0
+        self._running: list[nn.Module] = []  # hooked modules inside their forward, innermost last
+        self.adopted: dict[int, int] = {}  # unit index -> id of the module that adopted it
         self.live_numel = 0
         self.gathers = 0  # units gathered so far (prefetches included)
         self._hooks = [
@@ -206,6 +215,8 @@ class ParameterGatherer:
     # -- hooks --------------------------------------------------------------------------------
 
     def _root_pre_forward(self, module, args):
+        if self._root_depth == 0:
+            self._running = []
         self._root_depth += 1
 
     def _root_post_forward(self, module, args, output):
@@ -220,6 +231,7 @@ class ParameterGatherer:
                         self.release(unit)
 
     def _pre_forward(self, module, args):
+        self._running.append(module)
         units = self._units_of[id(module)]
         for unit in units:
             if not self._order_done and unit.index not in self._recorded:
@@ -234,12 +246,18 @@ class ParameterGatherer:
             self._prefetch_after(units[-1], reverse=False)
 
     def _post_forward(self, module, args, output):
+        if self._running and self._running[-1] is module:
+            self._running.pop()
         units = self._units_of[id(module)]
         # a forward inside backward is an activation checkpoint's recompute: the module's own
         # backward comes next, so its units stay gathered until their gradients are reduced
         recompute = torch._C._current_graph_task_id() != -1
+        running = {id(m) for m in self._running}
         for unit in units:
-            if not unit.held and not recompute and not self._reused_soon(unit):
+            # a unit adopted by a module still in its forward stays for that module
+            adopter_running = self.adopted.get(unit.index, id(module)) in running
+            if not unit.held and not recompute and not adopter_running \
+                    and not self._reused_soon(unit):
                 self.release(unit)
         if torch.is_grad_enabled():
             for leaf in tree_leaves(output):
@@ -257,9 +275,33 @@ class ParameterGatherer:
         if self._root_depth == 0 or not isinstance(value, nn.Parameter):
             return
         unit = self._unit_of_param.get(id(value))
-        if unit is not None and not unit.gathered:
+        if unit is None:
+            return
+        if not self._order_done:
+            self._adopt(unit)
+        if not unit.gathered:
             self.gather(unit)
             unit.held = True
+
+    def _adopt(self, unit: FlatUnit) -> None:
+        """On the recorded forward: a unit read while its owner is not in its forward (an
+        attention module reading its projection's bias after calling the projection, a model
+        reading a tied embedding for its head) joins the innermost hooked module in its forward,
+        which gathers and releases it from the next step on like its own (the owner's forward
+        then leaves it gathered for the adopter); until then, and when no hooked module is
+        running, the unit is held from the read until its gradients are reduced."""
+        if unit.index in self.adopted or not self._running:
+            return
+        owner = self._owner_of.get(unit.index)
+        if owner is None or any(id(m) == owner for m in self._running):
+            return
+        adopter = self._running[-1]
+        self._units_of[id(adopter)].append(unit)
+        self.adopted[unit.index] = id(adopter)
+        if unit.index not in self._recorded:
+            self._recorded.add(unit.index)
+            self._position[unit.index] = len(self.order)
+            self.order.append(unit)
 
     def _measure_reuse_distances(self) -> None:
         """Each unit's reuse distance: the elements gathered between its forward and its

@@ -292,3 +292,28 @@ def test_stage3_prefetches_the_next_unit_in_forward_and_backward_order(budget):
     else:
         assert calls == [(0, False), (1, False), (1, False), (0, False)]
     engine.destroy()
+
+
+def test_stage3_adopts_a_unit_read_outside_its_owners_forward():
+    """The attention module reads its qkv projection's bias after calling the projection: on the
+    first step that unit is held from the read to the reduction of its gradients; from then on
+    the attention module gathers and releases it with its own, so nothing but the tied embedding
+    (read by the model itself, outside any hooked module) stays gathered past the forward."""
+    from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_tiny(dropout=0.0), kernels="dslab")
+    cfg = base_config(train_micro_batch_size_per_gpu=2, zero_optimization=_zero(3, stage3_max_reuse_distance=0))
+    engine, _, _, _ = dslab.initialize(model=model, config=cfg)
+    names = {u.index: u.layout.names[0] for u in engine.zero.units}
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    live = []
+    for _ in range(3):
+        loss = engine(ids, labels=ids)
+        live.append(sorted(names[u.index] for u in engine.zero.units if u.full is not None))
+        engine.backward(loss)
+        engine.step()
+    qkv = ["layers.0.attention.qkv.weight", "layers.1.attention.qkv.weight"]
+    assert sorted(names[i] for i in engine.zero.gatherer.adopted) == qkv
+    assert live[0] == sorted(["wte.weight", *qkv]) and live[1] == live[2] == ["wte.weight"]
+    engine.destroy()
