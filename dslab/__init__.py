@@ -34,8 +34,9 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-# DeepSpeed's submodule names, loaded on first use (``dslab.zero.Init``, ``dslab.checkpointing``)
-_SUBMODULES = ("zero", "checkpointing")
+# DeepSpeed's submodule names, loaded on first use (``dslab.zero.Init``, ``dslab.checkpointing``,
+# ``dslab.pipe.PipelineModule``)
+_SUBMODULES = ("zero", "checkpointing", "pipe")
 
 
 def __getattr__(name: str):

@@ -8,6 +8,7 @@ Nothing else in dslab calls ``torch.distributed`` collectives directly.
 
 from dslab.comm.collectives import (
     CollectiveCall,
+    P2POp,
     ReduceOp,
     add_observer,
     all_gather_into_tensor,
@@ -17,10 +18,15 @@ from dslab.comm.collectives import (
     announce_replay,
     averaging_op,
     barrier,
+    batch_isend_irecv,
     broadcast,
+    irecv,
+    isend,
     recording_calls,
+    recv,
     reduce_scatter_tensor,
     remove_observer,
+    send,
 )
 from dslab.comm.process import (
     get_global_rank,
@@ -34,6 +40,7 @@ from dslab.comm.process import (
 
 __all__ = [
     "CollectiveCall",
+    "P2POp",
     "ReduceOp",
     "add_observer",
     "all_gather_into_tensor",
@@ -43,18 +50,23 @@ __all__ = [
     "announce_replay",
     "averaging_op",
     "barrier",
+    "batch_isend_irecv",
     "broadcast",
     "get_global_rank",
     "get_local_rank",
     "get_rank",
     "get_world_size",
     "init_distributed",
+    "irecv",
     "is_initialized",
+    "isend",
     "new_group",
     "log_summary",
     "recording_calls",
+    "recv",
     "reduce_scatter_tensor",
     "remove_observer",
+    "send",
     "set_summary_provider",
 ]
 

@@ -129,13 +129,28 @@ def _group_name(group) -> str:
         return ""
 
 
-def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, **extra):
+def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, ranks: list[int] | None = None,
+           **extra):
     """Run ``fn`` (the torch.distributed call) between the observers' hooks, and record it in
-    the open :func:`recording_calls` lists."""
+    the open :func:`recording_calls` lists. ``ranks``: the ranks taking part when they are not
+    the whole group (a point-to-point transfer's sender and receiver)."""
     if not _observers and not _recordings.lists:
         return fn()
-    ranks = _group_ranks(group)
-    call = CollectiveCall(
+    call = _call(op, tensor, group, async_op, ranks, extra)
+    for calls in _recordings.lists:
+        calls.append(call)
+    for obs in _observers:
+        obs.before(call)
+    work = fn()
+    for obs in _observers:
+        obs.after(call, work)
+    return work
+
+
+def _call(op: str, tensor: torch.Tensor, group, async_op: bool, ranks: list[int] | None,
+          extra: dict) -> CollectiveCall:
+    ranks = _group_ranks(group) if ranks is None else ranks
+    return CollectiveCall(
         op=op,
         seq=next(_seq),
         numel=tensor.numel(),
@@ -148,14 +163,6 @@ def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, **extra):
         group_name=_group_name(group),
         extra=extra,
     )
-    for calls in _recordings.lists:
-        calls.append(call)
-    for obs in _observers:
-        obs.before(call)
-    work = fn()
-    for obs in _observers:
-        obs.after(call, work)
-    return work
 
 
 def averaging_op(group=None):
@@ -263,3 +270,94 @@ def all_gather_object(obj, group=None) -> list:
     _issue("all_gather_object", torch.empty(0), group, False,
            lambda: dist.all_gather_object(out, obj, group=group))
     return out
+
+
+# -- point to point --------------------------------------------------------------------------
+#
+# A transfer is observed on both sides: op "send" on the sender, "recv" on the receiver, each with
+# ``group_ranks`` [sender, receiver] (global ranks) and ``group_size`` 2, so that the n-th send
+# from a to b and the n-th receive of b from a carry the same per-(group, op) count in a logger.
+
+
+@dataclass
+class P2POp:
+    """One side of a point-to-point transfer for :func:`batch_isend_irecv`: ``op`` "send" (to
+    ``peer``) or "recv" (from ``peer``), ``peer`` a global rank, ``group`` the process group the
+    transfer runs in (None: the default group)."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    group: object = None
+
+    def __post_init__(self):
+        if self.op not in ("send", "recv"):
+            raise ValueError(f"P2POp.op must be 'send' or 'recv', got {self.op!r}")
+
+
+def _pair(op: str, peer: int) -> list[int]:
+    me = dist.get_rank()
+    if peer == me:
+        raise ValueError(f"rank {me} cannot {op} to or from itself")
+    return [me, peer] if op == "send" else [peer, me]
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    """Send ``tensor`` to global rank ``dst`` and wait until it is handed over."""
+    _require_group("send")
+    _issue("send", tensor, group, False, lambda: dist.send(tensor, dst=dst, group=group),
+           ranks=_pair("send", dst))
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    """Receive into ``tensor`` from global rank ``src`` (blocking)."""
+    _require_group("recv")
+    _issue("recv", tensor, group, False, lambda: dist.recv(tensor, src=src, group=group),
+           ranks=_pair("recv", src))
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None):
+    """Start sending ``tensor`` to global rank ``dst``; returns the work handle."""
+    _require_group("isend")
+    return _issue("send", tensor, group, True, lambda: dist.isend(tensor, dst=dst, group=group),
+                  ranks=_pair("send", dst))
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None):
+    """Start receiving into ``tensor`` from global rank ``src``; returns the work handle."""
+    _require_group("irecv")
+    return _issue("recv", tensor, group, True, lambda: dist.irecv(tensor, src=src, group=group),
+                  ranks=_pair("recv", src))
+
+
+def batch_isend_irecv(ops: list[P2POp]) -> list:
+    """Post every transfer of ``ops`` at once (torch's ``batch_isend_irecv``: on nccl one
+    grouped launch, so that a send and a receive between the same two ranks cannot wait on each
+    other); returns one work handle per op (wait on all of them). Observers see each op."""
+    _require_group("batch_isend_irecv")
+    if not ops:
+        return []
+    observed = bool(_observers or _recordings.lists)
+    calls = []
+    if observed:
+        for op in ops:
+            call = _call(op.op, op.tensor, op.group, True, _pair(op.op, op.peer), {})
+            calls.append(call)
+            for recorded in _recordings.lists:
+                recorded.append(call)
+            for obs in _observers:
+                obs.before(call)
+    torch_ops = [dist.P2POp(dist.isend if op.op == "send" else dist.irecv, op.tensor, op.peer,
+                            group=op.group) for op in ops]
+    works = list(dist.batch_isend_irecv(torch_ops))
+    if len(works) != len(ops):  # a coalesced launch answers with one handle for all
+        works = [works[-1]] * len(ops) if works else [None] * len(ops)
+    for call, work in zip(calls, works):
+        for obs in _observers:
+            obs.after(call, work)
+    return works
+
+
+def _require_group(op: str) -> None:
+    if not is_initialized():
+        raise RuntimeError(f"{op} needs a process group: a single process has no peer to talk to")

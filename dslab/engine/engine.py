@@ -40,6 +40,7 @@ from dslab import comm
 from dslab.engine import checkpointing, expert_parallel, parameters, weight_copies
 from dslab.engine.config import DslabConfig
 from dslab.engine.data_parallel import GradientAllReducer
+from dslab.engine.model_parallel import ModelParallelLayout
 from dslab.engine.monitor import Monitor
 from dslab.engine.optimizers import build_optimizer, fused_kernels_supported
 from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
@@ -47,6 +48,7 @@ from dslab.engine.profiling import ProfilerHooks, build_profilers
 from dslab.engine.schedulers import build_scheduler
 from dslab.engine.zero import build_zero
 from dslab.parallel.partitioned import forget_partition, gather_, is_partitioned
+from dslab.parallel.tensor_parallel import allreduce_sequence_parallel_grads
 from dslab.kernels import dispatch
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class DslabEngine(nn.Module):
         optimizer=None,
         model_parameters=None,
         lr_scheduler=None,
+        mpu=None,
     ):
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -109,7 +112,15 @@ class DslabEngine(nn.Module):
         self.config = config
         self.world_size = comm.get_world_size()
         self.rank = comm.get_rank()
-        config.resolve_batch_size(self.world_size)
+        # model parallelism (mpu: a Megatron-style object, or dslab's PipelineParallelGrid):
+        # data parallelism runs over its data-parallel group, the gradient norm sums over the
+        # model-parallel groups (model_parallel.py)
+        self.mpu = mpu
+        self.parallel = ModelParallelLayout(mpu, config)
+        self.dp_group = self.parallel.dp_group
+        self.dp_world_size = self.parallel.dp_world_size
+        self.dp_rank = self.parallel.dp_rank
+        config.resolve_batch_size(self.dp_world_size)
         dispatch.set_backend(None if config.kernels == "auto" else config.kernels)
 
         self.device = _default_device()
@@ -125,7 +136,7 @@ class DslabEngine(nn.Module):
         if "activation_checkpointing" in config.model_fields_set:
             config.activation_checkpointing.apply()  # the process's checkpoint settings, as DeepSpeed's
         object.__setattr__(self, "_run_module", config.compile.wrap(self.module))
-        if self.world_size > 1:
+        if self.dp_world_size > 1:
             self._broadcast_parameters(trainable=not shard_in_place)
 
         self.autocast_dtype = autocast_dtype(config.fp16, config.bf16)
@@ -141,8 +152,9 @@ class DslabEngine(nn.Module):
         self.zero = None
         # bf16 copies of the weights, kept by the optimizer (weight_copies.py); None for autocast alone.
         self.weight_copies = weight_copies.build(
-            config, self.module, device=self.device, world_size=self.world_size,
-            optimizer_passed=optimizer is not None, experts=self.expert_layout is not None, log=log)
+            config, self.module, device=self.device, world_size=self.dp_world_size,
+            optimizer_passed=optimizer is not None, experts=self.expert_layout is not None, log=log,
+            model_parallel=self.parallel.model_parallel)
         self.optimizer = self._configure_optimizer(optimizer, params)
         if self.weight_copies is not None:
             self.weight_copies.register(self.optimizer)
@@ -151,16 +163,28 @@ class DslabEngine(nn.Module):
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
 
         self.grad_reducer = self.zero
-        if self.world_size > 1 and self.zero is None:
+        if self.dp_world_size > 1 and self.zero is None:
             self.grad_reducer = GradientAllReducer(
-                list(self.module.parameters()), config.zero_optimization.reduce_bucket_size
-            )
+                self._data_parallel_parameters(), config.zero_optimization.reduce_bucket_size,
+                group=self.dp_group)
+        if self.zero is not None:
+            self.zero.norm_groups = self.parallel.norm_groups
+            if self.parallel.tp_world_size > 1:
+                self.zero.set_norm_filter(self.parallel.counts_in_norm)
+        # sequence parallelism: replicated parameters whose gradients are partial sums over the
+        # tensor-parallel ranks' sequence shards, summed before each step
+        self._sequence_parallel = self.parallel.tp_world_size > 1 and any(
+            getattr(p, "sequence_parallel", False) for p in self.module.parameters())
+        if self._sequence_parallel and config.zero_optimization.stage > 0:
+            raise ValueError(f"config key 'zero_optimization.stage' is {config.zero_optimization.stage} with a "
+                             "sequence-parallel model: its replicated gradients are summed over the "
+                             "tensor-parallel group before the step, which ZeRO's shards do not take; use stage 0")
 
         self.profilers = ProfilerHooks(build_profilers(config, self.device))
         self.profilers.call("attach", self.module, self.optimizer)
         memory_tracer = self.profilers.find("memory")
         if memory_tracer is not None:
-            memory_tracer.set_zero_stage(config.zero_optimization.stage, self.world_size, self.zero)
+            memory_tracer.set_zero_stage(config.zero_optimization.stage, self.dp_world_size, self.zero)
         self.monitor = Monitor(config.csv_monitor, config.tensorboard, rank=self.rank)
         self._pending_losses: list[torch.Tensor] = []
 
@@ -179,15 +203,20 @@ class DslabEngine(nn.Module):
         parameter starts from the first rank of its expert-data-parallel group: the ranks of
         other ep ranks hold other experts."""
         params = [p for p in self.module.parameters() if trainable or not p.requires_grad]
+        source = comm.get_global_rank(self.dp_group, 0)
         with torch.no_grad():
             for p in params:
                 if expert_parallel.is_expert_param(p):
                     reduction = expert_parallel.reduction_group(p)
                     comm.broadcast(p.data, src=reduction.source_rank, group=reduction.group)
                 else:
-                    comm.broadcast(p.data, src=0)
+                    comm.broadcast(p.data, src=source, group=self.dp_group)
             for tensor in self.module.buffers():
-                comm.broadcast(tensor.data, src=0)
+                comm.broadcast(tensor.data, src=source, group=self.dp_group)
+
+    def _data_parallel_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients stage 0 averages over the data-parallel group."""
+        return list(self.module.parameters())
 
     def _place_unsharded_parameters(self) -> None:
         """After stage 3 sharded the optimizer's parameters: move (and broadcast) any trainable
@@ -212,7 +241,8 @@ class DslabEngine(nn.Module):
             self.zero, built = build_zero(
                 self.module, self.config, optimizer, params,
                 lambda groups, fused_ok: build_optimizer(self.config.optimizer, groups, fused_ok=fused_ok),
-                device=self.device, broadcast=self.config.zero_optimization.stage == 3)
+                device=self.device, broadcast=self.config.zero_optimization.stage == 3,
+                group=self.dp_group)
             return built
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
@@ -354,6 +384,8 @@ class DslabEngine(nn.Module):
 
     def _take_model_step(self) -> None:
         params = self._parameters_of_module()
+        if self._sequence_parallel:
+            allreduce_sequence_parallel_grads(self.module, self.parallel.tp_group)
         if self.zero is not None:
             applied = self.zero.step(self.optimizer, self.loss_scaler, self.config.gradient_clipping)
         else:
@@ -378,7 +410,7 @@ class DslabEngine(nn.Module):
         experts = self.expert_layout is not None
         if self.loss_scaler is not None:
             grads = parameters.grads_of(params)
-            if experts and self.world_size > 1:
+            if (experts or self.parallel.model_parallel) and self.world_size > 1:
                 found = (self.loss_scaler.unscale_and_find_inf(grads) if grads
                          else torch.zeros((), dtype=torch.float32, device=self.device))
                 comm.all_reduce(found, op=comm.ReduceOp.MAX)
@@ -391,6 +423,11 @@ class DslabEngine(nn.Module):
         if self.config.gradient_clipping > 0:
             if experts:  # every parameter, so that every rank issues the same collectives
                 expert_parallel.clip_gradients(params, self.config.gradient_clipping)
+            elif self.parallel.norm_groups:  # the whole model's norm, over its model-parallel ranks
+                parameters.clipped_step(self.optimizer, params, self.config.gradient_clipping,
+                                        norm_params=[p for p in params if self.parallel.counts_in_norm(p)],
+                                        norm_groups=self.parallel.norm_groups)
+                return True
             else:
                 holders = params if self.weight_copies is None else self.weight_copies.grad_holders(params)
                 parameters.clipped_step(self.optimizer, holders, self.config.gradient_clipping,
@@ -472,6 +509,7 @@ class DslabEngine(nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> Path:
         """Save model, optimizer, scheduler, loss scaler, RNG states and counters under
         ``save_dir/tag`` (tag defaults to ``global_step<N>``). Returns the checkpoint's path."""
+        self._refuse_model_parallel_checkpoint("save_checkpoint")
         return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
@@ -481,12 +519,19 @@ class DslabEngine(nn.Module):
         Returns ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and
         ``load_dir`` holds no ``latest`` file (nothing to resume from), as DeepSpeed does.
         """
+        self._refuse_model_parallel_checkpoint("load_checkpoint")
         loaded = checkpointing.load(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict
         )
         if self.weight_copies is not None:
             self.weight_copies.refresh()
         return loaded
+
+    def _refuse_model_parallel_checkpoint(self, call: str) -> None:
+        if self.parallel.model_parallel:
+            raise ValueError(f"{call}() with model parallelism (tensor {self.parallel.tp_world_size}, "
+                             f"pipeline {self.parallel.pp_world_size}) is not supported: checkpoints hold "
+                             "whole models or ZeRO shards over the data-parallel ranks")
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

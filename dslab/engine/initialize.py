@@ -8,6 +8,8 @@ from dslab import comm
 from dslab.engine.config import load_config
 from dslab.engine.data import build_dataloader
 from dslab.engine.engine import DslabEngine
+from dslab.engine.pipe_engine import PipelineEngine
+from dslab.parallel.pipe.module import PipelineModule
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,13 +35,18 @@ def _config_from(args, config):
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, config=None, collate_fn=None, dist_init_required=None,
+               lr_scheduler=None, mpu=None, config=None, collate_fn=None, dist_init_required=None,
                config_params=None):
     """Build the engine around ``model``.
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed does; the
-    dataloader is None unless ``training_data`` is given. ``config_params`` is DeepSpeed's older
-    name for ``config``.
+    dataloader is None unless ``training_data`` is given (its sampler splits the data over the
+    data-parallel ranks). ``config_params`` is DeepSpeed's older name for ``config``.
+
+    ``mpu``: a Megatron-style model-parallel unit (or dslab's ``PipelineParallelGrid``): data
+    parallelism then runs over its data-parallel group (:mod:`dslab.engine.model_parallel`). A
+    :class:`~dslab.parallel.pipe.PipelineModule` gets the pipeline engine
+    (:class:`~dslab.engine.pipe_engine.PipelineEngine`, ``train_batch``), with its own grid.
     """
     if model is None:
         raise ValueError("initialize() needs a model")
@@ -53,10 +60,33 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                 "dist_init_required=True but no distributed environment was found "
                 "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); launch with torchrun or dslab launch"
             )
-    engine = DslabEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-                         lr_scheduler=lr_scheduler)
+    engine_class = PipelineEngine if isinstance(model, PipelineModule) else DslabEngine
+    engine = engine_class(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+                          lr_scheduler=lr_scheduler, mpu=mpu)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, engine.train_micro_batch_size_per_gpu(),
-                                  engine.rank, engine.world_size, collate_fn)
+                                  engine.dp_rank, engine.dp_world_size, collate_fn)
+        if isinstance(engine, PipelineEngine):
+            engine.training_dataloader = loader
+            engine.set_dataiterator(RepeatingLoader(loader))
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+class RepeatingLoader:
+    """An iterator over ``loader`` that starts it again when it ends (DeepSpeed's name): the
+    pipeline engine reads micro-batches across epochs."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self._it = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.loader)
+            return next(self._it)

@@ -27,6 +27,7 @@ from torch.utils._foreach_utils import (
     _group_tensors_by_device_and_dtype,
 )
 
+from dslab import comm
 from dslab.kernels.optim.fused_adam import FusedAdam
 
 # The nn.Module methods module.parameters() goes through; a tree whose classes override one of
@@ -167,8 +168,26 @@ def steps_with_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
             and getattr(optimizer, "found_inf", None) is None)
 
 
+def model_parallel_norm(params: list[nn.Parameter], groups: list, fp32_norms: bool = False) -> torch.Tensor:
+    """The L2 norm of the gradients of ``params`` summed (as squares) over each process group of
+    ``groups`` in turn: the whole model's gradient norm when each rank passes the parameters it
+    counts (:class:`~dslab.engine.model_parallel.ModelParallelLayout`). A collective on every
+    rank of the groups; a 0-dim fp32 tensor."""
+    total, _ = _grad_norm(params, fp32_norms)
+    if total is None:
+        total = torch.nn.utils.get_total_norm(grads_of(params))
+    device = next((p.grad.device for p in params if p.grad is not None), None)
+    squared = total.float().square()
+    if device is not None:
+        squared = squared.to(device)
+    for group in groups:
+        comm.all_reduce(squared, group=group)
+    return squared.sqrt()
+
+
 def clipped_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float,
-                 fp32_norms: bool = False) -> torch.Tensor:
+                 fp32_norms: bool = False, norm_params: list[nn.Parameter] | None = None,
+                 norm_groups: list | None = None) -> torch.Tensor:
     """Clip the gradients of ``params`` by their global L2 norm (as :func:`clip_grad_norm_`) and
     step ``optimizer``; returns the norm before clipping.
 
@@ -181,7 +200,21 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], m
     ``fp32_norms`` (the engine's bf16 weight copies, whose gradients are what autocast would hand
     over in fp32) sums half-precision gradients' norms in fp32, as autocast's fp32 gradients'
     are: a bf16 norm per tensor would round the clipping coefficient by up to 0.4%.
+
+    Under model parallelism (``norm_groups`` given) the norm is :func:`model_parallel_norm` of
+    ``norm_params`` (the parameters this rank counts) over those groups, and every gradient of
+    ``params`` is scaled by the coefficient it gives.
     """
+    if norm_groups:
+        total_norm = model_parallel_norm(params if norm_params is None else norm_params, norm_groups,
+                                         fp32_norms)
+        grads = grads_of(params)
+        with torch.no_grad():
+            coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+            for (device, _), ([device_grads], _) in _group_tensors_by_device_and_dtype([grads]).items():
+                torch._foreach_mul_(device_grads, coefficient.to(device))
+        optimizer.step()
+        return total_norm
     if steps_with_grad_scale(optimizer):
         total_norm, grouped = _grad_norm(params, fp32_norms)
         if total_norm is not None and len({device for device, _ in grouped}) == 1:

@@ -49,7 +49,7 @@ AUTO = "auto"
 
 
 def unmet_condition(config, *, device: torch.device, world_size: int, optimizer_passed: bool,
-                    experts: bool, explicit: bool) -> str | None:
+                    experts: bool, explicit: bool, model_parallel: bool = False) -> str | None:
     """Why weight copies cannot run under ``config`` (a :class:`~dslab.engine.config.DslabConfig`),
     or None when they can. ``explicit``: the config asked for them (``true``), which also allows
     a CPU device."""
@@ -61,6 +61,8 @@ def unmet_condition(config, *, device: torch.device, world_size: int, optimizer_
         return f"'zero_optimization.stage' is {config.zero_optimization.stage}; they run at stage 0"
     if world_size != 1:
         return f"the data-parallel world size is {world_size}; they run on one rank"
+    if model_parallel:
+        return "the model is split over model-parallel ranks (pipeline or tensor parallel); they run on one"
     if config.gradient_accumulation_steps != 1:
         return (f"'gradient_accumulation_steps' is {config.gradient_accumulation_steps}; they need 1 "
                 "(bf16 gradients would accumulate where autocast's fp32 .grad does)")
@@ -125,7 +127,7 @@ class WeightCopies:
 
 
 def build(config, module: nn.Module, *, device: torch.device, world_size: int, optimizer_passed: bool,
-          experts: bool, log) -> WeightCopies | None:
+          experts: bool, log, model_parallel: bool = False) -> WeightCopies | None:
     """The engine's weight copies, or None where ``bf16.weight_copies`` leaves them off (``"auto"``
     and a condition unmet: logged at info level; ``false``). Raises ValueError naming the unmet
     condition when the config says ``true``."""
@@ -134,7 +136,7 @@ def build(config, module: nn.Module, *, device: torch.device, world_size: int, o
         return None
     explicit = setting is True
     reason = unmet_condition(config, device=device, world_size=world_size, optimizer_passed=optimizer_passed,
-                             experts=experts, explicit=explicit)
+                             experts=experts, explicit=explicit, model_parallel=model_parallel)
     params = weights_read_through(module) if reason is None else []
     if reason is None and not params:
         reason = ("the model reads no parameter through dslab.models.weight_cast.weight "

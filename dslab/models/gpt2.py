@@ -28,6 +28,20 @@ Embeddings: ``wte`` and ``wpe`` go through the op set's ``embedding`` and ``posi
 between ``wte`` and the LM head (``ops.embedding_tie``): the token lookup's backward then writes
 ``wte``'s fp32 gradient once, the head's included (:mod:`dslab.kernels.embedding.embedding`), and the
 positions are ``wpe.weight[:seq]``, whose gradient is a sum over the batch.
+
+Tensor parallelism (``GPT2Config.tp_size`` > 1, ``GPT2LMHeadModel(config, kernels, tp_group)``,
+Megatron-LM's layout; :mod:`dslab.models.tensor_parallel_layers`): each rank holds ``heads/tp``
+attention heads and ``4 * hidden/tp`` MLP columns of every layer and ``padded_vocab_size/tp``
+rows of ``wte``; the tied LM head computes the logits of its rows only and the loss is
+:func:`dslab.parallel.vocab_parallel.vocab_parallel_cross_entropy` of them (same definition as
+above). Every rank of the group gets the same loss and must be fed the same batch (and seeded
+alike). ``sequence_parallel`` also splits the stream between the layers' projections along the
+sequence (``seq`` must divide by ``tp_size``); the replicated parameters' gradients are then
+partial sums, which :func:`dslab.parallel.tensor_parallel.allreduce_sequence_parallel_grads` adds
+up. The dense form converts to and from the split one: :meth:`GPT2LMHeadModel.dense_state_dict`,
+:meth:`GPT2LMHeadModel.load_dense_state_dict` and, offline,
+:func:`~dslab.models.tensor_parallel_layers.gpt2_tp_state_dict` and
+:func:`~dslab.models.tensor_parallel_layers.gpt2_dense_state_dict`.
 """
 
 from __future__ import annotations
@@ -46,6 +60,12 @@ from dslab.models.ops import (
     IGNORE_INDEX, Embedding, LayerNorm, PositionEmbedding, TransformerLayer, check_head_dim, init_normal_, op_set,
     scale_residual_init_,
 )
+from dslab.models.tensor_parallel_layers import (
+    ParallelTokenEmbedding, check_tensor_parallel_group, gpt2_tp_state_dict, mark_sequence_parallel_replicas,
+    sequence_shard, tensor_parallel_layer, tensor_parallel_lm_logits, tensor_parallel_lm_loss,
+)
+from dslab.parallel.tensor_parallel import gather_tensor_parallel_state_dict
+from dslab.parallel.tensor_parallel_regions import tensor_parallel_rank
 
 
 @dataclass
@@ -61,7 +81,12 @@ class GPT2Config:
 
     ``checkpoint_layers``: in training, the layer stack in segments of that many layers, each an
     activation checkpoint (:mod:`dslab.models.checkpoint`): its activations recomputed in the
-    backward; 0 (the default) keeps them all."""
+    backward; 0 (the default) keeps them all.
+
+    ``tp_size``: the ranks of the tensor-parallel group the model is split over (1: dense); it
+    must divide ``heads``, the MLP width and ``padded_vocab_size`` (pad the vocabulary with
+    ``vocab_pad_multiple``). ``sequence_parallel``: with ``tp_size`` > 1, the stream between the
+    projections split along the sequence too."""
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -74,6 +99,8 @@ class GPT2Config:
     initializer_range: float = 0.02
     chain_layer_norms: bool = True
     checkpoint_layers: int = 0
+    tp_size: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -97,6 +124,22 @@ class GPT2Config:
         if isinstance(self.checkpoint_layers, bool) or not isinstance(self.checkpoint_layers, int) \
                 or self.checkpoint_layers < 0:
             raise ValueError(f"checkpoint_layers must be an int >= 0, got {self.checkpoint_layers!r}")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size <= 0:
+            raise ValueError(f"tp_size must be a positive int, got {self.tp_size!r}")
+        if self.heads % self.tp_size:
+            raise ValueError(f"heads={self.heads} does not divide by tp_size={self.tp_size}: each rank holds "
+                             "whole attention heads")
+        if self.intermediate % self.tp_size:
+            raise ValueError(f"the MLP width 4 * hidden = {self.intermediate} does not divide by "
+                             f"tp_size={self.tp_size}")
+        if self.padded_vocab_size % self.tp_size:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} (vocab_size={self.vocab_size}, "
+                             f"vocab_pad_multiple={self.vocab_pad_multiple}) does not divide by "
+                             f"tp_size={self.tp_size}: set vocab_pad_multiple to a multiple of tp_size")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError("sequence_parallel needs tp_size > 1")
 
     @property
     def intermediate(self) -> int:
@@ -157,36 +200,59 @@ def gpt2_tiny(**overrides) -> GPT2Config:
 class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
     """GPT-2 with its tied LM head. ``forward(input_ids, labels=None)`` returns the fp32 mean
     next-token loss when ``labels`` is given, else the logits. ``kernels`` picks the op set
-    (:func:`dslab.models.ops.op_set`)."""
+    (:func:`dslab.models.ops.op_set`).
 
-    def __init__(self, config: GPT2Config, kernels: str = "dslab"):
+    ``tp_group``: with ``config.tp_size`` > 1, the process group of ``tp_size`` ranks the model is
+    split over (None: the default group, which must then have ``tp_size`` ranks); see the module
+    docstring. Ranks seeded alike build the slices of the dense model built from the same seed."""
+
+    def __init__(self, config: GPT2Config, kernels: str = "dslab", tp_group=None):
         super().__init__()
         config.validate()
         self.ops = op_set(kernels)
         check_head_dim(self.ops, config.hidden, config.heads)
+        check_tensor_parallel_group(config.tp_size, tp_group)
         self.config = config
         self.kernels = kernels
-        self.wte = Embedding(config.padded_vocab_size, config.hidden, self.ops)
+        self.tp_group = tp_group
+        if config.tp_size == 1:
+            self.wte = Embedding(config.padded_vocab_size, config.hidden, self.ops)
+        else:
+            self.wte = ParallelTokenEmbedding(config.padded_vocab_size, config.hidden, tp_group,
+                                              config.sequence_parallel)
         self.wpe = PositionEmbedding(config.n_positions, config.hidden, self.ops)
-        self.layers = nn.ModuleList(
-            TransformerLayer(config.hidden, config.heads, config.intermediate, config.dropout, config.dropout,
-                             config.layer_norm_epsilon, pre_ln=True, causal=True, gelu_approximate="tanh",
-                             ops=self.ops, chain_layer_norms=config.chain_layer_norms)
-            for _ in range(config.layers)
-        )
+        self.layers = nn.ModuleList(self._layer() for _ in range(config.layers))
         self.final_norm = LayerNorm(config.hidden, config.layer_norm_epsilon, self.ops)
         init_normal_(self, config.initializer_range)
         scale_residual_init_(self.layers, config.initializer_range)
+        if config.sequence_parallel:
+            mark_sequence_parallel_replicas(self)
+
+    def _layer(self) -> TransformerLayer:
+        config = self.config
+        args = (config.hidden, config.heads, config.intermediate, config.dropout, config.dropout,
+                config.layer_norm_epsilon)
+        options = dict(pre_ln=True, causal=True, gelu_approximate="tanh", ops=self.ops,
+                       chain_layer_norms=config.chain_layer_norms)
+        if config.tp_size == 1:
+            return TransformerLayer(*args, **options)
+        return tensor_parallel_layer(*args, **options, group=self.tp_group, sequence_parallel=config.sequence_parallel)
 
     @property
     def lm_head_weight(self) -> nn.Parameter:
-        """The LM head ``[padded_vocab, hidden]``: the token embeddings (tied)."""
+        """The LM head ``[padded_vocab, hidden]``: the token embeddings (tied); with tensor
+        parallelism this rank's rows ``[padded_vocab/tp, hidden]``."""
         return self.wte.weight
 
     def hidden_states(self, input_ids: torch.Tensor, tie=None) -> torch.Tensor:
-        """``[batch, seq, hidden]`` after the final LayerNorm. ``tie``: from
-        ``ops.embedding_tie(self.wte.weight)``, for the head that reads the result."""
-        x = self.wte(input_ids, tie) + self.wpe(input_ids.shape[1])
+        """``[batch, seq, hidden]`` after the final LayerNorm (with sequence parallelism this
+        rank's ``[batch, seq/tp, hidden]``). ``tie``: from ``ops.embedding_tie(self.wte.weight)``,
+        for the head that reads the result."""
+        if self.config.sequence_parallel:
+            positions = sequence_shard(self.wpe(input_ids.shape[1]), self.tp_group)
+            x = self.wte(input_ids, tie) + positions
+        else:
+            x = self.wte(input_ids, tie) + self.wpe(input_ids.shape[1])
         return self.final_norm(self.run_layers(F.dropout(x, self.config.dropout, self.training)))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,6 +263,8 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         vocab = self.config.vocab_size
+        if self.config.tp_size > 1:
+            return self._tensor_parallel_forward(input_ids, labels)
         tie = self.ops.embedding_tie(self.lm_head_weight)
         hidden = self.hidden_states(input_ids, tie)
         if labels is None:
@@ -206,13 +274,56 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         return self.ops.linear_cross_entropy(hidden.reshape(-1, self.config.hidden), self.lm_head_weight,
                                              targets.reshape(-1), vocab, IGNORE_INDEX, tie=tie)
 
+    def _tensor_parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward` split over the tensor-parallel group: the head's logits of this rank's
+        vocabulary rows, and the vocabulary-parallel loss (or the logits all-gathered)."""
+        config = self.config
+        if config.sequence_parallel and input_ids.shape[1] % config.tp_size:
+            raise ValueError(f"input_ids has seq {input_ids.shape[1]}, which sequence_parallel splits over "
+                             f"tp_size={config.tp_size} ranks: it must divide by {config.tp_size}")
+        hidden = self.hidden_states(input_ids)
+        if labels is None:
+            return tensor_parallel_lm_logits(hidden, self.lm_head_weight, config.vocab_size, self.tp_group,
+                                             config.sequence_parallel)
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        return tensor_parallel_lm_loss(hidden, self.lm_head_weight, targets, config.vocab_size, self.tp_group,
+                                       config.sequence_parallel, IGNORE_INDEX)
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """The dense model's state dict: :meth:`state_dict` when ``tp_size`` is 1; with tensor
+        parallelism every shard gathered whole, on every rank (a collective: every rank of
+        ``tp_group`` calls it)."""
+        if self.config.tp_size == 1:
+            return self.state_dict()
+        return gather_tensor_parallel_state_dict(self, self.tp_group)
+
+    def load_dense_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
+        """Load a dense GPT-2 state dict, of which this rank keeps its shards
+        (:func:`~dslab.models.tensor_parallel_layers.gpt2_tp_state_dict`)."""
+        if self.config.tp_size > 1:
+            state_dict = gpt2_tp_state_dict(state_dict, tensor_parallel_rank(self.tp_group), self.config.tp_size,
+                                            self.config)
+        return self.load_state_dict(state_dict, strict=strict)
+
+    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+        """As :meth:`CudaGraphLayers.enable_cuda_graphs`; refused with tensor parallelism: the
+        layer graphs have not been built for collectives inside the stack (their warm-up on a side
+        stream, their replays announced to the comm layer's observers)."""
+        if enabled and self.config.tp_size > 1:
+            raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size}: the layer stack's CUDA "
+                             "graphs do not take tensor-parallel layers; turn graphs off")
+        super().enable_cuda_graphs(enabled)
+
     @classmethod
-    def from_hf_state_dict(cls, state_dict: dict, config: GPT2Config, kernels: str = "dslab") -> GPT2LMHeadModel:
-        """A model with ``config`` and the weights of a HuggingFace ``GPT2LMHeadModel`` state dict."""
-        model = cls(config, kernels)
-        model.load_state_dict(hf_mapping.gpt2_from_hf(state_dict, config.layers, config.padded_vocab_size))
+    def from_hf_state_dict(cls, state_dict: dict, config: GPT2Config, kernels: str = "dslab",
+                           tp_group=None) -> GPT2LMHeadModel:
+        """A model with ``config`` and the weights of a HuggingFace ``GPT2LMHeadModel`` state dict
+        (with ``config.tp_size`` > 1, this rank's shards of them)."""
+        model = cls(config, kernels, tp_group=tp_group)
+        model.load_dense_state_dict(hf_mapping.gpt2_from_hf(state_dict, config.layers, config.padded_vocab_size))
         return model
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This model's weights under HuggingFace ``GPT2LMHeadModel``'s keys."""
-        return hf_mapping.gpt2_to_hf(self.state_dict(), self.config.layers, self.config.vocab_size)
+        """This model's weights under HuggingFace ``GPT2LMHeadModel``'s keys (with tensor
+        parallelism gathered whole: a collective over ``tp_group``)."""
+        return hf_mapping.gpt2_to_hf(self.dense_state_dict(), self.config.layers, self.config.vocab_size)

@@ -108,6 +108,9 @@ class GPT2MoEConfig(GPT2Config, MoESettings):
     def validate(self) -> None:
         GPT2Config.validate(self)
         self.validate_moe()
+        if self.tp_size != 1:
+            raise ValueError(f"tp_size={self.tp_size}: GPT-2-MoE has no tensor-parallel layers (its experts "
+                             "split over ep_size instead)")
         if self.checkpoint_layers:
             raise ValueError(f"checkpoint_layers={self.checkpoint_layers}: GPT-2-MoE does not checkpoint its "
                              "layers (each MoE layer's load-balancing loss leaves the stack beside its output)")

@@ -86,10 +86,14 @@ import torch.nn.functional as F
 
 from dslab.models.checkpoint import checkpoint
 from dslab.parallel.partitioned import GatheredParameters
+from dslab.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from dslab.parallel.vocab_parallel import VocabParallelEmbedding
 from dslab.models.weight_cast import Linear, linear, weight
 
 KERNEL_SETS = ("dslab", "torch")
 IGNORE_INDEX = -100
+# Layers that hold a shard of a weight and draw it whole (reset_parameters(init_method)).
+TENSOR_PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
 @dataclass(frozen=True)
@@ -404,15 +408,19 @@ class SelfAttention(nn.Module):
     _read_through_weight = ("out_bias",)
 
     def __init__(self, hidden: int, heads: int, attention_dropout: float, hidden_dropout: float,
-                 causal: bool, ops: OpSet):
+                 causal: bool, ops: OpSet, qkv: nn.Module | None = None, out_proj: nn.Module | None = None):
+        """``qkv``, ``out_proj``: the two projections when the caller builds them (tensor-parallel
+        ones, :mod:`dslab.models.tensor_parallel_layers`: ``qkv`` then gives this rank's ``heads``
+        heads of q, k and v, ``out_proj`` the whole ``[batch, seq, hidden]`` sum); by default the
+        dense ``[3 * hidden, hidden]`` and ``[hidden, hidden]`` ones."""
         super().__init__()
         self.heads = heads
         self.attention_dropout = attention_dropout
         self.hidden_dropout = hidden_dropout
         self.causal = causal
         self.ops = ops
-        self.qkv = PackedProjection(hidden, 3 * hidden)
-        self.out_proj = Linear(hidden, hidden, bias=False)
+        self.qkv = PackedProjection(hidden, 3 * hidden) if qkv is None else qkv
+        self.out_proj = Linear(hidden, hidden, bias=False) if out_proj is None else out_proj
         self.out_bias = nn.Parameter(torch.zeros(hidden))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
@@ -436,14 +444,17 @@ class FeedForward(nn.Module):
     _read_through_weight = ("fc_in_bias", "fc_out_bias")
 
     def __init__(self, hidden: int, intermediate: int, hidden_dropout: float, gelu_approximate: str,
-                 ops: OpSet):
+                 ops: OpSet, fc_in: nn.Module | None = None, fc_out: nn.Module | None = None):
+        """``fc_in``, ``fc_out``: the two matmuls when the caller builds them (tensor-parallel ones:
+        ``intermediate`` is then this rank's columns, the width of ``fc_in``'s output and of
+        ``fc_in_bias``); by default dense ones."""
         super().__init__()
         self.hidden_dropout = hidden_dropout
         self.gelu_approximate = gelu_approximate
         self.ops = ops
-        self.fc_in = Linear(hidden, intermediate, bias=False)
+        self.fc_in = Linear(hidden, intermediate, bias=False) if fc_in is None else fc_in
         self.fc_in_bias = nn.Parameter(torch.zeros(intermediate))
-        self.fc_out = Linear(intermediate, hidden, bias=False)
+        self.fc_out = Linear(intermediate, hidden, bias=False) if fc_out is None else fc_out
         self.fc_out_bias = nn.Parameter(torch.zeros(hidden))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
@@ -472,15 +483,23 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, hidden: int, heads: int, intermediate: int, hidden_dropout: float,
                  attention_dropout: float, eps: float, pre_ln: bool, causal: bool,
-                 gelu_approximate: str, ops: OpSet, chain_layer_norms: bool = True):
+                 gelu_approximate: str, ops: OpSet, chain_layer_norms: bool = True,
+                 attention: nn.Module | None = None, mlp: nn.Module | None = None):
+        """``attention``, ``mlp``: the two sublayers when the caller builds them (tensor-parallel
+        ones, :func:`dslab.models.tensor_parallel_layers.tensor_parallel_layer`), called as
+        :class:`SelfAttention` and :class:`FeedForward` are; by default those two."""
         super().__init__()
         if not isinstance(chain_layer_norms, bool):
             raise ValueError(f"chain_layer_norms must be a bool, got {chain_layer_norms!r}")
         self.pre_ln = pre_ln
         self.chain_layer_norms = chain_layer_norms
-        self.attention = SelfAttention(hidden, heads, attention_dropout, hidden_dropout, causal, ops)
+        if attention is None:
+            attention = SelfAttention(hidden, heads, attention_dropout, hidden_dropout, causal, ops)
+        self.attention = attention
         self.attention_norm = LayerNorm(hidden, eps, ops)
-        self.mlp = FeedForward(hidden, intermediate, hidden_dropout, gelu_approximate, ops)
+        if mlp is None:
+            mlp = FeedForward(hidden, intermediate, hidden_dropout, gelu_approximate, ops)
+        self.mlp = mlp
         self.mlp_norm = LayerNorm(hidden, eps, ops)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
@@ -563,20 +582,28 @@ def init_normal_(module: nn.Module, std: float) -> None:
     """BERT/GPT-2 initialisation: Linear and Embedding weights ~ N(0, std), Linear biases 0;
     LayerNorm and the separate bias parameters keep their construction values (1 and 0).
     Each module's parameters are gathered whole while it is initialised when they were built
-    partitioned (``dslab.zero.Init``; rank 0's values are kept), one module at a time."""
+    partitioned (``dslab.zero.Init``; rank 0's values are kept), one module at a time.
+    Tensor-parallel layers draw their whole weight the same way and keep their shard, so a model
+    split over ranks seeded alike starts from the slices of the dense model's weights."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             with GatheredParameters(list(m.parameters(recurse=False)), modifier_rank=0):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
                 if isinstance(m, nn.Linear) and m.bias is not None:
                     nn.init.zeros_(m.bias)
+        elif isinstance(m, TENSOR_PARALLEL_LAYERS):
+            m.reset_parameters(functools.partial(nn.init.normal_, mean=0.0, std=std))
 
 
-def scale_residual_init_(layers: nn.ModuleList, std: float) -> None:
+def scale_residual_init_(layers: nn.ModuleList, std: float, total_layers: int | None = None) -> None:
     """GPT-2's scaled init: the projections that write into the residual stream get
-    ``std / sqrt(2 * n_layers)`` (Radford et al. 2019, section 2.3)."""
-    scaled = std / math.sqrt(2 * len(layers))
+    ``std / sqrt(2 * n_layers)`` (Radford et al. 2019, section 2.3); ``n_layers`` is
+    ``total_layers`` when ``layers`` are some of the model's (a pipeline layer), else their count."""
+    scaled = std / math.sqrt(2 * (total_layers or len(layers)))
     for layer in layers:
-        for weight in (layer.attention.out_proj.weight, layer.mlp.fc_out.weight):
-            with GatheredParameters(weight, modifier_rank=0):
-                nn.init.normal_(weight, mean=0.0, std=scaled)
+        for projection in (layer.attention.out_proj, layer.mlp.fc_out):
+            if isinstance(projection, TENSOR_PARALLEL_LAYERS):
+                projection.reset_parameters(functools.partial(nn.init.normal_, mean=0.0, std=scaled))
+                continue
+            with GatheredParameters(projection.weight, modifier_rank=0):
+                nn.init.normal_(projection.weight, mean=0.0, std=scaled)

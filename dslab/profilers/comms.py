@@ -82,7 +82,7 @@ from dslab.profilers.comms_format import format_call, format_stragglers, format_
 
 #: the ops dslab.comm issues
 COMM_OPS = ("all_gather", "all_gather_object", "all_reduce", "all_to_all", "barrier", "broadcast",
-            "reduce_scatter")
+            "reduce_scatter", "send", "recv")
 #: DeepSpeed's names for them, accepted in ``prof_ops``
 DEEPSPEED_OP_NAMES = {
     "all_gather_into_tensor": "all_gather",
@@ -91,6 +91,8 @@ DEEPSPEED_OP_NAMES = {
     "reduce_scatter_fn": "reduce_scatter",
     "all_to_all_single": "all_to_all",
     "inference_all_reduce": "all_reduce",
+    "isend": "send",
+    "irecv": "recv",
 }
 #: barrier rounds used to align the ranks' clocks when records are gathered
 CLOCK_SYNC_ROUNDS = 5

@@ -40,6 +40,11 @@ DEFINITIONS = (
     "each rank's wait = last arrival - its own arrival."
 )
 
+#: a point-to-point transfer is one event seen from two ranks: the sender's n-th "send" to a
+#: receiver and the receiver's n-th "recv" from that sender (the same ``group``, "sender,receiver")
+#: are matched as one "send/recv"
+P2P_MATCH = {"send": "send/recv", "recv": "send/recv"}
+
 #: ops that move no payload (their bandwidth is not defined)
 NO_PAYLOAD_OPS = frozenset({"barrier", "all_gather_object"})
 
@@ -49,7 +54,8 @@ def bus_factor(op: str, group_size: int) -> float | None:
 
     busbw = algbw * factor is the per-link traffic an optimal ring moves, comparable to the
     hardware's link bandwidth whatever the op: all_reduce sends and receives 2(n-1)/n of the buffer
-    per rank; all_gather, reduce_scatter and all_to_all (n-1)/n; broadcast and reduce 1. None for
+    per rank; all_gather, reduce_scatter and all_to_all (n-1)/n; broadcast, reduce, send and recv
+    1 (a transfer's bytes cross one link). None for
     ops without payload or unknown ops.
     """
     if group_size < 1:
@@ -59,7 +65,7 @@ def bus_factor(op: str, group_size: int) -> float | None:
         return 2.0 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
-    if op in ("broadcast", "reduce"):
+    if op in ("broadcast", "reduce", "send", "recv"):
         return 1.0
     return None
 
@@ -233,7 +239,7 @@ def analyze_stragglers(per_rank: Mapping[int, Sequence[Mapping]],
     collectives: dict[tuple, dict[int, Mapping]] = defaultdict(dict)
     for rank, records in per_rank.items():
         for r in records:
-            key = (r["group"], r["op"], r["seq"])
+            key = (r["group"], P2P_MATCH.get(r["op"], r["op"]), r["seq"])
             if rank in collectives[key]:
                 raise ValueError(f"per_rank[{rank}] holds collective {key} twice")
             collectives[key][rank] = r

@@ -37,12 +37,13 @@ __all__ = ["ZeroRuntime", "build_zero", "consolidated_state_dict", "zero_to_fp32
 
 
 def build_zero(module: nn.Module, config, optimizer, params: list, build_from_config, *,
-               device: torch.device | None = None, broadcast: bool = False
+               device: torch.device | None = None, broadcast: bool = False, group=None
                ) -> tuple[ZeroRuntime, torch.optim.Optimizer]:
     """The ZeRO runtime for ``module`` and the optimizer over its masters.
 
-    ``device`` and ``broadcast`` go to :class:`ZeroRuntime` (where the units live; whether each
-    unit starts from rank 0's values).
+    ``device``, ``broadcast`` and ``group`` go to :class:`ZeroRuntime` (where the units live;
+    whether each unit starts from the group's first rank's values; the data-parallel group the
+    shards are cut over, None for the world).
 
     ``optimizer`` is what was passed to ``initialize()``: a torch optimizer built on the model's
     parameters (re-pointed at the masters), a callable (called with the masters' param groups),
@@ -53,7 +54,7 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
     if isinstance(optimizer, torch.optim.Optimizer):
         refuse_lamb(optimizer, zero.stage)
         runtime = ZeroRuntime(module, zero, optimizer.param_groups, device=device,
-                              broadcast=broadcast, aio=config.aio)
+                              broadcast=broadcast, aio=config.aio, group=group)
         return runtime, runtime.adopt(optimizer)
     if optimizer is not None and not callable(optimizer):
         raise ValueError(
@@ -63,7 +64,7 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
             f"ZeRO stage {zero.stage} ('zero_optimization.stage') shards an optimizer's states: "
             "pass an optimizer to initialize() or add an 'optimizer' section to the config")
     runtime = ZeroRuntime(module, zero, params, device=device, broadcast=broadcast,
-                          aio=config.aio)
+                          aio=config.aio, group=group)
     if callable(optimizer):
         built = optimizer(runtime.optimizer_param_groups())
         if not isinstance(built, torch.optim.Optimizer):

@@ -153,6 +153,9 @@ class ZeroRuntime:
         self.group = group
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
+        # groups beyond the data-parallel one over which the squared gradient norm is summed:
+        # the model-parallel ranks holding other parts of the model (the engine sets them)
+        self.norm_groups: list = []
         self.group_options = []
         named_groups = self._named_groups(_as_groups(param_groups))
         if self.stage == 3:
@@ -174,7 +177,7 @@ class ZeroRuntime:
                     if reduction.is_expert:
                         comm.broadcast(full, src=reduction.source_rank, group=reduction.group)
                     else:
-                        comm.broadcast(full, src=0, group=group)
+                        comm.broadcast(full, src=comm.get_global_rank(group, 0), group=group)
             self.units.append(FlatUnit(i, layout, params, reduction.size, reduction.rank, device,
                                        sync, group=reduction.group,
                                        grad_divisor=reduction.divisor))
@@ -222,7 +225,7 @@ class ZeroRuntime:
             on_issued=self.gatherer.release if self.gatherer is not None else None,
             deliver=self.offload.receive if self.offload is not None else None, group=group,
             reduce_scatter=config.reduce_scatter)
-        self.comm_device = self.units[0].device if self.units else torch.device("cpu")
+        self.comm_device = self.units[0].device if self.units else (device or torch.device("cpu"))
         # stage 3 over a model's CUDA-graphed layer stack: the stack gathers and reduces its own
         # layers inside its graphs (stage3_stack.py)
         self.stack: Stage3LayerStack | None = None
@@ -264,7 +267,10 @@ class ZeroRuntime:
         groups = [dict(options, params=[]) for options in self.group_options]
         for unit, master in zip(self.units, self.masters):
             groups[unit.layout.group]["params"].append(master)
-        return [g for g in groups if g["params"]]
+        kept = [g for g in groups if g["params"]]
+        # a rank holding no trainable parameter (a pipeline stage of tied copies only) still
+        # gets an optimizer, with one empty group
+        return kept or [dict(groups[0] if groups else {}, params=[])]
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Point an optimizer built on the model's parameters at the masters instead."""
@@ -314,11 +320,16 @@ class ZeroRuntime:
         if loss_scaler is not None and grads:
             found = loss_scaler.unscale_and_find_inf(grads)
             comm.all_reduce(found, op=comm.ReduceOp.MAX, group=self.group)
+            for group in self.norm_groups:
+                comm.all_reduce(found, op=comm.ReduceOp.MAX, group=group)
             overflow = bool(found.item() > 0)
             loss_scaler.update_scale(overflow)
         if not overflow:
-            if clip > 0 and grads:
-                _scale(grads, self.clip_coefficient(grads, clip))
+            # with model parallelism every rank joins the norm's sums, even one with no gradient
+            if clip > 0 and (grads or self.norm_groups):
+                coefficient = self.clip_coefficient(grads, clip)
+                if grads:
+                    _scale(grads, coefficient)
             for unit, master in zip(self.units, self.masters):
                 master.grad = unit.grad_shard
             optimizer.step()
@@ -335,7 +346,7 @@ class ZeroRuntime:
         factor = None
         if loss_scaler is not None or clip > 0:
             total = self.offload.squared_norm(self.comm_device)
-            comm.all_reduce(total, group=self.group)
+            self._sum_squares(total)
             squared = float(total.item())
             scale = loss_scaler.loss_scale if loss_scaler is not None else 1.0
             if loss_scaler is not None:
@@ -349,14 +360,48 @@ class ZeroRuntime:
         self._wait(self.offload.step_in_chunks(optimizer, factor, self._publish_unit))
         return True
 
+    def set_norm_filter(self, counts) -> None:
+        """Count in the gradient norm only the parameters for which ``counts(param)`` is True
+        (under tensor parallelism, a replicated parameter counts on one tensor-parallel rank):
+        each unit holding one that does not count gets a mask over its shard that zeroes the
+        elements of those parameters before their squares are summed."""
+        self._norm_masks = {}
+        for unit in self.units:
+            if all(counts(p) for p in unit.params):
+                continue
+            if self.offload is not None:
+                raise ValueError("'zero_optimization.offload_optimizer' with tensor parallelism is not "
+                                 "supported (its gradient norm is taken on the CPU, over whole shards)")
+            mask = torch.ones(unit.shard_numel, dtype=torch.float32, device=unit.device)
+            lo = unit.rank * unit.shard_numel
+            for param, offset, size in zip(unit.params, unit.layout.offsets, unit.layout.sizes):
+                if counts(param):
+                    continue
+                a, b = max(offset, lo), min(offset + size, lo + unit.shard_numel)
+                if a < b:
+                    mask[a - lo: b - lo] = 0.0
+            self._norm_masks[unit.index] = mask
+
     def global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The L2 norm of the whole model's gradient from every rank's shards (a collective; a
-        0-dim tensor on the collective's device)."""
-        squares = torch.stack([n.float().to(self.comm_device)
-                               for n in torch._foreach_norm(grads)]).square()
-        total = squares.sum()
-        comm.all_reduce(total, group=self.group)
+        0-dim tensor on the collective's device). ``grads``: the units' gradient shards, in unit
+        order (masked where :meth:`set_norm_filter` says)."""
+        masks = getattr(self, "_norm_masks", None)
+        if masks:
+            grads = [g * masks[u.index] if u.index in masks else g for u, g in zip(self.units, grads)]
+        if not grads:
+            total = torch.zeros((), dtype=torch.float32, device=self.comm_device)
+        else:
+            total = torch.stack([n.float().to(self.comm_device)
+                                 for n in torch._foreach_norm(grads)]).square().sum()
+        self._sum_squares(total)
         return total.sqrt()
+
+    def _sum_squares(self, total: torch.Tensor) -> None:
+        """Sum a squared norm over the data-parallel group and then each of ``norm_groups``."""
+        comm.all_reduce(total, group=self.group)
+        for group in self.norm_groups:
+            comm.all_reduce(total, group=group)
 
     def clip_coefficient(self, grads: list[torch.Tensor], clip: float) -> torch.Tensor:
         """``min(1, clip / (norm + 1e-6))`` for the global gradient norm (a collective)."""
