@@ -69,24 +69,33 @@ class _StageTimer:
             return event
         return time.perf_counter()
 
-    def stop(self, kind: str, begun) -> None:
-        self.spans.append((kind, begun, self.start()))
+    def stop(self, kind: str, begun, micro_batch: int = -1) -> None:
+        self.spans.append((kind, micro_batch, begun, self.start()))
 
     def end_batch(self, step: int) -> None:
         self.batches.append((step, self.spans))
         self.spans = []
 
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
     def resolve(self) -> list[dict]:
-        """Per batch: ``{step, wall_ms, forward_ms, backward_ms, busy_ms, idle_ms}``."""
+        """Per batch: ``{step, wall_ms, forward_ms, backward_ms, busy_ms, idle_ms, timeline}``,
+        ``timeline`` the batch's forwards and backwards as ``[kind, micro-batch, start_ms,
+        end_ms]`` from the batch's start."""
         out = []
         for step, spans in self.batches:
             totals = {"wall": 0.0, "forward": 0.0, "backward": 0.0}
-            for kind, begun, end in spans:
-                totals[kind] += begun.elapsed_time(end) if self.cuda else (end - begun) * 1e3
+            origin = next((begun for kind, _, begun, _ in spans if kind == "wall"), None)
+            timeline = []
+            for kind, micro, begun, end in spans:
+                totals[kind] += self._ms(begun, end)
+                if kind != "wall" and origin is not None:
+                    timeline.append([kind, micro, self._ms(origin, begun), self._ms(origin, end)])
             busy = totals["forward"] + totals["backward"]
             out.append({"step": step, "wall_ms": totals["wall"], "forward_ms": totals["forward"],
                         "backward_ms": totals["backward"], "busy_ms": busy,
-                        "idle_ms": max(totals["wall"] - busy, 0.0)})
+                        "idle_ms": max(totals["wall"] - busy, 0.0), "timeline": timeline})
         return out
 
 
@@ -262,7 +271,7 @@ class PipelineEngine(DslabEngine):
                         out = self.module.loss_fn(out, labels.pop(i)) if self.module.loss_fn is not None else out
                 if self.profilers:
                     self.profilers.call("on_forward_end")
-                self._timer.stop("forward", begun)
+                self._timer.stop("forward", begun, i)
                 if self.is_last_stage():
                     if compute_loss and (not torch.is_tensor(out) or out.dim() != 0):
                         raise ValueError("the last stage's loss must be a scalar tensor: give the "
@@ -330,7 +339,7 @@ class PipelineEngine(DslabEngine):
                     torch.autograd.backward(tensors, grad_tensors=list(grads))
         if self.profilers:
             self.profilers.call("on_backward_end")
-        self._timer.stop("backward", begun)
+        self._timer.stop("backward", begun, i)
 
     @staticmethod
     def _input_grads(received: tuple) -> list[torch.Tensor]:
@@ -369,9 +378,16 @@ class PipelineEngine(DslabEngine):
 
     def pipeline_stats(self) -> dict:
         """This stage's busy and idle time per batch so far, their totals, its idle fraction and
-        the 1F1B bubble it is compared with."""
-        self._stats.extend(self._timer.resolve())
+        the 1F1B bubble it is compared with; the latest batch also has its ``timeline`` (every
+        forward and backward, from the batch's start)."""
+        resolved = self._timer.resolve()
         self._timer.batches = []
+        if resolved:  # the timeline of the latest batch only (a report stays small)
+            for earlier in self._stats:
+                earlier.pop("timeline", None)
+            for batch in resolved[:-1]:
+                batch.pop("timeline")
+        self._stats.extend(resolved)
         wall = sum(s["wall_ms"] for s in self._stats)
         busy = sum(s["busy_ms"] for s in self._stats)
         return {"stage": self.stage_id, "stages": self.num_stages, "micro_batches": self.micro_batches,

@@ -26,6 +26,9 @@ Layout, per case of the run (``report.profilers[section][case]``):
     module that saved tensors).
 - one process track ``"<case> GPUs"`` with a counter per GPU and NVML field (utilisation, power,
   SM clock, memory used, temperature) at ``started_at_unix + t``.
+- for a pipeline run, one process track ``"<case> pipeline"`` with a track per stage: the
+  latest batch's forwards and backwards (``F3``, ``B3``) from the pipeline engine's ``pipeline``
+  section, each stage from its own batch start; the gaps are the bubble and the transfers.
 
 Timestamps are nanoseconds on the wall clock; the tracks without a wall-clock time of their own
 (profiled and measured steps, memory counters) start at the case's first collective, else its
@@ -314,12 +317,34 @@ def _telemetry(w: _Writer, case: str, data: dict) -> None:
                     w.counter(track, int((started + t) * 1e9), value)
 
 
+def _pipeline(w: _Writer, case: str, data: dict, origin: int) -> None:
+    """A process ``"<case> pipeline"`` with a track per stage: the latest batch's forwards and
+    backwards (``F<i>`` / ``B<i>``), each stage from its own batch start, laid at ``origin``;
+    where a stage has no slice it was waiting (the bubble, transfers)."""
+    stages = [s for s in data.get("per_stage") or [] if isinstance(s, dict)]
+    timelines = []
+    for stage in stages:
+        batches = [b for b in stage.get("batches") or [] if isinstance(b, dict) and b.get("timeline")]
+        if batches:
+            timelines.append((stage.get("stage"), batches[-1]))
+    if not timelines:
+        return
+    process = w.process(f"{case} pipeline")
+    for stage, batch in sorted(timelines, key=lambda t: t[0]):
+        track = w.track(process, f"stage {stage}")
+        for kind, micro, start_ms, end_ms in batch["timeline"]:
+            label = f"{'F' if kind == 'forward' else 'B'}{micro}"
+            w.slice(track, label, origin + int(start_ms * _MS), int((end_ms - start_ms) * _MS),
+                    {"micro_batch": micro, "kind": kind, "step": batch.get("step")})
+
+
 def build_trace(report: RunReport) -> bytes:
     """The serialized Perfetto trace (a ``perfetto.protos...Trace``) of ``report``."""
     w = _Writer()
     comms_by_case = _case_data(report, "comms")
     telemetry_by_case = _case_data(report, "telemetry")
-    cases = list(dict.fromkeys([*report.cases(), *(c for s in ("flops", "memory", "comms", "telemetry")
+    pipeline_by_case = _case_data(report, "pipeline")
+    cases = list(dict.fromkeys([*report.cases(), *(c for s in ("flops", "memory", "comms", "telemetry", "pipeline")
                                                     for c in _case_data(report, s))]))
     for case in cases:
         comms = comms_by_case.get(case)
@@ -337,6 +362,8 @@ def build_trace(report: RunReport) -> bytes:
                 _collectives(w, process, rank, per_rank[rank], _offset(offsets, rank), waits)
         if case in telemetry_by_case:
             _telemetry(w, case, telemetry_by_case[case])
+        if case in pipeline_by_case:
+            _pipeline(w, case, pipeline_by_case[case], origin)
     return w.serialize()
 
 

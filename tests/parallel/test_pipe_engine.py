@@ -55,6 +55,13 @@ def test_pipeline_engine_trains_in_one_process_and_refuses_the_loop_calls():
             call()
     stats = engine.pipeline_stats()
     assert stats["stages"] == 1 and len(stats["batches"]) == 4 and stats["bubble_fraction"] == 0.0
+    # the latest batch keeps its timeline: one stage alternates forward and backward
+    assert all("timeline" not in b for b in stats["batches"][:-1])
+    last = stats["batches"][-1]
+    assert [(kind, i) for kind, i, _, _ in last["timeline"]] == [
+        ("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)]
+    starts = [t[2] for t in last["timeline"]]
+    assert starts == sorted(starts) and all(0 <= a <= b <= last["wall_ms"] for _, _, a, b in last["timeline"])
 
 
 @pytest.mark.parametrize("extra, message", [

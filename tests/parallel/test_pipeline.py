@@ -244,6 +244,9 @@ def test_two_and_four_stages_train_as_one(tmp_path):
     stats = stage0["pipeline"]["per_stage"]
     assert [s["stage"] for s in stats] == [0, 1]
     assert all(len(s["batches"]) == 3 and 0.0 < s["busy_ms"] < s["wall_ms"] for s in stats)
+    # the latest batch's timeline: stage 0 of 2 warms up with one forward before alternating
+    order = [(kind[0].upper(), i) for kind, i, _, _ in stats[0]["batches"][-1]["timeline"]]
+    assert order == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
     assert stage0["pipeline"]["bubble_fraction"] == pytest.approx(1 / 5)
 
 

@@ -163,3 +163,23 @@ def test_write_trace_once_and_the_cli(tmp_path, report_data, capsys):
     assert "seq128 rank 3" in parse(path.read_bytes())
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
     assert cli.main(["trace", "nosuchrun", "--reports", str(tmp_path)]) == 1
+
+
+def test_a_track_per_pipeline_stage():
+    data = make_report(RUN_ID)
+    timeline0 = [["forward", 0, 0.0, 2.0], ["forward", 1, 2.5, 4.5], ["backward", 0, 9.0, 13.0],
+                 ["backward", 1, 13.5, 17.5]]
+    timeline1 = [["forward", 0, 3.0, 5.0], ["backward", 0, 5.0, 9.0], ["forward", 1, 9.2, 11.2],
+                 ["backward", 1, 11.2, 15.2]]
+    data["profilers"]["pipeline"] = {"seq128": {"stages": 2, "micro_batches": 2, "per_stage": [
+        {"stage": 0, "batches": [{"step": 0, "timeline": []}, {"step": 1, "timeline": timeline0}]},
+        {"stage": 1, "batches": [{"step": 1, "timeline": timeline1}]}]}}
+    tracks = parse(build_trace(report_from_dict(data)))
+    stages = tracks["seq128 pipeline"]
+    assert set(stages) == {"stage 0", "stage 1"}
+    got = slices(stages["stage 1"])
+    assert [name for name, *_ in got] == ["F0", "B0", "F1", "B1"]
+    origin = got[0][1] - 3 * 1_000_000  # stage 1's first forward began 3 ms into the batch
+    assert [(b - origin, e - origin) for _, b, e, _, _ in got] == [
+        (int(s * 1e6), int(e * 1e6)) for _, _, s, e in timeline1]
+    assert [name for name, *_ in slices(stages["stage 0"])] == ["F0", "F1", "B0", "B1"]
