@@ -4,8 +4,9 @@ Routes (all read-only, all under the reports directory):
 
 - ``/``: Runs - the filterable run table, throughput over time per suite, compare two runs.
 - ``/run/<suite>/<run_id>[/<tab>][?case=<case>]``: one run; tabs flops, comms, memory, telemetry, io,
-  experts (the expert load of a mixture-of-experts run), inference (an inference suite's run) and
-  scaling (a data-parallel run's cases ``<model case>-n<N>``; ``?case=`` picks the model case).
+  experts (the expert load of a mixture-of-experts run), inference (an inference suite's run),
+  scaling (a data-parallel run's cases ``<model case>-n<N>``; ``?case=`` picks the model case) and
+  pipeline (a run with pipeline-parallel arms: stage utilisation and timelines).
 - ``/compare?a=<suite>/<run_id>&b=<suite>/<run_id>``: two runs side by side.
 - ``/trace/<suite>/<run_id>``: the run's ``trace.pftrace`` (written by ``dslab trace``).
 

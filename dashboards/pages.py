@@ -14,7 +14,7 @@ from urllib.parse import quote
 import dash_ag_grid as dag
 from dash import dcc, html
 
-from dashboards import experts_view, figures, io_view, scaling_view, views
+from dashboards import experts_view, figures, io_view, pipeline_view, scaling_view, views
 from dashboards import inference as inference_view
 from dashboards.data import RunStore, RunSummary, commit_label, gpu_label, source_label
 from dslab.report import frames
@@ -29,6 +29,8 @@ EXPERTS_TAB = ("experts", "Expert load")
 INFERENCE_TAB = ("inference", "Inference")
 # Shown only for a run with process-count cases (scaling_view.has_scaling: a data-parallel suite's).
 SCALING_TAB = ("scaling", "Scaling")
+# Shown only for a run with pipeline-parallel arms (pipeline_view.has_pipeline).
+PIPELINE_TAB = ("pipeline", "Pipeline")
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
 HEADLINE_METRIC = "samples_per_s"
 PAGE_SIZE = 25
@@ -165,10 +167,10 @@ def compare_href(a: str | None, b: str | None) -> str:
 
 
 def _nav(suite: str, run_id: str, current: str, moe: bool = False, inference: bool = False,
-         scaling: bool = False) -> html.Div:
+         scaling: bool = False, pipeline: bool = False) -> html.Div:
     links = []
     for tab, label in (TABS + ((EXPERTS_TAB,) if moe else ()) + ((INFERENCE_TAB,) if inference else ())
-                       + ((SCALING_TAB,) if scaling else ())):
+                       + ((SCALING_TAB,) if scaling else ()) + ((PIPELINE_TAB,) if pipeline else ())):
         href = f"/run/{quote(suite)}/{quote(run_id)}" + (f"/{tab}" if tab else "")
         links.append(dcc.Link(label, href=href, className="tab current" if tab == current else "tab"))
     return html.Div(links, className="tabs")
@@ -198,7 +200,7 @@ def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
         *[html.P(f"note: {n}", className="note") for n in report.notes],
         trace_line,
         _nav(suite, run_id, tab, experts_view.has_moe(report), inference_view.has_inference(report),
-             scaling_view.has_scaling(report)),
+             scaling_view.has_scaling(report), pipeline_view.has_pipeline(report)),
     ]
 
 
@@ -215,7 +217,7 @@ def run_page(store: RunStore, suite: str, run_id: str, tab: str = "", case: str 
     report = store.report(suite, run_id)
     body = {"": _run_tab, "flops": _flops_tab, "comms": _comms_tab, "memory": _memory_tab,
             "telemetry": _telemetry_tab, "io": _io_tab, "experts": _experts_tab,
-            "inference": _inference_tab, "scaling": _scaling_tab}.get(tab)
+            "inference": _inference_tab, "scaling": _scaling_tab, "pipeline": _pipeline_tab}.get(tab)
     if body is None:
         raise FileNotFoundError(f"no page {tab!r}")
     return _header(store, report, suite, run_id, tab) + body(report, suite, run_id, case)
@@ -462,6 +464,30 @@ def _scaling_tab(report, suite, run_id, case) -> list:
             ("arm", "arm"), ("nprocs", "N"), ("case", "case"), ("status", "status"), ("tokens_per_s", "tokens/s"),
             ("efficiency", "efficiency"), ("peak_gib", "peak GiB per GPU"), ("error", "error")]))
     out.append(html.P(scaling_view.NOTE, className="note"))
+    return out
+
+
+def _pipeline_tab(report, suite, run_id, case) -> list:
+    """Pipeline-parallel arms (:mod:`dashboards.pipeline_view`): per case, each stage's busy and
+    idle time against the 1F1B bubble, and the latest batch's timeline per stage."""
+    records = pipeline_view.records(report)
+    if not records:
+        return [html.P("no pipeline records in this run (no pipeline-parallel arm)", id="pipeline-empty")]
+    keys = list(records)
+    chosen = case if case in records else keys[0]
+    record = records[chosen]
+    out = [_case_links(suite, run_id, "pipeline", keys, chosen)]
+    out.append(key_value([("case", chosen), ("stages", str(record.get("stages"))),
+                          ("micro-batches per step", str(record.get("micro_batches"))),
+                          ("1F1B bubble", f"{100 * (record.get('bubble_fraction') or 0):.1f}%")]))
+    out += guarded("Stage utilisation", lambda: graph(
+        "pipeline-utilisation", pipeline_view.utilisation_figure(record, f"{chosen}: busy and idle per stage")))
+    out += guarded("Stages", lambda: table("pipeline-stages", pipeline_view.utilisation_rows(record), [
+        ("stage", "stage"), ("batches", "batches"), ("busy_ms", "busy ms"), ("wall_ms", "wall ms"),
+        ("idle_pct", "idle %"), ("bubble_pct", "bubble %"), ("over_bubble_pts", "idle over bubble (points)")]))
+    out += guarded("Latest batch, per stage", lambda: graph(
+        "pipeline-timeline", pipeline_view.timeline_figure(record, f"{chosen}: forwards and backwards")))
+    out.append(html.P(pipeline_view.NOTE, className="note"))
     return out
 
 

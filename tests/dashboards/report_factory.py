@@ -306,6 +306,29 @@ def make_scaling_report(run_id: str = SCALING_RUN_ID, suite: str = SCALING_SUITE
     }
 
 
+PIPELINE_RUN_ID = "20261206T100000Z-pipe00"
+PIPELINE_CASE = "1.5b dslab-pp2"
+# two stages, two micro-batches: stage 0 warms up with F0 F1, stage 1 alternates
+PIPELINE_TIMELINES = {
+    0: [["forward", 0, 0.0, 2.0], ["forward", 1, 2.0, 4.0], ["backward", 0, 9.0, 13.0], ["backward", 1, 13.0, 17.0]],
+    1: [["forward", 0, 2.5, 4.5], ["backward", 0, 4.5, 8.5], ["forward", 1, 8.5, 10.5], ["backward", 1, 10.5, 14.5]],
+}
+PIPELINE_BUSY = {0: (96.0, 160.0), 1: (112.0, 160.0)}  # stage: (busy ms, wall ms) over the batches
+
+
+def make_pipeline_report(run_id: str = PIPELINE_RUN_ID) -> dict:
+    """A run whose ``dslab-pp2`` arm recorded the pipeline engine's per-stage times."""
+    data = make_report(run_id, "parallel")
+    data["profilers"]["pipeline"] = {PIPELINE_CASE: {"stages": 2, "micro_batches": 2, "bubble_fraction": 1 / 3,
+                                                     "per_stage": [
+        {"stage": stage, "stages": 2, "micro_batches": 2, "busy_ms": busy, "wall_ms": wall,
+         "idle_fraction": 1 - busy / wall, "bubble_fraction": 1 / 3,
+         "batches": [{"step": 0, "wall_ms": wall / 2, "busy_ms": busy / 2},
+                     {"step": 1, "wall_ms": wall / 2, "busy_ms": busy / 2, "timeline": PIPELINE_TIMELINES[stage]}]}
+        for stage, (busy, wall) in PIPELINE_BUSY.items()]}}
+    return data
+
+
 def write_run(root: Path, data: dict | str, suite: str | None = None, run_id: str | None = None) -> Path:
     """Write ``data`` (a dict, or raw text for malformed fixtures) as ``<root>/<suite>/<run_id>/run.json``."""
     suite = suite or data["suite"]
