@@ -39,6 +39,7 @@ gradient is a sum over the batch, and the token types' two rows take the small-v
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,13 @@ from dslab.models.graphs import CudaGraphLayers
 from dslab.models.ops import (
     IGNORE_INDEX, Embedding, LayerNorm, PositionEmbedding, TransformerLayer, check_head_dim, init_normal_, op_set,
 )
+from dslab.models.tensor_parallel_layers import (
+    ParallelTokenEmbedding, bert_tp_state_dict, check_tensor_parallel_group, tensor_parallel_layer,
+)
 from dslab.models.weight_cast import Linear, weight
+from dslab.parallel.tensor_parallel import gather_tensor_parallel_state_dict, set_tensor_model_parallel_attributes
+from dslab.parallel.tensor_parallel_regions import gather_from_tensor_parallel_region, tensor_parallel_rank
+from dslab.parallel.vocab_parallel import parallel_lm_logits, vocab_parallel_cross_entropy
 
 
 @dataclass
@@ -82,6 +89,7 @@ class BertConfig:
     initializer_range: float = 0.02
     chain_layer_norms: bool = True
     checkpoint_layers: int = 0
+    tp_size: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -106,6 +114,12 @@ class BertConfig:
         if isinstance(self.checkpoint_layers, bool) or not isinstance(self.checkpoint_layers, int) \
                 or self.checkpoint_layers < 0:
             raise ValueError(f"checkpoint_layers must be an int >= 0, got {self.checkpoint_layers!r}")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size <= 0:
+            raise ValueError(f"tp_size must be a positive int, got {self.tp_size!r}")
+        for key in ("heads", "intermediate", "vocab_size"):
+            if getattr(self, key) % self.tp_size:
+                raise ValueError(f"{key}={getattr(self, key)} does not divide by tp_size={self.tp_size}: each "
+                                 "tensor-parallel rank holds an equal part (pad vocab_size to a multiple)")
 
     @classmethod
     def from_hf(cls, hf_config, **overrides) -> BertConfig:
@@ -192,10 +206,13 @@ class LabelCount:
 class BertEmbeddings(nn.Module):
     """``dropout(LayerNorm(word[ids] + position[0..seq) + token_type[types]))``."""
 
-    def __init__(self, config: BertConfig, ops):
+    def __init__(self, config: BertConfig, ops, tp_group=None):
         super().__init__()
         self.dropout = config.hidden_dropout
-        self.word_embeddings = Embedding(config.vocab_size, config.hidden, ops)
+        if config.tp_size == 1:
+            self.word_embeddings = Embedding(config.vocab_size, config.hidden, ops)
+        else:  # the vocabulary's rows split over the tensor-parallel group
+            self.word_embeddings = ParallelTokenEmbedding(config.vocab_size, config.hidden, tp_group, False)
         self.position_embeddings = PositionEmbedding(config.max_position, config.hidden, ops)
         self.token_type_embeddings = Embedding(config.type_vocab, config.hidden, ops)
         self.norm = LayerNorm(config.hidden, config.layer_norm_eps, ops)
@@ -220,23 +237,34 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
 
     ``config.pre_ln`` moves each LayerNorm before its sublayer and adds one after the last layer
     (``final_norm``); the embedding LayerNorm stays.
+
+    ``tp_group``: with ``config.tp_size`` > 1, the process group the model is split over
+    (Megatron-LM's layout, :mod:`dslab.models.tensor_parallel_layers`): each rank holds
+    ``heads/tp`` heads and ``intermediate/tp`` MLP columns of every layer and ``vocab/tp`` rows of
+    the word embeddings (and of the MLM decoder's bias); the MLM loss is the vocabulary-parallel
+    cross-entropy of each rank's logits, the pooler, NSP and MLM transform are replicated. Ranks
+    seeded alike hold the slices of the dense model built from the same seed
+    (:meth:`dense_state_dict`, :meth:`load_dense_state_dict` convert).
     """
 
     _read_through_weight = ("mlm_dense_bias",)
 
-    def __init__(self, config: BertConfig, kernels: str = "dslab"):
+    def __init__(self, config: BertConfig, kernels: str = "dslab", tp_group=None):
         super().__init__()
         config.validate()
         self.ops = op_set(kernels)
         check_head_dim(self.ops, config.hidden, config.heads)
+        check_tensor_parallel_group(config.tp_size, tp_group)
         self.config = config
         self.kernels = kernels
+        self.tp_group = tp_group
         h = config.hidden
-        self.embeddings = BertEmbeddings(config, self.ops)
+        self.embeddings = BertEmbeddings(config, self.ops, tp_group)
+        layer = TransformerLayer if config.tp_size == 1 else functools.partial(tensor_parallel_layer, group=tp_group)
         self.layers = nn.ModuleList(
-            TransformerLayer(h, config.heads, config.intermediate, config.hidden_dropout, config.attention_dropout,
-                             config.layer_norm_eps, config.pre_ln, causal=False, gelu_approximate="none",
-                             ops=self.ops, chain_layer_norms=config.chain_layer_norms)
+            layer(h, config.heads, config.intermediate, config.hidden_dropout, config.attention_dropout,
+                  config.layer_norm_eps, config.pre_ln, causal=False, gelu_approximate="none",
+                  ops=self.ops, chain_layer_norms=config.chain_layer_norms)
             for _ in range(config.layers)
         )
         self.final_norm = LayerNorm(h, config.layer_norm_eps, self.ops) if config.pre_ln else None
@@ -245,7 +273,10 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
         self.mlm_dense = Linear(h, h, bias=False)
         self.mlm_dense_bias = nn.Parameter(torch.zeros(h))
         self.mlm_norm = LayerNorm(h, config.layer_norm_eps, self.ops)
-        self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))  # the decoder's bias
+        # the decoder's bias (this rank's rows of it under tensor parallelism)
+        self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size // config.tp_size))
+        if config.tp_size > 1:
+            set_tensor_model_parallel_attributes(self.mlm_bias, True, 0)
         init_normal_(self, config.initializer_range)
 
     @property
@@ -265,6 +296,8 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
         ``LayerNorm(gelu(h W + b)) E^T + b_dec`` with ``E`` the word embeddings (read through
         ``tie`` when the forward armed one)."""
         h = self.ops.bias_gelu(self.mlm_dense(hidden), weight(self.mlm_dense_bias), "none")
+        if self.config.tp_size > 1:  # this rank's vocabulary columns
+            return parallel_lm_logits(self.mlm_norm(h), self.mlm_decoder_weight, self.tp_group) + self.mlm_bias
         decoder = self.mlm_decoder_weight if tie is None else tie.head_weight()
         return F.linear(self.mlm_norm(h), decoder, self.mlm_bias)
 
@@ -286,6 +319,10 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
             count = None if label_count is None else label_count.get()
             keep = labelled_rows(targets != IGNORE_INDEX, count)
             rows, targets = rows.index_select(0, keep), targets.index_select(0, keep)
+        if self.config.tp_size > 1:
+            losses = vocab_parallel_cross_entropy(self.mlm_head(rows), targets, self.tp_group, IGNORE_INDEX,
+                                                  self.config.vocab_size)
+            return losses.sum() / (targets != IGNORE_INDEX).sum()
         return self.ops.softmax_cross_entropy(self.mlm_head(rows, tie), targets, IGNORE_INDEX)
 
     def label_count_ahead(self, labels: torch.Tensor | None) -> LabelCount | None:
@@ -306,11 +343,14 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
                 next_sentence_label: torch.Tensor | None = None):
         self._check_inputs(input_ids, token_type_ids, attention_mask, masked_lm_labels, next_sentence_label)
         label_count = self.label_count_ahead(masked_lm_labels)
-        tie = self.ops.embedding_tie(self.mlm_decoder_weight)
+        tie = self.ops.embedding_tie(self.mlm_decoder_weight) if self.config.tp_size == 1 else None
         hidden = self.encode(input_ids, token_type_ids, key_padding_mask_of(attention_mask), tie)
         nsp_logits = self.nsp_head(hidden)
         if masked_lm_labels is None and next_sentence_label is None:
-            return self.mlm_head(hidden, tie), nsp_logits
+            logits = self.mlm_head(hidden, tie)
+            if self.config.tp_size > 1:
+                logits = gather_from_tensor_parallel_region(logits, self.tp_group)
+            return logits, nsp_logits
         losses = []
         if masked_lm_labels is not None:
             losses.append(self.mlm_loss(hidden, masked_lm_labels, label_count=label_count, tie=tie))
@@ -334,6 +374,27 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
                 f"next_sentence_label must be [batch] = [{input_ids.shape[0]}], got {tuple(next_sentence_label.shape)}"
             )
 
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """The dense model's state dict (with tensor parallelism every shard gathered whole, on
+        every rank: a collective over ``tp_group``)."""
+        if self.config.tp_size == 1:
+            return self.state_dict()
+        return gather_tensor_parallel_state_dict(self, self.tp_group)
+
+    def load_dense_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
+        """Load a dense BERT state dict, of which this rank keeps its shards."""
+        if self.config.tp_size > 1:
+            state_dict = bert_tp_state_dict(state_dict, tensor_parallel_rank(self.tp_group), self.config.tp_size)
+        return self.load_state_dict(state_dict, strict=strict)
+
+    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+        """As :meth:`CudaGraphLayers.enable_cuda_graphs`; refused with tensor parallelism (the layer
+        graphs do not take the collectives of tensor-parallel layers)."""
+        if enabled and self.config.tp_size > 1:
+            raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size}: the layer stack's CUDA "
+                             "graphs do not take tensor-parallel layers; turn graphs off")
+        super().enable_cuda_graphs(enabled)
+
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config: BertConfig, kernels: str = "dslab") -> BertForPreTraining:
         """A model with ``config`` and the weights of a HuggingFace ``BertForPreTraining`` state dict."""
@@ -344,10 +405,11 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
         return model
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This model's weights under HuggingFace ``BertForPreTraining``'s keys (post-LN only)."""
+        """This model's weights under HuggingFace ``BertForPreTraining``'s keys (post-LN only;
+        with tensor parallelism gathered whole, a collective over ``tp_group``)."""
         if self.config.pre_ln:
             raise ValueError("pre_ln=True: HuggingFace's BERT is post-LN and has no place for these weights")
-        return hf_mapping.bert_to_hf(self.state_dict(), self.config.layers)
+        return hf_mapping.bert_to_hf(self.dense_state_dict(), self.config.layers)
 
 
 def key_padding_mask_of(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -232,3 +232,32 @@ def gpt2_dense_state_dict(tp_state_dicts: list[dict[str, torch.Tensor]], config)
         partition = gpt2_partition(key)
         out[key] = value if partition is None else unshard_tensors([sd[key] for sd in tp_state_dicts], *partition)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT state dicts, dense -> split.
+# ---------------------------------------------------------------------------------------------
+
+BERT_TENSOR_PARALLEL_LAYOUT = (
+    (re.compile(r"embeddings\.word_embeddings\.weight"), 0, 1),
+    (re.compile(r"layers\.\d+\.attention\.qkv\.(weight|bias)"), 0, 3),
+    (re.compile(r"layers\.\d+\.attention\.out_proj\.weight"), 1, 1),
+    (re.compile(r"layers\.\d+\.mlp\.fc_in\.weight"), 0, 1),
+    (re.compile(r"layers\.\d+\.mlp\.fc_in_bias"), 0, 1),
+    (re.compile(r"layers\.\d+\.mlp\.fc_out\.weight"), 1, 1),
+    (re.compile(r"mlm_bias"), 0, 1),
+)
+
+
+def bert_tp_state_dict(dense_state_dict: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """Rank ``tp_rank``'s state dict of a :class:`~dslab.models.bert.BertForPreTraining` split over
+    ``tp_size`` ranks, sliced from a dense model's (the word embeddings and the MLM decoder's bias
+    by vocabulary rows, the layers as GPT-2's)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} is not a rank of tp_size={tp_size}")
+    out = {}
+    for key, value in dense_state_dict.items():
+        partition = next(((dim, stride) for pattern, dim, stride in BERT_TENSOR_PARALLEL_LAYOUT
+                          if pattern.fullmatch(key)), None)
+        out[key] = value if partition is None else shard_tensor(value, partition[0], tp_rank, tp_size, partition[1])
+    return out
