@@ -15,6 +15,10 @@ optimizer state partition and the parameter shards) into the same checkpoint, an
 ``optimizer.pt``: see :mod:`dslab.engine.zero.checkpoint`. A model with expert parameters (MoE)
 saves them per expert-parallel rank in files of their own, written by the ranks that hold them,
 and records its expert-parallel layout: see :mod:`dslab.engine.expert_checkpoint`.
+
+Engines with tensor or pipeline parallelism save per (tensor, pipeline) coordinate instead, with
+their layout in the manifest (:mod:`dslab.engine.model_parallel_checkpoint`); :func:`load` refuses
+such a checkpoint by name, as it holds no whole model.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 
 from dslab import comm
-from dslab.engine import expert_checkpoint
+from dslab.engine import expert_checkpoint, model_parallel_checkpoint
 from dslab.engine.checkpoint_io import CheckpointError, load_checkpoint_files, save_checkpoint_files
 from dslab.engine.checkpoint_ranks import save_from_ranks
 from dslab.engine.expert_parallel import describe_layout
@@ -156,7 +160,8 @@ def load(engine, load_dir, tag, load_optimizer_states: bool, load_lr_scheduler_s
     if tag is None and not (load_dir / "latest").is_file():
         log.warning("no 'latest' file in %s: nothing to resume from", load_dir)
         return None, None
-    path, files, _metadata = load_checkpoint_files(load_dir, tag, names=_ENGINE_FILES)
+    path, files, metadata = load_checkpoint_files(load_dir, tag, names=_ENGINE_FILES)
+    model_parallel_checkpoint.refuse_in_data_parallel_load(path, metadata, engine.world_size)
     state = files["engine"]
     expert_checkpoint.check_layout(path, state.get("expert_layout"), engine.expert_layout)
     if engine.expert_layout is not None:

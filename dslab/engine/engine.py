@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
-from dslab.engine import checkpointing, expert_parallel, parameters, weight_copies
+from dslab.engine import checkpointing, expert_parallel, model_parallel_checkpoint, parameters, weight_copies
 from dslab.engine.config import DslabConfig
 from dslab.engine.data_parallel import GradientAllReducer
 from dslab.engine.model_parallel import ModelParallelLayout
@@ -508,8 +508,12 @@ class DslabEngine(nn.Module):
 
     def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True) -> Path:
         """Save model, optimizer, scheduler, loss scaler, RNG states and counters under
-        ``save_dir/tag`` (tag defaults to ``global_step<N>``). Returns the checkpoint's path."""
-        self._refuse_model_parallel_checkpoint("save_checkpoint")
+        ``save_dir/tag`` (tag defaults to ``global_step<N>``); call it on every rank. Returns the
+        checkpoint's path. With model parallelism (or a pipeline) every (tensor, pipeline)
+        coordinate writes its own files and the layout is recorded
+        (:mod:`model_parallel_checkpoint`)."""
+        if model_parallel_checkpoint.applies(self):
+            return model_parallel_checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
         return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
@@ -517,21 +521,15 @@ class DslabEngine(nn.Module):
         """Resume from ``load_dir/tag`` (tag defaults to the ``latest`` file's).
 
         Returns ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and
-        ``load_dir`` holds no ``latest`` file (nothing to resume from), as DeepSpeed does.
+        ``load_dir`` holds no ``latest`` file (nothing to resume from), as DeepSpeed does. A
+        model-parallel checkpoint loads only at the layout it was saved with: any other raises a
+        ValueError naming both layouts (:mod:`model_parallel_checkpoint`).
         """
-        self._refuse_model_parallel_checkpoint("load_checkpoint")
-        loaded = checkpointing.load(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict
-        )
+        load = model_parallel_checkpoint.load if model_parallel_checkpoint.applies(self) else checkpointing.load
+        loaded = load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict)
         if self.weight_copies is not None:
             self.weight_copies.refresh()
         return loaded
-
-    def _refuse_model_parallel_checkpoint(self, call: str) -> None:
-        if self.parallel.model_parallel:
-            raise ValueError(f"{call}() with model parallelism (tensor {self.parallel.tp_world_size}, "
-                             f"pipeline {self.parallel.pp_world_size}) is not supported: checkpoints hold "
-                             "whole models or ZeRO shards over the data-parallel ranks")
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -20,10 +20,13 @@ pipeline's micro-batches) run by the 1F1B schedule (:mod:`dslab.parallel.pipe.sc
 ``train_batch`` returns the batch's mean loss (averaged over the micro-batches and the
 data-parallel replicas) on every rank of the pipeline.
 
-Supported: fp32 and bf16, ZeRO stages 0 and 1 over the data-parallel group (DeepSpeed's pipeline
-engine takes the same; stages 2 and 3 partition gradients that the schedule keeps accumulating
-over micro-batches), activation checkpointing (``activation_checkpoint_interval``). fp16 is
-refused by name.
+Supported: fp32, bf16 and fp16 (the last stage's loss is scaled, so the gradients travel back
+scaled; an overflow on any rank skips the step on all of them), ZeRO stages 0 and 1 over the
+data-parallel group (DeepSpeed's pipeline engine takes the same; stages 2 and 3 partition
+gradients that the schedule keeps accumulating over micro-batches), activation checkpointing
+(``activation_checkpoint_interval``). ``save_checkpoint``/``load_checkpoint`` write and read
+one file of layers per (stage, tensor-parallel rank) and record the partition
+(:mod:`dslab.engine.model_parallel_checkpoint`).
 
 Each stage's time is measured (CUDA events on a GPU, the host clock on a CPU): the time its
 forwards and backwards ran (busy) and the rest of the batch (idle: waiting on a neighbour, the
@@ -109,9 +112,6 @@ class PipelineEngine(DslabEngine):
         grid = model.mpu()
         if mpu is not None and mpu is not grid:
             raise ValueError("a PipelineModule brings its own grid (module.mpu()); do not pass mpu= too")
-        if config.fp16.enabled:
-            raise ValueError("config key 'fp16.enabled' with a PipelineModule: the pipeline engine "
-                             "runs fp32 or bf16; use 'bf16'")
         if config.zero_optimization.stage > 1:
             raise ValueError(f"config key 'zero_optimization.stage' is {config.zero_optimization.stage} "
                              "with a PipelineModule: the pipeline engine takes stages 0 and 1 "
@@ -331,6 +331,8 @@ class PipelineEngine(DslabEngine):
             if self.is_last_stage():
                 loss = losses.pop(i)
                 scaled = loss / self.micro_batches if self.micro_batches != 1 else loss
+                if self.loss_scaler is not None:  # fp16: the gradients travel back scaled
+                    scaled = scaled * self.loss_scaler.loss_scale
                 scaled.backward()
             else:
                 sent, grads = outputs.pop(i)
@@ -406,14 +408,6 @@ class PipelineEngine(DslabEngine):
                                "bubble_fraction": bubble_fraction(self.num_stages, self.micro_batches),
                                "per_stage": stages}
         return records
-
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    def save_checkpoint(self, *args, **kwargs):
-        raise PipelineError("checkpoints of a pipeline engine are not supported yet")
-
-    def load_checkpoint(self, *args, **kwargs):
-        raise PipelineError("checkpoints of a pipeline engine are not supported yet")
 
 
 def _to_device(x, device: torch.device):

@@ -4,7 +4,7 @@ its losses and its stage's parameters (see test_pipeline.py).
 
     pipe_worker.py OUT_DIR STAGES DP STEPS MICRO ACCUM [key=value ...]
 
-Options: zero=<stage>, clip=<norm>, ckpt=<interval>, partition=<method>, bf16=1, comms=1,
+Options: zero=<stage>, clip=<norm>, ckpt=<interval>, partition=<method>, bf16=1, fp16=1, comms=1,
 model=mlp|gpt2, lr=<lr>, opt=AdamW|SGD.
 """
 
@@ -117,6 +117,8 @@ def main(out_dir: str, stages: int, dp: int, steps: int, micro: int, accum: int,
            "gradient_clipping": float(options.get("clip", 0.0)), "steps_per_print": 1000}
     if options.get("bf16"):
         cfg["bf16"] = {"enabled": True}
+    if options.get("fp16"):  # a loss scale that overflows on the first step: the skip is shared
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 19, "loss_scale_window": 2}
     if options.get("comms"):
         cfg["comms_logger"] = {"enabled": True}
     engine, _, _, _ = dslab.initialize(model=model, config=cfg)
@@ -132,7 +134,7 @@ def main(out_dir: str, stages: int, dp: int, steps: int, micro: int, accum: int,
         summary = {op: sum(row["count"] for row in sizes.values())
                    for op, sizes in summary.items() if isinstance(sizes, dict) and op in ("send", "recv")}
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    torch.save({"rank": comm.get_rank(), "stage": engine.stage_id, "dp_rank": engine.dp_rank,
+    torch.save({"rank": comm.get_rank(), "skipped": engine.skipped_steps, "loss_scale": engine.cur_scale, "stage": engine.stage_id, "dp_rank": engine.dp_rank,
                 "losses": losses, "eval_loss": eval_loss, "params": params, "parts": model.parts,
                 "pipeline": records["pipeline"], "p2p_counts": summary},
                Path(out_dir) / f"rank{comm.get_rank()}.pt")

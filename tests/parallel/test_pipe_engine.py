@@ -65,8 +65,8 @@ def test_pipeline_engine_trains_in_one_process_and_refuses_the_loop_calls():
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"fp16": {"enabled": True}}, "'fp16.enabled'"),
     ({"zero_optimization": {"stage": 2}}, "'zero_optimization.stage' is 2"),
+    ({"compile": {"enabled": True}}, "'compile.enabled'"),
 ])
 def test_pipeline_engine_refuses_by_config_key(extra, message):
     cfg = gpt2_tiny(dropout=0.0, layers=2, vocab_size=64, n_positions=16)

@@ -267,3 +267,15 @@ def test_gpt2_in_four_stages_with_checkpointing_trains_as_one(tmp_path):
                "lr=0.5")
     assert four[0]["parts"] == [0, 2, 3, 4, 7]
     assert_same_training(one, four)
+
+
+@pytest.mark.world_size(2)
+def test_fp16_pipeline_scales_skips_and_steps_as_one_stage(tmp_path):
+    # a loss scale of 2^19 that doubles every 2 steps: fp16 activations' gradients overflow at
+    # 2^21, so some steps are skipped (on every stage together) and the others applied
+    one = run(tmp_path, 1, 1, "fp16=1", "clip=0.5", steps=6)[0]
+    two = run(tmp_path, 2, 1, "fp16=1", "clip=0.5", steps=6)
+    assert 0 < one["skipped"] < 6
+    assert [r["skipped"] for r in two] == [one["skipped"]] * 2
+    assert [r["loss_scale"] for r in two] == [one["loss_scale"]] * 2
+    assert_same_training(one, two)
