@@ -15,7 +15,10 @@ it:
   every tensor-parallel rank when it is split across them (``param.tensor_model_parallel``),
   else on tensor-parallel rank 0 only (a copy held whole by every rank); a pipeline copy of a
   tied layer (``param.ds_pipe_replicated``) counts on its owning stage only;
-- an fp16 overflow found on any rank skips the step on all of them.
+- an fp16 overflow found on any rank skips the step on all of them;
+- with tensor parallelism each rank gets its own random stream for the dropout of its attention
+  heads (:func:`dslab.parallel.random.ensure_model_parallel_stream`, unless
+  :func:`~dslab.parallel.random.model_parallel_seed` made one).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from dslab import comm
+from dslab.parallel.random import ensure_model_parallel_stream
 
 _MPU_METHODS = ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank",
                 "get_model_parallel_group", "get_model_parallel_world_size", "get_model_parallel_rank")
@@ -69,6 +73,8 @@ class ModelParallelLayout:
         if self.dp_world_size != comm.get_world_size(self.dp_group):
             raise ValueError(f"mpu.get_data_parallel_world_size() is {self.dp_world_size} but its "
                              f"data-parallel group has {comm.get_world_size(self.dp_group)} ranks")
+        if self.tp_world_size > 1:  # the rank's own stream for dropout in tensor-parallel regions
+            ensure_model_parallel_stream(self.tp_group)
         self.norm_groups = [g for g, n in ((self.tp_group, self.tp_world_size),
                                            (self.pp_group, self.pp_world_size)) if n > 1]
         stage = config.zero_optimization.stage

@@ -3,7 +3,8 @@ in the backward, with the random state of the forward replayed (DeepSpeed's
 ``deepspeed.checkpointing``; :mod:`dslab.checkpointing` is its import name).
 
 :func:`checkpoint` runs ``function(*args)`` keeping only its inputs; the backward runs it again
-under the same CPU and CUDA random states, so dropout (dslab's ops draw their seeds from the device
+under the same CPU and CUDA random states (and the tensor-parallel streams of
+:mod:`dslab.parallel.random`), so dropout (dslab's ops draw their seeds from the device
 generator) drops the same elements, and the gradients are those of the run without
 checkpointing. The settings are process-wide, as DeepSpeed's are (:func:`configure`, set by the
 engine from its ``activation_checkpointing`` section):
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+
+from dslab.parallel.random import get_rng_tracker
 
 __all__ = ["CheckpointSettings", "configure", "is_configured", "reset", "settings", "checkpoint"]
 
@@ -69,9 +72,33 @@ def _synchronize(tensors) -> None:
             return
 
 
+class _ReplayTrackedStreams:
+    """``function`` run first as it is, then (the recompute) on the tensor-parallel streams'
+    states of that first run (:mod:`dslab.parallel.random`), which are put back afterwards: torch
+    replays only the default generators."""
+
+    def __init__(self, function):
+        self.function = function
+        self.states = None
+
+    def __call__(self, *args):
+        tracker = get_rng_tracker()
+        if self.states is None:
+            self.states = tracker.get_states()
+            return self.function(*args)
+        after_forward = tracker.get_states()
+        tracker.set_states(self.states)
+        try:
+            return self.function(*args)
+        finally:
+            tracker.set_states(after_forward)
+
+
 def checkpoint(function, *args):
     """``function(*args)``, its activations recomputed in the backward (module docstring)."""
     current = settings()
+    if get_rng_tracker().states:
+        function = _ReplayTrackedStreams(function)
     if current.synchronize:
         _synchronize(args)
     if current.checkpoint_in_cpu:

@@ -74,6 +74,7 @@ on every replay.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -420,6 +421,9 @@ class SelfAttention(nn.Module):
         self.causal = causal
         self.ops = ops
         self.qkv = PackedProjection(hidden, 3 * hidden) if qkv is None else qkv
+        # a context manager factory for the attention op's dropout (a tensor-parallel layer's:
+        # dslab.parallel.random's fork of the rank's stream); None draws from the default
+        self.rng_fork = None
         self.out_proj = Linear(hidden, hidden, bias=False) if out_proj is None else out_proj
         self.out_bias = nn.Parameter(torch.zeros(hidden))
 
@@ -429,11 +433,16 @@ class SelfAttention(nn.Module):
         With ``norm``, the layer norm that reads the result: ``(norm(out), out)`` in one op."""
         options = dict(causal=self.causal, key_padding_mask=key_padding_mask,
                        dropout_p=self.attention_dropout if self.training else 0.0)
+        # a tensor-parallel layer's heads draw their dropout on the rank's own stream
+        region = self.rng_fork() if self.rng_fork is not None and options["dropout_p"] > 0 else contextlib.nullcontext()
         if self.ops.packed_bias_grad:
             qkv = self.qkv(x, bias_grad_elsewhere=True)
-            context = self.ops.attention_packed(qkv, self.heads, bias=weight(self.qkv.bias), **options)
+            with region:
+                context = self.ops.attention_packed(qkv, self.heads, bias=weight(self.qkv.bias), **options)
         else:
-            context = self.ops.attention_packed(self.qkv(x), self.heads, **options)
+            qkv = self.qkv(x)
+            with region:
+                context = self.ops.attention_packed(qkv, self.heads, **options)
         return _residual_add(self.out_proj(context), weight(self.out_bias), residual, self.hidden_dropout,
                              self.training, self.ops, norm)
 

@@ -49,6 +49,7 @@ import torch.nn as nn
 from dslab import comm
 from dslab.models.ops import FeedForward, OpSet, SelfAttention, TransformerLayer
 from dslab.models.weight_cast import weight
+from dslab.parallel.random import get_rng_tracker
 from dslab.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, column_parallel_linear, is_tensor_parallel, mark_sequence_parallel,
     row_parallel_linear, set_tensor_model_parallel_attributes,
@@ -130,6 +131,7 @@ def tensor_parallel_layer(hidden: int, heads: int, intermediate: int, hidden_dro
     out_proj = RowParallelProjection(hidden, hidden, bias=False, **split)
     attention = SelfAttention(hidden, local_heads, attention_dropout, hidden_dropout, causal, ops, qkv=qkv,
                               out_proj=out_proj)
+    attention.rng_fork = get_rng_tracker().fork  # each rank's heads drop on its own stream
     fc_in = ColumnParallelProjection(hidden, intermediate, bias=False, **split)
     fc_out = RowParallelProjection(intermediate, hidden, bias=False, **split)
     mlp = FeedForward(hidden, local_columns, hidden_dropout, gelu_approximate, ops, fc_in=fc_in, fc_out=fc_out)

@@ -35,6 +35,14 @@ def main(out: str, pre_ln: int):
     split = BertForPreTraining(bert_tiny(hidden_dropout=0.0, attention_dropout=0.0, pre_ln=bool(pre_ln),
                                          sparse_mlm=False, tp_size=tp), "torch", tp_group=group)
     found = {}
+    # the engine (mpu) adds each rank's stream for its heads' dropout: inside a fork every rank
+    # draws its own numbers, outside the same ones
+    from dslab.parallel.random import get_rng_tracker, model_parallel_seed
+    model_parallel_seed(9, group)
+    with get_rng_tracker().fork():
+        inside = torch.rand(4)
+    outside = torch.rand(4)
+    found["fork_draws"] = comm.all_gather_object((inside.tolist(), outside.tolist()), group=group)
     # the same seed builds the slices of the dense model
     gathered = split.dense_state_dict()
     found["init_max_diff"] = max((gathered[k] - v).abs().max().item() for k, v in dense.state_dict().items())

@@ -26,6 +26,9 @@ def test_bert_split_over_ranks_computes_and_trains_as_dense(tmp_path, tp, pre_ln
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = torch.load(out, weights_only=True)
     assert found["init_max_diff"] == 0.0
+    insides = [tuple(inside) for inside, _ in found["fork_draws"]]
+    outsides = [tuple(outside) for _, outside in found["fork_draws"]]
+    assert len(set(insides)) == tp and len(set(outsides)) == 1
     dense, split = found["loss"]
     assert split == pytest.approx(dense, rel=1e-6)
     assert found["logits_max_diff"] < 1e-5
