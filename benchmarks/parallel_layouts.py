@@ -18,6 +18,9 @@ global batch: ``--micro`` sequences of ``--seq`` tokens per micro-batch per data
 (``72 B s L h^2 (1 + s/6h + V/12Lh)`` per step, Narayanan et al. 2021) and MFU against the bf16
 matmul peak measured in the same process, peak memory allocated, and for pipelines every stage's
 busy and idle time against the 1F1B bubble ``(p-1)/(m+p-1)``. Rank 0 prints the table last.
+
+Without a GPU the same runs on gloo processes with the torch kernels and no MFU (``--size tiny``:
+a check of the script, not a measurement).
 """
 
 from __future__ import annotations
@@ -72,11 +75,14 @@ def run_layout(name: str, args, device) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 1 if dp > 1 else 0}}
     torch.manual_seed(0)
+    kernels = "dslab" if device.type == "cuda" else "torch"
+    if device.type != "cuda":
+        del cfg["bf16"]
     if pipeline:
-        model = gpt2_pipeline_module(config, "dslab", grid=grid, activation_checkpoint_interval=args.ckpt)
+        model = gpt2_pipeline_module(config, kernels, grid=grid, activation_checkpoint_interval=args.ckpt)
         engine, _, _, _ = dslab.initialize(model=model, config=cfg)
     else:
-        model = GPT2LMHeadModel(config, "dslab", tp_group=grid.get_model_parallel_group())
+        model = GPT2LMHeadModel(config, kernels, tp_group=grid.get_model_parallel_group())
         engine, _, _, _ = dslab.initialize(model=model, config=cfg, mpu=grid)
     dp_rank = grid.get_data_parallel_rank()
     g = torch.Generator().manual_seed(dp_rank)
@@ -95,14 +101,18 @@ def run_layout(name: str, args, device) -> dict:
             engine.step()
         return loss
 
-    torch.cuda.reset_peak_memory_stats()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         comm.barrier()
         start = time.perf_counter()
         loss = step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
             losses.append(float(loss.detach()))
@@ -112,18 +122,19 @@ def run_layout(name: str, args, device) -> dict:
     row = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "size": args.size, "step_s": step_s,
            "steps_s": times, "tokens_per_s": tokens / step_s,
            "tflops_per_gpu": flops / step_s / world / 1e12, "losses": losses,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
     peaks = comm.all_gather_object(row["peak_gib"])
     row["peak_gib_max"] = max(peaks)
     if pipeline:
         row["pipeline"] = engine.profiler_records()["pipeline"]
     engine.destroy()
     del engine, model
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return row
 
 
-def fmt(rows: list[dict], peak: float) -> str:
+def fmt(rows: list[dict], peak: float | None) -> str:
     lines = [f"{'layout':<10}{'tp':>3}{'pp':>3}{'dp':>3}{'step s':>9}{'tokens/s':>11}{'TFLOP/s/GPU':>12}"
              f"{'MFU':>7}{'GiB':>7}  stage idle (bubble)"]
     for r in rows:
@@ -132,7 +143,8 @@ def fmt(rows: list[dict], peak: float) -> str:
             stages = r["pipeline"]["per_stage"]
             idle = " ".join(f"{s['idle_fraction']:.2f}" for s in stages) + f" ({r['pipeline']['bubble_fraction']:.2f})"
         lines.append(f"{r['layout']:<10}{r['tp']:>3}{r['pp']:>3}{r['dp']:>3}{r['step_s']:>9.3f}"
-                     f"{r['tokens_per_s']:>11,.0f}{r['tflops_per_gpu']:>12.1f}{r['tflops_per_gpu'] / peak:>7.1%}"
+                     f"{r['tokens_per_s']:>11,.0f}{r['tflops_per_gpu']:>12.1f}"
+                     f"{format(r['tflops_per_gpu'] / peak, '>7.1%') if peak else '      -'}"
                      f"{r['peak_gib_max']:>7.1f}  {idle}")
     return "\n".join(lines)
 
@@ -150,8 +162,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     comm.init_distributed()
-    device = torch.device("cuda", torch.cuda.current_device())
-    peak = measure_peaks(device)["bf16_matmul_tflops"]
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        peak = measure_peaks(device)["bf16_matmul_tflops"]
+    else:
+        device, peak = torch.device("cpu"), None
     rows = []
     for name in args.layouts.split(","):
         try:
@@ -159,13 +174,17 @@ def main(argv=None) -> int:
         except torch.OutOfMemoryError as exc:
             rows.append({"layout": name, "error": f"out of memory: {str(exc).splitlines()[0]}"})
             torch.cuda.empty_cache()
+        except ValueError as exc:  # a layout this world or model does not take
+            rows.append({"layout": name, "error": str(exc)})
         if comm.get_rank() == 0:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "pipeline"}), flush=True)
     if comm.get_rank() == 0:
         ok = [r for r in rows if "error" not in r]
         text = fmt(ok, peak)
-        print(f"\nGPT-2 {args.size}, {comm.get_world_size()} x {torch.cuda.get_device_name()}, micro {args.micro} x "
-              f"seq {args.seq}, {args.micro_batches} micro-batches, bf16 matmul peak {peak:.0f} TFLOP/s (measured)")
+        where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (gloo, torch kernels)"
+        measured = f"bf16 matmul peak {peak:.0f} TFLOP/s (measured)" if peak else "no MFU without a GPU"
+        print(f"\nGPT-2 {args.size}, {comm.get_world_size()} x {where}, micro {args.micro} x "
+              f"seq {args.seq}, {args.micro_batches} micro-batches, {measured}")
         print(text)
         for r in rows:
             if "error" in r:

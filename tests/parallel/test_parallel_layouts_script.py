@@ -30,3 +30,27 @@ def test_layout_names_refused():
 def test_flops_match_the_size_ladders_count():
     assert parallel_layouts.model_flops(48, 1600, 1024, 65536) == pytest.approx(
         size_ladder.model_flops_per_step(48, 1600, 1024, 65536))
+
+
+@pytest.mark.world_size(4)
+def test_the_script_runs_every_layout_on_gloo(tmp_path):
+    """The whole script on 4 CPU processes (torch kernels, no MFU): a check of its code paths
+    before GPU time is spent on it, not a measurement."""
+    import json
+    import os
+    import subprocess
+
+    out = tmp_path / "layouts.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+         str(REPO / "benchmarks" / "parallel_layouts.py"), "--size", "tiny", "--layouts", "dp,pp4,tp2dp2,tp2pp2,tp3",
+         "--micro", "2", "--micro-batches", "4", "--seq", "32", "--warmup", "1", "--steps", "1", "--json", str(out)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["tp3"]["error"] == "layout 'tp3' needs 3 ranks; this run has 4"
+    for name in ("dp", "pp4", "tp2dp2", "tp2pp2"):
+        assert rows[name]["tokens_per_s"] > 0 and len(rows[name]["losses"]) == 1
+    assert [s["stage"] for s in rows["pp4"]["pipeline"]["per_stage"]] == [0, 1, 2, 3]
+    assert rows["tp2pp2"]["pipeline"]["bubble_fraction"] == pytest.approx(1 / 5)
+    assert "tp2pp2" in proc.stdout and "no MFU without a GPU" in proc.stdout
