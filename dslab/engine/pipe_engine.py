@@ -36,6 +36,7 @@ transfers, the bubble). :meth:`PipelineEngine.pipeline_stats` has them, and the 
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -176,7 +177,7 @@ class PipelineEngine(DslabEngine):
         ``data_iter`` (see the module docstring); returns the mean loss on every stage."""
         if not self.module.training:
             self.module.train()
-        data_iter = self._iterator(data_iter)
+        data_iter = self._take_micro_batches(self._iterator(data_iter), self.micro_batches)
         hooks = self.profilers
         if hooks:
             hooks.begin_micro_step(self.global_steps)
@@ -219,9 +220,10 @@ class PipelineEngine(DslabEngine):
         was_training = self.module.training
         self.module.eval()
         try:
+            batches = self._take_micro_batches(self._iterator(data_iter), micro)
             with torch.no_grad():
                 results = self._run(inference_schedule(self.stage_id, self.num_stages, micro),
-                                    self._iterator(data_iter), train=False, compute_loss=compute_loss)
+                                    batches, train=False, compute_loss=compute_loss)
         finally:
             self.module.train(was_training)
         if not compute_loss:
@@ -230,6 +232,22 @@ class PipelineEngine(DslabEngine):
         if return_logits:
             return loss, (self._last_outputs if self.is_last_stage() else None)
         return loss
+
+    def _take_micro_batches(self, data_iter, count: int):
+        """The batch's ``count`` micro-batches, read up front by the stages that read data (the
+        first and the last); every stage of the pipeline learns whether both got them all (one
+        small all-reduce), so that a short iterator is a ValueError on every stage rather than a
+        stage waiting forever for a neighbour that stopped."""
+        reads = self.is_first_stage() or self.is_last_stage()
+        batches = list(itertools.islice(data_iter, count)) if reads else []
+        got = torch.tensor([len(batches) if reads else count], dtype=torch.int64, device=self.device)
+        if self.num_stages > 1:
+            comm.all_reduce(got, op=comm.ReduceOp.MIN, group=self.grid.get_pipe_parallel_group())
+        if int(got.item()) < count:
+            raise ValueError(f"data_iter gave {int(got.item())} of the batch's {count} micro-batches "
+                             "(gradient_accumulation_steps) on a stage that reads data; the pipeline "
+                             "stopped on every stage")
+        return iter(batches)
 
     def _iterator(self, data_iter):
         if data_iter is not None:

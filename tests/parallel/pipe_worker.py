@@ -5,7 +5,7 @@ its losses and its stage's parameters (see test_pipeline.py).
     pipe_worker.py OUT_DIR STAGES DP STEPS MICRO ACCUM [key=value ...]
 
 Options: zero=<stage>, clip=<norm>, ckpt=<interval>, partition=<method>, bf16=1, fp16=1, comms=1,
-model=mlp|gpt2, lr=<lr>, opt=AdamW|SGD.
+model=mlp|gpt2, lr=<lr>, opt=AdamW|SGD, short=1 (then a batch one micro-batch short).
 """
 
 import sys
@@ -127,6 +127,12 @@ def main(out_dir: str, stages: int, dp: int, steps: int, micro: int, accum: int,
         it = batches(step, accum, micro, dp, engine.dp_rank, vocab, seq)
         losses.append(float(engine.train_batch(it)))
     eval_loss = float(engine.eval_batch(batches(steps, accum, micro, dp, engine.dp_rank, vocab, seq)))
+    short_error = None
+    if options.get("short"):  # one micro-batch too few: every stage must stop, none may hang
+        try:
+            engine.train_batch(iter(list(batches(steps, accum, micro, dp, engine.dp_rank, vocab, seq))[:-1]))
+        except ValueError as err:
+            short_error = str(err)
     records = engine.profiler_records()
     summary = {}
     if options.get("comms"):
@@ -134,7 +140,7 @@ def main(out_dir: str, stages: int, dp: int, steps: int, micro: int, accum: int,
         summary = {op: sum(row["count"] for row in sizes.values())
                    for op, sizes in summary.items() if isinstance(sizes, dict) and op in ("send", "recv")}
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    torch.save({"rank": comm.get_rank(), "skipped": engine.skipped_steps, "loss_scale": engine.cur_scale, "stage": engine.stage_id, "dp_rank": engine.dp_rank,
+    torch.save({"rank": comm.get_rank(), "short_error": short_error, "skipped": engine.skipped_steps, "loss_scale": engine.cur_scale, "stage": engine.stage_id, "dp_rank": engine.dp_rank,
                 "losses": losses, "eval_loss": eval_loss, "params": params, "parts": model.parts,
                 "pipeline": records["pipeline"], "p2p_counts": summary},
                Path(out_dir) / f"rank{comm.get_rank()}.pt")

@@ -84,3 +84,13 @@ def test_comms_analysis_pairs_sends_with_receives():
     assert result["matched"] == 1 and result["unmatched"] == 0
     assert result["ranks"][0]["total_wait_ms"] == pytest.approx(3.0)  # the sender waited for the receiver
     assert result["ranks"][1]["times_last"] == 1
+
+
+def test_a_short_data_iterator_is_an_error_not_a_hang():
+    torch.manual_seed(0)
+    cfg = gpt2_tiny(dropout=0.0, layers=2, vocab_size=64, n_positions=16)
+    engine, _, _, _ = dslab.initialize(model=gpt2_pipeline_module(cfg, "torch", num_stages=1), config=config())
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(ValueError, match="data_iter gave 1 of the batch's 2 micro-batches"):
+        engine.train_batch(iter([(ids, ids)]))
+    assert engine.global_steps == 0

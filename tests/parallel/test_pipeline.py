@@ -274,8 +274,12 @@ def test_fp16_pipeline_scales_skips_and_steps_as_one_stage(tmp_path):
     # a loss scale of 2^19 that doubles every 2 steps: fp16 activations' gradients overflow at
     # 2^21, so some steps are skipped (on every stage together) and the others applied
     one = run(tmp_path, 1, 1, "fp16=1", "clip=0.5", steps=6)[0]
-    two = run(tmp_path, 2, 1, "fp16=1", "clip=0.5", steps=6)
+    two = run(tmp_path, 2, 1, "fp16=1", "clip=0.5", "short=1", steps=6)
     assert 0 < one["skipped"] < 6
+    # a data iterator one micro-batch short: both stages stopped with the error, neither hung
+    assert [r["short_error"] for r in two] == ["data_iter gave 3 of the batch's 4 micro-batches "
+                                               "(gradient_accumulation_steps) on a stage that reads data; "
+                                               "the pipeline stopped on every stage"] * 2
     assert [r["skipped"] for r in two] == [one["skipped"]] * 2
     assert [r["loss_scale"] for r in two] == [one["loss_scale"]] * 2
     assert_same_training(one, two)
