@@ -26,6 +26,9 @@ Configs:
   that fraction of the shards steps on the CPU with its parameters in host memory, the rest
   stays on the GPU (host memory, not the GPU, is what bounds ``offload`` on one H200).
 - ``offload-opt``: stage 3 with ``offload_optimizer`` on the CPU only.
+- ``offload-nvme``: ZeRO-Infinity on disk: ``offload_optimizer`` and ``offload_param`` on NVMe
+  (``--nvme-path``, a fresh directory per size, removed after it): masters, Adam states and
+  released parameter shards in files, read through ``dslab.io`` around each use.
 - ``deepspeed-stage3`` / ``deepspeed-offload``: the same jobs through DeepSpeed (when it
   imports): ``deepspeed.zero.Init`` around the same model, its bf16 engine and CPU Adam.
 
@@ -43,9 +46,11 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,7 +66,7 @@ SIZES = {  # name: (layers, hidden, heads): the GPT-3 paper's, heads of 128 (2.7
     "13b-56l": (56, 5120, 40),
 }
 VOCAB = 50257
-CONFIGS = ("stage3", "offload", "offload-split", "offload-opt", "deepspeed-stage3",
+CONFIGS = ("stage3", "offload", "offload-split", "offload-opt", "offload-nvme", "deepspeed-stage3",
            "deepspeed-offload")
 
 
@@ -73,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--max-in-cpu", type=int, default=None,
+                        help="offload-nvme's offload_param.max_in_cpu (default: DeepSpeed's, 1e9 elements)")
+    parser.add_argument("--nvme-path", default=None,
+                        help="offload-nvme's directory (default: a fresh one under the system's temp dir)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--size-timeout", type=float, default=600.0)
@@ -114,6 +123,11 @@ def engine_config(config: str, args) -> dict:
         zero["offload_optimizer"]["ratio"] = args.ratio
     if config in ("offload", "offload-split", "deepspeed-offload"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if config == "offload-nvme":
+        for key in ("offload_optimizer", "offload_param"):
+            zero[key] = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
+        if args.max_in_cpu is not None:
+            zero["offload_param"]["max_in_cpu"] = args.max_in_cpu
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.accum,
@@ -220,6 +234,12 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
            "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
            "--accum", str(args.accum), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--ratio", str(args.ratio)]
+    nvme = None
+    if config == "offload-nvme":  # a fresh directory per size, removed after it
+        nvme = Path(tempfile.mkdtemp(prefix=f"ladder-{size}-", dir=args.nvme_path))
+        cmd += ["--nvme-path", str(nvme)]
+        if args.max_in_cpu is not None:
+            cmd += ["--max-in-cpu", str(args.max_in_cpu)]
     start = time.perf_counter()
     try:
         # expandable segments: the near-full sizes fail on fragmentation otherwise
@@ -228,6 +248,9 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
         proc = subprocess.run(cmd, timeout=timeout, stderr=subprocess.PIPE, text=True, env=env)
     except subprocess.TimeoutExpired:
         return {"config": config, "size": size, "status": "timeout", "seconds": timeout}
+    finally:
+        if nvme is not None:
+            shutil.rmtree(nvme, ignore_errors=True)
     seconds = time.perf_counter() - start
     if out.exists():
         row = json.loads(out.read_text())
@@ -243,8 +266,8 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
 
 def fmt_table(rows: list[dict]) -> str:
     lines = ["| config | size | params | status | step s | tokens/s | TFLOP/s | MFU | peak GPU GiB "
-             "| peak host GiB | fetched GB/step | device wait ms/step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| peak host GiB | fetched GB/step | disk read/write GB/step | device wait ms/step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         def num(key, scale=1.0, digits=1):
             value = r.get(key)
@@ -252,13 +275,15 @@ def fmt_table(rows: list[dict]) -> str:
         offload = r.get("param_offload_per_step") or {}
         fetched = f"{offload['h2d_bytes'] / 1e9:.1f}" if offload else ""
         waited = f"{offload['copy_stall_ms']:.0f}" if offload else ""
+        disk = (f"{offload['disk_read_bytes'] / 1e9:.1f} / {offload['disk_write_bytes'] / 1e9:.1f}"
+                if offload.get("disk_read_bytes") else "")
         status = r["status"] + (f" ({r['where']})" if r.get("where") else "")
         params = f"{r['params'] / 1e9:.2f}B" if r.get("params") else ""
         lines.append(
             f"| {r['config']} | {r['size']} | {params} | {status} | {num('step_s', digits=2)} "
             f"| {num('tokens_per_s', digits=0)} | {num('model_tflops')} | {num('mfu', 0.01)}{'%' if 'mfu' in r else ''} "
             f"| {num('peak_gpu_bytes', 2**30)} | {num('peak_host_rss_bytes', 2**30)} | {fetched} "
-            f"| {waited} |")
+            f"| {disk} | {waited} |")
     return "\n".join(lines)
 
 

@@ -95,8 +95,9 @@ class OffloadParamConfig(ConfigSection):
     buffers, each sized to the largest shard (``buffer_size`` is read for DeepSpeed configs;
     DeepSpeed refuses a parameter larger than it, dslab sizes the buffers to fit). Units under
     ``stage3_param_persistence_threshold`` stay on the GPU, as DeepSpeed keeps them.
-    ``max_in_cpu`` is DeepSpeed's cap on parameter elements cached in CPU memory under NVMe
-    offload; dslab caches none (every fetch reads its file), so it is read and has no effect.
+    ``max_in_cpu`` (DeepSpeed's key and default, 1e9): under NVMe offload, the first units up to
+    that many shard elements stay in (pinned) CPU memory instead of files; 0 puts every shard in
+    its file (each fetch reads it).
     Parameter offload needs ``offload_optimizer`` (cpu or nvme): the optimizer updates the
     offloaded shards where they live."""
 

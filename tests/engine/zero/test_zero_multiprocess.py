@@ -76,7 +76,7 @@ def test_every_stage_ends_where_stage0_ends(two_ranks, scenario):
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("name", ["cpu", "cpu_reuse_chunks", "nvme", "nvme_both", "cpu_ratio",
-                                  "nvme_ratio"])
+                                  "nvme_ratio", "nvme_cached"])
 def test_stage3_with_parameter_offload_ends_where_stage0_ends(two_ranks, name, tied):
     """offload_param on the CPU or in files (with the optimizer offloaded to the CPU or NVMe):
     the losses of every step and the final parameters are stage 0's; the shards live off the
@@ -94,8 +94,11 @@ def test_stage3_with_parameter_offload_ends_where_stage0_ends(two_ranks, name, t
         assert 0 < result["on_device"] and 0 < result["held"] < result["released"]
     else:
         assert result["on_device"] == 0 and result["held"] == result["released"]
-    if name.startswith("nvme"):
-        assert result["files"] == result["held"] > 0 and result["removed"]
+    if name == "nvme_cached":  # max_in_cpu: the first units in CPU memory, the others in files
+        assert 0 < result["cached"] < result["held"] and result["files"] == result["held"] - result["cached"]
+        assert 0 < stats["disk_read_bytes"] and 0 < stats["cached_numel"] <= 40 and result["removed"]
+    elif name.startswith("nvme"):
+        assert result["files"] == result["held"] > 0 and result["removed"] and result["cached"] == 0
         assert stats["disk_read_bytes"] >= stats["h2d_bytes"] > 0
     if name in ("nvme", "nvme_both"):
         assert result["shard_sizes"] == [0]  # every unit released: its shard is in its file

@@ -268,15 +268,21 @@ def param_offload_runs(nvme_root: Path) -> dict:
                              "offload_optimizer": {"device": "cpu"},
                              "stage3_max_reuse_distance": 1_000_000_000},
         "nvme": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
-                                   "buffer_count": 2},
+                                   "buffer_count": 2, "max_in_cpu": 0},
                  "offload_optimizer": {"device": "cpu"}},
+        # the units that fit in 40 shard elements in CPU memory, the rest in files
+        "nvme_cached": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
+                                          "max_in_cpu": 40, "pin_memory": True},
+                        "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_root / "states")},
+                        "sub_group_size": 40},
         "cpu_ratio": {"offload_param": {"device": "cpu"},
                       "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
-        "nvme_ratio": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params")},
+        "nvme_ratio": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
+                                         "max_in_cpu": 0},
                        "offload_optimizer": {"device": "nvme", "ratio": 0.6,
                                              "nvme_path": str(nvme_root / "states")}},
         "nvme_both": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
-                                        "buffer_count": 3},
+                                        "buffer_count": 3, "max_in_cpu": 0},
                       "offload_optimizer": {"device": "nvme",
                                             "nvme_path": str(nvme_root / "states")},
                       "sub_group_size": 40},
@@ -308,6 +314,8 @@ def run_param_offload(results, ckpt_root):
                 "released": sum(not u.resident for u in engine.zero.units),
                 "on_device": sum(engine.zero.offload.on_device),
                 "files": len(list(directory.iterdir())) if directory is not None else None,
+                "cached": sum(home.holds(u) and not home.on_disk(u) for u in engine.zero.units)
+                if hasattr(home, "on_disk") else None,
                 "stats": home.stats()}
             engine.destroy()
             if directory is not None:
