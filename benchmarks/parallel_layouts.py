@@ -40,8 +40,10 @@ from dslab.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from dslab.models.gpt2_pipe import gpt2_pipeline_module
 from dslab.parallel.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
-SIZES = {"tiny": (2, 128, 4), "355m": (24, 1024, 16), "1.5b": (48, 1600, 25), "2.7b": (32, 2560, 32),
-         "6.7b": (32, 4096, 32)}
+# "1.5b-h50": GPT-2 XL with 50 heads of 32 (same parameters and flops): its 25 heads do not
+# split over 2 tensor-parallel ranks
+SIZES = {"tiny": (2, 128, 4), "355m": (24, 1024, 16), "1.5b": (48, 1600, 25), "1.5b-h50": (48, 1600, 50),
+         "2.7b": (32, 2560, 32), "6.7b": (32, 4096, 32)}
 VOCAB = 50257
 
 

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from dslab.report import RunReport
-from dslab.report.scaling import SHARDING_PEERS, ScalingPoint, case_processes, peer_comparisons, scaling_points
+from dslab.report.scaling import ScalingPoint, case_processes, peer_comparisons, report_peers, scaling_points
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def point_rows(report: RunReport, pts: list[ScalingPoint], base: str) -> list[di
 
 
 def peer_rows(report: RunReport, pts: list[ScalingPoint], base: str | None = None) -> list[dict]:
-    """dslab's arms against their sharding peers in each case (of model case ``base``; every
+    """dslab's arms against their peers (:func:`~dslab.report.scaling.report_peers`) in each case (of model case ``base``; every
     model case when None): ``{"case", "nprocs", "arm", "peer", "status", "speedup",
     "memory_ratio"}``. A pair where both ran ``ok`` carries ``peer_comparisons``' ratios and
     status ``"ok"``; a pair where either did not (a peer skipped because DeepSpeed does not
@@ -114,11 +114,12 @@ def peer_rows(report: RunReport, pts: list[ScalingPoint], base: str | None = Non
     ratios. Peers the run did not have are left out."""
     compared = {(c.case, c.arm, c.peer): c for c in peer_comparisons(report)}
     by_key = {(p.case, p.arm): p for p in pts}
+    peers = report_peers(report)
     rows = []
     for (case, arm), mine in by_key.items():
-        if arm not in SHARDING_PEERS or (base is not None and mine.base_case != base):
+        if arm not in peers or (base is not None and mine.base_case != base):
             continue
-        for peer in SHARDING_PEERS[arm]:
+        for peer in peers[arm]:
             theirs = by_key.get((case, peer))
             if theirs is None:
                 continue

@@ -6,6 +6,12 @@
 - :mod:`~dslab.bench.training` and :mod:`~dslab.bench.inference`: the two kinds, training steps
   and generation; :mod:`~dslab.bench.arms` and :mod:`~dslab.bench.workloads` are training's arms
   and models, :mod:`~dslab.bench.suite` and :mod:`~dslab.bench.inference_suite` the suite files.
+- :mod:`~dslab.bench.data_parallel` and :mod:`~dslab.bench.model_parallel`: training on several
+  processes that ``dslab bench`` launches itself (:mod:`~dslab.bench.launcher`), the arms sharding
+  strategies (``suites/zero``; peers in :mod:`~dslab.bench.peers`) or parallel layouts
+  (``suites/parallel``; peers in :mod:`~dslab.bench.model_parallel_peers`, on
+  :mod:`~dslab.bench.torch_gpt2`'s model); :mod:`~dslab.bench.data_parallel_suite` and
+  :mod:`~dslab.bench.model_parallel_suite` their suite files.
 - :mod:`~dslab.bench.common`: the device, error wording, progress lines and processes they share;
   :mod:`~dslab.bench.measure`: timing and peaks.
 """

@@ -54,7 +54,8 @@ def arm_engine_config(engine: dict, arm: str) -> dict:
 
 def process_counts(suite: DataParallelSuiteConfig, scale: str, requested: list[int] | None) -> list[int]:
     """The run's process counts: ``requested`` (``--nprocs``), else the scale's, else 1, 2, 4, ...
-    up to this machine's GPUs and their count (1 and 2 gloo processes without a GPU)."""
+    up to this machine's GPUs and their count (1 and 2 gloo processes without a GPU). A
+    model-parallel suite's config is read alike."""
     if requested:
         return sorted(set(requested))
     configured = suite.scales[scale].nprocs
@@ -106,7 +107,7 @@ class DataParallelSuite(TrainingSuite):
             "precision": suite.precision,
             "family": suite.family,
             "cases": [{**_case_entry(w), "base_case": base, "nprocs": n}
-                      for w, (base, n) in zip(workloads, _bases(workloads))],
+                      for w, (base, n) in zip(workloads, base_cases(workloads))],
             "model_options": suite.model_options,
             "engine": self.engine,
             "arm_engines": {a: arm_engine_config(self.engine, a) for a in arm_names if a in DSLAB_ARMS},
@@ -123,7 +124,8 @@ class DataParallelSuite(TrainingSuite):
         return DataParallelCase(self, workload, context)
 
 
-def _bases(workloads: list[Workload]) -> list[tuple[str, int]]:
+def base_cases(workloads: list[Workload]) -> list[tuple[str, int]]:
+    """``(model case, process count)`` of each workload, from its name ``<case>-n<N>``."""
     out = []
     for w in workloads:
         base, _, n = w.case.name.rpartition("-n")
@@ -134,7 +136,8 @@ def _bases(workloads: list[Workload]) -> list[tuple[str, int]]:
 def data_parallel_workloads(suite: DataParallelSuiteConfig, scale: str, cases: list[str] | None,
                             nprocs: list[int]) -> list[Workload]:
     """One workload per model case and process count, named ``<case>-n<N>``; ``cases`` may name
-    model cases (``355m``: every count) or process-count cases (``355m-n4``)."""
+    model cases (``355m``: every count) or process-count cases (``355m-n4``). A model-parallel
+    suite's config (:mod:`dslab.bench.model_parallel_suite`) has the same fields and is read alike."""
     sc = suite.scales[scale]
     names = {c.name for c in sc.cases}
     wanted = set(cases or [])

@@ -41,6 +41,7 @@ from dslab.bench.data_parallel import DataParallelSuite
 from dslab.bench.inference import InferenceSuite
 from dslab.bench.launcher import run_launches
 from dslab.bench.measure import measure_peaks
+from dslab.bench.model_parallel import ModelParallelSuite
 from dslab.bench.protocol import CaseRun, Counts, RunContext, SuiteKind
 from dslab.bench.suite import load_suite
 from dslab.bench.training import TrainingSuite
@@ -51,7 +52,8 @@ from dslab.report.scaling import best_peer_ratios, scaling_table
 from dslab.report.summary import describe, results_table
 
 # Each suite.json "kind" and the class that runs it.
-KINDS = {"training": TrainingSuite, "inference": InferenceSuite, "data_parallel": DataParallelSuite}
+KINDS = {"training": TrainingSuite, "inference": InferenceSuite, "data_parallel": DataParallelSuite,
+         "model_parallel": ModelParallelSuite}
 
 
 def suite_kind(suite, suite_file: Path, zero_stage: int | None = None, verbose: bool = False,
@@ -61,12 +63,12 @@ def suite_kind(suite, suite_file: Path, zero_stage: int | None = None, verbose: 
     kind = getattr(suite, "kind", None) or "training"
     if kind not in KINDS:
         raise ValueError(f"suite {suite.name}: unknown kind {kind!r}; choose from {', '.join(KINDS)}")
-    if kind == "data_parallel":
+    if getattr(KINDS[kind], "launches_processes", False):
         return KINDS[kind](suite, suite_file, zero_stage=zero_stage, verbose=verbose, nprocs=nprocs)
     if nprocs:
         raise ValueError(f"--nprocs: suite {suite.name} ({kind}) runs in the processes it is started in; "
-                         f"only a data-parallel suite starts processes of its own (start this one under "
-                         f"torchrun or dslab launch)")
+                         f"only a data-parallel suite starts processes of its own, as does a model-parallel one "
+                         f"(start this one under torchrun or dslab launch)")
     return KINDS[kind](suite, suite_file, zero_stage=zero_stage, verbose=verbose)
 
 
@@ -92,9 +94,9 @@ def run_suite(
     overrides the suite engine's ``zero_optimization.stage``) and ``verbose`` (the profilers' text
     reports printed as well as written); an inference suite refuses ``zero_stage``.
 
-    A data-parallel suite started outside torchrun launches its processes itself, one torchrun
-    per process count (``nprocs``, else the suite's; :mod:`dslab.bench.launcher`), and merges
-    what they measured into this run's report; the summary adds the scaling table."""
+    A data- or model-parallel suite started outside torchrun launches its processes itself, one
+    torchrun per process count (``nprocs``, else the suite's; :mod:`dslab.bench.launcher`), and
+    merges what they measured into this run's report; the summary adds the scaling table."""
     suite, suite_file = load_suite(suite_path)
     kind = suite_kind(suite, suite_file, zero_stage, verbose, nprocs)
     launching = getattr(kind, "launches_processes", False) and not os.environ.get("WORLD_SIZE")
@@ -152,7 +154,7 @@ def run_suite(
         report.finished = utc_now()
         path = context.write()
         progress.line("")
-        if world.part:  # one launch of a data-parallel run: the launcher prints the run's summary
+        if world.part:  # one launch of a multi-process run: the launcher prints the run's summary
             progress.line(f"part {world.part} of run {report.run_id}: {path}")
         else:
             scaling = scaling_table(report)
@@ -162,9 +164,10 @@ def run_suite(
 
 
 def _ratios(report: RunReport) -> None:
-    """dslab's ratios: over every other arm of a case, or for a data-parallel run over the peers
-    that shard the same way (:func:`dslab.report.scaling.best_peer_ratios`)."""
-    if report.config.get("kind") == "data_parallel":
+    """dslab's ratios: over every other arm of a case, or for a data- or model-parallel run over
+    the peers that shard or split the model the same way
+    (:func:`dslab.report.scaling.best_peer_ratios`)."""
+    if report.config.get("kind") in ("data_parallel", "model_parallel"):
         report.ratios, report.best_plain = best_peer_ratios(report), {}
     else:
         report.compute_ratios("dslab", "samples_per_s")
@@ -172,7 +175,7 @@ def _ratios(report: RunReport) -> None:
 
 def _launch(report: RunReport, plan, suite_file: Path, scale: str, counts: Counts, out, verbose: bool,
             context: RunContext, progress: Progress) -> None:
-    """A data-parallel run's launches, one per process count (:mod:`dslab.bench.launcher`)."""
+    """A data- or model-parallel run's launches, one per process count (:mod:`dslab.bench.launcher`)."""
     nprocs = list(plan.config["nprocs"])
     cases_by_n = {n: [c["name"] for c in plan.config["cases"] if c["nprocs"] == n] for n in nprocs}
     bases = list(dict.fromkeys(c["base_case"] for c in plan.config["cases"]))
@@ -198,7 +201,7 @@ def _counts(scale_config, trials: int | None, steps: int | None, warmup_steps: i
 def run_case(case: CaseRun, context: RunContext) -> None:
     """Build every arm of ``case``, run its trials interleaved, then let the case record what it
     measured and close the arms (module docstring). A case that keeps one arm at a time
-    (``one_arm_at_a_time``: a data-parallel case) builds, times, records and closes each arm in
+    (``one_arm_at_a_time``: a data- or model-parallel case) builds, times, records and closes each arm in
     turn instead."""
     if getattr(case, "one_arm_at_a_time", False):
         for name in context.arms:

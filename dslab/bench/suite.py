@@ -154,7 +154,8 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
     """Read a suite from its directory (holding suite.json) or the JSON file itself. A suite with
     ``"kind": "inference"`` is an :class:`dslab.bench.inference_suite.InferenceSuiteConfig`, one
     with ``"kind": "data_parallel"`` a
-    :class:`dslab.bench.data_parallel_suite.DataParallelSuiteConfig`."""
+    :class:`dslab.bench.data_parallel_suite.DataParallelSuiteConfig`, one with ``"kind":
+    "model_parallel"`` a :class:`dslab.bench.model_parallel_suite.ModelParallelSuiteConfig`."""
     path = Path(path)
     file = path / SUITE_FILE if path.is_dir() else path
     if not file.is_file():
@@ -168,6 +169,8 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
         from dslab.bench.inference_suite import InferenceSuiteConfig as model
     elif isinstance(data, dict) and data.get("kind") == "data_parallel":
         from dslab.bench.data_parallel_suite import DataParallelSuiteConfig as model
+    elif isinstance(data, dict) and data.get("kind") == "model_parallel":
+        from dslab.bench.model_parallel_suite import ModelParallelSuiteConfig as model
     try:
         suite = parse_section(model, data)
     except ValueError as err:

@@ -127,15 +127,7 @@ class TrainingCase:
         report, world, device = context.report, context.world, context.device
         samples, tokens = workload.samples_and_tokens()
         self.samples, self.tokens = samples * world.size, tokens * world.size  # every rank steps a micro-batch
-        self.flops = None
-        if world.rank == 0:  # only rank 0's report is written
-            try:
-                self.flops, note = _count_flops(workload, self.suite, device)
-                if note:
-                    report.notes.append(f"{self.name}: {note}")
-            except Exception as err:  # counting is informative; the timings still stand without it
-                report.notes.append(f"{self.name}: flop count failed: {error_text(err).splitlines()[0]}")
-            free_memory(device)  # again outside the except block, whose traceback held the count's tensors
+        self.flops = self.step_flops()
         if self.flops:
             report.config.setdefault("flops_per_step", {})[self.name] = self.flops
         self.parking = self.parks_idle_arms and _needs_parking(workload, len(context.arms) if world.size == 1 else 1,
@@ -146,6 +138,28 @@ class TrainingCase:
             context.progress.line(f"{self.tag} arms are parked in host memory between trials")
         self.graph_pools: dict[str, set] = {}  # per arm, see measure.run_trial
         self.text_files: list[tuple[str, Path]] = []
+
+    def step_flops(self) -> int | None:
+        """The flops of one step, what TFLOP/s and MFU divide: counted on rank 0 from the aten ops of
+        the ``torch`` kernel set's model (module docstring); None on the other ranks, or with a
+        note in the report when counting failed."""
+        context = self.context
+        if context.world.rank != 0:  # only rank 0's report is written
+            return None
+        flops = None
+        try:
+            flops, note = _count_flops(self.workload, self.suite, context.device)
+            if note:
+                context.report.notes.append(f"{self.name}: {note}")
+        except Exception as err:  # counting is informative; the timings still stand without it
+            context.report.notes.append(f"{self.name}: flop count failed: {error_text(err).splitlines()[0]}")
+        free_memory(context.device)  # again outside the except block, whose traceback held the count's tensors
+        return flops
+
+    def step_work(self, name: str, arm) -> tuple[int, int]:
+        """The samples and tokens one step of arm ``name`` trains, over every rank: each rank's
+        micro-batch."""
+        return self.samples, self.tokens
 
     def build_arm(self, name: str):
         context = self.context
@@ -180,8 +194,8 @@ class TrainingCase:
         if error is not None:
             raise TrialFailed(error)
         peaks = context.report.peaks
-        metrics = trial_metrics(measured, self.samples, self.tokens, self.flops, peaks,
-                                peaks.get("datasheet_bf16_tflops"))
+        samples, tokens = self.step_work(name, arm)
+        metrics = trial_metrics(measured, samples, tokens, self.flops, peaks, peaks.get("datasheet_bf16_tflops"))
         metrics.update(measured.get("per_rank_memory") or {})
         return measured["step_times_ms"], metrics
 

@@ -1,6 +1,6 @@
-"""Scaling figures of a multi-process run (``suites/zero``): each arm's throughput against the
-number of processes, its weak-scaling efficiency, its peak memory per GPU, and dslab's arms
-against the peers that shard the same way.
+"""Scaling figures of a multi-process run (``suites/zero``, ``suites/parallel``): each arm's
+throughput against the number of processes, its scaling efficiency, its peak memory per GPU, and
+dslab's arms against the peers that shard or split the model the same way.
 
 A data-parallel suite names each case after its model case and process count: ``355m-n4`` is
 case ``355m`` on 4 processes, each stepping the case's micro-batch. Its entry in
@@ -16,8 +16,15 @@ name's ``-n<N>`` suffix.
 
 Sharding peers (:data:`SHARDING_PEERS`): stage 0 replicates everything like DDP; stages 1 and 2
 shard what DeepSpeed's same stages shard; stage 3 shards the parameters too, like FSDP2 (with or
-without compiled blocks) and DeepSpeed's stage 3. Each dslab arm is compared with each of its
-peers in the same case (a ratio of throughput, and of peak memory) and with the fastest of them.
+without compiled blocks) and DeepSpeed's stage 3. A report whose config names its own ``peers``
+(``{dslab arm: [peer arms]}``: a model-parallel run pairs the arms of one layout, ``dslab-pp4``
+with ``torch-pp4`` and ``deepspeed-pp4``) is read with those instead (:func:`report_peers`). Each
+dslab arm is compared with each of its peers in the same case (a ratio of throughput, and of peak
+memory) and with the fastest of them.
+
+A model-parallel run (``config.kind`` ``model_parallel``) steps the case's global batch on every
+process count, so its efficiency ``tokens/s(N) / (N x tokens/s(1))`` is a strong-scaling one; the
+summary says so.
 """
 
 from __future__ import annotations
@@ -120,14 +127,26 @@ class PeerComparison:
     memory_ratio: float | None
 
 
+def report_peers(report: RunReport) -> dict[str, tuple[str, ...]]:
+    """The peers each dslab arm of ``report`` is compared with: the report config's ``peers``
+    where it names them, else :data:`SHARDING_PEERS`."""
+    configured = report.config.get("peers") if isinstance(report.config, dict) else None
+    if isinstance(configured, dict):
+        return {str(arm): tuple(str(p) for p in peers) for arm, peers in configured.items()
+                if isinstance(peers, list)}
+    return SHARDING_PEERS
+
+
 def peer_comparisons(report: RunReport) -> list[PeerComparison]:
-    """Each dslab arm against each of its sharding peers that ran ``ok`` in the same case."""
+    """Each dslab arm against each of its peers (:func:`report_peers`) that ran ``ok`` in the
+    same case."""
     by_key = {(p.case, p.arm): p for p in scaling_points(report)}
+    peers = report_peers(report)
     out = []
     for (case, arm), mine in by_key.items():
-        if arm not in SHARDING_PEERS or mine.tokens_per_s is None:
+        if arm not in peers or mine.tokens_per_s is None:
             continue
-        for peer in SHARDING_PEERS[arm]:
+        for peer in peers[arm]:
             theirs = by_key.get((case, peer))
             if theirs is None or theirs.tokens_per_s is None:
                 continue
@@ -162,8 +181,13 @@ def scaling_table(report: RunReport) -> str:
     if not points:
         return ""
     counts = sorted({p.nprocs for p in points})
-    lines = ["weak scaling: tokens/s (all ranks), efficiency = tokens/s(N) / (N x tokens/s(1)), "
-             "peak GiB per GPU"]
+    model_parallel = report.config.get("kind") == "model_parallel" if isinstance(report.config, dict) else False
+    if model_parallel:
+        lines = ["strong scaling (the case's global batch on every process count): tokens/s, efficiency = "
+                 "tokens/s(N) / (N x tokens/s(1)), peak GiB per GPU"]
+    else:
+        lines = ["weak scaling: tokens/s (all ranks), efficiency = tokens/s(N) / (N x tokens/s(1)), "
+                 "peak GiB per GPU"]
     by_key = {(p.base_case, p.arm, p.nprocs): p for p in points}
     for base in dict.fromkeys(p.base_case for p in points):
         arms = list(dict.fromkeys(p.arm for p in points if p.base_case == base))
@@ -188,7 +212,8 @@ def scaling_table(report: RunReport) -> str:
             lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     comparisons = peer_comparisons(report)
     if comparisons:
-        lines.append("dslab against the peers that shard the same way (throughput x, peak memory x):")
+        way = "split the model" if model_parallel else "shard"
+        lines.append(f"dslab against the peers that {way} the same way (throughput x, peak memory x):")
         for c in comparisons:
             memory = "" if c.memory_ratio is None else f", memory {c.memory_ratio:.2f}x"
             lines.append(f"  {c.case}: {c.arm} {c.speedup:.2f}x {c.peer}{memory}")
