@@ -24,7 +24,8 @@ from urllib.parse import parse_qs, unquote
 import dash
 from dash import Input, Output, dcc, html
 
-from dashboards import pages
+from dashboards import pages, runs_page
+from dashboards.components import display_rows
 from dashboards.data import RunStore, parse_ref
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,11 @@ def _route(store: RunStore, pathname: str | None, search: str | None) -> list:
     parts = [unquote(p) for p in (pathname or "/").split("/") if p]
     query = {k: v[0] for k, v in parse_qs((search or "").lstrip("?")).items()}
     if not parts:
-        return pages.runs_page(store)
+        return runs_page.runs_page(store)
     if parts[0] == "run" and len(parts) in (3, 4):
         return pages.run_page(store, parts[1], parts[2], parts[3] if len(parts) == 4 else "", query.get("case"))
     if parts[0] == "compare" and len(parts) == 1:
-        return pages.compare_page(store, parse_ref(query.get("a", "")), parse_ref(query.get("b", "")))
+        return runs_page.compare_page(store, parse_ref(query.get("a", "")), parse_ref(query.get("b", "")))
     raise FileNotFoundError(f"no page at {pathname}")
 
 
@@ -109,12 +110,12 @@ def create_app(reports: str | Path = "reports") -> dash.Dash:
                   Input("filter-suite", "value"), Input("filter-arm", "value"),
                   Input("filter-gpu", "value"), Input("filter-commit", "value"), prevent_initial_call=True)
     def _filter(suites, arms, gpus, commits):
-        chosen = pages.filter_summaries(store.summaries(), suites, arms, gpus, commits)
-        return pages.display_rows(pages.run_rows(chosen)), pages.history_graphs(store, chosen, arms)
+        chosen = runs_page.filter_summaries(store.summaries(), suites, arms, gpus, commits)
+        return display_rows(runs_page.run_rows(chosen)), runs_page.history_graphs(store, chosen, arms)
 
     @app.callback(Output("compare-link", "href"), Input("compare-a", "value"), Input("compare-b", "value"))
     def _compare(a, b):
-        return pages.compare_href(a, b)
+        return runs_page.compare_href(a, b)
 
     @app.server.route("/trace/<suite>/<run_id>")
     def _trace(suite, run_id):

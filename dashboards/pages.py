@@ -1,4 +1,6 @@
-"""The dashboard's pages as Dash components, built from a :class:`dashboards.data.RunStore`.
+"""A run's page as Dash components, built from a :class:`dashboards.data.RunStore`: its header,
+the tabs' navigation and the tabs (the Flops, Comms and Memory tabs in their own modules; the runs
+and compare pages in :mod:`dashboards.runs_page`).
 
 A tab builds the frames it draws (:mod:`dslab.report.frames`: the run's ``results`` and
 ``trials``, the chosen case's profiler records with ``strict=True``) and hands them to
@@ -8,18 +10,18 @@ whose data is malformed turns into a warning naming the problem while the rest o
 
 from __future__ import annotations
 
-import logging
 from urllib.parse import quote
 
-import dash_ag_grid as dag
 from dash import dcc, html
 
 from dashboards import experts_view, figures, io_view, pipeline_view, scaling_view, views
 from dashboards import inference as inference_view
-from dashboards.data import RunStore, RunSummary, commit_label, gpu_label, source_label
+from dashboards.comms_tab import comms_tab
+from dashboards.components import PAGE_SIZE, case_links, graph, guarded, key_value, table, warning
+from dashboards.data import RunStore
+from dashboards.flops_tab import flops_tab
+from dashboards.memory_tab import memory_tab
 from dslab.report import frames
-
-logger = logging.getLogger(__name__)
 
 TABS = (("", "Run"), ("flops", "Flops"), ("comms", "Comms"), ("memory", "Memory"),
         ("telemetry", "Telemetry"), ("io", "I/O"))
@@ -31,139 +33,9 @@ INFERENCE_TAB = ("inference", "Inference")
 SCALING_TAB = ("scaling", "Scaling")
 # Shown only for a run with pipeline-parallel arms (pipeline_view.has_pipeline).
 PIPELINE_TAB = ("pipeline", "Pipeline")
-GRAPH_CONFIG = {"displaylogo": False, "responsive": True}
-HEADLINE_METRIC = "samples_per_s"
-PAGE_SIZE = 25
 BEST_PLAIN_NOTE = ("The best plain-PyTorch arm of a case is its fastest arm other than dslab (torch, torch-compile, "
                    "torch-compile-ro, hf) that finished all its trials; dslab/best plain is dslab's samples/s over "
                    "that arm's, both medians of trials interleaved in the same run.")
-
-
-def warning(text: str) -> html.Div:
-    return html.Div(text, className="warning")
-
-
-def guarded(title: str, build) -> list:
-    """``build()``'s components under an ``h3`` ``title``; a warning in their place if it fails."""
-    try:
-        body = build()
-    except Exception as err:  # a malformed section must not take the page down
-        logger.warning("section %r could not be drawn: %s", title, err, exc_info=True)
-        body = [warning(f"{title}: could not be drawn from this report ({type(err).__name__}: {err})")]
-    return [html.H3(title), *(body if isinstance(body, list) else [body])]
-
-
-def graph(graph_id: str, figure) -> dcc.Graph:
-    return dcc.Graph(id=graph_id, figure=figure, config=GRAPH_CONFIG, className="graph")
-
-
-def display_rows(rows: list[dict]) -> list[dict]:
-    """``rows`` with floats rounded to 4 significant digits, for a table."""
-    def shown(v):
-        if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
-            return int(v)
-        return float(f"{v:.4g}") if isinstance(v, float) else v
-
-    return [{k: shown(v) for k, v in row.items()} for row in rows]
-
-
-def table(table_id: str, rows: list[dict], columns: list[tuple[str, str]] | None = None,
-          page_size: int = 50, filters: bool = False) -> dag.AgGrid:
-    """An AG Grid of ``rows`` (sortable; ``filters`` adds a filter box under each header); a
-    ``link`` column holds markdown links."""
-    columns = columns or [(k, k) for k in (rows[0] if rows else {})]
-    defs = [{"field": key, "headerName": name, **({"cellRenderer": "markdown", "linkTarget": "_self"}
-                                                   if key == "link" else {})} for key, name in columns]
-    return dag.AgGrid(
-        id=table_id, rowData=display_rows(rows), columnDefs=defs, columnSize="autoSize",
-        defaultColDef={"sortable": True, "resizable": True, "filter": filters, "floatingFilter": filters},
-        dashGridOptions={"pagination": len(rows) > page_size, "paginationPageSize": page_size,
-                         "domLayout": "autoHeight", "enableCellTextSelection": True},
-        style={"height": None})
-
-
-def key_value(rows: list[tuple[str, str]], class_name: str = "kv") -> html.Table:
-    return html.Table([html.Tr([html.Th(k), html.Td(v)]) for k, v in rows], className=class_name)
-
-
-# -- runs -------------------------------------------------------------------------------------
-
-
-def run_rows(summaries: list[RunSummary]) -> list[dict]:
-    rows = []
-    for s in reversed(summaries):
-        headline = next((m[HEADLINE_METRIC] for (case, arm), m in s.metrics.items()
-                         if arm == "dslab" and HEADLINE_METRIC in m), None)
-        rows.append({"suite": s.suite, "link": f"[{s.run_id}](/run/{quote(s.suite)}/{quote(s.run_id)})",
-                     "status": s.status, "created": s.created or "-", "gpu": s.gpu, "commit": s.commit,
-                     "source": s.source, "arms": ", ".join(s.arms), "dslab_samples_per_s": headline,
-                     "warnings": s.error or "; ".join(s.warnings)})
-    return rows
-
-
-def filter_summaries(summaries: list[RunSummary], suites, arms, gpus, commits) -> list[RunSummary]:
-    def keep(s: RunSummary) -> bool:
-        return ((not suites or s.suite in suites) and (not gpus or s.gpu in gpus)
-                and (not commits or s.commit in commits) and (not arms or bool(set(arms) & set(s.arms))))
-    return [s for s in summaries if keep(s)]
-
-
-def history_graphs(store: RunStore, summaries: list[RunSummary], arms) -> list:
-    out = []
-    for suite in sorted({s.suite for s in summaries}):
-        out.extend(guarded(f"{suite}", lambda suite=suite: graph(
-            f"history-{suite}", figures.throughput_history(suite, summaries, set(arms or ()),
-                                                           store.baselines(suite), store.change_points(suite)))))
-    return out or [html.P("no runs match the filters")]
-
-
-def runs_page(store: RunStore) -> list:
-    summaries = store.summaries()
-    if not summaries:
-        return [html.H2("Runs"), html.P(f"no run reports under {store.root}: run `dslab bench SUITE` first")]
-
-    def options(values):
-        return [{"label": v, "value": v} for v in sorted(set(values))]
-
-    refs = [s.ref for s in reversed(summaries) if s.error is None]
-    unreadable = [s for s in summaries if s.error]
-    filters = html.Div([
-        dcc.Dropdown(id="filter-suite", options=options(s.suite for s in summaries), multi=True, placeholder="suite"),
-        dcc.Dropdown(id="filter-arm", options=options(a for s in summaries for a in s.arms), multi=True,
-                     placeholder="arm"),
-        dcc.Dropdown(id="filter-gpu", options=options(s.gpu for s in summaries), multi=True, placeholder="GPU"),
-        dcc.Dropdown(id="filter-commit", options=options(s.commit for s in summaries), multi=True,
-                     placeholder="commit"),
-    ], className="filters")
-    columns = [("suite", "suite"), ("link", "run"), ("status", "status"), ("created", "created"), ("gpu", "GPU"),
-               ("commit", "commit"), ("source", "source digest"), ("arms", "arms"),
-               ("dslab_samples_per_s", "dslab samples/s"),
-               ("warnings", "warnings")]
-    compare = html.Div([
-        dcc.Dropdown(id="compare-a", options=refs, value=refs[1] if len(refs) > 1 else None, placeholder="run A"),
-        dcc.Dropdown(id="compare-b", options=refs, value=refs[0] if refs else None, placeholder="run B"),
-        dcc.Link("compare", id="compare-link", href=compare_href(refs[1] if len(refs) > 1 else None,
-                                                                   refs[0] if refs else None), className="button"),
-    ], className="filters")
-    return [
-        html.H2(f"Runs ({len(summaries)})"),
-        *([warning(f"{len(unreadable)} run(s) could not be read: "
-                   + "; ".join(f"{s.ref}: {s.error}" for s in unreadable[:5]))] if unreadable else []),
-        filters,
-        table("runs-table", run_rows(summaries), columns, page_size=PAGE_SIZE, filters=True),
-        html.H3("Compare two runs"), compare,
-        html.H3("Throughput over time and commits, per suite"),
-        html.P("Lines: the dslab arm of each case (other arms in the legend). Shaded: the gate's baseline "
-               "(min to max of its trials). Triangles: the gate's change points.", className="note"),
-        html.Div(history_graphs(store, summaries, None), id="runs-graphs"),
-    ]
-
-
-def compare_href(a: str | None, b: str | None) -> str:
-    return f"/compare?a={quote(a or '')}&b={quote(b or '')}"
-
-
-# -- one run ----------------------------------------------------------------------------------
 
 
 def _nav(suite: str, run_id: str, current: str, moe: bool = False, inference: bool = False,
@@ -204,18 +76,10 @@ def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
     ]
 
 
-def _case_links(suite: str, run_id: str, tab: str, cases: list[str], chosen: str | None) -> html.Div:
-    if len(cases) < 2:
-        return html.Div()
-    return html.Div(["case: "] + [dcc.Link(c, href=f"/run/{quote(suite)}/{quote(run_id)}/{tab}?case={quote(c)}",
-                                           className="tab current" if c == chosen else "tab") for c in cases],
-                    className="tabs")
-
-
 def run_page(store: RunStore, suite: str, run_id: str, tab: str = "", case: str | None = None) -> list:
     """The run's page: its header, navigation, and the chosen tab's sections."""
     report = store.report(suite, run_id)
-    body = {"": _run_tab, "flops": _flops_tab, "comms": _comms_tab, "memory": _memory_tab,
+    body = {"": _run_tab, "flops": flops_tab, "comms": comms_tab, "memory": memory_tab,
             "telemetry": _telemetry_tab, "io": _io_tab, "experts": _experts_tab,
             "inference": _inference_tab, "scaling": _scaling_tab, "pipeline": _pipeline_tab}.get(tab)
     if body is None:
@@ -251,107 +115,11 @@ def _best_plain_section(results) -> list:
             html.P(BEST_PLAIN_NOTE, className="note")]
 
 
-def _flops_tab(report, suite, run_id, case) -> list:
-    cases, chosen, data = views.section(report, "flops", case)
-    if data is None:
-        return [html.P("no flops profile in this run (flops_profiler off)")]
-    out = [_case_links(suite, run_id, "flops", cases, chosen)]
-    nodes = []
-
-    def tree():
-        nodes.extend(views.flops_tree(frames.flops_modules(report, case=chosen, strict=True)))
-        return graph("flops-treemap", figures.flops_treemap(nodes, chosen))
-
-    out += guarded("Flops by module", tree)
-    out += guarded("MFU", lambda: key_value(views.mfu_rows(data)))
-
-    def breakdown():
-        rows = views.step_breakdown(data, frames.flops_modules(report, case=chosen, strict=True))
-        if not rows:
-            return [html.P("this profile has no device times (recorded before dslab timed modules by their "
-                           "kernels, or the timing failed)", id="flops-breakdown-empty")]
-        return [table("flops-breakdown", rows, [("part", "part"), ("device_ms", "device ms"),
-                                                ("share_of_step_pct", "% of the steady step")])]
-
-    out += guarded("Where the step went (device time)", breakdown)
-    out += guarded("Top modules per depth", lambda: table("flops-top", views.top_modules(nodes)))
-
-    def roof():
-        activations = frames.memory_activations(report, case=chosen)
-        points = views.roofline_points(nodes, activations, report.config.get("precision"))
-        return [graph("flops-roofline", figures.roofline(points, views.ceilings(report, data), chosen)),
-                html.P(views.ROOFLINE_NOTE, className="note")]
-
-    out += guarded("Roofline", roof)
-    return out
-
-
-def _comms_tab(report, suite, run_id, case) -> list:
-    cases, chosen, data = views.section(report, "comms", case)
-    if data is None:
-        return [html.P("no comms log in this run (comms_logger off)")]
-    out = [_case_links(suite, run_id, "comms", cases, chosen)]
-
-    def ops():
-        return views.comms_op_rows(frames.comms_ops(report, case=chosen, strict=True))
-
-    def calls():
-        return frames.comms_calls(report, case=chosen, strict=True)
-
-    out += guarded("Per op (reporting rank)", lambda: table("comms-ops", ops()))
-    out += guarded("Bandwidth against message size", lambda: graph(
-        "comms-bandwidth", figures.comms_bandwidth(ops(), views.bandwidth_points(calls()), chosen)))
-    out += guarded("Straggler wait", lambda: graph("comms-stragglers", figures.straggler_heatmap(
-        views.straggler_matrix(calls(), frames.stragglers(report, case=chosen, strict=True)), chosen)))
-    if isinstance(data.get("definitions"), str):
-        out.append(html.P(data["definitions"], className="note"))
-    return out
-
-
-def _rank_memory_section(report, case: str | None) -> list:
-    """Each rank's peak memory in ``case`` (``frames.rank_memory``) as a table and a bar per rank;
-    nothing for a run of one rank."""
-    if case is None or views.rank_count(frames.rank_memory(report, case=case)) < 2:
-        return []
-
-    def build():
-        rows = views.rank_memory_rows(frames.rank_memory(report, case=case, strict=True))
-        return [table("memory-ranks", rows, [
-                    ("arm", "arm"), ("rank", "rank"), ("kind", "memory"), ("trials", "trials"),
-                    ("peak_gib", "peak GiB"), ("peak_over_mean", "peak / mean"),
-                    ("model_states_gib", "model states GiB")]),
-                graph("memory-ranks-bar", figures.rank_memory_bar(rows, case)),
-                html.P(views.RANK_MEMORY_NOTE, className="note")]
-
-    return guarded("Memory per rank", build)
-
-
-def _memory_tab(report, suite, run_id, case) -> list:
-    cases, chosen, data = views.section(report, "memory", case)
-    if data is None:
-        cases = report.cases()
-        chosen = case if case in cases else (cases[0] if cases else None)
-        ranks = _rank_memory_section(report, chosen)
-        return [html.P("no memory trace in this run (memory_tracer off)"),
-                *([_case_links(suite, run_id, "memory", cases, chosen), *ranks] if ranks else [])]
-    out = [_case_links(suite, run_id, "memory", cases, chosen)]
-    if data.get("note"):
-        out.append(html.P(str(data["note"]), className="note"))
-    out += guarded("Timeline", lambda: graph("memory-timeline", figures.memory_timeline(
-        views.memory_timeline(frames.memory_timeline(report, case=chosen, strict=True)), chosen)))
-    out += guarded("Activation memory per module", lambda: graph("memory-activations", figures.activations_bar(
-        views.activation_rows(frames.memory_activations(report, case=chosen, strict=True)), chosen)))
-    out += guarded("Measured beside the estimate", lambda: graph(
-        "memory-estimate", figures.measured_vs_estimate(views.memory_measured_vs_estimate(data), chosen)))
-    out += _rank_memory_section(report, chosen)
-    return out
-
-
 def _telemetry_tab(report, suite, run_id, case) -> list:
     cases, chosen, data = views.section(report, "telemetry", case)
     if data is None:
         return [html.P("no telemetry in this run (telemetry off)")]
-    out = [_case_links(suite, run_id, "telemetry", cases, chosen)]
+    out = [case_links(suite, run_id, "telemetry", cases, chosen)]
     if not data.get("available", True):
         out.append(html.P(f"telemetry was not available: {data.get('reason') or 'no reason given'}", className="note"))
     out += guarded("Time series per GPU", lambda: graph("telemetry-series", figures.telemetry(
@@ -363,7 +131,7 @@ def _experts_tab(report, suite, run_id, case) -> list:
     cases, chosen, data = views.section(report, "moe", case)
     if data is None:
         return [html.P("no MoE records in this run (not a mixture-of-experts suite)", id="experts-empty")]
-    out = [_case_links(suite, run_id, "experts", cases, chosen)]
+    out = [case_links(suite, run_id, "experts", cases, chosen)]
     load = {}
 
     def heatmap():
@@ -400,7 +168,7 @@ def _inference_tab(report, suite, run_id, case) -> list:
     cases, chosen, record = inference_view.case_record(report, case)
     if record is None:
         return [html.P("no inference records in this run (not an inference suite)", id="inference-empty")]
-    out = [_case_links(suite, run_id, "inference", cases, chosen),
+    out = [case_links(suite, run_id, "inference", cases, chosen),
            html.P(f"batch {record.get('batch', '?')}, prompt {record.get('prompt_len', '?')} + "
                   f"{record.get('max_new_tokens', '?')} new tokens, model {record.get('model', '?')}",
                   id="inference-shape")]
@@ -439,7 +207,7 @@ def _scaling_tab(report, suite, run_id, case) -> list:
     if not pts:
         return [html.P("no cases with a process count in this run (not a data-parallel suite)", id="scaling-empty")]
     base = scaling_view.chosen_model_case(report, pts, case)
-    out = [_case_links(suite, run_id, "scaling", scaling_view.model_cases(pts), base)]
+    out = [case_links(suite, run_id, "scaling", scaling_view.model_cases(pts), base)]
     counts = scaling_view.process_counts(pts, base)
     colours = scaling_view.arm_colours(report)
     rows = scaling_view.series(pts, base)
@@ -476,7 +244,7 @@ def _pipeline_tab(report, suite, run_id, case) -> list:
     keys = list(records)
     chosen = case if case in records else keys[0]
     record = records[chosen]
-    out = [_case_links(suite, run_id, "pipeline", keys, chosen)]
+    out = [case_links(suite, run_id, "pipeline", keys, chosen)]
     out.append(key_value([("case", chosen), ("stages", str(record.get("stages"))),
                           ("micro-batches per step", str(record.get("micro_batches"))),
                           ("1F1B bubble", f"{100 * (record.get('bubble_fraction') or 0):.1f}%")]))
@@ -504,7 +272,7 @@ def _io_tab(report, suite, run_id, case) -> list:
         cases, chosen, record = views.section(report, "io", case)
     except ValueError as err:
         return [warning(f"I/O: {err}"), *guarded("I/O tuner", lambda: key_value(views.flatten("io", data)))]
-    out = [_case_links(suite, run_id, "io", cases, chosen)]
+    out = [case_links(suite, run_id, "io", cases, chosen)]
 
     def rows():
         return frames.io_records(report, case=chosen, strict=True)
@@ -538,27 +306,3 @@ def _io_tab(report, suite, run_id, case) -> list:
     for note in record.get("notes") or []:
         out.append(html.P(str(note), className="note"))
     return out
-
-
-# -- compare ----------------------------------------------------------------------------------
-
-
-def compare_page(store: RunStore, a: tuple[str, str], b: tuple[str, str]) -> list:
-    ra, rb = store.report(*a), store.report(*b)
-    results_a, results_b = frames.results(ra), frames.results(rb)
-    run_a, run_b = frames.records(frames.runs([ra, rb]))
-    env = [("", f"A: {a[0]}/{a[1]}", f"B: {b[0]}/{b[1]}")]
-    env += [("GPU", gpu_label(run_a), gpu_label(run_b)), ("commit", commit_label(run_a), commit_label(run_b)),
-            ("source digest", source_label(run_a), source_label(run_b)),
-            ("created", ra.created or "?", rb.created or "?"), ("status", ra.status, rb.status)]
-    return [
-        html.H2("Compare two runs"),
-        html.Table([html.Tr([html.Th(k), html.Td(x), html.Td(y)]) for k, x, y in env], className="kv"),
-        *guarded("dslab against the best plain-PyTorch arm", lambda: table(
-            "compare-best-plain", views.best_plain_compare_rows(results_a, results_b), [
-                ("case", "case"), ("A_arm", "A: best plain arm"), ("A", "A: dslab/best plain"),
-                ("B_arm", "B: best plain arm"), ("B", "B: dslab/best plain"), ("B_over_A", "B/A")])),
-        *guarded("Metrics", lambda: table("compare-table", views.compare_rows(results_a, results_b), [
-            ("case", "case"), ("arm", "arm"), ("metric", "metric"), ("A", "A"), ("B", "B"), ("B_over_A", "B/A")])),
-        *guarded("Side by side", lambda: graph("compare-bar", figures.compare_bar(results_a, results_b))),
-    ]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from report_factory import serve_dashboard
 
-from dashboards import figures, pages, views
+from dashboards import figures, memory_tab, views
 from dashboards.app import render
 from dashboards.data import RunStore
 from dslab.profilers.trace import build_trace
@@ -76,7 +76,7 @@ def test_memory_per_rank_has_each_ranks_peak_and_model_states():
     assert "Memory per rank" in page and "memory-ranks-bar" in page and "could not be drawn" not in page
     assert "memory-ranks" not in str(render(RunStore(FIXTURES), f"/run/{SUITE}/{RUN_ID}/comms"))
     del report.profilers["memory"]  # no memory trace: the peaks per rank still shown, without model states
-    page = str(pages._memory_tab(report, SUITE, RUN_ID, None))
+    page = str(memory_tab.memory_tab(report, SUITE, RUN_ID, None))
     assert "no memory trace in this run" in page and "memory-ranks-bar" in page
 
 

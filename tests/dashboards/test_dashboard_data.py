@@ -10,7 +10,7 @@ import pytest
 from report_factory import (NOT_JSON, PARTIAL, RUN_IDS, STRAGGLER_RANK, SUITE, make_report, make_small_report,
                             write_run)
 
-from dashboards import figures, pages, views
+from dashboards import figures, pages, runs_page, views
 from dashboards.app import DEFAULT_HOST, create_app, render
 from dashboards.data import RunStore, parse_ref, resolve_run
 from dslab.report import frames, report_from_dict
@@ -100,9 +100,9 @@ def test_filters():
     from dashboards.data import summarize
 
     summaries = [summarize(report_from_dict(d), d["suite"], d["run_id"]) for d in store_rows]
-    assert [s.suite for s in pages.filter_summaries(summaries, ["a"], None, None, None)] == ["a", "a"]
-    assert pages.filter_summaries(summaries, None, ["hf"], None, None) == []
-    assert len(pages.filter_summaries(summaries, None, ["torch"], None, [summaries[1].commit])) == 1
+    assert [s.suite for s in runs_page.filter_summaries(summaries, ["a"], None, None, None)] == ["a", "a"]
+    assert runs_page.filter_summaries(summaries, None, ["hf"], None, None) == []
+    assert len(runs_page.filter_summaries(summaries, None, ["torch"], None, [summaries[1].commit])) == 1
 
 
 def test_gate_files_are_read(reports_root):
@@ -187,7 +187,7 @@ def test_500_runs_load_in_under_3_seconds(tmp_path):
                                               f"2026-11-{1 + i // 100:02d}T{i % 24:02d}:{i % 60:02d}:00+00:00", 100.0 + i % 7))
     store = RunStore(tmp_path)
     start = time.perf_counter()
-    components = pages.runs_page(store)
+    components = runs_page.runs_page(store)
     elapsed = time.perf_counter() - start
     assert "Runs (500)" in _text(components)
     assert sum(1 for s in store.summaries() if s.error is None) == 500

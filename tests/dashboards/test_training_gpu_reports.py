@@ -105,7 +105,7 @@ def test_the_runs_list_shows_each_runs_source_digest():
     """The runs table's source column: the recorded digest, '?' for runs from before digests."""
     pytest.importorskip("dash")
     from dashboards.data import RunStore
-    from dashboards.pages import run_rows
+    from dashboards.runs_page import run_rows
 
     rows = {row["link"].split("](")[0].lstrip("["): row for row in run_rows(RunStore(FIXTURES).summaries())}
     for run, (_, digest) in DIGESTS.items():
