@@ -5,14 +5,19 @@ Routes (all read-only, all under the reports directory):
 - ``/``: Runs - the filterable run table, throughput over time per suite, compare two runs.
 - ``/run/<suite>/<run_id>[/<tab>][?case=<case>]``: one run; tabs flops, comms, memory, telemetry, io,
   experts (the expert load of a mixture-of-experts run), inference (an inference suite's run),
-  scaling (a data-parallel run's cases ``<model case>-n<N>``; ``?case=`` picks the model case) and
-  pipeline (a run with pipeline-parallel arms: stage utilisation and timelines).
+  scaling (a data-parallel run's cases ``<model case>-n<N>``; ``?case=`` picks the model case),
+  pipeline (a run with pipeline-parallel arms: stage utilisation and timelines) and trace (the
+  profiled step and its collectives per rank, :mod:`dashboards.trace_view`). The navigation shows
+  the tabs with records for the run; every tab's address answers.
 - ``/compare?a=<suite>/<run_id>&b=<suite>/<run_id>``: two runs side by side.
-- ``/trace/<suite>/<run_id>``: the run's ``trace.pftrace`` (written by ``dslab trace``).
+- ``/trace/<suite>/<run_id>``: the run's ``trace.pftrace`` (``dslab bench`` writes it with the run;
+  ``dslab trace`` for an older one).
 
 Suite and run ids from URLs are validated by :func:`dashboards.data.resolve_run`; a bad one is a
 "not found" page, never a read outside the reports directory. Page building is wrapped so that a
-report that cannot be drawn shows an error on its page and the app keeps serving.
+report that cannot be drawn shows an error on its page and the app keeps serving. A run page is
+drawn once per version of its report and trace and then served from
+:meth:`dashboards.data.RunStore.page`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ body { font-family: -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0; co
 table.kv { border-collapse: collapse; font-size: 13px; }
 table.kv th { text-align: left; padding: 2px 14px 2px 0; font-weight: normal; color: #555; }
 table.kv td { padding: 2px 0; font-family: monospace; }
+pre.kv-text { font-size: 12px; line-height: 1.45; margin: 4px 0; white-space: pre-wrap; }
 """
 
 INDEX = """<!DOCTYPE html>

@@ -1,13 +1,30 @@
-"""The Comms tab of a run: per-op figures of the reporting rank, bandwidth against message
-size and the straggler wait of every rank."""
+"""The Comms tab of a run: the reporting rank's per-op summary, the stragglers (who arrived late
+and whom it kept waiting), bus bandwidth against message size beside the measured curve, and one
+step's collectives of a multi-rank run (:mod:`dashboards.comms_view`)."""
 
 from __future__ import annotations
 
 from dash import html
 
-from dashboards import figures, views
+from dashboards import comms_view, figures, views
 from dashboards.components import case_links, graph, guarded, table
 from dslab.report import frames
+
+
+def _phase_medians(report, case: str) -> dict[str, float]:
+    """The wall-clock breakdown's median ms per phase of ``case`` (empty without one)."""
+    return {r["phase"]: r["median_ms"] for r in frames.records(frames.wall_clock(report, case=case))
+            if r["median_ms"] is not None}
+
+
+def _no_collectives(report, case: str) -> bool:
+    """Whether ``case``'s comms record is well formed and holds no collective (one process);
+    a malformed one is not: its sections say what is wrong."""
+    try:
+        return (frames.comms_calls(report, case=case, strict=True).empty
+                and frames.comms_ops(report, case=case, strict=True).empty)
+    except ValueError:
+        return False
 
 
 def comms_tab(report, suite, run_id, case) -> list:
@@ -15,18 +32,43 @@ def comms_tab(report, suite, run_id, case) -> list:
     if data is None:
         return [html.P("no comms log in this run (comms_logger off)")]
     out = [case_links(suite, run_id, "comms", cases, chosen)]
-
-    def ops():
-        return views.comms_op_rows(frames.comms_ops(report, case=chosen, strict=True))
+    if _no_collectives(report, chosen):
+        return out + [html.P("no timed collectives in this case (one process issues none)", className="note")]
 
     def calls():
         return frames.comms_calls(report, case=chosen, strict=True)
 
-    out += guarded("Per op (reporting rank)", lambda: table("comms-ops", ops()))
-    out += guarded("Bandwidth against message size", lambda: graph(
-        "comms-bandwidth", figures.comms_bandwidth(ops(), views.bandwidth_points(calls()), chosen)))
-    out += guarded("Straggler wait", lambda: graph("comms-stragglers", figures.straggler_heatmap(
-        views.straggler_matrix(calls(), frames.stragglers(report, case=chosen, strict=True)), chosen)))
+    def stragglers():
+        calls_frame, analysis = calls(), frames.stragglers(report, case=chosen, strict=True)
+        matrix = comms_view.straggler_matrix(calls_frame, analysis)
+        rows = comms_view.straggler_rows(analysis, matrix)
+        return [table("comms-stragglers-table", rows, comms_view.STRAGGLER_COLUMNS),
+                graph("comms-caused-wait", comms_view.caused_wait_bar(rows, chosen)),
+                graph("comms-stragglers", figures.straggler_heatmap(matrix, chosen)),
+                html.P(comms_view.STRAGGLER_NOTE, className="note")]
+
+    def bandwidth():
+        return [graph("comms-bandwidth", figures.comms_bandwidth(
+                    comms_view.bandwidth_points(calls()), comms_view.reference_busbw(report), chosen)),
+                html.P(comms_view.BANDWIDTH_NOTE, className="note")]
+
+    def one_step():
+        rank = data.get("rank") if isinstance(data.get("rank"), int) else 0
+        steps = comms_view.step_calls(calls(), rank)
+        if not steps:
+            return [html.P("no collective on a group of two or more ranks in this case", className="note")]
+        rows = comms_view.step_rows(steps)
+        step = comms_view.typical_step(rows)
+        return [graph("comms-step", comms_view.step_timeline(steps, step, rank, chosen, _phase_medians(report, chosen))),
+                table("comms-steps", rows, comms_view.STEP_COLUMNS, page_size=20),
+                html.P(comms_view.STEP_NOTE, className="note")]
+
+    out += guarded("Per op (reporting rank)", lambda: table(
+        "comms-ops", comms_view.comms_op_rows(frames.comms_ops(report, case=chosen, strict=True)),
+        comms_view.OP_COLUMNS))
+    out += guarded("Stragglers", stragglers)
+    out += guarded("Bus bandwidth against message size", bandwidth)
+    out += guarded("Collectives of one step (per gradient bucket)", one_step)
     if isinstance(data.get("definitions"), str):
         out.append(html.P(data["definitions"], className="note"))
     return out

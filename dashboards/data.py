@@ -6,7 +6,9 @@ the resolved directory must lie inside the reports root (a symlink out of it is 
 outside the reports directory is ever read.
 
 :class:`RunStore` keeps one :class:`RunSummary` per run directory, re-read only when its
-``run.json`` changes (size or mtime), and a few whole reports. Summaries are made from the
+``run.json`` changes (size or mtime), a few whole reports, and the components of the run pages
+last drawn (:meth:`RunStore.page`), so a page drawn once answers at once until its report or its
+trace changes. Summaries are made from the
 ``runs`` and ``results`` frames (:mod:`dslab.report.frames`) of every report read at once. The
 gate's files are read here as plain JSON (the dashboard imports ``dslab.report`` only): baselines under
 ``<root>/baselines/<suite>/*.json`` and change points in ``<root>/<suite>/change_points.json``.
@@ -20,16 +22,18 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from dslab.report import RunReport, frames, list_runs, read_report
 from dslab.report.store import NAME_PATTERN, REPORT_FILE
+from dslab.report.timeline import TRACE_FILE
 
 logger = logging.getLogger(__name__)
 
 BASELINES_DIR = "baselines"
 CHANGE_POINTS_FILE = "change_points.json"
-TRACE_FILE = "trace.pftrace"
 REPORT_CACHE_SIZE = 16
+PAGE_CACHE_SIZE = 64
 
 
 def check_name(value: str, what: str) -> str:
@@ -138,9 +142,9 @@ def summarize(report: RunReport, suite: str, run_id: str) -> RunSummary:
     return summarize_all([(report, suite, run_id)])[0]
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
+def _stamp(path: Path, name: str = REPORT_FILE) -> tuple[int, int] | None:
     try:
-        st = (path / REPORT_FILE).stat()
+        st = (path / name).stat()
     except OSError:
         return None
     return st.st_mtime_ns, st.st_size
@@ -153,6 +157,7 @@ class RunStore:
         self.root = Path(root)
         self._summaries: dict[Path, tuple[tuple[int, int], RunSummary]] = {}
         self._reports: OrderedDict[Path, tuple[tuple[int, int], RunReport]] = OrderedDict()
+        self._pages: OrderedDict[tuple, list] = OrderedDict()
         self._lock = threading.Lock()
 
     def summaries(self) -> list[RunSummary]:
@@ -202,8 +207,27 @@ class RunStore:
                 self._reports.popitem(last=False)
         return report
 
+    def page(self, suite: str, run_id: str, key: tuple, build: Callable[[RunReport], list]) -> list:
+        """``build(report)`` for run ``suite/run_id``, cached under ``key`` (the tab and case) until
+        the run's ``run.json`` or trace changes (size or mtime); the last :data:`PAGE_CACHE_SIZE`
+        pages are kept. A page that raises is not kept."""
+        path = self.run_path(suite, run_id)
+        full_key = (path, _stamp(path), _stamp(path, TRACE_FILE), *key)
+        with self._lock:
+            cached = self._pages.get(full_key)
+            if cached is not None:
+                self._pages.move_to_end(full_key)
+                return cached
+        page = build(self.report(suite, run_id))
+        with self._lock:
+            self._pages[full_key] = page
+            while len(self._pages) > PAGE_CACHE_SIZE:
+                self._pages.popitem(last=False)
+        return page
+
     def trace_file(self, suite: str, run_id: str) -> Path | None:
-        """The run's Perfetto trace if ``dslab trace`` has written it."""
+        """The run's Perfetto trace (``dslab bench`` writes it with the run, ``dslab trace`` for an older
+        one), None when the run's directory has none."""
         path = self.run_path(suite, run_id) / TRACE_FILE
         return path if path.is_file() else None
 

@@ -3,20 +3,17 @@ frames (:mod:`dslab.report.frames`)."""
 
 from __future__ import annotations
 
-import datetime
-
 import pandas as pd
+import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dashboards import views
-from dashboards.data import RunSummary
 from dslab.report import frames
 
 TEMPLATE = "plotly_white"
 MARGIN = {"l": 60, "r": 20, "t": 50, "b": 50}
 ARM_COLOURS = {"dslab": "#1f77b4", "best_plain": "#ff7f0e", "other": "#9ca3af"}
-VERDICT_STYLE = {"regression": ("triangle-down", "#d62728"), "improvement": ("triangle-up", "#2ca02c")}
 
 
 def _layout(fig: go.Figure, title: str, **kwargs) -> go.Figure:
@@ -31,73 +28,6 @@ def empty(title: str, message: str) -> go.Figure:
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _layout(fig, title, height=260)
-
-
-def _when(summary: RunSummary):
-    try:
-        return datetime.datetime.fromisoformat(summary.created) if summary.created else None
-    except ValueError:
-        return None
-
-
-def throughput_history(suite: str, runs: list[RunSummary], arms: set[str] | None,
-                       baselines: list[dict], change_points: list[dict],
-                       metric: str = "samples_per_s") -> go.Figure:
-    """``metric`` of each (case, arm) over the suite's runs by creation time, with the commit of
-    each run in its hover and under its marker; the gate's baseline bands (min to max of the
-    baseline trials) and change points (regressions, improvements) where the gate wrote them."""
-    fig = go.Figure()
-    runs = [r for r in runs if r.suite == suite and r.error is None and _when(r) is not None]
-    series: dict[tuple[str, str], list] = {}
-    for r in runs:
-        for (case, arm), metrics in r.metrics.items():
-            if metric in metrics and (not arms or arm in arms):
-                series.setdefault((case, arm), []).append((_when(r), metrics[metric], r))
-    if not series:
-        return empty(f"{suite}: {metric} over time", "no runs with this metric")
-    x_range = [min(_when(r) for r in runs), max(_when(r) for r in runs)]
-    for (case, arm), points in sorted(series.items()):
-        fig.add_trace(go.Scatter(
-            x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers", name=f"{case}/{arm}",
-            customdata=[[p[2].run_id, p[2].commit] for p in points],
-            hovertemplate="%{customdata[0]}<br>commit %{customdata[1]}<br>%{y:.4g}<extra>" + f"{case}/{arm}</extra>",
-            visible=True if arm == "dslab" or arms else "legendonly"))
-    for baseline in baselines:
-        for result in baseline.get("results", []):
-            if not isinstance(result, dict) or (result.get("case"), result.get("arm")) not in series:
-                continue
-            values = [v for v in (result.get("trials") or {}).get(metric, []) if isinstance(v, (int, float))]
-            if not values:
-                continue
-            label = f"baseline {result['case']}/{result['arm']} ({baseline.get('label', baseline['_file'])})"
-            fig.add_trace(go.Scatter(
-                x=[x_range[0], x_range[1], x_range[1], x_range[0]],
-                y=[min(values), min(values), max(values), max(values)],
-                fill="toself", mode="none", fillcolor="rgba(31,119,180,0.12)", name=label, hoverinfo="name"))
-    by_run = {r.run_id: r for r in runs}
-    for kind, (symbol, colour) in VERDICT_STYLE.items():
-        xs, ys, texts = [], [], []
-        for p in change_points:
-            run = by_run.get(p.get("run_id"))
-            if p.get("kind") != kind or run is None or p.get("metric", metric) != metric:
-                continue
-            value = run.metrics.get((p.get("case"), p.get("arm")), {}).get(metric)
-            if value is not None:
-                xs.append(_when(run))
-                ys.append(value)
-                change = p.get("change")
-                texts.append(f"{kind} {p.get('case')}/{p.get('arm')}"
-                             + (f": x{change:.3f}" if isinstance(change, (int, float)) else ""))
-        if xs:
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=f"gate: {kind}", text=texts,
-                                     marker={"symbol": symbol, "size": 14, "color": colour}, hoverinfo="text"))
-    commits = {}
-    for r in runs:
-        commits.setdefault(r.commit, _when(r))
-    fig.update_xaxes(title="run created (UTC)")
-    fig.update_yaxes(title=metric)
-    _layout(fig, f"{suite}: {metric} over time ({len(runs)} runs, {len(commits)} commits)", height=380)
-    return fig
 
 
 def arms_bar(results: pd.DataFrame, trials: pd.DataFrame, case: str) -> go.Figure:
@@ -139,23 +69,31 @@ def trials_strip(trials: pd.DataFrame, case: str) -> go.Figure:
 
 
 def flops_treemap(nodes: list[dict], case: str) -> go.Figure:
-    """The module tree sized by flops (forward + backward) and coloured by achieved TFLOP/s."""
+    """The module tree sized by flops (forward + backward) and coloured by achieved TFLOP/s
+    (:func:`dashboards.flops_view.treemap_nodes`: each parent's own ops are a named child, so the
+    sizes add up with ``branchvalues="total"``); a node without a time is coloured as 0."""
     if not nodes:
         return empty(f"{case}: flops by module", "the flops profile has no modules")
+
+    def shown(value, spec: str, unit: str) -> str:
+        return "n/a" if value is None else f"{value:{spec}} {unit}"
+
     fig = go.Figure(go.Treemap(
         ids=[n["id"] for n in nodes], labels=[n["label"] for n in nodes], parents=[n["parent"] for n in nodes],
         values=[n["flops"] for n in nodes], branchvalues="total",
         marker={"colors": [n["tflops"] or 0.0 for n in nodes], "colorscale": "Viridis",
-                "colorbar": {"title": "TFLOP/s"}},
-        customdata=[[n["type"], n["flops"] / 1e9, n["tflops"] or 0.0, n["latency_ms"]] for n in nodes],
-        hovertemplate="%{id}<br>%{customdata[0]}<br>%{customdata[1]:.4g} GFLOP<br>%{customdata[2]:.4g} TFLOP/s"
-                      "<br>%{customdata[3]:.3g} ms fwd+bwd<extra></extra>",
+                "colorbar": {"title": "achieved TFLOP/s"}},
+        customdata=[[n["type"], f"{n['flops'] / 1e9:.4g} GFLOP", shown(n["tflops"], ".4g", "TFLOP/s"),
+                     shown(n["latency_ms"], ".3g", "ms fwd + bwd")] for n in nodes],
+        hovertemplate="%{id}<br>%{customdata[0]}<br>%{customdata[1]}<br>%{customdata[2]}"
+                      "<br>%{customdata[3]}<extra></extra>",
         maxdepth=4))
-    return _layout(fig, f"{case}: flops by module (size: flops, colour: achieved TFLOP/s)", height=520)
+    return _layout(fig, f"{case}: flops by module (size: flops fwd + bwd, colour: achieved TFLOP/s)", height=520)
 
 
 def roofline(points: list[dict], ceilings: dict, case: str) -> go.Figure:
-    """Each module's arithmetic intensity against its achieved TFLOP/s under the ceilings."""
+    """Each module's arithmetic intensity against its achieved TFLOP/s under the ceilings, one
+    legend entry (and colour) per depth in the model."""
     if not points:
         return empty(f"{case}: roofline", "no module has both flops and a latency")
     fig = go.Figure()
@@ -168,81 +106,103 @@ def roofline(points: list[dict], ceilings: dict, case: str) -> go.Figure:
     grid = [lo * (hi / lo) ** (i / 60) for i in range(61)]
     for kind, dash in (("measured", "solid"), ("datasheet", "dash")):
         peak, bw = ceilings.get(f"{kind}_tflops"), ceilings.get(f"{kind}_gbps")
-        if peak and bw:
+        if peak and bw:  # the ceilings in greys, so the depths' colours are the modules' alone
             fig.add_trace(go.Scatter(x=grid, y=[min(peak, ai * bw / 1e3) for ai in grid], mode="lines",
-                                     name=f"{kind}: {peak:.0f} TFLOP/s, {bw:.0f} GB/s", line={"dash": dash}))
+                                     name=f"{kind}: {peak:.0f} TFLOP/s, {bw:.0f} GB/s",
+                                     line={"dash": dash, "color": "#444444" if kind == "measured" else "#999999"}))
         elif peak:
             fig.add_hline(y=peak, line_dash=dash, annotation_text=f"{kind} peak {peak:.0f} TFLOP/s")
-    fig.add_trace(go.Scatter(
-        x=xs, y=[p["tflops"] for p in points], mode="markers", name="modules", text=[p["module"] for p in points],
-        marker={"size": 9, "color": [p["depth"] for p in points], "colorscale": "Plasma", "showscale": False},
-        hovertemplate="%{text}<br>%{x:.3g} flop/byte<br>%{y:.4g} TFLOP/s<extra></extra>"))
-    fig.update_xaxes(type="log", title="arithmetic intensity (flop / byte, estimated)")
-    fig.update_yaxes(type="log", title="achieved TFLOP/s")
-    return _layout(fig, f"{case}: roofline", height=460)
+    palette = plotly.colors.qualitative.Plotly
+    for depth in sorted({p["depth"] for p in points}):
+        mine = [p for p in points if p["depth"] == depth]
+        fig.add_trace(go.Scatter(
+            x=[p["intensity"] for p in mine], y=[p["tflops"] for p in mine], mode="markers",
+            name="the model (depth 0)" if depth == 0 else f"modules at depth {depth}",
+            text=[p["module"] for p in mine], marker={"size": 9, "color": palette[depth % len(palette)]},
+            hovertemplate="%{text}<br>%{x:.3g} FLOP/byte<br>%{y:.4g} TFLOP/s<extra></extra>"))
+    fig.update_xaxes(type="log", title="arithmetic intensity (FLOP/byte, estimated)")
+    fig.update_yaxes(type="log", title="achieved TFLOP/s (fwd + bwd)")
+    return _layout(fig, f"{case}: roofline", height=460, legend={"title": {"text": "ceilings and modules"}})
 
 
-def comms_bandwidth(op_rows: list[dict], points: list[dict], case: str) -> go.Figure:
-    """Bus bandwidth of each op against message size (the logger's per-size means), over every
-    call's algorithm bandwidth on each rank."""
-    if not op_rows and not points:
-        return empty(f"{case}: bandwidth", "no timed collectives")
+def comms_bandwidth(points: list[dict], reference: dict | None, case: str) -> go.Figure:
+    """Bus bandwidth of every collective against its message size on log-log axes, one trace per
+    op (:func:`dashboards.comms_view.bandwidth_points`), with the measured bus-bandwidth curve of
+    ``benchmarks/comms_busbw.py`` dashed where the run has one
+    (:func:`dashboards.comms_view.reference_busbw`)."""
+    if not points:
+        return empty(f"{case}: bus bandwidth", "no timed collectives with a payload on two or more ranks")
     fig = go.Figure()
     for op in sorted({p["op"] for p in points}):
         mine = [p for p in points if p["op"] == op]
-        fig.add_trace(go.Scatter(x=[p["bytes"] for p in mine], y=[p["algbw_GBps"] for p in mine], mode="markers",
-                                 name=f"{op} algbw per call", opacity=0.35, text=[f"rank {p['rank']}" for p in mine]))
-    for op in sorted({r["op"] for r in op_rows}):
-        rows = sorted((r for r in op_rows if r["op"] == op and r["busbw_GBps"] is not None),
-                      key=lambda r: r["size_bytes"])
-        if rows:
-            fig.add_trace(go.Scatter(x=[r["size_bytes"] for r in rows], y=[r["busbw_GBps"] for r in rows],
-                                     mode="lines+markers", name=f"{op} busbw (mean)"))
-    fig.update_xaxes(type="log", title="message size (bytes)")
-    fig.update_yaxes(title="GB/s")
-    return _layout(fig, f"{case}: bandwidth against message size", height=420)
+        fig.add_trace(go.Scatter(
+            x=[p["bytes"] for p in mine], y=[p["busbw_GBps"] for p in mine], mode="markers", name=op,
+            customdata=[[p["latency_ms"], p["rank"], p["group_size"], p["step"]] for p in mine],
+            hovertemplate="%{x} bytes<br>busbw %{y:.4g} GB/s<br>%{customdata[0]:.4g} ms (rank %{customdata[1]}), "
+                          "%{customdata[2]} ranks, step %{customdata[3]}<extra>" + op + "</extra>"))
+    if reference is not None and reference["points"]:
+        fig.add_trace(go.Scatter(x=[p["size_bytes"] for p in reference["points"]],
+                                 y=[p["busbw_GBps"] for p in reference["points"]], mode="lines+markers",
+                                 name=reference["label"], line={"dash": "dash", "color": "#444444"}))
+    fig.update_xaxes(type="log", title="message bytes")
+    fig.update_yaxes(type="log", title="bus bandwidth (GB/s)")
+    return _layout(fig, f"{case}: bus bandwidth per collective against message size", height=420)
 
 
 def straggler_heatmap(matrix: dict, case: str) -> go.Figure:
-    """Ranks x collectives, each cell the rank's wait for the last arrival (ms)."""
+    """Ranks x collectives (:func:`dashboards.comms_view.straggler_matrix`), each cell how late
+    the rank arrived after the first (ms), so the late rank is the dark row; the colour range ends
+    at the matrix's robust maximum (cells beyond it at full colour), a cross marks each
+    collective's last arrival, and the named stragglers are labelled on the axis and in the title."""
     if not matrix["labels"]:
-        return empty(f"{case}: straggler wait", "no collective matched across two or more ranks")
-    fig = go.Figure(go.Heatmap(z=matrix["wait_ms"], x=list(range(len(matrix["labels"]))),
-                               y=[f"rank {r}" for r in matrix["ranks"]], colorscale="Reds",
-                               colorbar={"title": "wait (ms)"},
-                               customdata=[matrix["labels"]] * len(matrix["ranks"]),
-                               hovertemplate="%{y}<br>%{customdata}<br>waited %{z:.3f} ms<extra></extra>"))
-    named = ", ".join(f"rank {r}" for r in matrix["stragglers"]) or "none"
-    fig.update_xaxes(title="collective (in order of arrival)")
-    fig.update_yaxes(autorange="reversed")
-    return _layout(fig, f"{case}: straggler wait per rank and collective (stragglers named: {named})",
-                   height=160 + 40 * len(matrix["ranks"]))
+        return empty(f"{case}: lateness", "no collective matched across two or more ranks")
+    named = set(matrix["stragglers"])
+    rows = {r: f"rank {r} (straggler)" if r in named else f"rank {r}" for r in matrix["ranks"]}
+    columns = list(range(len(matrix["labels"])))
+    fig = go.Figure(go.Heatmap(
+        z=matrix["lateness_ms"], x=columns, y=[rows[r] for r in matrix["ranks"]], colorscale="Reds",
+        zmin=0, zmax=matrix["colour_max_ms"], colorbar={"title": "late by (ms)"},
+        customdata=[matrix["labels"]] * len(matrix["ranks"]), name="lateness",
+        hovertemplate="%{y}<br>%{customdata}<br>arrived %{z:.3f} ms after the first<extra></extra>"))
+    fig.add_trace(go.Scatter(x=columns, y=[rows[r] for r in matrix["last"]], mode="markers", name="last to arrive",
+                             marker={"symbol": "x-thin", "size": 8, "line": {"width": 2, "color": "#111111"}},
+                             hoverinfo="skip"))
+    title = (f"{case}: lateness per rank and collective (stragglers named: "
+             f"{', '.join(f'rank {r}' for r in sorted(named)) or 'none'})"
+             f"<br><sup>colour to {matrix['colour_max_ms']:.3g} ms")
+    if matrix["clipped"]:
+        title += f"; {matrix['clipped']} collective(s) later still, drawn at full colour"
+    fig.update_xaxes(title="collective (in order of first arrival)")
+    fig.update_yaxes(autorange="reversed", type="category")
+    return _layout(fig, title + "</sup>", height=190 + 40 * len(matrix["ranks"]), showlegend=False)
 
 
-def memory_timeline(series: dict, case: str) -> go.Figure:
+def memory_timeline(series: dict, marks: dict, case: str) -> go.Figure:
+    """The allocator's peak allocated and reserved GiB per step (:func:`dashboards.memory_view.memory_timeline`)
+    with :func:`dashboards.memory_view.timeline_marks`: each trial's warm-up shaded grey and its
+    timed steps blue, the memory tracer's profiled step and the flops profile's step as lines."""
     if not series["step"]:
         return empty(f"{case}: memory over steps", "no per-step allocator peaks (CPU run or tracer off)")
     fig = go.Figure()
     for key in ("peak_allocated", "peak_reserved"):
         fig.add_trace(go.Scatter(x=series["step"], y=[None if v is None else v / 2**30 for v in series[key]],
                                  mode="lines+markers", name=key.replace("_", " ")))
+    for t in marks["trials"]:
+        if t["warmup"] is not None:
+            fig.add_vrect(x0=t["warmup"][0] - 0.5, x1=t["warmup"][1] + 0.5, fillcolor="#9ca3af", opacity=0.25,
+                          line_width=0, name=f"trial {t['trial']} warm-up")
+        fig.add_vrect(x0=t["timed"][0] - 0.5, x1=t["timed"][1] + 0.5, fillcolor="#1f77b4", opacity=0.08,
+                      line_width=0, name=f"trial {t['trial']} timed", annotation_text=f"trial {t['trial']}",
+                      annotation_position="top left")
+    for key, label, colour, side in (("profile_step", "memory profile", "#d62728", "bottom right"),
+                                     ("flops_step", "flops profile", "#2ca02c", "bottom left")):
+        if marks.get(key) is not None:
+            fig.add_vline(x=marks[key], line_dash="dot", line_color=colour, annotation_text=label,
+                          annotation_position=side)
     fig.update_xaxes(title="step")
-    fig.update_yaxes(title="GiB")
-    return _layout(fig, f"{case}: allocator peaks per step", height=360)
-
-
-def activations_bar(rows: list[dict], case: str) -> go.Figure:
-    if not rows:
-        return empty(f"{case}: activations", "no activations recorded")
-    fig = go.Figure()
-    fig.add_trace(go.Bar(y=[r["module"] for r in rows], x=[r["bytes"] / 2**20 for r in rows], orientation="h",
-                         name="charged (MiB)"))
-    fig.add_trace(go.Bar(y=[r["module"] for r in rows], x=[r["shared_bytes"] / 2**20 for r in rows], orientation="h",
-                         name="shared with an earlier module (MiB)"))
-    fig.update_layout(barmode="stack")
-    fig.update_yaxes(autorange="reversed")
-    fig.update_xaxes(title="MiB saved for backward")
-    return _layout(fig, f"{case}: activation memory per module", height=max(300, 22 * len(rows) + 120))
+    fig.update_yaxes(title="GiB", rangemode="tozero")
+    arm = f" of the {marks['arm']} arm" if marks.get("arm") else ""
+    return _layout(fig, f"{case}: allocator peaks per step{arm}", height=380)
 
 
 def measured_vs_estimate(data: dict, case: str) -> go.Figure:
@@ -263,7 +223,7 @@ def measured_vs_estimate(data: dict, case: str) -> go.Figure:
 
 def rank_memory_bar(rows: list[dict], case: str) -> go.Figure:
     """Each rank's peak (and model states, where the tracer has them) side by side, one bar per
-    arm and rank, from :func:`dashboards.views.rank_memory_rows`."""
+    arm and rank, from :func:`dashboards.memory_view.rank_memory_rows`."""
     if not rows:
         return empty(f"{case}: memory per rank", "no per-rank peaks")
     fig = go.Figure()
@@ -292,21 +252,6 @@ def telemetry(series: list[dict], case: str) -> go.Figure:
                                      name=s["gpu"], legendgroup=s["uuid"], showlegend=row == 1), row=row, col=1)
     fig.update_xaxes(title="seconds since sampling began", row=len(fields), col=1)
     return _layout(fig, f"{case}: GPU telemetry (memory used in GiB)", height=180 * len(fields))
-
-
-def compare_bar(a: pd.DataFrame, b: pd.DataFrame, metric: str = "samples_per_s") -> go.Figure:
-    """``metric`` of every (case, arm) the two runs' ``results`` frames share, side by side."""
-    rows = views.compare_rows(a, b, (metric,))
-    if not rows:
-        return empty("compare", f"the runs share no (case, arm) with {metric}")
-    labels = [f"{r['case']}/{r['arm']}" for r in rows]
-    fig = go.Figure()
-    for side, results in (("A", a), ("B", b)):
-        run = frames.records(results.head(1))[0]
-        fig.add_trace(go.Bar(x=labels, y=[r[side] for r in rows], name=f"{run['suite']}/{run['run_id']}"))
-    fig.update_layout(barmode="group")
-    fig.update_yaxes(title=metric)
-    return _layout(fig, f"{metric}: run A beside run B", height=380)
 
 
 def expert_load_heatmap(load: dict, case: str) -> go.Figure:

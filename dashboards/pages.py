@@ -1,6 +1,8 @@
-"""A run's page as Dash components, built from a :class:`dashboards.data.RunStore`: its header,
-the tabs' navigation and the tabs (the Flops, Comms and Memory tabs in their own modules; the runs
-and compare pages in :mod:`dashboards.runs_page`).
+"""A run's page as Dash components, built from a :class:`dashboards.data.RunStore`: its header
+(status, notes, the Perfetto trace's link), the tabs' navigation and the tabs (the Flops, Comms,
+Memory and Trace tabs in their own modules; the runs and compare pages in
+:mod:`dashboards.runs_page`). The navigation lists only the tabs with something to show for the
+run (:func:`visible_tabs`); the address of a hidden one still answers, saying why it is empty.
 
 A tab builds the frames it draws (:mod:`dslab.report.frames`: the run's ``results`` and
 ``trials``, the chosen case's profiler records with ``strict=True``) and hands them to
@@ -14,77 +16,124 @@ from urllib.parse import quote
 
 from dash import dcc, html
 
-from dashboards import experts_view, figures, io_view, pipeline_view, scaling_view, views
+from dashboards import experts_view, figures, io_view, pipeline_view, scaling_view, trace_view, views
 from dashboards import inference as inference_view
 from dashboards.comms_tab import comms_tab
 from dashboards.components import PAGE_SIZE, case_links, graph, guarded, key_value, table, warning
 from dashboards.data import RunStore
 from dashboards.flops_tab import flops_tab
 from dashboards.memory_tab import memory_tab
-from dslab.report import frames
+from dslab.report import frames, timeline
 
+# The Run tab and the tabs of the profilers' sections, then the tabs of a kind of run or view.
 TABS = (("", "Run"), ("flops", "Flops"), ("comms", "Comms"), ("memory", "Memory"),
         ("telemetry", "Telemetry"), ("io", "I/O"))
-# Shown only for a run with MoE records (experts_view.has_moe).
-EXPERTS_TAB = ("experts", "Expert load")
-# Shown only for an inference suite's run (inference_view.has_inference).
-INFERENCE_TAB = ("inference", "Inference")
-# Shown only for a run with process-count cases (scaling_view.has_scaling: a data-parallel suite's).
-SCALING_TAB = ("scaling", "Scaling")
-# Shown only for a run with pipeline-parallel arms (pipeline_view.has_pipeline).
-PIPELINE_TAB = ("pipeline", "Pipeline")
+VIEW_TABS = (("experts", "Expert load"), ("inference", "Inference"), ("scaling", "Scaling"),
+             ("pipeline", "Pipeline"), ("trace", "Trace"))
+ALL_TABS = TABS + VIEW_TABS
 BEST_PLAIN_NOTE = ("The best plain-PyTorch arm of a case is its fastest arm other than dslab (torch, torch-compile, "
                    "torch-compile-ro, hf) that finished all its trials; dslab/best plain is dslab's samples/s over "
                    "that arm's, both medians of trials interleaved in the same run.")
+PERFETTO = "https://ui.perfetto.dev"
+ENVIRONMENT_KEY_WIDTH = 48
 
 
-def _nav(suite: str, run_id: str, current: str, moe: bool = False, inference: bool = False,
-         scaling: bool = False, pipeline: bool = False) -> html.Div:
+def _has_records(report, section: str) -> bool:
+    """Whether profiler section ``section`` has a record of some case; a section that is not
+    ``{case: record}`` counts, so that its tab can say what is wrong with it."""
+    raw = report.profilers.get(section)
+    if raw is None:
+        return False
+    return not isinstance(raw, dict) or any(v is not None for v in raw.values())
+
+
+def _has_rank_memory(report) -> bool:
+    """Whether some trial recorded per-rank peaks (a multi-process run)."""
+    try:
+        return not frames.rank_memory(report).empty
+    except Exception:  # malformed trials: the Memory tab says what is wrong with them
+        return True
+
+
+def visible_tabs(report) -> list[str]:
+    """The tabs of the run's page that have something to show: the Run tab always; Flops, Comms,
+    Telemetry and I/O with records of their profiler; Memory with memory records, a wall-clock
+    breakdown or per-rank peaks; the others with the records their views draw. A hidden tab's
+    address still answers, with the reason it has nothing."""
+    shown = {
+        "": True,
+        "flops": _has_records(report, "flops"),
+        "comms": _has_records(report, "comms"),
+        "memory": _has_records(report, "memory") or _has_records(report, "wall_clock") or _has_rank_memory(report),
+        "telemetry": _has_records(report, "telemetry"),
+        "io": bool(report.profilers.get("io")),
+        "experts": experts_view.has_moe(report),
+        "inference": inference_view.has_inference(report),
+        "scaling": scaling_view.has_scaling(report),
+        "pipeline": pipeline_view.has_pipeline(report),
+        "trace": trace_view.has_trace_view(report),
+    }
+    return [tab for tab, _ in ALL_TABS if shown[tab]]
+
+
+def _nav(suite: str, run_id: str, current: str, visible: list[str]) -> html.Div:
     links = []
-    for tab, label in (TABS + ((EXPERTS_TAB,) if moe else ()) + ((INFERENCE_TAB,) if inference else ())
-                       + ((SCALING_TAB,) if scaling else ()) + ((PIPELINE_TAB,) if pipeline else ())):
+    for tab, label in ALL_TABS:
+        if tab not in visible and tab != current:
+            continue
         href = f"/run/{quote(suite)}/{quote(run_id)}" + (f"/{tab}" if tab else "")
         links.append(dcc.Link(label, href=href, className="tab current" if tab == current else "tab"))
-    return html.Div(links, className="tabs")
+    return html.Div(links, className="tabs", id="run-tabs")
+
+
+def _trace_line(store: RunStore, report, suite: str, run_id: str) -> html.P:
+    """The Perfetto trace's link; else why there is none (``dslab bench`` writes one with every
+    run and notes in the report when it could not)."""
+    if store.trace_file(suite, run_id) is not None:
+        return html.P(["Perfetto trace: ", html.A("trace.pftrace", href=f"/trace/{quote(suite)}/{quote(run_id)}",
+                                                   id="trace-file"),
+                       " - open it at ", html.A("ui.perfetto.dev", href=PERFETTO, target="_blank"),
+                       " (Open trace file); the Trace tab draws its profiled step."], id="trace-link")
+    problem = timeline.trace_problem(report)
+    if problem is not None:
+        return html.P(f"No Perfetto trace: dslab bench could not write it ({problem}).", id="trace-link",
+                      className="warning")
+    return html.P(["No Perfetto trace in this run's directory (a run from before dslab bench wrote one with every "
+                   "run, or its file was removed); ", html.Code(f"dslab trace {suite}/{run_id}"), " writes it."],
+                  id="trace-link")
 
 
 def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
-    trace = store.trace_file(suite, run_id)
-    if trace is not None:
-        trace_line = html.P(["Perfetto trace: ", html.A("trace.pftrace", href=f"/trace/{quote(suite)}/{quote(run_id)}",
-                                                         id="trace-link"),
-                             " - open it at ",
-                             html.A("ui.perfetto.dev", href="https://ui.perfetto.dev", target="_blank"),
-                             " (Open trace file)."])
-    else:
-        trace_line = html.P(["No Perfetto trace yet: ", html.Code(f"dslab trace {suite}/{run_id}"),
-                             " writes trace.pftrace into the run's directory; open it at ",
-                             html.A("ui.perfetto.dev", href="https://ui.perfetto.dev", target="_blank"), "."],
-                            id="trace-link")
     problems = [f"this report lacks {', '.join(report.missing)} (older or cut short)"] if report.missing else []
     problems += list(report.warnings)
     if report.suite != suite or report.run_id != run_id:
         problems.append(f"the report names itself {report.suite}/{report.run_id}")
+    notes = [n for n in report.notes if not str(n).startswith(timeline.TRACE_NOT_WRITTEN)]
     return [
         html.H2(f"{suite} / {run_id}"),
         html.P(f"status {report.status} - created {report.created or '?'} - finished {report.finished or '-'}"),
         *[warning(p) for p in problems],
-        *[html.P(f"note: {n}", className="note") for n in report.notes],
-        trace_line,
-        _nav(suite, run_id, tab, experts_view.has_moe(report), inference_view.has_inference(report),
-             scaling_view.has_scaling(report), pipeline_view.has_pipeline(report)),
+        *[html.P(f"note: {n}", className="note") for n in notes],
+        _trace_line(store, report, suite, run_id),
+        _nav(suite, run_id, tab, visible_tabs(report)),
     ]
 
 
 def run_page(store: RunStore, suite: str, run_id: str, tab: str = "", case: str | None = None) -> list:
-    """The run's page: its header, navigation, and the chosen tab's sections."""
-    report = store.report(suite, run_id)
-    body = {"": _run_tab, "flops": flops_tab, "comms": comms_tab, "memory": memory_tab,
-            "telemetry": _telemetry_tab, "io": _io_tab, "experts": _experts_tab,
-            "inference": _inference_tab, "scaling": _scaling_tab, "pipeline": _pipeline_tab}.get(tab)
+    """The run's page: its header, navigation, and the chosen tab's sections (drawn once per
+    version of the report and trace: :meth:`dashboards.data.RunStore.page`)."""
+    body = _tab_bodies().get(tab)
     if body is None:
+        store.run_path(suite, run_id)  # a bad run reference is the error to show first
         raise FileNotFoundError(f"no page {tab!r}")
-    return _header(store, report, suite, run_id, tab) + body(report, suite, run_id, case)
+    return store.page(suite, run_id, (tab, case),
+                      lambda report: _header(store, report, suite, run_id, tab) + body(report, suite, run_id, case))
+
+
+def _tab_bodies() -> dict:
+    return {"": _run_tab, "flops": flops_tab, "comms": comms_tab, "memory": memory_tab,
+            "telemetry": _telemetry_tab, "io": _io_tab, "experts": _experts_tab, "inference": _inference_tab,
+            "scaling": _scaling_tab, "pipeline": _pipeline_tab, "trace": trace_view.trace_tab}
 
 
 def _run_tab(report, suite, run_id, case) -> list:
@@ -101,8 +150,17 @@ def _run_tab(report, suite, run_id, case) -> list:
         out += guarded(f"Case {c}", lambda c=c: html.Div([graph(f"arms-{c}", figures.arms_bar(results, trials, c)),
                                                           graph(f"trials-{c}", figures.trials_strip(trials, c))],
                                                          className="pair"))
-    out += guarded("Environment", lambda: key_value(views.environment_rows(report)))
+    out += guarded("Environment", lambda: environment_table(views.environment_rows(report)))
     return out
+
+
+def environment_table(rows: list[tuple[str, str]]) -> html.Pre:
+    """The environment's ``(key, value)`` rows as one block of aligned text: a couple of hundred
+    rows as one component rather than three Dash components a row, which the browser took a
+    second to lay out."""
+    width = min(ENVIRONMENT_KEY_WIDTH, max((len(str(k)) for k, _ in rows), default=0))
+    text = "\n".join(f"{str(k):<{width}}  {' '.join(str(v).split())}" for k, v in rows)
+    return html.Pre(text, className="kv-text", id="environment")
 
 
 def _best_plain_section(results) -> list:

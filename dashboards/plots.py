@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from dashboards import experts_view, views
+from dashboards import comms_view, experts_view, flops_view, memory_view, views
 from dslab.report import RunReport, frames
 
 DPI = 110
@@ -68,11 +68,11 @@ def _flops(plt, report: RunReport, case: str):
     data = _record(report, "flops", case)
     if data is None:
         return None
-    nodes = views.flops_tree(frames.flops_modules(report, case=case, strict=True))
-    top = [r for r in views.top_modules(nodes, per_depth=6) if r["depth"] > 0][:24]
+    nodes = flops_view.flops_tree(frames.flops_modules(report, case=case, strict=True))
+    top = [r for r in flops_view.top_modules(nodes, per_depth=6) if r["depth"] > 0][:24]
     activations = frames.memory_activations(report, case=case)
-    points = views.roofline_points(nodes, activations, report.config.get("precision"))
-    roofs = views.ceilings(report, data)
+    points = flops_view.roofline_points(nodes, activations, report.config.get("precision"))
+    roofs = flops_view.ceilings(report, data)
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, max(4, 0.28 * len(top) + 1)))
     left.barh([r["module"] for r in top], [r["gflops"] for r in top],
               color=plt.cm.viridis([min(1.0, (r["tflops"] or 0) / max(1e-9, max(t["tflops"] or 0 for t in top)))
@@ -106,28 +106,39 @@ def _comms(plt, report: RunReport, case: str):
     data = _record(report, "comms", case)
     if data is None:
         return None
-    rows = views.comms_op_rows(frames.comms_ops(report, case=case, strict=True))
-    matrix = views.straggler_matrix(frames.comms_calls(report, case=case, strict=True),
-                                    frames.stragglers(report, case=case, strict=True))
-    if not rows and not matrix["labels"]:
+    calls = frames.comms_calls(report, case=case, strict=True)
+    points = comms_view.bandwidth_points(calls)
+    reference = comms_view.reference_busbw(report)
+    matrix = comms_view.straggler_matrix(calls, frames.stragglers(report, case=case, strict=True))
+    if not points and not matrix["labels"]:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5))
-    for op in sorted({r["op"] for r in rows}):
-        mine = sorted((r for r in rows if r["op"] == op and r["busbw_GBps"] is not None), key=lambda r: r["size_bytes"])
-        left.plot([r["size_bytes"] for r in mine], [r["busbw_GBps"] for r in mine], "o-", label=op)
+    for op in sorted({p["op"] for p in points}):
+        mine = [p for p in points if p["op"] == op]
+        left.scatter([p["bytes"] for p in mine], [p["busbw_GBps"] for p in mine], s=14, label=op)
+    if reference is not None and reference["points"]:
+        left.plot([p["size_bytes"] for p in reference["points"]], [p["busbw_GBps"] for p in reference["points"]],
+                  "k--o", markersize=3, label=reference["label"])
     left.set_xscale("log")
-    left.set_xlabel("message size (bytes)")
+    if points:
+        left.set_yscale("log")
+    left.set_xlabel("message bytes")
     left.set_ylabel("bus bandwidth (GB/s)")
-    left.set_title(f"{case}: bandwidth against message size")
-    if rows:
+    left.set_title(f"{case}: bus bandwidth per collective")
+    if points:
         left.legend()
     if matrix["labels"]:
-        z = [[float("nan") if v is None else v for v in row] for row in matrix["wait_ms"]]
-        image = right.imshow(z, aspect="auto", cmap="Reds", interpolation="nearest")
-        right.set_yticks(range(len(matrix["ranks"])), [f"rank {r}" for r in matrix["ranks"]])
-        right.set_xlabel("collective (in order of arrival)")
-        fig.colorbar(image, ax=right, label="wait (ms)")
-    right.set_title(f"{case}: straggler wait")
+        z = [[float("nan") if v is None else v for v in row] for row in matrix["lateness_ms"]]
+        image = right.imshow(z, aspect="auto", cmap="Reds", interpolation="nearest", vmin=0,
+                             vmax=matrix["colour_max_ms"])
+        named = set(matrix["stragglers"])
+        right.set_yticks(range(len(matrix["ranks"])), [f"rank {r}" + (" (straggler)" if r in named else "")
+                                                       for r in matrix["ranks"]])
+        right.scatter(range(len(matrix["last"])), [matrix["ranks"].index(r) for r in matrix["last"]],
+                      marker="x", color="black", s=16)
+        right.set_xlabel("collective (in order of first arrival)")
+        fig.colorbar(image, ax=right, label=f"late by (ms, colour to {matrix['colour_max_ms']:.3g})")
+    right.set_title(f"{case}: lateness per rank and collective")
     return fig
 
 
@@ -135,9 +146,10 @@ def _memory(plt, report: RunReport, case: str):
     data = _record(report, "memory", case)
     if data is None:
         return None
-    timeline = views.memory_timeline(frames.memory_timeline(report, case=case, strict=True))
-    acts = views.activation_rows(frames.memory_activations(report, case=case, strict=True))
-    compare = views.memory_measured_vs_estimate(data)
+    timeline = memory_view.memory_timeline(frames.memory_timeline(report, case=case, strict=True))
+    acts = memory_view.activation_top_rows(
+        memory_view.activation_tree(frames.memory_activations(report, case=case, strict=True)))
+    compare = memory_view.memory_measured_vs_estimate(data)
     fig, axes = plt.subplots(1, 3, figsize=(18, max(4, 0.22 * len(acts) + 1)))
     for key in ("peak_allocated", "peak_reserved"):
         axes[0].plot(timeline["step"], [None if v is None else v / 2**30 for v in timeline[key]], "o-", label=key)
@@ -146,10 +158,10 @@ def _memory(plt, report: RunReport, case: str):
     axes[0].set_title(f"{case}: allocator peaks" if timeline["step"] else f"{case}: no per-step peaks")
     if timeline["step"]:
         axes[0].legend()
-    axes[1].barh([a["module"] for a in acts], [a["bytes"] / 2**20 for a in acts])
+    axes[1].barh([a["module"] for a in acts], [a["mib"] for a in acts])
     axes[1].invert_yaxis()
-    axes[1].set_xlabel("MiB saved for backward")
-    axes[1].set_title("activation memory per module")
+    axes[1].set_xlabel("MiB saved for backward (with children)")
+    axes[1].set_title(f"activation memory, the {len(acts)} largest modules as a tree")
     bottom = 0.0
     for key, value in compare["measured"].items():
         axes[2].bar(["measured"], [value / 2**30], bottom=bottom, label=key)

@@ -7,7 +7,19 @@ is writing those two functions and one entry in :data:`COMMANDS` (and extending 
 commands in ``tests/test_cli.py``).
 
 Exit codes: 0 success, 1 an expected error (bad input: ``ValueError``, ``FileNotFoundError``),
-printed as ``dslab: error: <message>`` without a traceback; 2 a usage error (argparse's).
+printed as ``dslab: error: <message>`` without a traceback; 2 a usage error (argparse's). Two
+commands say more:
+
+- ``dslab bench``: 0 when the run finished and every arm of every case ran or was skipped (an arm
+  that cannot run here, e.g. ``deepspeed`` not installed; the report says why); 3 when it finished
+  but some arm failed or ran out of memory (the report's status is ``partial``; the summary gives
+  each one's error); 2 when the run could not start: the suite path names no suite (the message
+  lists the suites found), the suite file is invalid, or the scale, arms, cases or counts asked for
+  are refused, before anything is measured or a report is written; 1 when the runner itself
+  stopped on an expected error after the run started (the report is left ``incomplete``). Under
+  torchrun only rank 0 speaks for the run, and the processes ``dslab bench`` launches for a data-
+  or model-parallel suite exit 0 for a partial part (the launching process judges the whole run).
+- ``dslab gate``: 0 pass, 1 regression, 2 cannot judge.
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ from collections.abc import Callable
 from dslab import __version__
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError)
+EXIT_BENCH_NOT_STARTED = 2
+EXIT_BENCH_PARTIAL = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,22 +88,35 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    from dslab.bench.common import PART_ENV, RunNotStarted
     from dslab.bench.runner import run_suite
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
-    nprocs = None
-    if args.nprocs:
-        from dslab.bench.data_parallel_suite import parse_nprocs
+    try:
+        nprocs = None
+        if args.nprocs:
+            from dslab.bench.data_parallel_suite import parse_nprocs
 
-        nprocs = parse_nprocs(args.nprocs)
-    report, _ = run_suite(args.suite, scale=args.scale, arms=arms, cases=cases, trials=args.trials, steps=args.steps,
-                          warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage, verbose=args.verbose,
-                          nprocs=nprocs)
-    failed = [f"{r.case}/{r.arm}" for r in report.results if r.status == "failed"]
-    if failed and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
-        print(f"dslab: {len(failed)} arm(s) failed: {', '.join(failed)} (errors are in the report)",
-              file=sys.stderr)
+            try:
+                nprocs = parse_nprocs(args.nprocs)
+            except ValueError as err:
+                raise RunNotStarted(str(err)) from err
+        report, _ = run_suite(args.suite, scale=args.scale, arms=arms, cases=cases, trials=args.trials,
+                              steps=args.steps, warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage,
+                              verbose=args.verbose, nprocs=nprocs)
+    except RunNotStarted as err:
+        print(f"dslab: error: {err}", file=sys.stderr)
+        return EXIT_BENCH_NOT_STARTED
+    # Under torchrun rank 0 speaks for all; a launched part leaves the verdict to its launcher.
+    if os.environ.get("RANK", "0") != "0" or os.environ.get(PART_ENV):
+        return 0
+    failed = report.failed_results()
+    if failed:
+        print(f"dslab: run {report.run_id} is partial: {len(failed)} arm(s) failed: "
+              f"{', '.join(f'{r.case}/{r.arm} ({r.status})' for r in failed)}; the summary and the report "
+              f"give each error", file=sys.stderr)
+        return EXIT_BENCH_PARTIAL
     return 0
 
 
@@ -163,23 +190,14 @@ def _run_report(args: argparse.Namespace) -> int:
     if args.report_action == "export":
         return _run_report_export(args)
     if args.report_action == "list":
-        frames = _report_frames()
         runs = list_runs(args.reports, args.suite)
         if not runs:
             print(f"no runs under {args.reports}" + (f" for suite {args.suite}" if args.suite else ""))
             return 0
-        for path in runs:
-            try:
-                r = read_report(path)
-            except ValueError as err:
-                print(f"{path.parent.name:<12} {path.name:<24} unreadable: {err}")
-                continue
-            results = frames.records(frames.results(r))
-            first_case = results[0]["case"] if results else None
-            best = next((row for row in results if row["case"] == first_case and row["arm"] == "dslab"), None)
-            figure = f"{best['samples_per_s']:.1f} samples/s" if best and best.get("samples_per_s") is not None else "-"
-            hw = frames.records(frames.runs(r))[0]["hardware"] or "?"
-            print(f"{r.suite:<12} {r.run_id:<24} {r.status:<10} {hw:<24} {figure}")
+        _report_frames()  # the table reads each report through its frames
+        from dslab.report.summary import runs_table
+
+        print(runs_table(runs), end="")
         return 0
     report = read_report(find_run(args.reports, args.run))
     if args.json:

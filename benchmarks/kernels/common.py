@@ -168,9 +168,21 @@ def peak_extra_memory_bytes(fn: Callable[[], object]) -> int:
     return peak - before
 
 
-def graph_time_ms(fn: Callable[[], object], iters: int = 30) -> list[float] | None:
+def reset_cuda_generators() -> None:
+    """Give every CUDA device's default generator a fresh copy of its own state (same seed and
+    offset). A capture that fails after drawing from a generator leaves it marked as capturing, and
+    every later draw outside a capture then raises "Offset increment outside graph capture
+    encountered unexpectedly"; the copy starts outside any capture, so the cases after a failed
+    capture run as they would on their own."""
+    for generator in torch.cuda.default_generators:
+        generator.graphsafe_set_state(generator.clone_state())
+
+
+def graph_time_ms(fn: Callable[[], object], iters: int = 30, failures: list[str] | None = None) -> list[float] | None:
     """Per-replay times in ms of ``fn`` captured once in a CUDA graph: the device time of its
-    kernels without the host's launch overhead. None when ``fn`` cannot be captured."""
+    kernels without the host's launch overhead. None when ``fn`` cannot be captured, with the
+    reason appended to ``failures``; the CUDA generators are reset after a failed capture
+    (:func:`reset_cuda_generators`) so that the failure cannot reach the next case."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
@@ -181,8 +193,11 @@ def graph_time_ms(fn: Callable[[], object], iters: int = 30) -> list[float] | No
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-    except Exception:  # not capturable (host syncs, CPU-side state): no graph figure
+    except Exception as err:  # not capturable (host syncs, CPU-side state): no graph figure
         torch.cuda.synchronize()
+        reset_cuda_generators()
+        if failures is not None:
+            failures.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         return None
     times = time_ms(graph.replay, warmup=3, iters=iters)
     del graph

@@ -86,7 +86,11 @@ def main():
                 row["torch_tflops"] = case.flops / (row["torch_ms"] * 1e-3) / 1e12
                 row["pct_matmul_peak"] = row["dslab_tflops"] / peaks["bf16_matmul_tflops"]
             if args.graphs:
-                d_graph, t_graph = graph_time_ms(case.dslab), graph_time_ms(case.torch)
+                d_fail, t_fail = [], []
+                d_graph, t_graph = graph_time_ms(case.dslab, failures=d_fail), graph_time_ms(case.torch, failures=t_fail)
+                for side, failed in (("dslab", d_fail), ("torch", t_fail)):
+                    if failed:
+                        row[f"{side}_capture_error"] = failed[0]
                 if d_graph and t_graph:
                     row["dslab_graph_ms"], row["torch_graph_ms"] = median(d_graph), median(t_graph)
                     row["graph_ratio"] = row["torch_graph_ms"] / row["dslab_graph_ms"]
@@ -127,6 +131,11 @@ def main():
             gratio = f"{row['graph_ratio']:.2f}"
         print(f"{row['op']:<22} {row['shape']:<34} {row['dslab_ms']:>9.3f} {row['torch_ms']:>9.3f} "
               f"{row['ratio']:>6.2f} {target:>6} {rate:>16} {graph:>14} {gratio:>7} {mem:>12}{flag}")
+    for row in rows:
+        for side in ("dslab", "torch"):
+            if f"{side}_capture_error" in row:
+                print(f"{row['op']} {row['shape']}: the {side} side could not be captured in a CUDA graph: "
+                      f"{row[f'{side}_capture_error'][:160]}")
     for op, err in errors:
         print(f"{op}: could not load cases: {err}")
     if args.json:

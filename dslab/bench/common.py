@@ -25,6 +25,12 @@ OOM_STATUS = "oom"
 OOM_PREFIX = "out of memory"
 
 
+class RunNotStarted(ValueError):
+    """The run was refused before it started: the suite (missing, unreadable, invalid), the
+    scale, arms, cases or counts asked for, or the kind's own checks. Nothing was measured and no
+    report was written; the message names the problem. ``dslab bench`` exits 2 on it."""
+
+
 class ArmSkipped(Exception):
     """The arm cannot run here (a missing optional package, a distributed run of a
     single-process arm); recorded as skipped, not failed."""

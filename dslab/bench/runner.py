@@ -8,8 +8,12 @@ temperature, neighbours) fall on all arms alike. Each arm's first trial starts w
 warm-up steps (compilation, autotuning); later trials settle for a step or two (the kind's) before
 they are timed.
 
-The report is rewritten atomically after every round of trials; an arm that fails is recorded
-with its error and the others go on; Ctrl-C leaves the report marked incomplete. An arm that runs
+A run that cannot start (no suite at the path, an invalid suite file, a scale, arm, case or count
+it does not have) raises :class:`~dslab.bench.common.RunNotStarted` before anything is measured or
+written. Once started, the report is rewritten atomically after every round of trials; an arm that
+fails is recorded with its error and the others go on, and the finished run is ``partial`` (a
+skipped arm does not count; :meth:`dslab.report.RunReport.finished_status`), else ``complete``;
+Ctrl-C or an error of the runner itself leaves the report marked incomplete. An arm that runs
 out of GPU memory (``torch.OutOfMemoryError`` while it is built, warms up or runs a trial) is
 recorded with status ``oom`` and an error whose first line says where and repeats the first line
 of PyTorch's message (:func:`dslab.bench.common.error_text`); any trials it finished are kept. The
@@ -20,7 +24,8 @@ Started on several processes (torchrun or ``dslab launch``, ``WORLD_SIZE`` > 1),
 :func:`run_suite`; only rank 0 prints and writes the report (the training kind says how the ranks
 step together and how their measurements combine).
 
-The terminal gets the progress lines (one per arm and trial) and the summary table.
+Progress lines (one per arm and trial) go to standard error, the summary table and the report's
+path to standard output, so ``dslab bench SUITE > summary.txt`` keeps the table.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ import torch
 
 from dslab import comm
 from dslab.bench.common import (
-    RUN_ID_ENV, ArmSkipped, Progress, TrialFailed, World, current_device, datasheet_bf16, error_text, failure_status,
-    free_memory,
+    RUN_ID_ENV, ArmSkipped, Progress, RunNotStarted, TrialFailed, World, current_device, datasheet_bf16, error_text,
+    failure_status, free_memory,
 )
 from dslab.bench.data_parallel import DataParallelSuite
 from dslab.bench.inference import InferenceSuite
@@ -44,6 +49,7 @@ from dslab.bench.measure import measure_peaks
 from dslab.bench.model_parallel import ModelParallelSuite
 from dslab.bench.protocol import CaseRun, Counts, RunContext, SuiteKind
 from dslab.bench.suite import load_suite
+from dslab.bench.trace_step import write_run_trace
 from dslab.bench.training import TrainingSuite
 from dslab.report import Result, RunReport, Trial, new_run_id
 from dslab.report.environment import collect_environment
@@ -85,10 +91,14 @@ def run_suite(
     zero_stage: int | None = None,
     verbose: bool = False,
     nprocs: list[int] | None = None,
+    summary: TextIO | None = None,
 ) -> tuple[RunReport, Path]:
     """Run the suite at ``suite_path``; returns the report and the path of its run.json.
 
-    Progress and the summary table go to ``stream`` (standard error by default; rank 0 only).
+    Progress lines go to ``stream`` (standard error by default), the summary table and the
+    report's path to ``summary`` (standard output by default, or ``stream`` when only that is
+    given); rank 0 only. A run that cannot start raises
+    :class:`~dslab.bench.common.RunNotStarted` naming the problem (module docstring).
     ``scale`` defaults to ``full`` on a CUDA device and ``tiny`` elsewhere; ``trials``, ``steps``
     and ``warmup_steps`` override the scale's. The training kind also takes ``zero_stage`` (it
     overrides the suite engine's ``zero_optimization.stage``) and ``verbose`` (the profilers' text
@@ -97,20 +107,24 @@ def run_suite(
     A data- or model-parallel suite started outside torchrun launches its processes itself, one
     torchrun per process count (``nprocs``, else the suite's; :mod:`dslab.bench.launcher`), and
     merges what they measured into this run's report; the summary adds the scaling table."""
-    suite, suite_file = load_suite(suite_path)
-    kind = suite_kind(suite, suite_file, zero_stage, verbose, nprocs)
-    launching = getattr(kind, "launches_processes", False) and not os.environ.get("WORLD_SIZE")
-    world = World() if launching else kind.join_world()
-    device = current_device() if not launching else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    progress = Progress(stream or sys.stderr, enabled=world.rank == 0)
-    if scale is None:
-        scale = "full" if device.type == "cuda" else "tiny"
-        if device.type != "cuda":
-            progress.line(f"no CUDA GPU: running suite {suite.name} at the 'tiny' scale on the CPU")
-    if scale not in suite.scales:
-        raise ValueError(f"suite {suite.name} has no scale {scale!r}; it has {', '.join(suite.scales)}")
-    counts = _counts(suite.scales[scale], trials, steps, warmup_steps)
-    plan = kind.plan(scale, arms, cases, counts, world, device)
+    try:
+        suite, suite_file = load_suite(suite_path)
+        kind = suite_kind(suite, suite_file, zero_stage, verbose, nprocs)
+        launching = getattr(kind, "launches_processes", False) and not os.environ.get("WORLD_SIZE")
+        world = World() if launching else kind.join_world()
+        device = current_device() if not launching else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        progress = Progress(stream or sys.stderr, enabled=world.rank == 0)
+        if scale is None:
+            scale = "full" if device.type == "cuda" else "tiny"
+            if device.type != "cuda":
+                progress.line(f"no CUDA GPU: running suite {suite.name} at the 'tiny' scale on the CPU")
+        if scale not in suite.scales:
+            raise ValueError(f"suite {suite.name} has no scale {scale!r}; it has {', '.join(suite.scales)}")
+        counts = _counts(suite.scales[scale], trials, steps, warmup_steps)
+        plan = kind.plan(scale, arms, cases, counts, world, device)
+    except (ValueError, FileNotFoundError) as err:
+        raise RunNotStarted(str(err)) from err
+    summary_lines = Progress(summary or stream or sys.stdout, enabled=world.rank == 0)
 
     run_id = os.environ.get(RUN_ID_ENV) or new_run_id()
     if world.size > 1:  # one run, one id: rank 0's
@@ -140,7 +154,7 @@ def run_suite(
                 if case_run is not None:
                     run_case(case_run, context)
         _ratios(report)
-        report.status = "complete"
+        report.status = report.finished_status()
     except KeyboardInterrupt:
         report.status = "incomplete"
         report.notes.append("interrupted (Ctrl-C) before the run finished")
@@ -153,13 +167,14 @@ def run_suite(
     finally:
         report.finished = utc_now()
         path = context.write()
+        write_run_trace(context, path)
         progress.line("")
         if world.part:  # one launch of a multi-process run: the launcher prints the run's summary
             progress.line(f"part {world.part} of run {report.run_id}: {path}")
         else:
             scaling = scaling_table(report)
-            progress.line(describe(report) + "\n" + results_table(report) + (f"\n{scaling}" if scaling else ""))
-            progress.line(f"report: {path}")
+            summary_lines.line(describe(report) + "\n" + results_table(report) + (f"\n{scaling}" if scaling else ""))
+            summary_lines.line(f"report: {path}")
     return report, path
 
 

@@ -54,6 +54,8 @@ ARM_FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
 SHAPED_BY_PRESET = ("evoformer",)
 SCALES = ("full", "tiny")
 SUITE_FILE = "suite.json"
+# The repository's suites, listed when a suite path names none (a source checkout has them).
+REPO_SUITES = Path(__file__).resolve().parents[2] / "suites"
 
 
 class CaseConfig(ConfigSection):
@@ -159,7 +161,11 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
     path = Path(path)
     file = path / SUITE_FILE if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"no suite at {path} (expected {file})")
+        folder, names = suites_near(path)
+        found = (f"suites under {folder}: {', '.join(names)}" if names else
+                 f"no suite (a folder holding {SUITE_FILE}) under {_search_folders(path)[0]} or {REPO_SUITES}")
+        expected = file if file.suffix == ".json" else file / SUITE_FILE
+        raise FileNotFoundError(f"no suite at {path} (expected {expected}); {found}")
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as err:
@@ -176,6 +182,26 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
     except ValueError as err:
         raise ValueError(f"suite file {file}: {err}") from None
     return suite, file
+
+
+def _search_folders(path: Path) -> list[Path]:
+    """Where the suites beside ``path`` would be: the folder holding it (the one above, for a
+    path to a suite.json), then the repository's ``suites/``."""
+    beside = path.parent.parent if path.name == SUITE_FILE else path.parent
+    return [beside, REPO_SUITES]
+
+
+def suites_near(path: str | Path) -> tuple[Path, list[str]]:
+    """The suites beside ``path`` (folders holding a suite.json in the folder that holds it), or
+    if there are none there, the repository's ``suites/``: the folder searched and the suites'
+    names, sorted (no names when neither has one)."""
+    folders = _search_folders(Path(path))
+    for folder in folders:
+        if folder.is_dir():
+            names = sorted(d.name for d in folder.iterdir() if (d / SUITE_FILE).is_file())
+            if names:
+                return folder, names
+    return folders[-1], []
 
 
 def select_arms(suite: SuiteConfig, requested: list[str] | None, scale: str | None = None) -> list[str]:

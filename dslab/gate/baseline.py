@@ -15,8 +15,11 @@ atomically::
                    "trials": {"samples_per_s": [612.1, 608.3, ...], "step_time_ms": [...]}}]
     }
 
-Rolling baselines pool the trials of the last N complete runs of a suite with the candidate's
-fingerprint key. Change points (:func:`detect_change_points`) are found by binary segmentation
+A run that finished is used whether it is ``complete`` or ``partial`` (some arm failed or ran out
+of memory): its arms that ran are pooled, and a failed arm keeps its status and error, so the
+verdict on it is cannot-judge and names the error while the other arms are judged. A run that did
+not finish (``incomplete``, ``running``) is refused. Rolling baselines pool the trials of the last N
+finished runs of a suite with the candidate's fingerprint key. Change points (:func:`detect_change_points`) are found by binary segmentation
 over a history of runs; :func:`write_change_points` saves them to
 ``<reports>/<suite>/change_points.json`` for the dashboard's Runs page.
 """
@@ -33,9 +36,11 @@ from dslab.gate.fingerprint import Fingerprint, explain_difference, fingerprint_
 from dslab.gate.stats import rank_z
 from dslab.gate.trial_set import BASELINE_SCHEMA, BASELINE_VERSION, TrialSet
 from dslab.gate.verdict import DEFAULT_METRICS, GateSettings, compare_samples
-from dslab.report.schema import METRIC_DIRECTIONS
+from dslab.report.schema import METRIC_DIRECTIONS, STATUS_COMPLETE, STATUS_PARTIAL
 from dslab.report.store import atomic_write_text, list_runs, read_report, utc_now
 
+# The run statuses whose reports the gate pools: the runs that finished (see the module docstring).
+FINISHED_STATUSES = (STATUS_COMPLETE, STATUS_PARTIAL)
 CHANGE_POINTS_SCHEMA = "dslab.change_points"
 CHANGE_POINTS_FILE = "change_points.json"
 BASELINES_DIR = "baselines"
@@ -57,7 +62,8 @@ def trial_set_from_reports(reports: list, label: str | None = None) -> TrialSet:
 
     A case whose settings differ from those of the newest report holding it is taken only from
     the reports that agree with the newest. Raises ValueError when the reports are of different
-    suites or fingerprint keys (naming the differing fields) or when one is not complete.
+    suites or fingerprint keys (naming the differing fields) or when one did not finish (a
+    ``partial`` run is used: its failed arms keep their status and error).
     """
     if not reports:
         raise ValueError("no runs to build a trial set from")
@@ -65,8 +71,8 @@ def trial_set_from_reports(reports: list, label: str | None = None) -> TrialSet:
     if len(suites) > 1:
         raise ValueError(f"runs of different suites cannot be pooled: {', '.join(suites)}")
     for r in reports:
-        if r.status != "complete":
-            raise ValueError(f"run {r.run_id} is {r.status}, not complete; it cannot be used")
+        if r.status not in FINISHED_STATUSES:
+            raise ValueError(f"run {r.run_id} is {r.status}, not complete or partial; it cannot be used")
     prints = [fingerprint_of(r) for r in reports]
     newest = prints[-1]
     for r, fp in zip(reports, prints):
@@ -174,15 +180,16 @@ def injected_sleep_ms(report) -> float | None:
 
 
 def _readable_runs(root: str | Path, suite: str) -> list:
-    """Complete run reports of ``suite`` under ``root``, oldest first. Unreadable runs, and runs
-    slowed on purpose by ``DSLAB_INJECT_STEP_SLEEP_MS``, are skipped: neither is history."""
+    """Finished (complete or partial) run reports of ``suite`` under ``root``, oldest first.
+    Unreadable runs, and runs slowed on purpose by ``DSLAB_INJECT_STEP_SLEEP_MS``, are skipped:
+    neither is history."""
     reports = []
     for path in list_runs(root, suite):
         try:
             report = read_report(path)
         except (OSError, ValueError):
             continue
-        if report.status == "complete" and report.environment and not injected_sleep_ms(report):
+        if report.status in FINISHED_STATUSES and report.environment and not injected_sleep_ms(report):
             reports.append(report)
     return reports
 
@@ -190,7 +197,7 @@ def _readable_runs(root: str | Path, suite: str) -> list:
 def rolling_baseline(
     root: str | Path, suite: str, key: str, last: int, exclude: tuple[str, ...] = (), before: str | None = None
 ) -> TrialSet:
-    """Pool the ``last`` newest complete runs of ``suite`` whose fingerprint key is ``key`` (runs
+    """Pool the ``last`` newest finished runs of ``suite`` whose fingerprint key is ``key`` (runs
     slowed by ``DSLAB_INJECT_STEP_SLEEP_MS`` are never used).
 
     Runs in ``exclude`` (the candidates) and runs with an id sorting after ``before`` (the newest
@@ -206,7 +213,7 @@ def rolling_baseline(
             chosen.append(report)
     chosen = chosen[-last:]
     if not chosen:
-        raise ValueError(f"no earlier complete run of suite {suite!r} under {root} has fingerprint {key}")
+        raise ValueError(f"no earlier finished run of suite {suite!r} under {root} has fingerprint {key}")
     return trial_set_from_reports(chosen, label=f"rolling baseline: {len(chosen)} run(s) "
                                                 f"{chosen[0].run_id} .. {chosen[-1].run_id}")
 
@@ -282,7 +289,7 @@ def history_change_points(
     settings: GateSettings | None = None,
     min_segment: int = 1,
 ) -> list[dict]:
-    """Change points over every complete run of ``suite`` under ``root``.
+    """Change points over every finished run of ``suite`` under ``root``.
 
     Runs are grouped by fingerprint key and, per case, by the case's settings; each (case, arm,
     metric) series is searched with :func:`detect_change_points`. ``metrics`` default: samples_per_s

@@ -8,7 +8,9 @@
 
 Anything that stops a judgement (no such run, no baseline for this fingerprint, a malformed file)
 is reported in the chosen format as a problem and exits 2, never 1: exit 1 means a regression
-was found. Every suite gate also refreshes ``<reports>/<suite>/change_points.json`` (see
+was found. A ``partial`` run (one whose ``dslab bench`` exited 3: some arm failed or ran out of
+memory) is judged on the arms that ran; a note names its failed arms, and a failed arm that is
+judged (``--arm``, default dslab) is a cannot-judge row with its error, so the gate exits 2. Every suite gate also refreshes ``<reports>/<suite>/change_points.json`` (see
 :func:`dslab.gate.baseline.history_change_points`), the change points the dashboard shows.
 """
 
@@ -138,6 +140,17 @@ def _baseline(args: argparse.Namespace, candidate: TrialSet) -> TrialSet | str:
     return trial_set_from_reports(_read_runs(args.reports, [spec], candidate.suite))
 
 
+def _failed_arms_note(side: str, trial_set: TrialSet) -> str | None:
+    """A note naming the (case, arm)s of ``trial_set`` that failed or ran out of memory in every
+    run it pools (a partial run's), or None when there are none."""
+    failed = [f"{case}/{arm} ({state['status']})" for (case, arm), state in trial_set.status.items()
+              if state["status"] not in ("ok", "skipped")]
+    if not failed:
+        return None
+    return (f"the {side} is partial: {', '.join(failed)} did not finish; only the arms that ran are judged "
+            f"(a failed arm asked for cannot be judged)")
+
+
 def _refresh_change_points(args: argparse.Namespace, suite: str, settings: GateSettings, report: GateReport) -> None:
     try:
         if not list_runs(args.reports, suite):
@@ -160,6 +173,9 @@ def _update_baseline(args: argparse.Namespace, settings: GateSettings) -> int:
     trial_set = trial_set_from_reports(reports)
     path = write_baseline(trial_set, args.reports)
     print(f"baseline written: {path} (fingerprint {trial_set.fingerprint.key}, from {trial_set.label})")
+    note = _failed_arms_note("baseline", trial_set)
+    if note:
+        print(f"dslab gate: warning: {note}", file=sys.stderr)
     needed = trials_needed(settings.alpha)
     for (case, arm), metrics in trial_set.trials.items():
         metric = next((m for m in (args.metric or DEFAULT_METRICS) if m in metrics), None)
@@ -205,6 +221,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             arms = tuple(args.arm) if args.arm else ("dslab",)
             report = gate_trial_sets(baseline, candidate, tuple(args.metric) if args.metric else None, arms, settings)
+            for side, trial_set in (("candidate", candidate), ("baseline", baseline)):
+                note = _failed_arms_note(side, trial_set)
+                if note:
+                    report.notes.append(note)
         for r in candidates:
             if injected_sleep_ms(r):
                 report.notes.append(f"candidate run {r.run_id} ran with DSLAB_INJECT_STEP_SLEEP_MS="

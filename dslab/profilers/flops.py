@@ -61,6 +61,9 @@ class FlopsProfilerConfig(ConfigSection):
     depth the aggregated profile lists; ``output_file`` None prints to stdout. ``device_time``
     (dslab's own key) times the next step's modules by device activity
     (:mod:`dslab.profilers.device_time`) and the steps after it as the steady state.
+    ``every_n_steps`` (dslab's own key, a positive int; None: off) times the modules again every N
+    steps after that first device-timed step, at steps ``profile_step + 1 + k * N``, and keeps each
+    profile in the records (:mod:`dslab.profilers.flops_continuous`); it needs ``device_time``.
     """
 
     enabled: bool = False
@@ -70,6 +73,23 @@ class FlopsProfilerConfig(ConfigSection):
     detailed: bool = True
     output_file: str | None = None
     device_time: bool = True
+    every_n_steps: int | None = None
+
+    @pydantic.field_validator("every_n_steps", mode="before")
+    @classmethod
+    def _positive_int(cls, value):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"config key 'flops_profiler.every_n_steps' must be a positive int (profile "
+                             f"every N steps), got {value!r}")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _continuous_needs_device_time(self) -> FlopsProfilerConfig:
+        if self.every_n_steps is not None and not self.device_time:
+            raise ValueError("config key 'flops_profiler.every_n_steps' re-takes the device-time profile, "
+                             "which 'flops_profiler.device_time' = false switches off; set device_time "
+                             "to true or remove every_n_steps")
+        return self
 
 
 # Ops that answer questions about a tensor's layout; FlopCounterMode lets subclasses handle them.

@@ -16,6 +16,11 @@ be measured truthfully.
    event at the begin of each (no synchronisation), read at :meth:`FlopsStepProfiler.records`; the whole model's achieved
    TFLOP/s and MFU are its counted flops over their median step time. A benchmark that timed the
    run itself replaces this figure with its own (``steady_state.source`` says whose it is).
+5. With ``every_n_steps`` N, steps ``profile_step + 1 + k * N`` (k >= 1) are timed by device activity
+   as step 2 is, and every device-timed step, the first included, becomes one profile of the
+   records' ``continuous`` series (:mod:`dslab.profilers.flops_continuous`). Such a step takes the
+   place of step 3's busy-time measurement when they fall together (N = 1), and is left out of the
+   steady-state step times.
 
 The profile text is written (rank 0) once step ``profile_step + 2`` is done, or after the counted
 step when ``device_time`` is off, or at :meth:`FlopsStepProfiler.close` when the run stops before:
@@ -39,6 +44,7 @@ from dslab.config_base import parse_section
 from dslab.profilers import flops_output
 from dslab.profilers.base import Profiler
 from dslab.profilers.device_time import ModuleDeviceTimer
+from dslab.profilers.flops_continuous import ContinuousProfiles
 from dslab.profilers.flops import FlopsProfiler, FlopsProfilerConfig
 
 STEADY_STEPS = 8
@@ -147,8 +153,11 @@ class FlopsStepProfiler(Profiler):
         self._timing_step: int | None = None
         self._busy_timer: ModuleDeviceTimer | None = None
         self._printed = False
-        self._steady_marks: list[tuple] = []  # (global step, mark at its first micro-step's begin)
+        # (global step, mark at its first micro-step's begin, whether that step ran unprofiled)
+        self._steady_marks: list[tuple] = []
         self._cuda = False
+        self._last_begin: int | None = None
+        self.continuous: ContinuousProfiles | None = None
 
     @classmethod
     def from_config(cls, cfg: FlopsProfilerConfig | dict | None, measured_peak_tflops: float | None = None
@@ -165,28 +174,41 @@ class FlopsStepProfiler(Profiler):
         self.profiler = FlopsProfiler(model, measured_peak_tflops=self.measured_peak_tflops)
         first = next((t for t in (*model.parameters(), *model.buffers())), None)
         self._cuda = first is not None and first.device.type == "cuda"
+        if self.config.every_n_steps is not None:
+            self.continuous = ContinuousProfiles(
+                self.config.every_n_steps, self.config.profile_step + 1, [name for name, _ in model.named_modules()],
+                self.config.module_depth, self.config.top_modules, self._cuda)
 
     # -- hooks ----------------------------------------------------------------------------------
 
     def on_step_begin(self, step: int) -> None:
-        if self.profiler is None:
+        # Only a step's first micro-step begins anything: the later ones run as they come.
+        if self.profiler is None or step == self._last_begin:
             return
-        if self._records is None and step == self.config.profile_step:
-            self._profiling_step = step
-            self.profiler.start_profile()
-        elif self._records is not None and self._timing_step is None and self._timer is None \
-                and self.config.device_time and step == self.config.profile_step + 1:
+        self._last_begin = step
+        cfg = self.config
+        if self._records is None:
+            if step == cfg.profile_step:
+                self._profiling_step = step
+                self.profiler.start_profile()
+            return
+        timed = cfg.device_time and self._timer is None and (
+            (self._timing_step is None and step == cfg.profile_step + 1)
+            or (self.continuous is not None and step == self.continuous.next_step))
+        busy = not timed and cfg.device_time and step == cfg.profile_step + 2 and self._busy_timer is None \
+            and "steady_busy_ms" not in (self._records.get("device_time") or {})
+        # The marks first: each ends the step before this one.
+        if step > cfg.profile_step + 2 * int(cfg.device_time) and len(self._steady_marks) <= STEADY_STEPS:
+            self._steady_marks.append((step, self._mark(), not timed))
+        if self.continuous is not None:
+            self.continuous.on_step_begin(step, clean=not (timed or busy))
+        if timed:
             self._timing_step = step
             self._timer = ModuleDeviceTimer(self.model)
             self._timer.start()
-        elif self._records is not None and self.config.device_time and step == self.config.profile_step + 2 \
-                and self._busy_timer is None and "steady_busy_ms" not in (self._records.get("device_time") or {}):
+        elif busy:
             self._busy_timer = ModuleDeviceTimer(self.model, hooks=False)
             self._busy_timer.start()
-        elif self._records is not None and step > self.config.profile_step + 2 * int(self.config.device_time) \
-                and len(self._steady_marks) <= STEADY_STEPS \
-                and (not self._steady_marks or self._steady_marks[-1][0] != step):
-            self._steady_marks.append((step, self._mark()))
 
     def on_optimizer_step_begin(self) -> None:
         if self._profiling_step is not None:
@@ -208,15 +230,29 @@ class FlopsStepProfiler(Profiler):
             self._profiling_step = None
             if not self.config.device_time:
                 self._print()
-        elif self._timer is not None:
+        elif self._timer is not None and self._timing_step != self.config.profile_step + 1:
+            timer, self._timer = self._timer, None  # a profile of the continuous series
+            try:
+                profile = timer.stop_profiling()
+            except Exception as err:
+                self.continuous.add(self._timing_step, None, self._records, error=f"{type(err).__name__}: {err}")
+            else:
+                self.continuous.add_later(self._timing_step, timer.attribution_steps(profile), self._records)
+        elif self._timer is not None:  # the first device-timed step: the single profile's
             timer, self._timer = self._timer, None
             try:
                 timed = timer.stop()
             except Exception as err:  # the profile must not stop training; the report says why
-                self._records["device_time"] = {"step": self._timing_step,
-                                                "error": f"{type(err).__name__}: {err}"}
+                error = f"{type(err).__name__}: {err}"
+                self._records["device_time"] = {"step": self._timing_step, "error": error}
+                if self.continuous is not None:
+                    self.continuous.add(self._timing_step, None, self._records, error=error)
             else:
                 merge_device_time(self._records, timed, self._timing_step, timed_step_mode(self.model, self._cuda))
+                if self.continuous is not None:
+                    self.continuous.add(self._timing_step, timed, self._records)
+            if self.continuous is not None and self.config.every_n_steps == 1:
+                self._print()  # no unprofiled step profile_step + 2 follows to print after
         elif self._busy_timer is not None:
             timer, self._busy_timer = self._busy_timer, None
             device = self._records.setdefault("device_time", {})
@@ -243,7 +279,8 @@ class FlopsStepProfiler(Profiler):
     def steady_step_times_ms(self) -> list[float]:
         """The steady-state step times so far: from the begin of one global step to the begin of
         the next (every micro-step of it and the optimizer step), read from their CUDA events."""
-        pairs = [(a, b) for (s, a), (t, b) in zip(self._steady_marks, self._steady_marks[1:]) if t == s + 1]
+        pairs = [(a, b) for (s, a, unprofiled), (t, b, _) in zip(self._steady_marks, self._steady_marks[1:])
+                 if unprofiled and t == s + 1]
         if self._cuda:
             if pairs:
                 pairs[-1][1].synchronize()
@@ -287,11 +324,16 @@ class FlopsStepProfiler(Profiler):
         if self._records is None:
             return {"profiled": False, "profile_step": self.config.profile_step}
         text_file = self.text_file()
-        return {"profiled": True, **self.records_now(), "text_file": None if text_file is None else str(text_file)}
+        records = {"profiled": True, **self.records_now(), "text_file": None if text_file is None else str(text_file)}
+        if self.continuous is not None:
+            records["continuous"] = self.continuous.records(self._records)
+        return records
 
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.end_profile()
+        if self.continuous is not None:
+            self.continuous.wait()
         for timer in (self._timer, self._busy_timer):
             if timer is not None and timer.running:
                 try:

@@ -1,8 +1,9 @@
 """Perfetto trace of a run report: ``trace.pftrace`` beside the run's ``run.json``.
 
-Built from the saved report alone (``dslab trace RUN``), with the ``perfetto`` package's trace
-builder (``perfetto.trace_builder.proto_builder.TraceProtoBuilder``, TrackEvent protobufs). Open the
-file at https://ui.perfetto.dev.
+Built from the saved report alone: ``dslab bench`` writes it after every run's report
+(:mod:`dslab.bench.trace_step`), ``dslab trace RUN`` for an older run. Written with the
+``perfetto`` package's trace builder (``perfetto.trace_builder.proto_builder.TraceProtoBuilder``,
+TrackEvent protobufs). Open the file at https://ui.perfetto.dev.
 
 Layout, per case of the run (``report.profilers[section][case]``):
 
@@ -15,9 +16,12 @@ Layout, per case of the run (``report.profilers[section][case]``):
     Overlapping (async) calls go to extra lanes, ``collectives (lane 2)``, ...
   - on the reporting rank only, as that rank measured them:
     ``profiled step``: the flops profile's step as phases (forward, backward, optimizer) with the
-    module spans nested inside, each lasting its measured latency. The profile records durations,
-    not start times, so modules are laid out one after another in ``named_modules`` order in
-    forward and in reverse order in backward (a child is clipped to its parent's remaining time).
+    module spans nested inside (:func:`dslab.report.timeline.step_spans`, which the dashboard's
+    Trace tab draws too): each lasts the device time of the module's kernels where the profile has
+    device-time records, else the CUDA events' latency around its calls (the phase's ``timed_by``
+    says which). The profile records durations, not start times, so modules are laid out one after
+    another in ``named_modules`` order in forward and in reverse order in backward (a child is
+    clipped to its parent's remaining time).
     ``measured steps``: every trial's step times of the dslab arm, laid end to end.
     Counters ``memory peak allocated`` / ``memory peak reserved`` (bytes): the memory tracer's step
     entries in order, one at the start of each measured step (entries beyond them follow at the
@@ -43,13 +47,15 @@ from pathlib import Path
 from dslab.profilers.comms_analysis import bandwidth
 from dslab.report import RunReport, read_report
 from dslab.report.store import REPORT_FILE, atomic_write_bytes
+from dslab.report.timeline import (
+    NS_PER_MS, TRACE_FILE, case_records, clock_offset, clock_offsets, collective_ns, collective_waits, lanes, number,
+    profiled_step, rank_collectives, reporting_rank, step_spans, step_timing,
+)
 
-TRACE_FILE = "trace.pftrace"
 SEQUENCE_ID = 1
 TELEMETRY_COUNTERS = (("util_gpu", "GPU utilisation (%)"), ("power_w", "power (W)"),
                       ("sm_clock_mhz", "SM clock (MHz)"), ("mem_used_bytes", "memory used (bytes)"),
                       ("temp_c", "temperature (C)"))
-_MS = 1_000_000
 
 
 def _builder():
@@ -59,10 +65,6 @@ def _builder():
         raise ValueError(f"writing a Perfetto trace needs the perfetto package ({err}); "
                          "install it with: pip install 'dslab[dashboard]'") from None
     return TraceProtoBuilder()
-
-
-def _number(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 class _Writer:
@@ -149,32 +151,11 @@ def _annotate(annotation, key: str, value) -> None:
         annotation.double_value = float(value)
 
 
-def _case_data(report: RunReport, section: str) -> dict[str, dict]:
-    raw = report.profilers.get(section)
-    return {case: data for case, data in raw.items() if isinstance(data, dict)} if isinstance(raw, dict) else {}
-
-
-def _per_rank(comms: dict | None) -> dict[int, list[dict]]:
-    per_rank = (comms or {}).get("per_rank")
-    out = {}
-    for key, records in per_rank.items() if isinstance(per_rank, dict) else ():
-        if str(key).lstrip("-").isdigit() and isinstance(records, list):
-            out[int(key)] = [{**r, "arrival_ns": int(r["arrival_ns"])} for r in records if isinstance(r, dict)
-                             and _number(r.get("arrival_ns")) is not None and isinstance(r.get("op"), str)]
-    return dict(sorted(out.items()))
-
-
-def _offset(offsets: dict, rank: int) -> int:
-    """The rank's clock offset in integer ns (wall-clock ns exceed a float's exact range)."""
-    value = offsets.get(str(rank))
-    return int(value) if _number(value) is not None else 0
-
-
 def _origin_ns(report: RunReport, per_rank: dict, offsets: dict, telemetry: dict | None) -> int:
-    arrivals = [r["arrival_ns"] - _offset(offsets, rank) for rank, rs in per_rank.items() for r in rs]
+    arrivals = [r["arrival_ns"] - clock_offset(offsets, rank) for rank, rs in per_rank.items() for r in rs]
     if arrivals:
         return int(min(arrivals))
-    started = _number((telemetry or {}).get("started_at_unix"))
+    started = number((telemetry or {}).get("started_at_unix"))
     if started is not None:
         return int(started * 1e9)
     try:
@@ -184,19 +165,16 @@ def _origin_ns(report: RunReport, per_rank: dict, offsets: dict, telemetry: dict
 
 
 def _collectives(w: _Writer, process: int, rank: int, records: list[dict], offset: int, waits: dict) -> None:
-    lanes: list[tuple[int, int]] = []  # (track uuid, end of its last slice)
-    for r in sorted(records, key=lambda r: r["arrival_ns"]):
-        start = r["arrival_ns"] - offset
-        latency = _number(r.get("latency_ms"))
-        duration = int(latency * _MS) if latency else 1_000
-        lane = next((i for i, (_, end) in enumerate(lanes) if end <= start), None)
-        if lane is None:
-            lanes.append((w.track(process, "collectives" if not lanes else f"collectives (lane {len(lanes) + 1})"), 0))
-            lane = len(lanes) - 1
-        lanes[lane] = (lanes[lane][0], start + duration)
-        nbytes = int(_number(r.get("bytes")) or 0)
-        algbw, busbw = bandwidth(r["op"], nbytes, latency, int(_number(r.get("group_size")) or 1))
-        w.slice(lanes[lane][0], r["op"], start, duration, {
+    ordered = sorted(records, key=lambda r: r["arrival_ns"])
+    calls = [(r["arrival_ns"] - offset, collective_ns(r)) for r in ordered]
+    tracks: list[int] = []
+    for r, (start, duration), lane in zip(ordered, calls, lanes(calls)):
+        if lane == len(tracks):
+            tracks.append(w.track(process, "collectives" if not tracks else f"collectives (lane {lane + 1})"))
+        latency = number(r.get("latency_ms"))
+        nbytes = int(number(r.get("bytes")) or 0)
+        algbw, busbw = bandwidth(r["op"], nbytes, latency, int(number(r.get("group_size")) or 1))
+        w.slice(tracks[lane], r["op"], start, duration, {
             "bytes": nbytes, "algbw_GBps": algbw, "busbw_GBps": busbw, "latency_ms": latency,
             "group": str(r.get("group", "")), "seq": r.get("seq") if isinstance(r.get("seq"), int) else None,
             "step": r.get("step") if isinstance(r.get("step"), int) else None,
@@ -204,78 +182,39 @@ def _collectives(w: _Writer, process: int, rank: int, records: list[dict], offse
         })
 
 
-def _waits(per_rank: dict, offsets: dict) -> dict:
-    """``(group, op, seq, rank) -> ms`` the rank waited for the last member to arrive."""
-    groups: dict[tuple, dict[int, float]] = {}
-    for rank, records in per_rank.items():
-        for r in records:
-            key = (str(r.get("group", "")), r["op"], r.get("seq"))
-            groups.setdefault(key, {})[rank] = r["arrival_ns"] - _offset(offsets, rank)
-    out = {}
-    for key, arrivals in groups.items():
-        if len(arrivals) > 1:
-            last = max(arrivals.values())
-            out.update({(*key, rank): (last - t) / _MS for rank, t in arrivals.items()})
-    return out
-
-
-def _module_spans(w: _Writer, track: int, flops: dict, start: int, activations: list, act_track: int | None) -> int:
-    """Phases with nested module spans on ``track``; returns the step's end."""
-    modules = [m for m in flops.get("modules") or [] if isinstance(m, dict) and isinstance(m.get("name"), str)]
-    names = {m["name"] for m in modules}
-    children: dict[str, list[dict]] = {}
-    for m in modules:
-        parts = m["name"].split(".")
-        parent = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in names),
-                      "" if m["name"] else None)
-        if parent is not None and parent in names:
-            children.setdefault(parent, []).append(m)
-    saved = {}
+def _profiled_step(w: _Writer, track: int, flops: dict, start: int, activations: list, act_track: int | None) -> None:
+    """The step's phases with the module spans nested inside (:func:`dslab.report.timeline.step_spans`)
+    on ``track`` from ``start``, and the activations saved, cumulative, at the end of each forward
+    module that saved some."""
+    timing = "device kernels" if step_timing(flops) == "device" else "CUDA events around each call"
+    spans = step_spans(flops)
+    for s in spans:
+        if s["module"] is None:
+            args = {"latency_ms": s["phase_ms"], "timed_by": timing, "step": profiled_step(flops)}
+        else:
+            args = {"type": s["type"], "flops": s["flops"], "params": s["params"], "calls": s["calls"]}
+        w.slice(track, s["name"], start + s["start_ns"], s["duration_ns"], args)
+    if act_track is None:
+        return
+    saved: dict[str, float] = {}
     for a in activations:
-        if isinstance(a, dict) and _number(a.get("bytes")):
+        if isinstance(a, dict) and number(a.get("bytes")):
             saved[str(a.get("module"))] = saved.get(str(a.get("module")), 0.0) + a["bytes"]
-    cumulative = [0.0]
-
-    def lay(module: dict, begin: int, limit: int, key: str, reverse: bool) -> None:
-        duration = min(int((_number(module.get(f"{key}_latency_ms")) or 0) * _MS), limit - begin)
-        if duration <= 0:
-            return
-        w.slice(track, module["name"] or str(module.get("type", "model")), begin, duration, {
-            "type": str(module.get("type", "")), "flops": int(_number(module.get(f"{key}_flops")) or 0),
-            "params": int(_number(module.get("params")) or 0), "calls": module.get("calls")})
-        cursor = begin
-        for child in reversed(children.get(module["name"], [])) if reverse else children.get(module["name"], []):
-            lay(child, cursor, begin + duration, key, reverse)
-            cursor += min(int((_number(child.get(f"{key}_latency_ms")) or 0) * _MS), begin + duration - cursor)
-        if key == "forward" and act_track is not None and module["name"] in saved:
-            cumulative[0] += saved[module["name"]]
-            w.counter(act_track, begin + duration, cumulative[0])
-
-    roots = [m for m in modules if m["name"] == ""] or children.get("", [])
-    cursor = start
-    for phase, key in (("forward", "forward"), ("backward", "backward"), ("optimizer", None)):
-        ms = _number(flops.get(f"{phase}_latency_ms"))
-        if not ms:
-            continue
-        duration = int(ms * _MS)
-        w.slice(track, phase, cursor, duration, {"latency_ms": ms})
-        if key is not None:
-            inner = cursor
-            for root in roots:
-                lay(root, inner, cursor + duration, key, key == "backward")
-                inner += int((_number(root.get(f"{key}_latency_ms")) or 0) * _MS)
-        cursor += duration
-    return cursor
+    cumulative = 0.0
+    forward = [s for s in spans if s["phase"] == "forward" and s["module"] is not None and s["module"] in saved]
+    for s in sorted(forward, key=lambda s: (s["start_ns"] + s["duration_ns"], -s["depth"])):
+        cumulative += saved[s["module"]]
+        w.counter(act_track, start + s["start_ns"] + s["duration_ns"], cumulative)
 
 
 def _reporting_rank(w: _Writer, process: int, report: RunReport, case: str, origin: int) -> None:
-    flops = _case_data(report, "flops").get(case)
-    memory = _case_data(report, "memory").get(case)
+    flops = case_records(report, "flops").get(case)
+    memory = case_records(report, "memory").get(case)
     activations = (memory or {}).get("activations") if isinstance((memory or {}).get("activations"), list) else []
     if flops:
         track = w.track(process, "profiled step")
         act_track = w.track(process, "activations saved", "bytes") if activations else None
-        _module_spans(w, track, flops, origin, activations, act_track)
+        _profiled_step(w, track, flops, origin, activations, act_track)
     result = report.result(case, "dslab")
     starts = []
     if result is not None and result.trials:
@@ -284,24 +223,24 @@ def _reporting_rank(w: _Writer, process: int, report: RunReport, case: str, orig
         for trial in result.trials:
             for i, ms in enumerate(trial.step_times_ms):
                 starts.append(cursor)
-                w.slice(track, f"trial {trial.trial} step {i}", cursor, int(ms * _MS), {"step_time_ms": ms})
-                cursor += int(ms * _MS)
-            cursor += 10 * _MS
+                w.slice(track, f"trial {trial.trial} step {i}", cursor, int(ms * NS_PER_MS), {"step_time_ms": ms})
+                cursor += int(ms * NS_PER_MS)
+            cursor += 10 * NS_PER_MS
     steps = (memory or {}).get("steps") if isinstance((memory or {}).get("steps"), list) else []
     if steps:
-        spacing = int((starts[1] - starts[0]) if len(starts) > 1 else 10 * _MS)
+        spacing = int((starts[1] - starts[0]) if len(starts) > 1 else 10 * NS_PER_MS)
         last = starts[-1] if starts else origin - spacing
         at = [starts[i] if i < len(starts) else last + (i - len(starts) + 1) * spacing for i in range(len(steps))]
         for key in ("peak_allocated", "peak_reserved"):
             track = w.track(process, f"memory {key.replace('_', ' ')}", "bytes")
             for t, s in zip(at, steps):
-                if isinstance(s, dict) and _number(s.get(key)) is not None:
+                if isinstance(s, dict) and number(s.get(key)) is not None:
                     w.counter(track, t, s[key])
 
 
 def _telemetry(w: _Writer, case: str, data: dict) -> None:
     gpus = data.get("gpus") if isinstance(data.get("gpus"), dict) else {}
-    started = _number(data.get("started_at_unix")) or 0.0
+    started = number(data.get("started_at_unix")) or 0.0
     if not gpus:
         return
     process = w.process(f"{case} GPUs")
@@ -310,7 +249,7 @@ def _telemetry(w: _Writer, case: str, data: dict) -> None:
         label = f"GPU {gpu.get('index', '?')}" if isinstance(gpu, dict) else str(uuid)
         for key, title in TELEMETRY_COUNTERS:
             points = [(s["t"], s[key]) for s in samples
-                      if _number(s.get("t")) is not None and _number(s.get(key)) is not None]
+                      if number(s.get("t")) is not None and number(s.get(key)) is not None]
             if points:
                 track = w.track(process, f"{label} {title}", "bytes" if key == "mem_used_bytes" else None)
                 for t, value in points:
@@ -334,32 +273,31 @@ def _pipeline(w: _Writer, case: str, data: dict, origin: int) -> None:
         track = w.track(process, f"stage {stage}")
         for kind, micro, start_ms, end_ms in batch["timeline"]:
             label = f"{'F' if kind == 'forward' else 'B'}{micro}"
-            w.slice(track, label, origin + int(start_ms * _MS), int((end_ms - start_ms) * _MS),
+            w.slice(track, label, origin + int(start_ms * NS_PER_MS), int((end_ms - start_ms) * NS_PER_MS),
                     {"micro_batch": micro, "kind": kind, "step": batch.get("step")})
 
 
 def build_trace(report: RunReport) -> bytes:
     """The serialized Perfetto trace (a ``perfetto.protos...Trace``) of ``report``."""
     w = _Writer()
-    comms_by_case = _case_data(report, "comms")
-    telemetry_by_case = _case_data(report, "telemetry")
-    pipeline_by_case = _case_data(report, "pipeline")
+    comms_by_case = case_records(report, "comms")
+    telemetry_by_case = case_records(report, "telemetry")
+    pipeline_by_case = case_records(report, "pipeline")
     cases = list(dict.fromkeys([*report.cases(), *(c for s in ("flops", "memory", "comms", "telemetry", "pipeline")
-                                                    for c in _case_data(report, s))]))
+                                                    for c in case_records(report, s))]))
     for case in cases:
         comms = comms_by_case.get(case)
-        per_rank = _per_rank(comms)
-        offsets = (comms or {}).get("clock_offsets_ns")
-        offsets = offsets if isinstance(offsets, dict) else {}
+        per_rank = rank_collectives(comms)
+        offsets = clock_offsets(comms)
         origin = _origin_ns(report, per_rank, offsets, telemetry_by_case.get(case))
-        reporting = int(_number((comms or {}).get("rank")) or 0)
-        waits = _waits(per_rank, offsets)
+        reporting = reporting_rank(comms)
+        waits = collective_waits(per_rank, offsets)
         for rank in sorted(set(per_rank) | {reporting}):
             process = w.process(f"{case} rank {rank}")
             if rank == reporting:
                 _reporting_rank(w, process, report, case, origin)
             if per_rank.get(rank):
-                _collectives(w, process, rank, per_rank[rank], _offset(offsets, rank), waits)
+                _collectives(w, process, rank, per_rank[rank], clock_offset(offsets, rank), waits)
         if case in telemetry_by_case:
             _telemetry(w, case, telemetry_by_case[case])
         if case in pipeline_by_case:

@@ -562,3 +562,31 @@ def read_exported(out_dir: str | Path, fmt: str = "csv") -> dict[str, pd.DataFra
         raise FileNotFoundError(f"no exported frames at {out}")
     return {name: _decode(name, out / f"{name}.{fmt}", fmt)
             for name in FRAMES if (out / f"{name}.{fmt}").is_file()}
+
+
+COLUMNS["flops_series"] = _spec("run_id case step:int step_ms:float window_steps:int achieved_tflops:float "
+                                "mfu_measured:float mfu_datasheet:float busy_ms:float name depth:int "
+                                "forward_ms:float backward_ms:float error")
+
+
+def flops_series(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
+    """The continuous profile over the run (``flops[case]["continuous"]["profiles"]``, written
+    with ``flops_profiler.every_n_steps``), one row per kept module of each profile, the model's
+    own row first (name missing, depth 0): run_id, case, step, then the profile's step_ms,
+    window_steps, achieved_tflops, mfu_measured, mfu_datasheet and busy_ms on each of its rows,
+    and the module's name, depth, forward_ms, backward_ms (device time of the profiled step). A
+    profile whose timing failed is one row with its ``error``. Not in :data:`FRAMES`: a report
+    without the series would export no file for it."""
+    rows = []
+    for r in load(reports):
+        for c, record in _section(r, "flops", case, strict):
+            series = _dict(record.get("continuous"), "flops.continuous", strict)
+            for p in _objects(series.get("profiles"), "flops.continuous.profiles", strict):
+                mfu = _dict(p.get("mfu"), "flops.continuous.profiles.mfu", strict)
+                base = {**{k: p.get(k) for k in ("step", "step_ms", "window_steps", "achieved_tflops", "busy_ms",
+                                                 "error")},
+                        "run_id": r.run_id, "case": c, "mfu_measured": mfu.get("measured"),
+                        "mfu_datasheet": mfu.get("datasheet")}
+                modules = _objects(p.get("modules"), "flops.continuous.profiles.modules", strict)
+                rows.extend([{**m, **base} for m in modules] or [base])
+    return _frame("flops_series", rows)

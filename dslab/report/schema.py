@@ -4,15 +4,16 @@ A report is the contract between producers (bench, engine, profilers, I/O tuner)
 (dashboard, gate, ``dslab report``). Layout of ``run.json`` (schema version 3)::
 
     {
-      "schema": "dslab.run", "schema_version": 2,
-      "run_id": "20261122T031500Z-3fa9c1", "suite": "bert_large", "status": "complete",
+      "schema": "dslab.run", "schema_version": 3,
+      "run_id": "20261122T031500Z-3fa9c1", "suite": "bert_large",
+      "status": "running" | "complete" | "partial" | "incomplete",
       "created": ISO-8601, "finished": ISO-8601 or null,
       "environment": {...},          # dslab.report.environment.collect_environment()
       "config": {...},               # the resolved suite config, engine config included
       "data": {"kind": "synthetic", "description": "..."},
       "peaks": {"bf16_matmul_tflops": measured, "copy_gbps": measured, "datasheet": {...}},
       "results": [                   # one per (case, arm)
-        {"case": "seq128", "arm": "dslab", "status": "ok" | "failed" | "skipped",
+        {"case": "seq128", "arm": "dslab", "status": "ok" | "failed" | "oom" | "skipped",
          "error": null, "metrics": {"samples_per_s": ..., ...},   # medians over trials
          "trials": [{"trial": 0, "step_times_ms": [...], "metrics": {...}}]}
       ],
@@ -31,6 +32,14 @@ A report is the contract between producers (bench, engine, profilers, I/O tuner)
       },
       "notes": []
     }
+
+A run's ``status`` is ``running`` while it runs, then ``complete`` when every (case, arm) ran
+(``ok``) or was skipped, ``partial`` when the run finished but some arm failed or ran out of memory
+(:meth:`RunReport.failed_results`; their errors are in their results), and ``incomplete`` when the
+run was interrupted or stopped on an error. A skipped arm (one that cannot run here: a missing
+optional package, a single-process arm in a distributed run) does not make a run partial.
+``partial`` is a value readers of version 3 read as the string it is, so it left the layout (and its
+version) unchanged; reports written before it say ``complete`` for such runs.
 
 ``profilers`` maps a section name to ``{case: record}``; a producer may add a section, which
 readers keep as it is (the dashboard shows the sections it knows). ``profilers["moe"][case]`` is
@@ -82,8 +91,12 @@ RATIO_METRIC = "samples_per_s"
 BEST_PLAIN = "best_plain"
 
 STATUS_COMPLETE = "complete"
+STATUS_PARTIAL = "partial"
 STATUS_INCOMPLETE = "incomplete"
-STATUSES = (STATUS_COMPLETE, STATUS_INCOMPLETE, "running", "failed")
+STATUSES = (STATUS_COMPLETE, STATUS_PARTIAL, STATUS_INCOMPLETE, "running", "failed")
+# A result's status: ``ok`` and ``skipped`` are not failures; anything else (``failed``, ``oom``) is.
+RESULT_OK = "ok"
+RESULT_SKIPPED = "skipped"
 
 # Metrics a result may carry, with the direction in which they are better. The gate and the
 # dashboard read this table; producers may add others (they are kept, with no direction).
@@ -169,6 +182,15 @@ class RunReport:
 
     def arms(self) -> list[str]:
         return list(dict.fromkeys(r.arm for r in self.results))
+
+    def failed_results(self) -> list[Result]:
+        """The results whose arm failed or ran out of memory: every status but ``ok`` and
+        ``skipped``. A finished run with any is ``partial``."""
+        return [r for r in self.results if r.status not in (RESULT_OK, RESULT_SKIPPED)]
+
+    def finished_status(self) -> str:
+        """The status of a run that finished: ``partial`` when an arm failed, else ``complete``."""
+        return STATUS_PARTIAL if self.failed_results() else STATUS_COMPLETE
 
     def compute_ratios(self, numerator_arm: str = RATIO_ARM, metric: str = RATIO_METRIC) -> None:
         """``ratios[case]["<numerator>/<arm>"]`` = numerator's metric over each other arm's, and

@@ -1,13 +1,22 @@
-"""Plain-text tables of a run report, for the terminal (``dslab bench`` and ``dslab report``).
+"""Plain-text tables of run reports, for the terminal (``dslab bench`` and ``dslab report``).
 
 The header and the arms' table are read from the report's frames (:mod:`dslab.report.frames`:
 ``runs``, ``results`` and ``trials``); the MoE routing and the inference figures, which no frame
-holds, from their records."""
+holds, from their records. :func:`runs_table` is ``dslab report list``'s table of many runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dslab.report import frames
-from dslab.report.schema import RATIO_ARM, RATIO_METRIC, RunReport
+from dslab.report.schema import RATIO_ARM, RATIO_METRIC, STATUS_PARTIAL, RunReport
+from dslab.report.store import read_report
+
+# What describe() says of a run at the tiny scale: its trials are seconds on a CPU, so neither
+# its times nor its ratios measure speed.
+TINY_SCALE_NOTE = ("tiny scale: it checks the pipeline end to end on a CPU in seconds; "
+                   "its times and dslab/arm ratios are not speed measurements")
+RUNS_HEADER = ["suite", "run id", "status", "hardware", "dslab samples/s (first case)"]
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
@@ -163,6 +172,12 @@ def describe(report: RunReport) -> str:
                      f"copy {peaks.get('copy_gbps', 0):.0f} GB/s")
     if report.data.get("description"):
         lines.append(f"  data: {report.data['description']}")
+    if run["scale"] == "tiny":
+        lines.append(f"  {TINY_SCALE_NOTE}")
+    if report.status == STATUS_PARTIAL:
+        failed = [f"{r.case}/{r.arm} ({r.status})" for r in report.failed_results()]
+        lines.append(f"  partial: {len(failed)} arm(s) did not finish: {', '.join(failed)}; "
+                     f"each one's error is under its case")
     for note in report.notes:
         lines.append(f"  note: {note}")
     if report.missing:
@@ -170,3 +185,26 @@ def describe(report: RunReport) -> str:
     for w in report.warnings:
         lines.append(f"  warning: {w}")
     return "\n".join(lines) + "\n"
+
+
+def runs_table(paths: list[Path]) -> str:
+    """``dslab report list``: a header line, then one line per run directory of ``paths`` (in
+    their order): suite, run id, status, hardware, and the dslab arm's samples/s on the run's
+    first case. A run whose report cannot be read says so in the status column, with the reason."""
+    rows = []
+    for path in paths:
+        try:
+            report = read_report(path)
+        except ValueError as err:
+            rows.append([path.parent.name, path.name, "unreadable", "", str(err)])
+            continue
+        results = frames.records(frames.results(report))
+        first_case = results[0]["case"] if results else None
+        dslab = next((row for row in results if row["case"] == first_case and row["arm"] == RATIO_ARM), None)
+        value = dslab.get(RATIO_METRIC) if dslab else None
+        figure = "-" if value is None else f"{value:,.1f} ({first_case})"
+        hardware = frames.records(frames.runs(report))[0]["hardware"] or "?"
+        rows.append([report.suite, report.run_id, report.status, hardware, figure])
+    widths = [max(len(row[i]) for row in [RUNS_HEADER, *rows]) for i in range(len(RUNS_HEADER) - 1)]
+    return "".join("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[-1]]).rstrip() + "\n"
+                   for row in [RUNS_HEADER, *rows])

@@ -141,7 +141,7 @@ def test_cli_bench_runs_the_eager_arms_and_a_compiled_one(tmp_path, capsys):
     losses = {r.arm: r.metrics["final_loss"] for r in back.results}
     assert max(losses.values()) - min(losses.values()) < 0.02 * abs(losses["torch"]), losses
     assert set(back.best_plain) == {"initial"}
-    assert "evoformer / initial" in capsys.readouterr().err  # the summary table
+    assert "evoformer / initial" in capsys.readouterr().out  # the summary table
 
 
 def test_an_arm_out_of_gpu_memory_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
@@ -170,7 +170,7 @@ def test_an_arm_out_of_gpu_memory_is_recorded_and_the_run_goes_on(tmp_path, monk
     report, path = run_suite(SUITE, scale="tiny", arms=EAGER_ARMS, cases=["initial"], trials=2, steps=2,
                              warmup_steps=1, out=tmp_path / "r", stream=stream)
     back = read_report(path)
-    assert back.status == "complete"
+    assert back.status == "partial"  # two arms ran out of memory
     built_oom, trial_oom, dslab = (back.result("initial", a) for a in ("torch", "sdpa", "dslab"))
     assert built_oom.status == "oom" and not built_oom.trials
     assert built_oom.error == "out of memory (building the arm): CUDA out of memory. Tried to allocate 3.00 GiB. " \

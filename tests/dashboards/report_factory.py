@@ -394,3 +394,38 @@ def serve_dashboard(root: Path):
     yield f"http://127.0.0.1:{httpd.server_port}"
     httpd.shutdown()
     thread.join(timeout=10)
+
+
+def late_rank_records(late_rank: int, late_ms: float, collectives: int = 12, world: int = WORLD,
+                      first_late: tuple[int, float] | None = None, seed: int = 0) -> dict[int, list[dict]]:
+    """Every rank's records of ``collectives`` blocking 8 MiB all_reduces, one per step, 20 ms
+    apart on one clock: arrivals jitter by up to 0.3 ms, ``late_rank`` arrives ``late_ms`` later
+    still, and ``first_late = (rank, ms)`` makes that rank that much later to the first one (a
+    warm-up collective). Each latency is the wait for the last arrival plus the transfer."""
+    rng = random.Random(seed)
+    per_rank: dict[int, list[dict]] = {rank: [] for rank in range(world)}
+    group = ",".join(str(r) for r in range(world))
+    for seq in range(collectives):
+        base = 1_795_000_000_000_000_000 + seq * 20_000_000
+        arrivals = {r: base + rng.randint(0, 300_000) for r in range(world)}
+        arrivals[late_rank] += int(late_ms * 1e6)
+        if first_late is not None and seq == 0:
+            arrivals[first_late[0]] += int(first_late[1] * 1e6)
+        last = max(arrivals.values())
+        for r in range(world):
+            per_rank[r].append({"op": "all_reduce", "group": group, "group_size": world, "seq": seq, "bytes": 8 << 20,
+                                "dtype": "bfloat16", "async": False, "step": seq, "arrival_ns": arrivals[r],
+                                "host_arrival_ns": arrivals[r], "latency_ms": (last - arrivals[r]) / 1e6 + 0.25})
+    return per_rank
+
+
+def comms_record(per_rank: dict[int, list[dict]], rank: int = 0) -> dict:
+    """The comms logger's record (``profilers["comms"][case]``) of ``per_rank``'s records, as
+    :class:`dslab.profilers.comms.CommsLogger` writes it: the straggler analysis run on them (one
+    clock), the summary of rank ``rank``'s."""
+    analysis = analyze_stragglers(per_rank, {r: 0 for r in per_rank})
+    as_str = lambda v: {str(k): as_str(x) for k, x in v.items()} if isinstance(v, dict) else v  # noqa: E731
+    return {"rank": rank, "ops": summary_rows(summarize(per_rank[rank])),
+            "per_rank": {str(r): recs for r, recs in per_rank.items()},
+            "stragglers": analysis["stragglers"], "straggler": as_str(analysis),
+            "clock_offsets_ns": {str(r): 0 for r in per_rank}, "dropped_records": 0, "definitions": DEFINITIONS}

@@ -1,8 +1,8 @@
 """The Comms page on a report of real processes: ``dslab bench suites/gpt2`` at the tiny scale on
 three gloo processes, rank 1 slowed by 150 ms a step (``fixtures/comms_reports``, whose README gives
 the command). The views and the trace read every rank from it; in Chromium the per-op table has
-rows, the bandwidth plot has a point per timed call of every rank, the straggler view names
-rank 1, and the Memory page has a row and a bar per rank."""
+rows, the bandwidth plot has a point per all_reduce, the straggler view names and marks rank 1,
+and the Memory page has a row and a bar per rank."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from report_factory import serve_dashboard
 
-from dashboards import figures, memory_tab, views
+from dashboards import comms_view, figures, memory_tab, memory_view
 from dashboards.app import render
 from dashboards.data import RunStore
 from dslab.profilers.trace import build_trace
@@ -29,10 +29,10 @@ def comms() -> dict:
     return json.loads((FIXTURES / SUITE / RUN_ID / "run.json").read_text())["profilers"]["comms"][CASE]
 
 
-def _timed_calls(comms: dict) -> int:
-    """The calls with a payload and a latency, over every rank: one bandwidth point each."""
-    return sum(1 for records in comms["per_rank"].values() for r in records
-               if r["bytes"] > 0 and (r["latency_ms"] or 0) > 0)
+def _collectives_with_payload(comms: dict) -> int:
+    """The collectives with a payload (all_reduce; not the all_gather_object): one bandwidth point each."""
+    return len({(r["op"], r["seq"]) for records in comms["per_rank"].values() for r in records
+                if r["bytes"] > 0 and (r["latency_ms"] or 0) > 0})
 
 
 def test_the_fixture_is_a_three_rank_run_with_rank_1_slowed(comms):
@@ -40,12 +40,14 @@ def test_the_fixture_is_a_three_rank_run_with_rank_1_slowed(comms):
     assert report.config["world_size"] == WORLD and report.config["inject_step_sleep_ms"] == 150
     assert comms["stragglers"] == [SLOW_RANK] and set(comms["per_rank"]) == {"0", "1", "2"}
     calls = frames.comms_calls(report, case=CASE, strict=True)
-    assert views.comms_op_rows(frames.comms_ops(report, case=CASE, strict=True))
-    assert len(views.bandwidth_points(calls)) == _timed_calls(comms) > WORLD
-    matrix = views.straggler_matrix(calls, frames.stragglers(report, case=CASE, strict=True))
+    assert comms_view.comms_op_rows(frames.comms_ops(report, case=CASE, strict=True))
+    assert len(comms_view.bandwidth_points(calls)) == _collectives_with_payload(comms) == 4
+    matrix = comms_view.straggler_matrix(calls, frames.stragglers(report, case=CASE, strict=True))
     assert matrix["ranks"] == [0, 1, 2] and matrix["stragglers"] == [SLOW_RANK]
     assert len(matrix["labels"]) == comms["straggler"]["matched"]
     assert all(wait == 0.0 for wait in matrix["wait_ms"][SLOW_RANK][1:])  # last to arrive after its first sleep
+    assert matrix["last"][1:] == [SLOW_RANK] * 4
+    assert all(late > 100 for late in matrix["lateness_ms"][SLOW_RANK])  # the dark row
 
 
 def test_the_trace_has_a_process_per_rank():
@@ -59,8 +61,8 @@ def test_the_trace_has_a_process_per_rank():
 def test_memory_per_rank_has_each_ranks_peak_and_model_states():
     report = read_report(FIXTURES / SUITE / RUN_ID)
     ranks = frames.rank_memory(report, case=CASE, strict=True)
-    assert views.rank_count(ranks) == WORLD
-    rows = views.rank_memory_rows(ranks)
+    assert memory_view.rank_count(ranks) == WORLD
+    rows = memory_view.rank_memory_rows(ranks)
     (trial,) = report.result(CASE, "dslab").trials
     states = report.profilers["memory"][CASE]["model_states_per_rank"]
     assert [(r["arm"], r["rank"], r["kind"], r["trials"]) for r in rows] == [("dslab", r, "host RSS", 1)
@@ -117,12 +119,12 @@ def test_comms_page_shows_every_rank_and_names_the_straggler(browser, comms_serv
             "return g && g._fullData ? g._fullData.map(t => ({name: t.name, type: t.type, n: (t.x || []).length,"
             " y: t.y})) : null", f"#{graph_id}")
 
-    bandwidth = plotted("comms-bandwidth")
-    per_call = [t for t in bandwidth if t["name"].endswith("algbw per call")]
-    assert sum(t["n"] for t in per_call) == _timed_calls(comms)
-    (heatmap,) = plotted("comms-stragglers")
+    (bandwidth,) = plotted("comms-bandwidth")
+    assert bandwidth["name"] == "all_reduce" and bandwidth["n"] == _collectives_with_payload(comms)
+    heatmap, crosses = plotted("comms-stragglers")
     assert heatmap["type"] == "heatmap" and heatmap["n"] == comms["straggler"]["matched"]
-    assert heatmap["y"] == [f"rank {r}" for r in range(WORLD)]
+    assert heatmap["y"] == ["rank 0", f"rank {SLOW_RANK} (straggler)", "rank 2"]
+    assert crosses["y"][1:] == [f"rank {SLOW_RANK} (straggler)"] * 4
 
 
 @pytest.mark.browser

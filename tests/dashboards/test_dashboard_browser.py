@@ -12,7 +12,7 @@ RUN = f"/run/{SUITE}/{RUN_IDS[0]}"
 # (name, path, graphs at least, text the page must show)
 PAGES = [
     ("run", RUN, 4, "best plain samples/s"),
-    ("flops", f"{RUN}/flops", 2, "Top modules per depth"),
+    ("flops", f"{RUN}/flops", 2, "Module types per depth"),
     ("flops_seq512", f"{RUN}/flops?case=seq512", 2, "seq512: roofline"),
     ("comms", f"{RUN}/comms", 2, "stragglers named: rank 3"),
     ("memory", f"{RUN}/memory", 3, "Activation memory per module"),

@@ -7,10 +7,9 @@ import os
 import time
 
 import pytest
-from report_factory import (NOT_JSON, PARTIAL, RUN_IDS, STRAGGLER_RANK, SUITE, make_report, make_small_report,
-                            write_run)
+from report_factory import NOT_JSON, PARTIAL, RUN_IDS, SUITE, make_report, make_small_report, write_run
 
-from dashboards import figures, pages, runs_page, views
+from dashboards import figures, flops_view, pages, runs_page, views
 from dashboards.app import DEFAULT_HOST, create_app, render
 from dashboards.data import RunStore, parse_ref, resolve_run
 from dslab.report import frames, report_from_dict
@@ -115,7 +114,7 @@ def test_gate_files_are_read(reports_root):
 
 def test_flops_tree_sizes_add_up():
     report = report_from_dict(make_report(RUN_IDS[0]))
-    nodes = views.flops_tree(frames.flops_modules(report, case="seq128"))
+    nodes = flops_view.flops_tree(frames.flops_modules(report, case="seq128"))
     by_id = {n["id"]: n for n in nodes}
     assert by_id["(root)"]["parent"] == "" and by_id["layers.0.mlp.fc_in"]["parent"] == "layers.0.mlp"
     for node in nodes:
@@ -123,22 +122,13 @@ def test_flops_tree_sizes_add_up():
         assert node["flops"] >= below
     fc = by_id["layers.0.mlp.fc_in"]
     assert fc["tflops"] == pytest.approx(fc["own_flops"] / (fc["latency_ms"] * 1e-3) / 1e12)
-    top = views.top_modules(nodes, per_depth=2)
+    top = flops_view.top_modules(nodes, per_depth=2)
     assert [r["module"] for r in top if r["depth"] == 1] == ["layers", "lm_head"]
-    points = views.roofline_points(nodes, frames.memory_activations(report, case="seq128"), "bf16")
+    points = flops_view.roofline_points(nodes, frames.memory_activations(report, case="seq128"), "bf16")
     head = next(p for p in points if p["module"] == "lm_head")
     assert head["bytes"] == 3 * 32000 * 1024 * 2 + 2 * (250 << 20)
-    assert views.ceilings(report, views.section(report, "flops")[2]) == {
+    assert flops_view.ceilings(report, views.section(report, "flops")[2]) == {
         "measured_tflops": 700.0, "measured_gbps": 2800.0, "datasheet_tflops": 989.5, "datasheet_gbps": 3350.0}
-
-
-def test_straggler_matrix_shows_who_waited():
-    report = report_from_dict(make_report(RUN_IDS[0]))
-    matrix = views.straggler_matrix(frames.comms_calls(report, case="seq128"), frames.stragglers(report, case="seq128"))
-    assert matrix["ranks"] == [0, 1, 2, 3] and matrix["stragglers"] == [STRAGGLER_RANK]
-    assert len(matrix["labels"]) == 16
-    assert all(w == 0.0 for w in matrix["wait_ms"][STRAGGLER_RANK])
-    assert all(3.5 < w < 6.5 for rank in (0, 1, 2) for w in matrix["wait_ms"][rank])
 
 
 def test_arm_rows_and_trial_spread():

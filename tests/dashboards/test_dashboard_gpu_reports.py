@@ -16,7 +16,7 @@ RUNS = {"bert_large/20261123T195220Z-eb4df9": ("seq128", "seq512"),
         "gpt2/20261123T200744Z-0aa422": ("124m", "1.5b")}
 # Five arms (torch-compile-ro too), flops profiles with per-module device time and the steady state.
 RUNS_V2 = {"bert_large/20261125T002038Z-fe42e8": ("seq128", "seq512")}
-TABS = [("flops", 2, "Top modules per depth"), ("memory", 1, "Memory"),
+TABS = [("flops", 2, "Module types per depth"), ("memory", 1, "Memory"),
         ("telemetry", 1, "Time series per GPU"), ("io", 0, "I/O")]
 
 

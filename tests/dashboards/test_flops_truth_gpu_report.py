@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboards import views
+from dashboards import flops_view
 from dslab.report import frames, read_report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu_reports" / "bert_large"
@@ -29,9 +29,9 @@ def report():
 def test_model_tflops_on_the_page_is_the_runs(report, case):
     flops = report.profilers["flops"][case]
     run = report.result(case, "dslab").metrics["model_tflops"]
-    page = views.model_tflops(flops)
+    page = flops_view.model_tflops(flops)
     assert page == pytest.approx(run, rel=0.10)
-    rows = dict(views.mfu_rows(flops))
+    rows = dict(flops_view.mfu_rows(flops))
     assert rows["achieved TFLOP/s (steady state)"] == format(page, ".4g")
     assert "device time of the kernels" in rows["module times"]
     # the counted step's own figure stays visible, labelled, and is far from the run's
@@ -40,7 +40,7 @@ def test_model_tflops_on_the_page_is_the_runs(report, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_identical_layers_read_the_same_time(report, case):
-    nodes = {n["name"]: n for n in views.flops_tree(frames.flops_modules(report, case=case, strict=True))}
+    nodes = {n["name"]: n for n in flops_view.flops_tree(frames.flops_modules(report, case=case, strict=True))}
     layers = [nodes[f"layers.{i}"] for i in range(24)]
     assert all(n["timing"] == "device" for n in layers)
     times = [n["latency_ms"] for n in layers]
@@ -56,10 +56,10 @@ def test_the_report_before_device_timing_shows_what_it_measured():
     says so, instead of passing them off as the run's speed."""
     before = read_report(BEFORE)
     flops = before.profilers["flops"]["seq128"]
-    rows = dict(views.mfu_rows(flops))
+    rows = dict(flops_view.mfu_rows(flops))
     assert rows["steady state"].startswith("not in this report")
     assert rows["module times"] == "CUDA-event spans on the counted step (host gaps included)"
-    nodes = {n["name"]: n for n in views.flops_tree(frames.flops_modules(before, case="seq128", strict=True))}
+    nodes = {n["name"]: n for n in flops_view.flops_tree(frames.flops_modules(before, case="seq128", strict=True))}
     spans = [nodes[f"layers.{i}"]["latency_ms"] for i in range(24)]
     assert max(spans) > 1.5 * min(spans)  # why the device timing exists
     assert all(nodes[f"layers.{i}"]["timing"] == "events" for i in range(24))
@@ -72,7 +72,7 @@ def test_the_step_breakdown_accounts_for_the_steady_step(report, case):
     waiting on the host) is a tenth of the step, and the page shows the table."""
     flops = report.profilers["flops"][case]
     modules = frames.flops_modules(report, case=case, strict=True)
-    rows = {r["part"]: r for r in views.step_breakdown(flops, modules)}
+    rows = {r["part"]: r for r in flops_view.step_breakdown(flops, modules)}
     step = flops["steady_state"]["step_ms"]
     assert sum(r["device_ms"] for r in rows.values()) == pytest.approx(step, rel=0.01)
     layers = next(m for m in flops["modules"] if m["name"] == "layers")

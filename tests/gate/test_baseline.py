@@ -122,7 +122,7 @@ def test_rolling_baseline_takes_the_last_n_with_the_same_fingerprint(tmp_path):
     assert rolling.source_runs == [run_id(1), run_id(3), run_id(4)]
     assert len(rolling.values("seq128", "dslab", "samples_per_s")) == 3 * 8
     assert "rolling baseline: 3 run(s)" in rolling.label
-    with pytest.raises(ValueError, match="no earlier complete run"):
+    with pytest.raises(ValueError, match="no earlier finished run"):
         rolling_baseline(tmp_path, "bert_large", candidate.key, 3, before=run_id(0), exclude=(run_id(0),))
 
 

@@ -198,19 +198,19 @@ def test_a_failed_device_timing_is_recorded_and_training_goes_on(monkeypatch, tm
     assert device["steady_busy_error"] == "ValueError: no activity records"  # step 2's, likewise
     assert "forward_device_ms" not in records["modules"][1]
     assert "device time of step 1: not measured (ValueError: no activity records)" in out.read_text()
-    from dashboards import views
+    from dashboards import flops_view
     from dslab.report import RunReport, frames
-    rows = dict(views.mfu_rows(records))
+    rows = dict(flops_view.mfu_rows(records))
     assert "failed (ValueError: no activity records)" in rows["module times"]
     report = RunReport(run_id="20261201T000000Z-000000", suite="test", profilers={"flops": {"case": records}})
-    assert all(n["timing"] == "events" for n in views.flops_tree(frames.flops_modules(report, strict=True)))
+    assert all(n["timing"] == "events" for n in flops_view.flops_tree(frames.flops_modules(report, strict=True)))
     driver.close()
 
 
 def test_the_unhooked_step_says_when_another_profiler_hooked_it(tmp_path):
     """Step profile_step + 2 is meant to run as the steady state does; when another profiler's
     hooks are on the model during it (the memory tracer on the same step), the records say so."""
-    from dashboards import views
+    from dashboards import flops_view
     from dslab.profilers.flops_step import from_config
 
     model = nn.Sequential(Block(16), Block(16))
@@ -227,7 +227,7 @@ def test_the_unhooked_step_says_when_another_profiler_hooked_it(tmp_path):
     device = driver.records()["device_time"]
     assert device["steady_busy_step"] == 2 and device["steady_busy_hooked"] is True
     assert "device busy in step 2 (another profiler's hooks ran on it, so it ran eagerly)" in out.read_text()
-    rows = dict(views.mfu_rows(driver.records()))
+    rows = dict(flops_view.mfu_rows(driver.records()))
     assert any(key.startswith("device busy in step 2 (another profiler's hooks: eager)") for key in rows)
     driver.close()
 

@@ -26,22 +26,22 @@ def bert_run(tmp_path_factory):
 
 
 def test_flops_page_shows_the_steady_state(bert_run):
-    from dashboards import views
+    from dashboards import flops_view
 
     flops = bert_run.profilers["flops"]["seq128"]
     result = bert_run.result("seq128", "dslab")
-    page = views.model_tflops(flops)
+    page = flops_view.model_tflops(flops)
     run = result.metrics["model_tflops"]
     assert page == pytest.approx(run, rel=0.10), (page, run)
-    rows = dict(views.mfu_rows(flops))
+    rows = dict(flops_view.mfu_rows(flops))
     assert rows["achieved TFLOP/s (steady state)"] == format(page, ".4g")
 
 
 def test_identical_layers_read_the_same_device_time(bert_run):
-    from dashboards import views
+    from dashboards import flops_view
     from dslab.report import frames
 
-    nodes = {n["name"]: n for n in views.flops_tree(frames.flops_modules(bert_run, case="seq128", strict=True))}
+    nodes = {n["name"]: n for n in flops_view.flops_tree(frames.flops_modules(bert_run, case="seq128", strict=True))}
     layers = [nodes[f"layers.{i}"] for i in range(24)]
     assert all(n["timing"] == "device" for n in layers)
     times = [n["latency_ms"] for n in layers]
