@@ -10,7 +10,7 @@ outside the reports directory is ever read.
 last drawn (:meth:`RunStore.page`), so a page drawn once answers at once until its report or its
 trace changes. Summaries are made from the
 ``runs`` and ``results`` frames (:mod:`dslab.report.frames`) of every report read at once. The
-gate's files are read here as plain JSON (the dashboard imports ``dslab.report`` only): baselines under
+gate's files are read here as plain JSON (the gate's verdicts on two runs come from ``dslab.gate``): baselines under
 ``<root>/baselines/<suite>/*.json`` and change points in ``<root>/<suite>/change_points.json``.
 """
 

@@ -13,6 +13,7 @@ from dslab.report import frames
 
 TEMPLATE = "plotly_white"
 MARGIN = {"l": 60, "r": 20, "t": 50, "b": 50}
+UNTIMED_COLOUR = "#d1d5db"
 ARM_COLOURS = {"dslab": "#1f77b4", "best_plain": "#ff7f0e", "other": "#9ca3af"}
 
 
@@ -71,23 +72,34 @@ def trials_strip(trials: pd.DataFrame, case: str) -> go.Figure:
 def flops_treemap(nodes: list[dict], case: str) -> go.Figure:
     """The module tree sized by flops (forward + backward) and coloured by achieved TFLOP/s
     (:func:`dashboards.flops_view.treemap_nodes`: each parent's own ops are a named child, so the
-    sizes add up with ``branchvalues="total"``); a node without a time is coloured as 0."""
+    sizes add up with ``branchvalues="total"``); a node without a time (an own-ops node of a profile
+    timed by CUDA events around modules) is grey, not the bottom of the scale."""
     if not nodes:
         return empty(f"{case}: flops by module", "the flops profile has no modules")
 
     def shown(value, spec: str, unit: str) -> str:
         return "n/a" if value is None else f"{value:{spec}} {unit}"
 
+    known = [n["tflops"] for n in nodes if n["tflops"] is not None]
+    top = max(known, default=0.0) or 1.0
+    colours = [UNTIMED_COLOUR if n["tflops"] is None else
+               plotly.colors.sample_colorscale("Viridis", [min(1.0, n["tflops"] / top)])[0] for n in nodes]
     fig = go.Figure(go.Treemap(
         ids=[n["id"] for n in nodes], labels=[n["label"] for n in nodes], parents=[n["parent"] for n in nodes],
-        values=[n["flops"] for n in nodes], branchvalues="total",
-        marker={"colors": [n["tflops"] or 0.0 for n in nodes], "colorscale": "Viridis",
-                "colorbar": {"title": "achieved TFLOP/s"}},
+        values=[n["flops"] for n in nodes], branchvalues="total", marker={"colors": colours},
         customdata=[[n["type"], f"{n['flops'] / 1e9:.4g} GFLOP", shown(n["tflops"], ".4g", "TFLOP/s"),
                      shown(n["latency_ms"], ".3g", "ms fwd + bwd")] for n in nodes],
         hovertemplate="%{id}<br>%{customdata[0]}<br>%{customdata[1]}<br>%{customdata[2]}"
                       "<br>%{customdata[3]}<extra></extra>",
         maxdepth=4))
+    # the colour bar of the scale above, on an invisible point (a treemap given colours has none)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip", marker={
+        "colorscale": "Viridis", "cmin": 0.0, "cmax": top, "color": [0.0], "showscale": True,
+        "colorbar": {"title": "achieved TFLOP/s<br>(grey: not timed)"}}))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.update_layout(modebar={"remove": ["zoom", "pan", "select", "lasso", "zoomIn", "zoomOut", "autoScale",
+                                          "resetScale"]})
     return _layout(fig, f"{case}: flops by module (size: flops fwd + bwd, colour: achieved TFLOP/s)", height=520)
 
 

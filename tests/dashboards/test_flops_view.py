@@ -11,6 +11,7 @@ import copy
 from pathlib import Path
 
 import dash_ag_grid as dag
+import plotly.colors
 import pytest
 from dash import dcc, html
 
@@ -122,6 +123,13 @@ def test_the_treemap_names_each_parents_own_ops(profile):
     trace = fig.data[0]
     assert trace.branchvalues == "total" and "(own ops)" in trace.labels
     assert trace.values[list(trace.ids).index("(root) (own ops)")] == model - top
+    # a node without a time is grey; the others take the scale's colour of their TFLOP/s
+    colours = dict(zip(trace.ids, trace.marker.colors))
+    for n in drawn:
+        assert (colours[n["id"]] == figures.UNTIMED_COLOUR) == (n["tflops"] is None), n["id"]
+    fastest = max(drawn, key=lambda n: n["tflops"] or 0.0)
+    assert colours[fastest["id"]] == plotly.colors.sample_colorscale("Viridis", [1.0])[0]
+    assert fig.data[1].marker.cmax == fastest["tflops"] and fig.data[1].marker.showscale
 
 
 def test_every_header_on_the_tab_is_readable_with_units():

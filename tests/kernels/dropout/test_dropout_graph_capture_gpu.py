@@ -10,7 +10,7 @@ increment outside graph capture encountered unexpectedly", which is how four dro
 after any capture (failed or not) still run, and that ``graph_time_ms`` puts a failed capture's
 generator back.
 
-GPU only (``-m gpu``; outside ``tests/``, so the CPU run never collects them).
+GPU only (``-m gpu``). They import ``benchmarks/kernels``' harness (``common``) and its case modules.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+KERNEL_BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels"
+sys.path.insert(0, str(KERNEL_BENCHMARKS))
 
 from common import graph_time_ms  # noqa: E402
 
