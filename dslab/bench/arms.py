@@ -13,11 +13,17 @@
 - ``hf``: transformers' model of the same shape in the ``torch`` arm's loop (for the MoE
   families, transformers' Mixtral sparse-MoE block: :mod:`dslab.bench.hf_moe`). Not for the
   Evoformer, which transformers does not have.
+- ``liger``: the ``hf`` arm's model with Liger-Kernel's Triton ops (RMSNorm, SwiGLU, rotary
+  positions, the LM head fused with its loss; :mod:`dslab.bench.liger`), eager, as Liger's own
+  recipe runs it: the strongest Llama setup a transformers user would pick. (Under
+  ``torch.compile`` Liger 0.8.5's fused linear cross-entropy fails to trace on torch 2.11: a
+  ``TypeError`` in ``addmm``'s decomposition on fake tensors.) Llama only, on CUDA, when
+  ``liger-kernel`` imports; skipped with the reason otherwise.
 - ``sdpa``: the ``torch`` arm's loop over the model built with its ``"sdpa"`` kernel set:
   attention through ``F.scaled_dot_product_attention``. Only the families whose models have that
   kernel set run it (the Evoformer); :data:`dslab.bench.suite.ARM_FAMILIES` says which.
 
-``torch``, ``torch-compile``, ``torch-compile-ro``, ``hf`` and ``sdpa`` are the plain-PyTorch arms
+``torch``, ``torch-compile``, ``torch-compile-ro``, ``hf``, ``liger`` and ``sdpa`` are the plain-PyTorch arms
 (:data:`PLAIN_ARMS`); the summary compares ``dslab`` against the fastest of them in each case.
 
 Every arm exposes ``step()`` (one optimizer step) and ``close()``; building an arm may raise, and
@@ -52,9 +58,11 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 # The plain loops' arms, the kernel set of our model each builds (the hf arm builds transformers'
 # model instead) and, for the compiled ones, torch.compile's mode (None: the default).
-PLAIN_ARMS = ("torch", "torch-compile", "torch-compile-ro", "hf", "sdpa")
+PLAIN_ARMS = ("torch", "torch-compile", "torch-compile-ro", "hf", "sdpa", "liger")
 PLAIN_ARM_KERNELS = {"torch": "torch", "torch-compile": "torch", "torch-compile-ro": "torch", "sdpa": "sdpa"}
 COMPILE_MODES = {"torch-compile": None, "torch-compile-ro": "reduce-overhead"}
+# The arms that train transformers' model rather than ours.
+HF_MODEL_ARMS = ("hf", "liger")
 
 
 def _optimizer_settings(engine_cfg: dict) -> dict:
@@ -274,9 +282,14 @@ class PlainArm:
         self.name = name
         self.device = device
         self.dtype = PRECISION_DTYPES[precision]
-        hf = name == "hf"
+        hf = name in HF_MODEL_ARMS
         model = (workload.build_hf_model(device) if hf
                  else workload.build_model(kernels=PLAIN_ARM_KERNELS[name], device=device))
+        self.liger = name == "liger"
+        if self.liger:
+            from dslab.bench.liger import build_liger_llama
+
+            model = build_liger_llama(model)
         self.model = model.to(device).train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), **_optimizer_settings(engine_cfg),
@@ -299,6 +312,14 @@ class PlainArm:
     def step(self) -> torch.Tensor:
         if self.cudagraph_trees:
             torch.compiler.cudagraph_mark_step_begin()
+        if self.liger:
+            from dslab.bench.liger import liger_rope
+
+            with liger_rope():
+                return self._step()
+        return self._step()
+
+    def _step(self) -> torch.Tensor:
         return plain_step(self.forward, self.loss_fn, self.batch, self.model, self.optimizer, self.dtype,
                           self.device, self.scaler, self.clip, keep_loss=self.cudagraph_trees)
 
@@ -325,9 +346,13 @@ def build_arm(name: str, workload: Workload, device: torch.device, precision: st
                          f"the plain arms keep every expert on one rank")
     if name == "dslab":
         return EngineArm(workload, device, precision, engine_cfg, profile_dir, measured_peak_tflops, echo_profile_text)
-    if name == "hf":
+    if name in HF_MODEL_ARMS:
         try:
             import transformers  # noqa: F401
         except ImportError:
             raise ArmSkipped("transformers is not installed") from None
+    if name == "liger":
+        from dslab.bench.liger import liger_available
+
+        liger_available(device)
     return PlainArm(name, workload, device, precision, engine_cfg)

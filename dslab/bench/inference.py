@@ -1,6 +1,6 @@
 """``dslab bench`` for inference suites (``"kind": "inference"``, :mod:`dslab.bench.inference_suite`).
 
-For each case, transformers' GPT-2 of the case's preset is built once with random weights (the
+For each case, transformers' model of the case's preset (GPT-2, or Llama for a ``llama`` suite) is built once with random weights (the
 suite's seed) in the suite's precision on the device, with a batch of random prompts; every arm
 generates from that model and those prompts, greedily, exactly ``max_new_tokens`` new tokens (no
 eos), so all arms do the same work:
@@ -78,6 +78,36 @@ def build_hf_gpt2(preset: str, options: dict, seed: int, dtype: torch.dtype, dev
     with torch.device(device):
         model = transformers.GPT2LMHeadModel(config)
     return model.to(dtype).eval()
+
+
+def build_hf_llama(preset: str, options: dict, seed: int, dtype: torch.dtype, device: torch.device):
+    """transformers' ``LlamaForCausalLM`` of dslab's preset (:mod:`dslab.models.llama`'s ``llama*``;
+    SDPA attention, eval mode), random weights from ``seed``, in ``dtype`` on ``device``."""
+    import transformers
+
+    from dslab.models import llama as presets
+
+    factory = getattr(presets, preset, None) if preset.startswith("llama") else None
+    if not callable(factory) or preset == "llama_parameter_count":
+        raise ValueError(f"preset {preset!r} is not one of dslab.models.llama's presets (llama3_1b, llama3_3b, "
+                         f"llama3_8b, llama_tiny)")
+    c = factory(**options)
+    config = transformers.LlamaConfig(**c.hf_kwargs(), bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+# The transformers model of each family's presets, and how many positions it takes.
+HF_BUILDERS = {"gpt2": build_hf_gpt2, "llama": build_hf_llama}
+
+
+def model_positions(model) -> int:
+    """The positions a transformers model of a suite's family takes."""
+    config = model.config
+    return getattr(config, "n_positions", None) or config.max_position_embeddings
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -279,8 +309,8 @@ class InferenceSuite:
         case, preset = planned
         suite = self.suite
         try:
-            model = build_hf_gpt2(preset, {**suite.model_options, **case.model_options}, suite.seed,
-                                  DTYPES[suite.precision], context.device)
+            model = HF_BUILDERS[suite.family](preset, {**suite.model_options, **case.model_options}, suite.seed,
+                                              DTYPES[suite.precision], context.device)
         except Exception as err:
             for name in context.arms:
                 context.report.results.append(Result(case=case.name, arm=name, status="failed",
@@ -288,10 +318,10 @@ class InferenceSuite:
             context.progress.line(f"[{suite.name} {case.name}] the model could not be built: "
                                   f"{error_text(err).splitlines()[0]}")
             return None
-        if case.prompt_len + case.max_new_tokens > model.config.n_positions:
+        if case.prompt_len + case.max_new_tokens > model_positions(model):
             raise ValueError(f"case {case.name!r}: prompt_len + max_new_tokens = "
                              f"{case.prompt_len + case.max_new_tokens} exceeds the model's "
-                             f"{model.config.n_positions} positions")
+                             f"{model_positions(model)} positions")
         return GenerationCase(suite, case, preset, model, context)
 
 

@@ -15,14 +15,14 @@
       }
     }
 
-A case is a model preset (:mod:`dslab.models.gpt2`'s ``gpt2_*``; the scale's unless the case names
-one), a batch of prompts of ``prompt_len`` tokens and ``max_new_tokens`` to generate. A step is
+A case is a model preset (:mod:`dslab.models.gpt2`'s ``gpt2_*``, or for ``"family": "llama"``
+:mod:`dslab.models.llama`'s ``llama*``; the scale's unless the case names one), a batch of prompts of ``prompt_len`` tokens and ``max_new_tokens`` to generate. A step is
 one ``generate`` call; ``warmup_steps`` calls precede each arm's first trial (compilation,
 autotuning, graph capture), later trials settle with one.
 
 The arms (:mod:`dslab.bench.inference`):
 
-- ``dslab``: :func:`dslab.init_inference` of transformers' GPT-2 (the one the hf arms run), in the
+- ``dslab``: :func:`dslab.init_inference` of transformers' model (the one the hf arms run), in the
   suite's precision, with the suite's ``inference`` keys;
 - ``dslab-int8``: the same with ``dtype=torch.int8`` (activations in the suite's precision);
 - ``hf``: transformers' ``generate``, eager, dynamic KV cache;
@@ -77,7 +77,7 @@ class InferenceSuiteConfig(ConfigSection):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     kind: Literal["inference"]
     description: str = ""
-    family: Literal["gpt2"] = "gpt2"
+    family: Literal["gpt2", "llama"] = "gpt2"
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     model_options: dict = Field(default_factory=dict)
     inference: dict = Field(default_factory=dict)

@@ -41,14 +41,15 @@ from pydantic import Field, model_validator
 
 from dslab.config_base import ConfigSection, parse_section
 
-ArmName = Literal["dslab", "torch", "torch-compile", "torch-compile-ro", "hf", "sdpa"]
+ArmName = Literal["dslab", "torch", "torch-compile", "torch-compile-ro", "hf", "sdpa", "liger"]
 ARMS: tuple[str, ...] = get_args(ArmName)  # dslab/bench/arms.py says what each arm runs
-FamilyName = Literal["bert", "gpt2", "gpt2_moe", "moe_layer", "evoformer"]
+FamilyName = Literal["bert", "gpt2", "gpt2_moe", "moe_layer", "evoformer", "llama"]
 FAMILIES: tuple[str, ...] = get_args(FamilyName)  # dslab/bench/workloads.py says what each trains
 # The arms that only some families can run, and why the others cannot; every other arm runs every family.
 ARM_FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
-    "hf": (("bert", "gpt2", "gpt2_moe", "moe_layer"), "transformers has no model of it"),
+    "hf": (("bert", "gpt2", "gpt2_moe", "moe_layer", "llama"), "transformers has no model of it"),
     "sdpa": (("evoformer",), "its models have no 'sdpa' kernel set"),
+    "liger": (("llama",), "Liger-Kernel patches transformers' Llama here, no other model"),
 }
 # Families whose preset fixes a case's shape: their cases give no seq_len.
 SHAPED_BY_PRESET = ("evoformer",)

@@ -53,7 +53,7 @@ import torch
 
 from dslab import comm
 from dslab.bench.arms import PRECISION_DTYPES, build_arm, describe_injected_sleep, inject_sleep_ms
-from dslab.bench.common import Progress, TrialFailed, World, error_text, free_memory, join_world
+from dslab.bench.common import ArmSkipped, Progress, TrialFailed, World, error_text, free_memory, join_world
 from dslab.bench.measure import count_step_flops, run_trial, trial_metrics
 from dslab.bench.moe_report import expert_tflops, moe_record, stats_to_host
 from dslab.bench.protocol import Counts, Plan, RunContext
@@ -132,6 +132,9 @@ class TrainingCase:
             report.config.setdefault("flops_per_step", {})[self.name] = self.flops
         self.parking = self.parks_idle_arms and _needs_parking(workload, len(context.arms) if world.size == 1 else 1,
                                                                device)
+        # host memory the parked arms' states take, and what the host has for them (None: unknown)
+        self.host_available = host_available_bytes() if self.parking else None
+        self.host_parked = 0
         if self.parking:
             report.notes.append(f"{self.name}: the arms do not all fit on the GPU at once; each waits in host "
                                 f"memory between its trials (moved back and settled before it is timed)")
@@ -171,10 +174,26 @@ class TrainingCase:
                        "measured_peak_tflops": context.report.peaks.get("bf16_matmul_tflops")}
         else:
             options = {"world_size": context.world.size}
+        if self.parking:
+            self._reserve_host_memory(name)
         arm = build_arm(name, self.workload, context.device, self.suite.precision, self.engine, **options)
         if self.parking:
             arm.park()
         return arm
+
+    def _reserve_host_memory(self, name: str) -> None:
+        """Count arm ``name``'s parked state against the host memory that was available when the
+        case began; :class:`ArmSkipped` when it would not fit beside the arms parked already (the
+        kernel would kill the whole run part-way through instead)."""
+        need = resident_state_bytes(self.workload)
+        if self.host_available is not None and self.host_parked + need > HOST_PARKING_SHARE * self.host_available:
+            gib = 2**30
+            raise ArmSkipped(
+                f"parking it between trials needs {need / gib:.1f} GiB of host memory beside the "
+                f"{self.host_parked / gib:.1f} GiB the arms before it take, more than "
+                f"{HOST_PARKING_SHARE:.0%} of the {self.host_available / gib:.1f} GiB this host had available; "
+                f"run fewer arms (--arms)")
+        self.host_parked += need
 
     def before_trials(self) -> None:
         pass
@@ -395,14 +414,40 @@ def _record_moe(report: RunReport, workload: Workload, dslab_arm, arm_names: lis
         result.summarize()
 
 
-def _needs_parking(workload: Workload, n_arms: int, device: torch.device) -> bool:
-    """True when every arm's resident state (fp32 weights and AdamW moments, 12 bytes per
-    parameter; gradients are freed between steps) would take more than three quarters of the GPU,
-    leaving too little for one arm's activations: then idle arms wait in host memory between
-    their trials."""
-    if device.type != "cuda" or n_arms < 2:
-        return False
+# The share of the host's available memory the parked arms may take (the rest: the process itself,
+# the data and the report).
+HOST_PARKING_SHARE = 0.85
+
+
+def host_available_bytes() -> int | None:
+    """The host memory available to new allocations (``MemAvailable`` of ``/proc/meminfo``), or
+    None where that file does not exist."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def resident_state_bytes(workload: Workload) -> int:
+    """An arm's training state between steps: fp32 weights and AdamW's two moments, 12 bytes per
+    parameter of the case's model (counted on the meta device)."""
     with torch.device("meta"):
         params = sum(p.numel() for p in workload.build_model(kernels="torch").parameters())
+    return params * 12
+
+
+def _needs_parking(workload: Workload, n_arms: int, device: torch.device) -> bool:
+    """True when every arm's resident state (fp32 weights and AdamW moments, 12 bytes per
+    parameter; gradients are freed between steps) would take more than half of the GPU, leaving
+    too little for the running arm's activations beside the ``torch-compile-ro`` arm's graph pool
+    (which holds a whole step's activations between its trials): then idle arms wait in host
+    memory between their trials. Llama-3.2-1B's six arms (89 GB of states at seq 2048) ran out
+    of memory on an H200's 140 GB while all stayed resident."""
+    if device.type != "cuda" or n_arms < 2:
+        return False
     total = torch.cuda.get_device_properties(device).total_memory
-    return params * 12 * n_arms > 0.75 * total
+    return resident_state_bytes(workload) * n_arms > 0.5 * total

@@ -10,6 +10,9 @@ Families (:data:`dslab.bench.suite.FAMILIES`):
   (:class:`dslab.bench.hf_moe.HFGPT2MoE`).
 - ``moe_layer``: one MoE layer alone (:class:`dslab.bench.moe_layer.MoELayerModel`); hf: the
   Mixtral block alone (:class:`dslab.bench.hf_moe.HFMoELayer`).
+- ``llama``: :class:`dslab.models.llama.LlamaForCausalLM` (Llama 3.2's 1B and 3B shapes); hf:
+  transformers' ``LlamaForCausalLM`` (SDPA attention), which the ``liger`` arm patches with
+  Liger-Kernel's ops (:mod:`dslab.bench.liger`).
 - ``evoformer``: AlphaFold 2's Evoformer stack and a loss
   (:class:`dslab.bench.evoformer.EvoformerTrainModel`); no hf model (transformers has no
   Evoformer), but an ``sdpa`` kernel set. Its cases take their shape from the preset: one sample
@@ -43,8 +46,9 @@ MASK_TOKEN_ID = 103
 MLM_PROBABILITY = 0.15
 # Where each family's presets (config factories) live.
 PRESET_MODULES = {"bert": "dslab.models.bert", "gpt2": "dslab.models.gpt2", "gpt2_moe": "dslab.models.gpt2_moe",
-                  "moe_layer": "dslab.bench.moe_layer", "evoformer": "dslab.models.evoformer"}
-LANGUAGE_MODELS = ("gpt2", "gpt2_moe")
+                  "moe_layer": "dslab.bench.moe_layer", "evoformer": "dslab.models.evoformer",
+                  "llama": "dslab.models.llama"}
+LANGUAGE_MODELS = ("gpt2", "gpt2_moe", "llama")
 MOE_FAMILIES = ("gpt2_moe", "moe_layer")
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -108,9 +112,10 @@ class Workload:
         from dslab.models.bert import BertForPreTraining
         from dslab.models.gpt2 import GPT2LMHeadModel
         from dslab.models.gpt2_moe import GPT2MoELMHeadModel
+        from dslab.models.llama import LlamaForCausalLM
 
         cls = {"bert": BertForPreTraining, "gpt2": GPT2LMHeadModel, "gpt2_moe": GPT2MoELMHeadModel,
-               "moe_layer": MoELayerModel, "evoformer": EvoformerTrainModel}[self.family]
+               "moe_layer": MoELayerModel, "evoformer": EvoformerTrainModel, "llama": LlamaForCausalLM}[self.family]
         config = self.model_config(overrides)
         torch.manual_seed(self.seed)
         with torch.device(device or "cpu"):
@@ -130,6 +135,10 @@ class Workload:
 
             with torch.device(device or "cpu"):
                 return hf_moe.HFGPT2MoE(cfg) if self.family == "gpt2_moe" else hf_moe.HFMoELayer(cfg)
+        if self.family == "llama":
+            hf_cfg = transformers.LlamaConfig(**cfg.hf_kwargs(), attn_implementation="sdpa")
+            with torch.device(device or "cpu"):
+                return transformers.LlamaForCausalLM(hf_cfg)
         if self.family == "bert":
             hf_cfg = transformers.BertConfig(
                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,

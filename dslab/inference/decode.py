@@ -3,16 +3,20 @@
 A generation of ``batch`` rows runs in the slot of its bucket (the next power of two, so a few
 graphs serve every batch size). A slot holds, for ``bucket`` rows:
 
-- the KV cache (:class:`dslab.inference.kv_cache.KVCache`, ``max_seq`` positions), allocated once;
+- the KV cache (:class:`dslab.inference.kv_cache.KVCache`, ``max_seq`` positions of the model's
+  key/value heads: fewer than its query heads under grouped-query attention), allocated once;
 - ``tokens`` int64 ``[bucket]``: the token each row feeds next;
 - ``write_pos`` int64 ``[bucket]``: the cache position that token goes to (its position id is
   ``write_pos - valid_start``);
 - ``valid_start`` int32 ``[bucket]``: each row's first real (non-pad) cache position.
 
-The step (:meth:`DecodeRunner.step`) embeds ``tokens``, runs every layer with decode attention,
-returns the logits ``[bucket, vocab]`` and advances ``write_pos`` by one, all on the device. Rows
-past ``batch`` are filler: they start at token 0, position ``P`` and ``valid_start`` 0, their
-outputs are ignored, and each row's computation is independent of the others'.
+The model is an :class:`~dslab.inference.modules.InferenceTransformer` (GPT-2) or an
+:class:`~dslab.inference.llama_modules.InferenceLlama` (Llama layout, whose rotary positions come
+from the same ``write_pos - valid_start``). The step (:meth:`DecodeRunner.step`) embeds ``tokens``,
+runs every layer with decode attention, returns the logits ``[bucket, vocab]`` and advances
+``write_pos`` by one, all on the device. Rows past ``batch`` are filler: they start at token 0,
+position ``P`` and ``valid_start`` 0, their outputs are ignored, and each row's computation is
+independent of the others'.
 
 With graphs (CUDA, ``enable_cuda_graph``), the first step of a slot runs the body twice on a side
 stream (Triton compiles and autotunes there; ``write_pos`` is put back after each run, and the
@@ -37,7 +41,10 @@ import torch
 
 from dslab import comm
 from dslab.inference.kv_cache import KVCache
+from dslab.inference.llama_modules import InferenceLlama
 from dslab.inference.modules import InferenceTransformer
+
+InjectedModel = InferenceTransformer | InferenceLlama
 
 WARMUP_RUNS = 2
 
@@ -56,10 +63,10 @@ def _clear_cublas_workspaces() -> None:
 class DecodeSlot:
     """The static state of one batch bucket (see the module docstring)."""
 
-    def __init__(self, model: InferenceTransformer, bucket: int, max_seq: int):
+    def __init__(self, model: InjectedModel, bucket: int, max_seq: int):
         device = model.device
         self.bucket = bucket
-        self.cache = KVCache(len(model.layers), bucket, model.heads // model.tp.size, max_seq, model.head_dim,
+        self.cache = KVCache(len(model.layers), bucket, model.kv_heads // model.tp.size, max_seq, model.head_dim,
                              model.dtype, device)
         self.tokens = torch.zeros(bucket, dtype=torch.int64, device=device)
         self.write_pos = torch.zeros(bucket, dtype=torch.int64, device=device)
@@ -81,7 +88,7 @@ class DecodeSlot:
 class DecodeRunner:
     """Slots by bucket and the step over them (see the module docstring)."""
 
-    def __init__(self, model: InferenceTransformer, max_seq: int, use_graphs: bool):
+    def __init__(self, model: InjectedModel, max_seq: int, use_graphs: bool):
         self.model = model
         self.max_seq = max_seq
         self.use_graphs = use_graphs and model.device.type == "cuda"

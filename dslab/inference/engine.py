@@ -12,12 +12,15 @@ What happens (keys in :mod:`dslab.inference.config`):
 
 1. ``checkpoint`` is loaded into ``model`` (:mod:`dslab.inference.checkpoint`).
 2. With ``replace_with_kernel_inject``, the model's policy (:mod:`dslab.inference.policies`) reads
-   its weights, and :class:`~dslab.inference.modules.InferenceTransformer` takes them over: cast to
+   its weights, and :class:`~dslab.inference.modules.InferenceTransformer` (the Llama layout:
+   :class:`~dslab.inference.llama_modules.InferenceLlama`) takes them over: cast to
    the compute dtype (int8 linear weights under ``dtype=torch.int8``), sliced for this rank's
    tensor-parallel share, on this process's device (its CUDA device when there is one, as
    DeepSpeed does, else the CPU). ``engine.module`` is that model; the source model is left as it
    was. A model without a policy runs unchanged (cast to ``dtype``) with a warning saying so, as
-   DeepSpeed does; int8 and tensor parallelism need a policy and are refused without one.
+   DeepSpeed does; with ``tp_size`` > 1 it is split in place by automatic tensor parallelism
+   (:mod:`dslab.inference.auto_tp`, DeepSpeed's AutoTP) and runs its own ``generate`` on every
+   rank in lockstep. int8 needs a policy and is refused without one.
 3. ``engine(input_ids, attention_mask=None, token_type_ids=None)`` runs the forward without
    autograd and returns what the source model returns (logits for language models).
    ``engine.generate(...)`` decodes with the static KV cache (:mod:`dslab.inference.generate`),
@@ -40,10 +43,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dslab.inference.auto_tp import apply_auto_tp
 from dslab.inference.checkpoint import load_checkpoint
 from dslab.inference.config import InferenceConfig, resolve_config
 from dslab.inference.decode import DecodeRunner
-from dslab.inference.generate import Sampling, check_prompt, generate_tokens
+from dslab.inference.generate import check_prompt, generate_tokens, resolve_generation_args
+from dslab.inference.llama_modules import InferenceLlama
 from dslab.inference.modules import InferenceTransformer
 from dslab.inference.policies import Unsupported, check_shapes, find_policy
 from dslab.inference.tensor_parallel import TensorParallel, check_divisible, tensor_parallel_group
@@ -87,6 +92,7 @@ class InferenceEngine:
         if not isinstance(model, nn.Module):
             raise ValueError(f"init_inference needs a torch.nn.Module, got {type(model).__name__}")
         self._config = config
+        self.source_model = model  # generate() hands it the calls dslab's decode loop does not implement
         self.device = _device()
         self.checkpoint = load_checkpoint(model, config.checkpoint, config.base_dir) if config.checkpoint else None
         self.tp: TensorParallel = tensor_parallel_group(config.tp_size)
@@ -98,9 +104,10 @@ class InferenceEngine:
         if spec is None:
             self._run_unchanged(model)
             return
-        check_divisible(spec.heads, spec.intermediate, self.tp.size)
+        check_divisible(spec.heads, spec.intermediate, self.tp.size, spec.kv_heads)
         quant = config.quant.weight if config.int8 else None
-        self.module = InferenceTransformer(spec, self.tp, config.compute_dtype, self.device, quant).eval()
+        model_class = InferenceLlama if spec.family == "llama" else InferenceTransformer
+        self.module = model_class(spec, self.tp, config.compute_dtype, self.device, quant).eval()
         self.max_seq = min(config.max_out_tokens, spec.max_positions)
         if spec.causal:
             eager_reason = self._eager_reason() if config.enable_cuda_graph else None
@@ -124,6 +131,7 @@ class InferenceEngine:
             return None
         check_shapes(spec)
         self.policy = policy.name
+        self.notes.extend(spec.notes)
         return spec
 
     def _eager_reason(self) -> str | None:
@@ -143,12 +151,12 @@ class InferenceEngine:
         if config.int8:
             raise ValueError(f"dtype=torch.int8 quantises the layers dslab injects; {type(model).__name__} is not "
                              f"injected (replace_with_kernel_inject={config.replace_with_kernel_inject})")
-        if self.tp.size > 1:
-            raise ValueError(f"tensor_parallel.tp_size={self.tp.size}: dslab slices only the models it injects; "
-                             f"{type(model).__name__} is not injected")
         if config.injection_policy:
-            raise ValueError("injection_policy is given, but dslab slices only the models it injects "
-                             "(replace_with_kernel_inject=True with a model dslab has a policy for)")
+            raise ValueError("injection_policy is given, but it applies only to the models dslab injects "
+                             "(replace_with_kernel_inject=True with a model dslab has a policy for); without "
+                             "injection, tensor_parallel splits the model by automatic tensor parallelism")
+        if self.tp.size > 1:  # split in place before the move, so each device receives its share only
+            self.notes.append(apply_auto_tp(model, self.tp).note)
         self.module = model.to(device=self.device, dtype=config.dtype).eval()
         self.max_seq = None
 
@@ -160,7 +168,7 @@ class InferenceEngine:
 
     @property
     def injected(self) -> bool:
-        return isinstance(self.module, InferenceTransformer)
+        return isinstance(self.module, (InferenceTransformer, InferenceLlama))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,46 +212,62 @@ class InferenceEngine:
         move = (lambda t: None if t is None else t.to(self.device))
         return model(move(input_ids).long(), move(attention_mask), move(token_type_ids))
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_new_tokens: int | None = None, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 50, top_p: float = 1.0, eos_token_id=None, pad_token_id: int | None = None,
-                 generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
-        """``[batch, prompt + new]`` token ids, as transformers' ``generate`` (greedy unless
-        ``do_sample``; :mod:`dslab.inference.generate`). A model that is not injected calls its own
-        ``generate`` with these arguments."""
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """``[batch, prompt + new]`` token ids, or transformers' output object under
+        ``return_dict_in_generate``, as transformers' ``generate`` with the same arguments
+        (:mod:`dslab.inference.generate` lists those dslab's decode loop implements). A call with
+        any other argument (``num_beams=4``, ``logits_processor``, ...) is handed, with a warning
+        naming it, to the source model's own ``generate``, run where and in the dtype that model
+        is. A model that is not injected (or split by automatic tensor parallelism) runs its own
+        ``generate`` with every argument."""
         if not self.injected:
             generate = getattr(self.module, "generate", None)
             if not callable(generate):
                 raise ValueError(f"{type(self.module).__name__} has no generate()")
-            extra = {"generator": generator} if generator is not None else {}
             with torch.no_grad():
                 mask = attention_mask.to(self.device) if isinstance(attention_mask, torch.Tensor) else attention_mask
-                return generate(input_ids=input_ids.to(self.device), attention_mask=mask,
-                                max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                **extra, **kwargs)
+                return generate(input_ids=input_ids.to(self.device), attention_mask=mask, **kwargs)
         if self.token_clock is not None:  # the call's start, its checks included, as for any generate()
             self.token_clock.start()
-        if kwargs:
-            raise ValueError(f"generate() got arguments dslab's engine does not take: {', '.join(sorted(kwargs))}")
         if self._runner is None:
             raise ValueError(f"generate() needs a causal language model; this engine holds {self.module.source}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        sampling = Sampling(do_sample, temperature, top_k, top_p)
-        sampling.check()
-        if generator is not None and generator.device.type != self.device.type:
-            raise ValueError(f"generator is on {generator.device}, the model on {self.device}")
+        args, foreign = resolve_generation_args(kwargs, getattr(self.source_model, "generation_config", None),
+                                                self.module.vocab_size)
+        if foreign:
+            return self._hand_off(foreign, input_ids, attention_mask, kwargs)
+        if args.generator is not None and args.generator.device.type != self.device.type:
+            raise ValueError(f"generator is on {args.generator.device}, the model on {self.device}")
         input_ids, mask, valid_start = check_prompt(input_ids, attention_mask, self.module.vocab_size, self.device)
         prompt = input_ids.shape[1]
+        max_new_tokens, min_new_tokens = args.lengths(prompt, self.module.max_positions)
         if prompt + max_new_tokens > self.max_seq:
             raise ValueError(
                 f"prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) = {prompt + max_new_tokens} exceeds the "
                 f"KV cache's {self.max_seq} positions (max_out_tokens={self._config.max_out_tokens}, the model has "
                 f"{self.module.max_positions}); raise max_out_tokens or ask for fewer tokens")
         with torch.no_grad():
-            return generate_tokens(self.module, self._runner, input_ids, mask, valid_start, max_new_tokens, sampling,
-                                   eos_token_id, pad_token_id, generator, self.token_clock)
+            return generate_tokens(self.module, self._runner, input_ids, mask, valid_start, args, max_new_tokens,
+                                   min_new_tokens, self.token_clock)
+
+    def _hand_off(self, names: list[str], input_ids, attention_mask, kwargs: dict):
+        """The source model's own ``generate`` with the whole call (but ``generator``, which
+        transformers does not take), on that model's device."""
+        source = self.source_model
+        generate = getattr(source, "generate", None)
+        listed = ", ".join(names)
+        if not callable(generate):
+            raise ValueError(f"generate(): dslab's decode loop does not implement {listed}, and "
+                             f"{type(source).__name__} has no generate() to hand the call to")
+        passed = {k: v for k, v in kwargs.items() if k != "generator"}  # transformers draws from torch's default
+        dropped = "; generator (dslab's own argument) is not passed on" if "generator" in kwargs else ""
+        warnings.warn(f"generate(): dslab's decode loop does not implement {listed}; the call goes to "
+                      f"{type(source).__name__}.generate() (the source model, without dslab's kernels){dropped}",
+                      stacklevel=3)
+        device = next(iter(source.parameters()), torch.empty(0)).device
+        move = (lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
+        with torch.no_grad():
+            out = generate(input_ids=move(input_ids), attention_mask=move(attention_mask), **passed)
+        return out.to(self.device) if isinstance(out, torch.Tensor) else out
 
     # --- memory ----------------------------------------------------------------------------------
 

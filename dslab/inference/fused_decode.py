@@ -1,5 +1,10 @@
 """The per-token step of a pre-LN causal model (GPT-2) in five launches a layer.
 
+GPT-2's layout only (:class:`~dslab.inference.modules.InferenceTransformer`): LayerNorm, bias +
+GELU, learned position embeddings. The Llama layout
+(:class:`~dslab.inference.llama_modules.InferenceLlama`: RMSNorm, rotary positions, grouped-query
+attention, SwiGLU) runs its step op by op.
+
 :meth:`InferenceTransformer.decode_step <dslab.inference.modules.InferenceTransformer.decode_step>`
 runs :func:`fused_decode_step` when :func:`unfused_reason` finds nothing against it. With ``x`` the
 residual stream and ``d`` the last sublayer's output still to be added to it, layer ``l`` is::

@@ -1,5 +1,7 @@
 """dslab's inference modules: the model a :class:`~dslab.inference.policies.ModelSpec` describes,
-on dslab's kernels, with no code of the source model on the hot path.
+on dslab's kernels, with no code of the source model on the hot path. (The Llama layout, a
+:class:`~dslab.inference.policies.LlamaSpec`, is :mod:`dslab.inference.llama_modules`, built from
+the linear layers here.)
 
 A layer (``x`` the residual stream ``[batch, seq, hidden]``; ``d`` the previous sublayer's output
 that is still to be added to it; each ``LN`` is :func:`dslab.kernels.norm.layer_norm.layer_norm`, which fuses
@@ -45,7 +47,8 @@ from dslab.kernels.norm.layer_norm import layer_norm
 from dslab.kernels.quant.int8_linear import int8_linear, quantize_int8
 
 
-def _param(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> nn.Parameter | None:
+def frozen_parameter(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> nn.Parameter | None:
+    """``t`` as a contiguous parameter in ``dtype`` on ``device`` without gradient (None stays None)."""
     if t is None:
         return None
     return nn.Parameter(t.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=False)
@@ -54,10 +57,27 @@ def _param(t: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> 
 VOCAB_PAD = 64
 
 
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     """``t`` with zero rows appended up to a multiple of ``multiple`` rows."""
     extra = -t.shape[0] % multiple
     return torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t
+
+
+def positions_and_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                          causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Position ids ``[batch, seq]`` and the key-padding mask (bool, True at padding; None when
+    there is no mask or nothing is padded: one host read decides). A causal model numbers each
+    row's real tokens from 0 as transformers' ``generate`` does (``cumsum(mask) - 1``, pads at 0),
+    so a left-padded row starts at position 0 at its first real token; otherwise ``0 .. seq - 1``."""
+    seq = input_ids.shape[1]
+    if attention_mask is None:
+        return torch.arange(seq, device=input_ids.device).expand_as(input_ids), None
+    padding = attention_mask == 0
+    if causal:
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+    else:
+        positions = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+    return positions, (padding if bool(padding.any()) else None)
 
 
 class InferenceLinear(nn.Module):
@@ -70,9 +90,9 @@ class InferenceLinear(nn.Module):
                  device: torch.device, quant: WeightQuantConfig | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.bias = _param(bias, dtype, device)
+        self.bias = frozen_parameter(bias, dtype, device)
         if quant is None:
-            self.weight = _param(weight, dtype, device)
+            self.weight = frozen_parameter(weight, dtype, device)
             self.group_size = None
         else:
             self.group_size = quant.group_size_for(self.in_features)
@@ -106,8 +126,8 @@ class InferenceNorm(nn.Module):
     def __init__(self, pair: tuple[torch.Tensor, torch.Tensor], eps: float, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
-        self.weight = _param(pair[0], dtype, device)
-        self.bias = _param(pair[1], dtype, device)
+        self.weight = frozen_parameter(pair[0], dtype, device)
+        self.bias = frozen_parameter(pair[1], dtype, device)
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -171,6 +191,7 @@ class InferenceTransformer(nn.Module):
         self.causal, self.pre_ln, self.gelu = spec.causal, spec.pre_ln, spec.gelu
         self.vocab_size, self.max_positions = spec.vocab_size, spec.max_positions
         self.hidden, self.heads, self.head_dim = spec.hidden, spec.heads, spec.head_dim
+        self.kv_heads = spec.heads  # the KV cache's heads (before tensor-parallel slicing)
         self.tp = tp
         self.dtype, self.device = dtype, device
         tied = spec.lm_head is not None and spec.lm_head.data_ptr() == spec.word_embeddings.data_ptr() \
@@ -178,9 +199,9 @@ class InferenceTransformer(nn.Module):
         # The word embeddings (and an untied head) get zero rows up to a multiple of 64: a head
         # GEMM over GPT-2's 50257 rows takes cuBLAS's unaligned kernels (110 us of a 750 us
         # batch-32 step on an H200); the logits are cut back to the vocabulary.
-        self.word_embeddings = _param(_pad_rows(spec.word_embeddings, VOCAB_PAD), dtype, device)
-        self.position_embeddings = _param(spec.position_embeddings, dtype, device)
-        self.token_type_embeddings = _param(spec.token_type_embeddings, dtype, device)
+        self.word_embeddings = frozen_parameter(pad_rows(spec.word_embeddings, VOCAB_PAD), dtype, device)
+        self.position_embeddings = frozen_parameter(spec.position_embeddings, dtype, device)
+        self.token_type_embeddings = frozen_parameter(spec.token_type_embeddings, dtype, device)
         self.embedding_norm = InferenceNorm(spec.embedding_norm, spec.eps, dtype, device) if spec.embedding_norm else None
         self.layers = nn.ModuleList(InferenceLayer(layer, spec, tp, dtype, device, quant) for layer in spec.layers)
         self.final_norm = InferenceNorm(spec.final_norm, spec.eps, dtype, device) if spec.final_norm else None
@@ -189,13 +210,13 @@ class InferenceTransformer(nn.Module):
         elif tied:
             self.lm_head = self.word_embeddings  # tied, as in the source model
         else:
-            self.lm_head = _param(_pad_rows(spec.lm_head, VOCAB_PAD), dtype, device)
+            self.lm_head = frozen_parameter(pad_rows(spec.lm_head, VOCAB_PAD), dtype, device)
         self.mlm = None
         if spec.mlm:
             self.mlm = nn.Module()
             self.mlm.dense = InferenceLinear(spec.mlm["dense_weight"], spec.mlm["dense_bias"], dtype, device)
             self.mlm.norm = InferenceNorm((spec.mlm["norm_weight"], spec.mlm["norm_bias"]), spec.eps, dtype, device)
-            self.mlm.decoder_bias = _param(_pad_rows(spec.mlm["decoder_bias"], VOCAB_PAD), dtype, device)
+            self.mlm.decoder_bias = frozen_parameter(pad_rows(spec.mlm["decoder_bias"], VOCAB_PAD), dtype, device)
         self.pooler = InferenceLinear(*spec.pooler, dtype, device) if spec.pooler else None
         self.nsp = InferenceLinear(*spec.nsp, dtype, device) if spec.nsp else None
         #: Whether :meth:`decode_step` may run the fused step (:mod:`dslab.inference.fused_decode`),
@@ -248,17 +269,8 @@ class InferenceTransformer(nn.Module):
         return self.lm_logits(hidden), self.nsp(pooled)
 
     def positions_and_padding(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        """Position ids ``[batch, seq]`` and the key-padding mask (bool, True at padding; None
-        when there is no mask or nothing is padded: one host read decides)."""
-        seq = input_ids.shape[1]
-        if attention_mask is None:
-            return torch.arange(seq, device=input_ids.device).expand_as(input_ids), None
-        padding = attention_mask == 0
-        if self.causal:
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
-        else:
-            positions = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
-        return positions, (padding if bool(padding.any()) else None)
+        """Position ids ``[batch, seq]`` and the key-padding mask (:func:`positions_and_padding`)."""
+        return positions_and_padding(input_ids, attention_mask, self.causal)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
         """Run the prompts ``[batch, P]`` (left-padded) through the model, writing their keys and

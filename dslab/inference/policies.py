@@ -16,14 +16,32 @@ transformers ``BertModel``                  ``(last_hidden_state, pooler_output 
 transformers ``BertForMaskedLM``            MLM logits ``[batch, seq, vocab]``
 dslab ``GPT2LMHeadModel``                   logits ``[batch, seq, vocab]``
 dslab ``BertForPreTraining``                ``(mlm_logits, nsp_logits)``
+transformers ``LlamaForCausalLM``           logits ``[batch, seq, vocab]`` (:class:`LlamaSpec`)
+transformers ``MistralForCausalLM``         logits ``[batch, seq, vocab]`` (:class:`LlamaSpec`)
+transformers ``Qwen2ForCausalLM``           logits ``[batch, seq, vocab]`` (:class:`LlamaSpec`)
 ==========================================  =========================================================
+
+The Llama layout (Llama, Mistral, Qwen2 share it: RMSNorm, rotary positions, grouped-query
+attention with ``num_key_value_heads`` key/value heads, a gated SiLU MLP, no position
+embeddings) is read into a :class:`LlamaSpec`: q, k and v stacked into one ``[(heads + 2 *
+kv_heads) * head_dim, hidden]`` matrix (``head_dim`` is the config's, which may differ from
+``hidden / heads``), gate and up into one ``[2 * intermediate, hidden]`` matrix (gate rows first),
+the biases where the model has them (Qwen2's q/k/v; Llama's ``attention_bias`` and ``mlp_bias``),
+and the rotary frequencies (:func:`dslab.kernels.attention.rope.rope_inv_freq` of the config's
+``rope_theta`` and rope scaling). Refused, with the reason: ``hidden_act`` other than SiLU, rope
+types other than default, linear and llama3 (or a partial rotary factor), heads that do not group
+over the key/value heads. A sliding window (Mistral's ``sliding_window``, Qwen2's sliding layers)
+of W keys masks nothing while a sequence holds at most W positions (left padding included): the
+spec's ``max_positions`` is cut to W when W is smaller, so the engine runs exactly the model's
+attention and refuses longer sequences, and says so in its notes.
 
 transformers is never imported here: its classes are recognised by name and module. A model of
 one of these classes whose settings the inference modules cannot run (a GPT-2 with a ReLU MLP, a
 BERT with relative positions) has no policy either, and :func:`find_policy` says why.
 
 Sources: transformers' ``modeling_gpt2.py`` (``Conv1D`` stores ``[in, out]``; ``c_attn`` is q, k, v
-along ``out``) and ``modeling_bert.py``; dslab's :mod:`dslab.models.gpt2` and
+along ``out``), ``modeling_bert.py``, ``modeling_llama.py``, ``modeling_mistral.py``,
+``modeling_qwen2.py`` and ``modeling_rope_utils.py``; dslab's :mod:`dslab.models.gpt2` and
 :mod:`dslab.models.bert`.
 """
 
@@ -35,9 +53,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from dslab.kernels.attention.rope import ROPE_TYPES, rope_inv_freq
+
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-SUPPORTED = ("transformers GPT2LMHeadModel, BertModel and BertForMaskedLM; dslab GPT2LMHeadModel and "
-             "BertForPreTraining")
+SUPPORTED = ("transformers GPT2LMHeadModel, BertModel, BertForMaskedLM, LlamaForCausalLM, MistralForCausalLM and "
+             "Qwen2ForCausalLM; dslab GPT2LMHeadModel and BertForPreTraining")
 
 
 @dataclass
@@ -83,10 +103,59 @@ class ModelSpec:
     mlm: dict[str, torch.Tensor] = field(default_factory=dict)  # dense_weight/bias, norm_weight/bias, decoder_bias
     pooler: tuple[torch.Tensor, torch.Tensor] | None = None
     nsp: tuple[torch.Tensor, torch.Tensor] | None = None
+    notes: list[str] = field(default_factory=list)  # what the engine should report about the injection
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: one per query head (multi-head attention)."""
+        return self.heads
+
+
+@dataclass
+class LlamaLayerSpec:
+    """One Llama-layout layer's weights, ``[out, in]`` matrices (biases None where the model has
+    none)."""
+
+    qkv_weight: torch.Tensor          # [(heads + 2 * kv_heads) * head_dim, hidden]: q rows, then k, then v
+    qkv_bias: torch.Tensor | None     # [(heads + 2 * kv_heads) * head_dim]
+    out_weight: torch.Tensor          # [hidden, heads * head_dim]
+    out_bias: torch.Tensor | None
+    gate_up_weight: torch.Tensor      # [2 * intermediate, hidden]: gate rows, then up rows
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor         # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+    attention_norm: torch.Tensor      # RMSNorm weight [hidden] before attention
+    mlp_norm: torch.Tensor            # RMSNorm weight [hidden] before the MLP
+
+
+@dataclass
+class LlamaSpec:
+    """A Llama-layout causal language model (see the module docstring); ``forward`` returns
+    logits."""
+
+    source: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    max_positions: int
+    vocab_size: int
+    eps: float                        # the RMSNorms' epsilon
+    rope_type: str                    # "default", "linear" or "llama3"
+    rope_inv_freq: torch.Tensor       # fp32 [head_dim // 2]: rotation frequencies, scaling applied
+    word_embeddings: torch.Tensor
+    layers: list[LlamaLayerSpec]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor             # [vocab, hidden]: the word embeddings themselves when tied
+    notes: list[str] = field(default_factory=list)
+    family: str = "llama"
+    causal: bool = True
+    outputs: str = "logits"
 
 
 class Unsupported(Exception):
@@ -245,6 +314,102 @@ def _dslab_bert(model: nn.Module) -> ModelSpec:
     )
 
 
+# --- transformers Llama, Mistral, Qwen2 ------------------------------------------------------------
+
+SILUS = ("silu", "swish")
+
+
+def _rope_parameters(config) -> dict:
+    """The config's rope settings as one dict with ``rope_type`` and ``rope_theta``:
+    ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    params = getattr(config, "rope_parameters", None)
+    params = dict(params if params is not None else getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if any(isinstance(value, dict) for value in params.values()):
+        raise Unsupported(f"rope parameters per layer type ({sorted(params)}); dslab takes one rope for all layers")
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    return params
+
+
+def _rope_frequencies(config, head_dim: int) -> tuple[str, torch.Tensor]:
+    params = _rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise Unsupported(f"rope_type={rope_type!r} (dslab runs {', '.join(ROPE_TYPES)} rotary positions)")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise Unsupported(f"partial_rotary_factor={params['partial_rotary_factor']} (dslab rotates whole heads)")
+    try:
+        return rope_type, rope_inv_freq(head_dim, params["rope_theta"], params)
+    except ValueError as err:
+        raise Unsupported(f"rope parameters {params}: {err}") from None
+
+
+def _sliding_window(config) -> int | None:
+    """The attention window of the model's sliding layers (None when no layer slides)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    return linear.bias.detach() if linear.bias is not None else None
+
+
+def _stacked_bias(*linears: nn.Module) -> torch.Tensor | None:
+    """The linears' biases stacked in order; None when none has one (zeros for those without)."""
+    if all(linear.bias is None for linear in linears):
+        return None
+    return torch.cat([linear.bias.detach() if linear.bias is not None else
+                      linear.weight.new_zeros(linear.weight.shape[0]) for linear in linears])
+
+
+def _hf_llama(name: str):
+    def extract(model: nn.Module) -> LlamaSpec:
+        config = model.config
+        if config.hidden_act not in SILUS:
+            raise Unsupported(f"hidden_act={config.hidden_act!r} (dslab's Llama MLP runs SiLU only)")
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+        if heads % kv_heads:
+            raise Unsupported(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rope_type, inv_freq = _rope_frequencies(config, head_dim)
+        max_positions, notes = config.max_position_embeddings, []
+        window = _sliding_window(config)
+        if window is not None and window < max_positions:
+            notes.append(f"{name}: sliding_window={window} < max_position_embeddings={max_positions}; dslab runs "
+                         f"sequences of up to {window} positions, where the window masks no key")
+            max_positions = window
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(LlamaLayerSpec(
+                qkv_weight=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+                qkv_bias=_stacked_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                out_weight=attn.o_proj.weight.detach(), out_bias=_bias(attn.o_proj),
+                gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                gate_up_bias=_stacked_bias(mlp.gate_proj, mlp.up_proj),
+                down_weight=mlp.down_proj.weight.detach(), down_bias=_bias(mlp.down_proj),
+                attention_norm=layer.input_layernorm.weight.detach(),
+                mlp_norm=layer.post_attention_layernorm.weight.detach(),
+            ))
+        return LlamaSpec(
+            source=name, hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            intermediate=config.intermediate_size, max_positions=max_positions, vocab_size=config.vocab_size,
+            eps=config.rms_norm_eps, rope_type=rope_type, rope_inv_freq=inv_freq,
+            word_embeddings=model.model.embed_tokens.weight.detach(), layers=layers,
+            final_norm=model.model.norm.weight.detach(), lm_head=model.lm_head.weight.detach(), notes=notes,
+        )
+
+    return extract
+
+
 @dataclass(frozen=True)
 class Policy:
     """One model class: its name, how to recognise it, its layer class and how to read it."""
@@ -253,7 +418,7 @@ class Policy:
     class_name: str
     module_prefix: str
     layer_class_of: object  # model -> the class of its transformer layers
-    extract: object         # model -> ModelSpec (raises Unsupported)
+    extract: object         # model -> ModelSpec or LlamaSpec (raises Unsupported)
 
     def matches(self, model: nn.Module) -> bool:
         return _is_class(model, self.class_name, self.module_prefix)
@@ -270,10 +435,13 @@ POLICIES = (
     Policy("dslab.GPT2LMHeadModel", "GPT2LMHeadModel", "dslab.models.gpt2", lambda m: type(m.layers[0]), _dslab_gpt2),
     Policy("dslab.BertForPreTraining", "BertForPreTraining", "dslab.models.bert", lambda m: type(m.layers[0]),
            _dslab_bert),
+    *(Policy(f"transformers.{name}", name, "transformers.", lambda m: type(m.model.layers[0]),
+             _hf_llama(f"transformers.{name}"))
+      for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")),
 )
 
 
-def find_policy(model: nn.Module, injection_policy: dict | None = None) -> tuple[Policy, ModelSpec]:
+def find_policy(model: nn.Module, injection_policy: dict | None = None) -> tuple[Policy, ModelSpec | LlamaSpec]:
     """The policy of ``model`` and its spec; :class:`Unsupported` saying why there is none.
 
     ``injection_policy`` (DeepSpeed's ``{LayerClass: (linear names...)}``) may be given for a
@@ -294,13 +462,25 @@ def find_policy(model: nn.Module, injection_policy: dict | None = None) -> tuple
                       f"(dslab injects {SUPPORTED})")
 
 
-def check_shapes(spec: ModelSpec) -> None:
-    """Internal consistency of an extracted spec (shapes agree with the dims)."""
+def _expected_shapes(spec: ModelSpec | LlamaSpec) -> dict[str, tuple[int, ...]]:
     h, i = spec.hidden, spec.intermediate
+    if isinstance(spec, LlamaSpec):
+        qkv, attn = (spec.heads + 2 * spec.kv_heads) * spec.head_dim, spec.heads * spec.head_dim
+        return {"qkv_weight": (qkv, h), "qkv_bias": (qkv,), "out_weight": (h, attn), "out_bias": (h,),
+                "gate_up_weight": (2 * i, h), "gate_up_bias": (2 * i,), "down_weight": (h, i), "down_bias": (h,),
+                "attention_norm": (h,), "mlp_norm": (h,)}
+    return {"qkv_weight": (3 * h, h), "out_weight": (h, h), "fc_in_weight": (i, h), "fc_out_weight": (h, i)}
+
+
+def check_shapes(spec: ModelSpec | LlamaSpec) -> None:
+    """Internal consistency of an extracted spec (shapes agree with the dims)."""
+    expected = _expected_shapes(spec)
     for index, layer in enumerate(spec.layers):
-        expected = {"qkv_weight": (3 * h, h), "out_weight": (h, h), "fc_in_weight": (i, h), "fc_out_weight": (h, i)}
         for name, shape in expected.items():
-            got = tuple(getattr(layer, name).shape)
+            tensor = getattr(layer, name)
+            if tensor is None:
+                continue
+            got = tuple(tensor.shape)
             if got != shape:
                 raise ValueError(f"{spec.source} layer {index}: {name} has shape {got}, expected {shape}")
     if not math.isfinite(spec.eps) or spec.eps < 0:

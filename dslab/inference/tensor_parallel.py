@@ -8,6 +8,14 @@ With ``tp_size`` ranks, rank ``r`` keeps
 - MLP columns ``r * I / tp ..``: rows of the first MLP weight and bias (column-parallel) and the
   matching input columns of the second (row-parallel).
 
+Grouped-query attention (the Llama layout: ``H`` query heads share ``Hkv`` key/value heads, query
+head ``h`` reading key/value head ``h // (H / Hkv)``) slices the q block by query heads and the k
+and v blocks by key/value heads, ``r * Hkv / tp ..``: with ``Hkv`` divisible by ``tp``, a rank's
+``H / tp`` query heads are exactly those that read its ``Hkv / tp`` key/value heads, so attention
+needs nothing from another rank, and each rank's KV cache holds its ``Hkv / tp`` heads. The fused
+gate/up weight ``[2 I, hidden]`` keeps the rank's rows of the gate block, then of the up block
+(:func:`stacked_rows`), so that SwiGLU pairs the same columns on every rank.
+
 Each row-parallel product is a partial sum; an ``all_reduce`` over the tensor-parallel group (through
 :mod:`dslab.comm`, where the comms logger sees it) completes it, two per layer per forward. The
 row-parallel biases are added by rank 0 only, so the sum holds them once. Embeddings, norms and
@@ -63,21 +71,34 @@ def tensor_parallel_group(tp_size: int) -> TensorParallel:
     return TensorParallel(tp_size, rank % tp_size, mine)
 
 
-def check_divisible(heads: int, intermediate: int, tp_size: int) -> None:
-    """ValueError naming ``tensor_parallel.tp_size`` when it does not split heads and MLP columns."""
+def check_divisible(heads: int, intermediate: int, tp_size: int, kv_heads: int | None = None) -> None:
+    """ValueError naming ``tensor_parallel.tp_size`` when it does not split the heads, the
+    key/value heads (grouped-query attention; None: one per head) and the MLP columns."""
     if heads % tp_size:
         raise ValueError(f"tensor_parallel.tp_size={tp_size} does not divide the model's {heads} attention heads")
+    if kv_heads is not None and kv_heads % tp_size:
+        raise ValueError(f"tensor_parallel.tp_size={tp_size} does not divide the model's {kv_heads} key/value heads "
+                         f"(grouped-query attention: each rank keeps whole key/value heads and the query heads "
+                         f"that read them)")
     if intermediate % tp_size:
         raise ValueError(f"tensor_parallel.tp_size={tp_size} does not divide the model's MLP width {intermediate}")
 
 
-def qkv_shard(weight: torch.Tensor, bias: torch.Tensor, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of a fused ``[3 * hidden, hidden]`` QKV weight and its ``[3 * hidden]``
-    bias: its heads' rows of the q block, then of the k block, then of the v block."""
-    if tp.size == 1:
-        return weight, bias
-    blocks_w, blocks_b = weight.chunk(3, dim=0), bias.chunk(3, dim=0)
-    return (torch.cat([rows(w, tp) for w in blocks_w]), torch.cat([rows(b, tp) for b in blocks_b]))
+def stacked_rows(t: torch.Tensor | None, tp: TensorParallel, sizes: tuple[int, ...]) -> torch.Tensor | None:
+    """This rank's rows of each block of ``t``'s first dimension (blocks of ``sizes`` rows, in
+    order), concatenated: a fused column-parallel weight or bias (None stays None)."""
+    if t is None or tp.size == 1:
+        return t
+    return torch.cat([rows(block, tp) for block in t.split(list(sizes), dim=0)])
+
+
+def qkv_shard(weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel,
+              sizes: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's rows of a fused QKV weight and its bias: its heads' rows of the q block, then
+    of the k block, then of the v block. ``sizes`` are the blocks' rows (default three equal
+    blocks, ``[3 * hidden, hidden]``; grouped-query attention: ``(H * D, Hkv * D, Hkv * D)``)."""
+    sizes = sizes or (weight.shape[0] // 3,) * 3
+    return stacked_rows(weight, tp, sizes), stacked_rows(bias, tp, sizes)
 
 
 def rows(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -96,6 +117,6 @@ def columns(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return t[..., tp.rank * n:(tp.rank + 1) * n]
 
 
-def row_parallel_bias(bias: torch.Tensor, tp: TensorParallel) -> torch.Tensor | None:
+def row_parallel_bias(bias: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor | None:
     """The bias a row-parallel layer adds on this rank: all of it on rank 0, none elsewhere."""
     return bias if tp.rank == 0 else None

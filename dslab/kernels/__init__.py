@@ -11,11 +11,11 @@ chooses at run time. Import an op from its module::
 The families (:data:`FAMILIES`):
 
 ==============  ===========================================================================
-``attention``   flash attention (Triton forward and backward), packed-projection attention,
-                cuDNN's fused attention on Hopper
-``norm``        layer norm (with the residual add), channels-first layer norm, dropout + add
-                + layer norm
-``activation``  bias + GELU
+``attention``   flash attention (Triton forward and backward, grouped-query included),
+                packed-projection attention, cuDNN's fused attention on Hopper, rotary positions
+``norm``        layer norm and RMSNorm (each with the residual add), channels-first layer norm,
+                dropout + add + layer norm
+``activation``  bias + GELU, SwiGLU
 ``dropout``     bias + dropout + residual add
 ``linear``      column sums (a Linear's bias gradient) and the Linear built on them
 ``loss``        softmax cross-entropy, the LM head fused with its cross-entropy
@@ -55,11 +55,12 @@ OP_MODULES = {
     "outer_product_linear": "evoformer.outer_product_linear",
     "decode_attention": "decode.decode_attention", "decode_linear": "decode.decode_linear",
     "int8_linear": "quant.int8_linear", "quantize_int8": "quant.int8_linear", "dequantize_int8": "quant.int8_linear",
+    "rms_norm": "norm.rms_norm", "swiglu": "activation.swiglu", "apply_rope": "attention.rope",
 }
 OPS = ("layer_norm", "bias_gelu", "bias_dropout_residual", "attention", "attention_packed", "softmax_cross_entropy",
        "linear_cross_entropy", "FusedAdam", "gate_linear", "grouped_gemm", "grouped_mlp", "moe_gating",
        "moe_permute", "moe_unpermute", "evoformer_attention", "sigmoid_gate", "decode_attention", "decode_linear",
-       "int8_linear", "outer_product_linear", "embedding", "dropout_add_layer_norm")
+       "int8_linear", "outer_product_linear", "embedding", "dropout_add_layer_norm", "rms_norm", "swiglu", "apply_rope")
 FAMILIES = ("attention", "norm", "activation", "dropout", "linear", "loss", "optim", "embedding", "moe", "evoformer",
             "decode", "quant")
 

@@ -154,3 +154,76 @@ def gpt2_to_hf(state_dict: dict, layers: int, vocab_size: int) -> dict[str, torc
     hf["transformer.wte.weight"] = state_dict["wte.weight"][:vocab_size]
     hf["lm_head.weight"] = hf["transformer.wte.weight"]
     return hf
+
+
+# Llama (``LlamaForCausalLM``, and Mistral's and Qwen2's models without biases): HF keeps q, k, v
+# and gate, up as separate ``[out, in]`` matrices; dslab stacks q, k, v into ``qkv`` and gate, up
+# into ``gate_up``. A tied head (``tie_word_embeddings``) is stored once, as the embedding; the
+# embedding (and an untied head) may have padding rows beyond HF's vocabulary.
+_LLAMA_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _llama_pairs(layers: int) -> list[tuple[str, str]]:
+    """(dslab name, HF name) for every tensor that maps one to one."""
+    pairs = [("final_norm.weight", "model.norm.weight")]
+    for i in range(layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        pairs += [
+            (ours + "attention_norm.weight", hf + "input_layernorm.weight"),
+            (ours + "attention.o_proj.weight", hf + "self_attn.o_proj.weight"),
+            (ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight"),
+            (ours + "mlp.down.weight", hf + "mlp.down_proj.weight"),
+        ]
+    return pairs
+
+
+def _pad_rows(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    if t.shape[0] > rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows > the model's {rows}")
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def llama_from_hf(state_dict: dict, config) -> dict[str, torch.Tensor]:
+    """dslab ``LlamaForCausalLM`` state dict of a HF ``LlamaForCausalLM`` one (``config``: a
+    :class:`dslab.models.llama.LlamaConfig`); the embedding (and an untied head) get zero rows up
+    to ``config.padded_vocab_size``."""
+    layers, tied = config.layers, config.tie_word_embeddings
+    pairs = _llama_pairs(layers)
+    fused = {f"model.layers.{i}.{part}.weight" for i in range(layers)
+             for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    expected = {hf for _, hf in pairs} | fused | {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    _check_keys(state_dict, expected, lambda k: (tied and k == "lm_head.weight") or k.endswith(_LLAMA_BUFFER_SUFFIXES),
+                "HuggingFace LlamaForCausalLM")
+    if tied:
+        _check_tied(state_dict, "lm_head.weight", "model.embed_tokens.weight")
+    ours = {mine: state_dict[hf] for mine, hf in pairs}
+    for i in range(layers):
+        hf = f"model.layers.{i}."
+        ours[f"layers.{i}.attention.qkv.weight"] = torch.cat(
+            [state_dict[hf + f"self_attn.{p}_proj.weight"] for p in ("q", "k", "v")])
+        ours[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+            [state_dict[hf + f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    rows = config.padded_vocab_size
+    ours["embed.weight"] = _pad_rows(state_dict["model.embed_tokens.weight"], rows, "model.embed_tokens.weight")
+    if not tied:
+        ours["lm_head.weight"] = _pad_rows(state_dict["lm_head.weight"], rows, "lm_head.weight")
+    return ours
+
+
+def llama_to_hf(state_dict: dict, config) -> dict[str, torch.Tensor]:
+    """HF ``LlamaForCausalLM`` state dict of a dslab one (a tied head as ``lm_head.weight`` equal to
+    the embedding); the padding rows are dropped."""
+    hf = {theirs: state_dict[mine] for mine, theirs in _llama_pairs(config.layers)}
+    q_rows, kv_rows = config.heads * config.head_dim, config.kv_heads * config.head_dim
+    for i in range(config.layers):
+        prefix = f"model.layers.{i}."
+        q, k, v = state_dict[f"layers.{i}.attention.qkv.weight"].split([q_rows, kv_rows, kv_rows])
+        hf[prefix + "self_attn.q_proj.weight"], hf[prefix + "self_attn.k_proj.weight"] = q, k
+        hf[prefix + "self_attn.v_proj.weight"] = v
+        gate, up = state_dict[f"layers.{i}.mlp.gate_up.weight"].chunk(2)
+        hf[prefix + "mlp.gate_proj.weight"], hf[prefix + "mlp.up_proj.weight"] = gate, up
+    vocab = config.vocab_size
+    hf["model.embed_tokens.weight"] = state_dict["embed.weight"][:vocab]
+    hf["lm_head.weight"] = hf["model.embed_tokens.weight"] if config.tie_word_embeddings \
+        else state_dict["lm_head.weight"][:vocab]
+    return hf

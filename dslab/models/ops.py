@@ -490,6 +490,8 @@ class TransformerLayer(nn.Module):
     layers) need; the result is the same either way.
     """
 
+    CHAINS_NORMS = True
+
     def __init__(self, hidden: int, heads: int, intermediate: int, hidden_dropout: float,
                  attention_dropout: float, eps: float, pre_ln: bool, causal: bool,
                  gelu_approximate: str, ops: OpSet, chain_layer_norms: bool = True,
@@ -532,9 +534,11 @@ class TransformerLayer(nn.Module):
 
 
 def chains_into(layer: nn.Module, after: nn.Module | None) -> bool:
-    """Whether ``layer``'s last residual add may compute ``after``'s first layer norm: two pre-LN
-    :class:`TransformerLayer` that both allow it (``chain_layer_norms``)."""
-    return all(isinstance(m, TransformerLayer) and m.pre_ln and m.chain_layer_norms for m in (layer, after))
+    """Whether ``layer``'s last residual add may compute ``after``'s first norm: two pre-norm
+    layers of a class that chains (``CHAINS_NORMS``: :class:`TransformerLayer`, and
+    :class:`dslab.models.llama.LlamaLayer` with its RMSNorms) that both allow it
+    (``chain_layer_norms``)."""
+    return all(getattr(type(m), "CHAINS_NORMS", False) and m.pre_ln and m.chain_layer_norms for m in (layer, after))
 
 
 def run_layer_stack(layers: Iterable[nn.Module], x: torch.Tensor,

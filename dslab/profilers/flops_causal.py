@@ -12,6 +12,7 @@ call's ``is_causal`` (or ``custom_mask_type``) argument by name from the op's sc
 
 from __future__ import annotations
 
+import torch
 from torch.utils import flop_counter
 
 #: Where a fused attention op says it is causal: ``is_causal`` (SDPA's flash, efficient, cuDNN and
@@ -55,6 +56,25 @@ def _first_overload(packet):
     return None
 
 
+def expand_kv_heads(args: tuple) -> tuple:
+    """SDPA arguments with grouped-query key/value heads widened to the query's: every 4-d tensor
+    ``[batch, heads, seq, dim]`` whose head count divides the largest one's becomes a meta tensor
+    of that head count (the formulas read shapes only). torch's SDPA formulas require equal head
+    counts; with ``enable_gqa`` each query head still meets a whole key and value sequence, so the
+    work is that of the widened shapes."""
+    heads = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    if not heads:
+        return args
+    most = max(heads)
+
+    def widen(a):
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != most and most % a.shape[1] == 0:
+            return torch.empty((a.shape[0], most, *a.shape[2:]), dtype=a.dtype, device="meta")
+        return a
+
+    return tuple(widen(a) for a in args)
+
+
 def causal_aware_formulas() -> dict:
     """A ``custom_mapping`` for ``FlopCounterMode``: torch's formula for every fused attention op
     that takes a causal flag, halved when the call is causal (as
@@ -67,7 +87,10 @@ def causal_aware_formulas() -> dict:
             continue
 
         def halved(*args, out_val=None, _formula=formula, _overload=overload, **kwargs):
-            flops = _formula(*args, **kwargs, out_val=out_val)
+            try:
+                flops = _formula(*args, **kwargs, out_val=out_val)
+            except AssertionError:  # grouped-query heads (enable_gqa), which torch's formulas refuse
+                flops = _formula(*expand_kv_heads(args), **kwargs, out_val=out_val)
             return flops // 2 if runs_causal(_overload, args, kwargs) else flops
 
         halved._get_raw = True  # FlopCounterMode hands raw arguments (is_causal) to such a formula

@@ -64,6 +64,17 @@ gate are priced by their own modules' formulas (imported when such an op is coun
   ``cross_entropy_forward/backward``: elementwise. ``layer_norm_channels_first(x [B,C,P], weight, bias,
   eps)`` and ``layer_norm_channels_first_backward(dy, x, weight, bias, mean, rstd)`` are priced as
   ``layer_norm`` / ``layer_norm_backward`` on the same elements (the transpose they fuse costs 0).
+- ``swiglu(x [M,2I])`` and ``swiglu_backward(dy [M,I], x)``: elementwise, per element of the
+  ``[M, I]`` output as the profiler prices the reference's aten ops: silu and the product with
+  u (2); backward 8: the products dy * u and dy * silu(g) (2) and ``silu_backward``, which the
+  profiler decomposes into its six pointwise ops (sigmoid, 1 - s, an add and three products).
+- ``rms_norm(x, weight, eps)``, ``add_rms_norm(x, residual, weight, eps)`` and
+  ``rms_norm_backward(dy, h, weight, rstd, dh)``: elementwise, priced as the layer norm ones
+  without the mean subtraction and the bias (:data:`RMS_NORM_FORWARD`, :data:`RMS_NORM_BACKWARD`),
+  plus one add per element for the residual add and for a given ``dh``.
+- ``rope(q [B,S,Hq,D], k [B,S,Hk,D] or None, cos, sin)`` and ``rope_backward(dq_rot, dk_rot, cos,
+  sin)``: elementwise, 3 per element of q and k (two products and a sum per rotated element, as
+  the reference's aten ops are priced; the tables are inputs, not counted).
 - ``moe_gating(logits [T,E], k, second_choice_noise)`` and ``moe_gating_backward(dprobs,
   dgate_weight, probs [T,E], expert_index, logits_dtype)``: elementwise, a softmax per logit (plus
   the noise add); ``moe_permute(x, row_index [T,k], num_rows)`` and its backward,
@@ -82,7 +93,7 @@ import math
 import torch
 from torch.utils import flop_counter
 
-from dslab.profilers.flops_causal import runs_causal
+from dslab.profilers.flops_causal import expand_kv_heads, runs_causal
 
 MATMUL = "matmul"
 ELEMENTWISE = "elementwise"
@@ -110,6 +121,11 @@ _REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm"
 #: and their combination 2), dweight (2) and dbias (1); without weight and bias, dx alone less dy*w.
 LAYER_NORM_FORWARD, LAYER_NORM_FORWARD_NO_AFFINE = 5, 4
 LAYER_NORM_BACKWARD, LAYER_NORM_BACKWARD_NO_AFFINE = 10, 6
+#: RMS norm: mean of squares (2), normalise (1) and the weight (1) per element, 3 without weight
+#: (the reference's pow, mean and two muls); backward: dx (6: dy*w 1, the row sum of g*h 2, and
+#: its combination 3) and dweight (3: h*rstd, times dy, row sum); without weight, dx less dy*w.
+RMS_NORM_FORWARD, RMS_NORM_FORWARD_NO_WEIGHT = 4, 3
+RMS_NORM_BACKWARD, RMS_NORM_BACKWARD_NO_WEIGHT = 9, 5
 #: Softmax and log-softmax: max, subtract, exp, sum, normalise; backward: product with the
 #: output, row sum, subtract, product.
 SOFTMAX_FORWARD, SOFTMAX_BACKWARD = 5, 4
@@ -329,6 +345,25 @@ def _dslab_layer_norm_backward(args, kwargs, out) -> int:
     return (per + (1 if dh is not None and dh.numel() else 0)) * args[1].numel()
 
 
+def _rms_norm_forward(args, kwargs, out) -> int:
+    # dslab::rms_norm(x, weight, eps)
+    per = RMS_NORM_FORWARD if _affine(args[1]) else RMS_NORM_FORWARD_NO_WEIGHT
+    return per * args[0].numel()
+
+
+def _add_rms_norm(args, kwargs, out) -> int:
+    # dslab::add_rms_norm(x, residual, weight, eps): the residual add, then the norm.
+    per = RMS_NORM_FORWARD if _affine(args[2]) else RMS_NORM_FORWARD_NO_WEIGHT
+    return (per + 1) * args[0].numel()
+
+
+def _rms_norm_backward(args, kwargs, out) -> int:
+    # dslab::rms_norm_backward(dy, h, weight, rstd, dh): dh, when given, is added to dx.
+    per = RMS_NORM_BACKWARD if _affine(args[2]) else RMS_NORM_BACKWARD_NO_WEIGHT
+    dh = args[4]
+    return (per + (1 if dh is not None and dh.numel() else 0)) * args[1].numel()
+
+
 def _bias_gelu(args, kwargs, out) -> int:
     # (x, bias, approximate): bias add (1) and gelu (1)
     return (2 if args[1] is not None else 1) * args[0].numel()
@@ -337,6 +372,25 @@ def _bias_gelu(args, kwargs, out) -> int:
 def _bias_gelu_backward(args, kwargs, out) -> int:
     # (dy, x, bias, approximate): recomputed x + bias (1), gelu' times dy (2), dbias sum (1)
     return (4 if args[2] is not None else 2) * args[1].numel()
+
+
+def _swiglu(args, kwargs, out) -> int:
+    # (x [M, 2I]): silu(g) (1) and its product with u (1) per element of y [M, I], as aten prices them
+    return 2 * (args[0].numel() // 2)
+
+
+def _swiglu_backward(args, kwargs, out) -> int:
+    # (dy [M, I], x [M, 2I]) per output element: sigmoid(g) and sigmoid(-g) (2), silu = g * s (1),
+    # silu' = s + silu * sigmoid(-g) (2), dg = dy * u * silu' (2), du = dy * silu (1); the same 8
+    # as the reference's two products and decomposed silu_backward
+    return 8 * args[0].numel()
+
+
+def _rope(args, kwargs, out) -> int:
+    # (q, k, cos, sin) and (dq_rot, dk_rot, cos, sin): x1 * cos - x2 * sin and x2 * cos + x1 * sin,
+    # two products and a sum (3) per element of q and of k (None when only q is rotated)
+    k = args[1]
+    return 3 * (args[0].numel() + (k.numel() if k is not None else 0))
 
 
 def _sigmoid_gate(args, kwargs, out) -> int:
@@ -430,12 +484,14 @@ def _moe_unpermute_backward(args, kwargs, out) -> int:
 
 def _cpu_attention_forward(args, kwargs, out) -> int:
     # (query, key, value, dropout_p, is_causal, *, attn_mask, scale)
-    return flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+    query, key, value = expand_kv_heads(tuple(args[:3]))
+    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
 
 
 def _cpu_attention_backward(args, kwargs, out) -> int:
     # (grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)
-    return flop_counter.sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
+    grad_out, query, key, value = expand_kv_heads(tuple(args[:4]))
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
 _NAMED: dict[str, tuple[str, object]] = {
@@ -461,8 +517,15 @@ _NAMED: dict[str, tuple[str, object]] = {
     "dslab::layer_norm_backward": (ELEMENTWISE, _dslab_layer_norm_backward),
     "dslab::layer_norm_channels_first": (ELEMENTWISE, _layer_norm_forward),
     "dslab::layer_norm_channels_first_backward": (ELEMENTWISE, _dslab_layer_norm_backward),
+    "dslab::rms_norm": (ELEMENTWISE, _rms_norm_forward),
+    "dslab::add_rms_norm": (ELEMENTWISE, _add_rms_norm),
+    "dslab::rms_norm_backward": (ELEMENTWISE, _rms_norm_backward),
     "dslab::bias_gelu": (ELEMENTWISE, _bias_gelu),
     "dslab::bias_gelu_backward": (ELEMENTWISE, _bias_gelu_backward),
+    "dslab::swiglu": (ELEMENTWISE, _swiglu),
+    "dslab::swiglu_backward": (ELEMENTWISE, _swiglu_backward),
+    "dslab::rope": (ELEMENTWISE, _rope),
+    "dslab::rope_backward": (ELEMENTWISE, _rope),
     "dslab::sigmoid_gate": (ELEMENTWISE, _sigmoid_gate),
     "dslab::column_sum": (ELEMENTWISE, _column_sum),
     "dslab::sigmoid_gate_backward": (ELEMENTWISE, _sigmoid_gate_backward),
@@ -509,6 +572,16 @@ def _per_element(name: str, args, out) -> int:
     return per * _out_numel(out)
 
 
+def _attention_formula(formula, packet_name: str, args, kwargs, out) -> int:
+    """``formula`` of an op, with grouped-query SDPA calls priced on widened key/value heads."""
+    if "scaled_dot_product" not in packet_name:
+        return int(formula(*args, **kwargs, out_val=out))
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except AssertionError:
+        return int(formula(*expand_kv_heads(args), **kwargs, out_val=out))
+
+
 def count(func, args, kwargs, out) -> tuple[str, int] | None:
     """``(figure, flops)`` for one executed op overload ``func`` with its arguments and output, or
     None when it costs nothing countable.
@@ -523,7 +596,7 @@ def count(func, args, kwargs, out) -> tuple[str, int] | None:
     packet = func._overloadpacket
     formula = flop_counter.flop_registry.get(packet)
     if formula is not None:
-        flops = int(formula(*args, **kwargs, out_val=out))
+        flops = _attention_formula(formula, str(packet), args, kwargs, out)
         return MATMUL, flops // 2 if runs_causal(func, args, kwargs) else flops
     name = op_name(func)
     named = _NAMED.get(name)
@@ -545,6 +618,7 @@ def describe_constants() -> str:
     return (
         f"elementwise estimates per element: pointwise 1 (2 for fused multiply-adds and activation "
         f"backwards), reductions 1, layer norm {LAYER_NORM_FORWARD} forward / {LAYER_NORM_BACKWARD} backward, "
+        f"RMS norm {RMS_NORM_FORWARD} / {RMS_NORM_BACKWARD}, "
         f"softmax {SOFTMAX_FORWARD} / {SOFTMAX_BACKWARD}, cross-entropy {CROSS_ENTROPY_FORWARD} / "
         f"{CROSS_ENTROPY_BACKWARD} per logit"
     )

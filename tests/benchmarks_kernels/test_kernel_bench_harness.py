@@ -143,7 +143,7 @@ def _source_of_stream() -> str:
 def test_without_cuda_each_module_is_one_skipped_test(pytester):
     ops = sorted(p.stem[len("bench_"):] for p in KERNEL_BENCHMARKS.glob("bench_*.py"))
     assert ops == ["attention", "bias_dropout_residual", "bias_gelu", "cross_entropy", "fused_adam", "layer_norm",
-                   "linear_cross_entropy"]
+                   "linear_cross_entropy", "llama_ops"]
     args = [str(KERNEL_BENCHMARKS), "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "-p", "no:cacheprovider"]
     result = pytester.runpytest_inprocess(*args)  # the project's addopts: -m 'not gpu'
     result.assert_outcomes(deselected=len(ops))

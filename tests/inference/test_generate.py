@@ -31,7 +31,7 @@ def _hf_generate(model, ids, mask, new, **kwargs):
 def test_greedy_equals_transformers(hf_model, engine, pads):
     ids, mask = prompts(len(pads), 9, pads=pads)
     expected = _hf_generate(hf_model, ids, mask, 24, eos_token_id=None, pad_token_id=0)
-    ours = engine.generate(ids, attention_mask=mask, max_new_tokens=24)
+    ours = engine.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None)  # as transformers is asked
     assert ours.shape == expected.shape == (len(pads), 9 + 24)
     assert torch.equal(ours, expected)
     assert len(set(ours[0, 9:].tolist())) > 3  # a varied continuation, not one token repeated
@@ -95,16 +95,16 @@ def _logits_along(engine, sequence, mask, prompt_len):
 def test_sampling_keeps_to_top_k_and_top_p(engine):
     ids, mask = prompts(2, 6, pads=[0, 1])
     generator = torch.Generator().manual_seed(3)
-    out = engine.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=True, top_k=3, temperature=2.0,
-                          generator=generator)
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, do_sample=True, top_k=3,
+                          temperature=2.0, generator=generator)
     logits = _logits_along(engine, out, mask, 6)
     ranks = (logits > logits.gather(-1, out[:, 6:, None])).sum(-1)  # how many tokens beat the chosen one
     assert ranks.max() <= 2 and ranks.max() >= 1  # always within the top 3, not always the argmax
 
     generator = torch.Generator().manual_seed(4)
     top_p = 0.5
-    out = engine.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=True, top_k=0, top_p=top_p,
-                          generator=generator)
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=None, do_sample=True, top_k=0,
+                          top_p=top_p, generator=generator)
     logits = _logits_along(engine, out, mask, 6)
     probs = logits.softmax(-1)
     chosen = probs.gather(-1, out[:, 6:, None])

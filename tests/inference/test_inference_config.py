@@ -76,12 +76,12 @@ def test_generate_arguments(engine):
     engine.generate(ids, attention_mask=mask, max_new_tokens=12)  # exactly fits
     cases = [
         (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
-        (dict(max_new_tokens=None), "max_new_tokens must be an int >= 1"),
+        (dict(max_new_tokens=1.5), "max_new_tokens must be an int >= 1"),
         (dict(max_new_tokens=2, do_sample=True, temperature=0.0), "temperature must be a number > 0"),
         (dict(max_new_tokens=2, do_sample=True, top_k=-1), "top_k must be an int >= 0"),
         (dict(max_new_tokens=2, do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(max_new_tokens=2, eos_token_id=10_000), "eos_token_id must be a token id"),
-        (dict(max_new_tokens=2, num_beams=4), "does not take: num_beams"),
+        (dict(max_new_tokens=2, num_beams=0), "num_beams must be an int >= 1"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -5,13 +5,11 @@ greedy tokens, for GPT-2 (pre-LN, causal, left-padded batch) and BERT (post-LN);
 half the heads and half the MLP columns; the comm layer sees two all_reduces per layer per
 forward (tp_worker.py)."""
 
-import os
-import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from torchrun_workers import run_workers
 
 HERE = Path(__file__).parent
 HIDDEN, LAYERS, INTERMEDIATE = 128, 2, 512  # dslab's gpt2_tiny
@@ -20,17 +18,7 @@ RELATIVE_TOLERANCE = 4e-6  # of the largest logit (fp32's epsilon is 1.2e-7)
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("tp2")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "tp_worker.py"), str(out_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = []
-    for rank in range(2):
-        with open(out_dir / f"rank{rank}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    return run_workers(HERE / "tp_worker.py", tmp_path_factory.mktemp("tp2"))
 
 
 @pytest.mark.world_size(2)

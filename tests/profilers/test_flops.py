@@ -268,3 +268,32 @@ def test_phase_argument_is_checked():
     profiler = profile(nn.Linear(2, 2), torch.randn(1, 2))
     with pytest.raises(ValueError, match="phase"):
         profiler.get_total_flops(phase="fwd")
+
+
+def test_grouped_query_attention_is_priced_per_query_head():
+    """SDPA with ``enable_gqa`` (fewer key/value heads than query heads): torch's formulas refuse
+    unequal head counts; each query head still meets a whole key and value sequence, so the call
+    costs what it would with the key/value heads repeated, forward and backward, in the profiler
+    and in the benchmark's counter alike."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dslab.profilers import flops_causal, flops_formulas
+
+    b, hq, hkv, s, d = 2, 6, 2, 16, 8
+    q, k, v = _meta(b, hq, s, d), _meta(b, hkv, s, d), _meta(b, hkv, s, d)
+    wide_k, wide_v = _meta(b, hq, s, d), _meta(b, hq, s, d)
+    mapping = flops_causal.causal_aware_formulas()
+    for causal in (False, True):
+        expected = flops_formulas.attention_flops(q.shape, wide_k.shape, causal)
+        for (func, args, kwargs, out), (_, wide_args, _, wide_out) in zip(
+                _gpu_attention_calls(q, k, v, causal), _gpu_attention_calls(q, wide_k, wide_v, causal)):
+            name = func.name()
+            figure, flops = flops_formulas.count(func, args, kwargs, out)
+            assert flops == flops_formulas.count(func, wide_args, kwargs, wide_out)[1], name
+            assert flops == (expected * 5 // 2 if name.endswith("backward") else expected), name
+            assert mapping[func._overloadpacket](*args, **kwargs, out_val=out) == flops, name
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
+        assert counter.get_total_flops() == expected
+    cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert flops_formulas.count(cpu, (q, k, v, 0.0, False), {}, None)[1] == 4 * b * hq * s * s * d

@@ -4,7 +4,13 @@
 
     out = dropout(softmax(scale * q @ k^T + mask)) @ v
 
-with q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, heads, seq_k, head_dim]``, out like q.
+with q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, kv_heads, seq_k, head_dim]``, out like q.
+
+- Grouped-query attention: ``kv_heads`` divides ``heads`` (equal for plain multi-head attention,
+  1 for multi-query attention). Query head ``h`` attends with kv head ``h // (heads // kv_heads)``,
+  transformers' ``repeat_kv`` convention: the kv heads repeated ``heads // kv_heads`` times each,
+  in place. The Triton kernels index the kv head instead of copying k and v; dk and dv (k's and
+  v's shapes) are the sums over each group's query heads.
 
 - ``causal``: query i sees keys j <= i (top-left aligned, as ``scaled_dot_product_attention(
   is_causal=True)``), also when ``seq_q != seq_k``.
@@ -61,6 +67,8 @@ def attention_reference(
     seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch attention in the inputs' dtype; materialises ``[batch, heads, seq_q, seq_k]``.
+    k and v with fewer heads than q (a divisor) are repeated to q's heads first, each kv head
+    ``heads // kv_heads`` times in place (``repeat_kv``), so their gradients sum over each group.
 
     ``dropout_mask`` (bool, broadcastable to the scores, True = kept) replaces the random draw
     when given, so tests can apply exactly the mask the Triton kernels used; kept probabilities
@@ -70,6 +78,9 @@ def attention_reference(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     masked = torch.zeros((1, 1, seq_q, seq_k), dtype=torch.bool, device=q.device)
@@ -117,6 +128,7 @@ def triton_dropout_keep_mask(
 ) -> torch.Tensor:
     """Bool ``[batch, heads, seq_q, seq_k]`` on ``device``: True where the Triton kernels keep a
     probability for ``seed`` (an int, or a :func:`draw_dropout_seed` tensor, moved to ``device``).
+    ``heads`` counts query heads: each has its own draws, also where several share a kv head.
     Debug helper for small shapes."""
     if isinstance(seed, torch.Tensor):
         seed = seed.to(device)
@@ -139,7 +151,8 @@ def _attention_forward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton forward: (out, base-2 logsumexp ``[batch, heads, seq_q]`` fp32, the dropout mask's bits
     for the backward: uint8 ``[batch * heads, seq_q, ceil(seq_k / 8)]``, ``[0]`` without dropout);
-    ``seed`` int64 ``[1]`` on q's device, None without dropout."""
+    ``heads`` are q's (k and v may have a divisor of them); ``seed`` int64 ``[1]`` on q's device,
+    None without dropout."""
     keep = _keep_buffer(q, k.shape[2], dropout_p)
     out, lse = attention_triton.attention_forward(q, k, v, key_padding_mask, seed, causal, dropout_p, scale,
                                                   keep=keep)
@@ -174,8 +187,9 @@ def _attention_backward_op(
     scale: float,
     keep: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward: (dq, dk, dv), the dropout mask loaded from the forward's bits ``keep``, or
-    drawn again from its ``seed`` without them."""
+    """Triton backward: (dq, dk, dv) shaped like q, k, v (dk, dv summed over each kv head's query
+    heads), the dropout mask loaded from the forward's bits ``keep``, or drawn again from its
+    ``seed`` without them."""
     return attention_triton_bwd.attention_backward(
         grad_out, q, k, v, out, lse, key_padding_mask, seed, causal, dropout_p, scale, keep=keep
     )
@@ -278,11 +292,19 @@ def _validate(q, k, v, key_padding_mask, dropout_p, scale) -> None:
             raise ValueError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-        if t.shape[:2] != q.shape[:2] or t.shape[-1] != q.shape[-1]:
+        if t.shape[0] != q.shape[0] or t.shape[-1] != q.shape[-1]:
             raise ValueError(
-                f"{name} has shape {tuple(t.shape)}; expected [batch, heads, seq_k, head_dim] = "
-                f"[{q.shape[0]}, {q.shape[1]}, seq_k, {q.shape[3]}] to match q {tuple(q.shape)}"
+                f"{name} has shape {tuple(t.shape)}; expected [batch, kv_heads, seq_k, head_dim] = "
+                f"[{q.shape[0]}, kv_heads, seq_k, {q.shape[3]}] to match q {tuple(q.shape)}"
             )
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads but k has {k.shape[1]}; k and v need the same kv_heads")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads != 0):
+        raise ValueError(
+            f"q has {heads} heads and k, v have {kv_heads}: grouped-query attention needs q's heads to be "
+            f"a multiple of k's and v's (kv_heads must divide heads)"
+        )
     if v.shape[2] != k.shape[2]:
         raise ValueError(f"v has seq_k {v.shape[2]} but k has {k.shape[2]}")
     _validate_options(key_padding_mask, q.shape[0], k.shape[2], q.device, "q", dropout_p, scale)
@@ -321,9 +343,10 @@ def attention(
     scale: Optional[float] = None,
     seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention over q ``[B, H, Sq, D]``, k, v ``[B, H, Sk, D]`` -> ``[B, H, Sq, D]`` (see the module
-    docstring for the masks, dropout, ``seed`` and backends). Raises ValueError naming the bad
-    argument."""
+    """Attention over q ``[B, Hq, Sq, D]``, k, v ``[B, Hkv, Sk, D]`` -> ``[B, Hq, Sq, D]``, with
+    ``Hq % Hkv == 0`` and query head ``h`` attending with kv head ``h // (Hq // Hkv)`` (see the module
+    docstring for grouped-query attention, the masks, dropout, ``seed`` and backends). Raises
+    ValueError naming the bad argument."""
     _validate(q, k, v, key_padding_mask, dropout_p, scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

@@ -1,7 +1,11 @@
 """Triton flash attention: shared pieces, the forward kernel and the dropout-mask debug kernel.
 
-Layout: q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, heads, seq_k, head_dim]``, each with
-a unit stride on the last dimension (any other strides are passed to the kernels). The softmax
+Layout: q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, kv_heads, seq_k, head_dim]``, each
+with a unit stride on the last dimension (any other strides are passed to the kernels).
+``kv_heads`` divides ``heads`` (grouped-query attention; equal for plain multi-head attention):
+query head ``h`` reads kv head ``h // KV_GROUP``, ``KV_GROUP = heads // kv_heads`` a constexpr of
+the kernels, so k and v are never copied per query head and ``KV_GROUP = 1`` compiles to the
+kernels without grouping. The softmax
 runs online over key blocks (Dao et al. 2022, "FlashAttention", Algorithm 1; FlashAttention-2 loop
 order): a program owns ``BLOCK_M`` query rows of one (batch, head), keeps the running row maximum
 ``m``, the running normaliser ``l`` and the output accumulator in fp32 registers, and never writes
@@ -14,7 +18,8 @@ the backward in :mod:`dslab.kernels.attention.attention_triton_bwd`. A row whose
 probabilities ``exp2(s - lse)`` are exactly 0 there.
 
 Memory traffic of the forward, per (batch, head): q and o once, k and v once per query block
-(``ceil(seq_q / BLOCK_M)`` times, mostly from L2), lse ``4 * seq_q`` bytes.
+(``ceil(seq_q / BLOCK_M)`` times, mostly from L2; with grouping, the programs of a group's query
+heads, adjacent in the grid, read the same k and v), lse ``4 * seq_q`` bytes.
 
 Dropout keeps a probability when its 16-bit draw is at least ``p * 2**16``: a Philox-4x32-10 call
 keyed by a 64-bit seed, with counter ``(key index // 8, query index, batch * heads + head, 0)``,
@@ -218,10 +223,11 @@ def _attention_fwd_kernel(
     num_heads, seq_q, seq_k, seq_q_bucket, seq_k_bucket,
     qk_scale, dropout_p,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr, DOT_FP32: tl.constexpr, KV_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid ``(ceil(seq_q / BLOCK_M), batch * heads)``. ``seq_*_bucket`` only key the autotuner.
+    """Grid ``(ceil(seq_q / BLOCK_M), batch * heads)``, ``heads`` (``num_heads``) counting the query
+    heads; query head ``h`` reads kv head ``h // KV_GROUP``. ``seq_*_bucket`` only key the autotuner.
 
     Causal programs run from the last query block (most key blocks) to the first, so the long
     ones start early and the tail of the grid is short. Key blocks wholly above the diagonal are
@@ -235,6 +241,7 @@ def _attention_fwd_kernel(
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
+    kv_h = h // KV_GROUP
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -242,8 +249,8 @@ def _attention_fwd_kernel(
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    k_base = K + b * stride_kb + kv_h * stride_kh
+    v_base = V + b * stride_vb + kv_h * stride_vh
     kpm_base = KPM + b * stride_kpm_b
     if HAS_DROPOUT:
         seed = tl.load(SEED)
@@ -309,7 +316,7 @@ _FWD_TILES = {
 }
 # The interpreter gets one small config: several key blocks and a diagonal at test sizes.
 _FWD_INTERPRET_TILE = (32, 16, 4, 1)
-_AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT"]
+_AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT", "KV_GROUP"]
 
 
 def fwd_configs(head_dim: int) -> list[triton.Config]:
@@ -488,6 +495,8 @@ def attention_forward(
     keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward. Returns ``out`` and the fp32 base-2 ``lse`` ``[batch, heads, seq_q]``.
+    k and v may have fewer heads than q, a divisor of q's (grouped-query attention, see the module
+    docstring).
     ``seed``: int64 ``[1]`` on q's device, read by the kernel (None without dropout). ``out``: a
     ``[batch, heads, seq_q, head_dim]`` tensor (any strides, unit last) to write into, else one laid
     out by :func:`empty_rows_like`. ``keep``: with dropout, a :func:`empty_keep_bits` buffer the
@@ -510,7 +519,7 @@ def attention_forward(
         (scale * LOG2_E, dropout_p),
         dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
              HAS_DROPOUT=dropout_p > 0.0, KEEP_MODE=KEEP_DRAW_STORE if store_keep else KEEP_DRAW,
-             DOT_FP32=dot_fp32(q.dtype)),
+             DOT_FP32=dot_fp32(q.dtype), KV_GROUP=heads // k.shape[1]),
     )
     return out, lse
 

@@ -27,6 +27,14 @@ tile instead of five) so that no two programs add into the same dQ rows. The lau
 - ``DQ_ONLY`` then ``DKDV_ONLY`` (large problems with ``torch.use_deterministic_algorithms``): the
   dQ launch stores delta, the dK/dV launch reads it; each launch has its own tiles and warps.
 
+Grouped-query attention (k, v with ``kv_heads`` heads, ``KV_GROUP = heads // kv_heads`` query
+heads per kv head): dQ programs are per query head as above, reading their kv head's k and v; a
+dK/dV program owns a key block of one kv head and walks the query blocks of each of its group's
+query heads in turn, so dK and dV are the group's sums, added in head order in registers (no
+partial buffers). FUSED, ATOMIC and DKDV_ONLY launches have a row of programs per (batch, kv head);
+BOTH keeps a row per (batch, query head) for its dQ programs and deals each kv head's key blocks
+out over its group's rows. With ``KV_GROUP == 1`` every launch is the one without grouping.
+
 Every plan but ``ATOMIC`` is deterministic. Causal blocks above the diagonal are skipped; blocks
 crossing it run a masked loop, the rest an unmasked one. Fully masked query rows have
 ``lse = +inf``, so their P, dS and dQ are exactly 0.
@@ -86,18 +94,24 @@ def _attention_bwd_kernel(
     qk_scale, sm_scale, dropout_p,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, ROLES: tl.constexpr, HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    KV_GROUP: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
+    BLOCK_N2: tl.constexpr,
 ):
-    """Grid ``(programs, batch * heads)``; ``seq_*_bucket`` only key the autotuner. ``ROLES`` (one of
-    ``DQ_ONLY``, ``DKDV_ONLY``, ``BOTH``, ``FUSED``, ``ATOMIC``, as ints) says what program ``pid``
-    does; for ``ATOMIC``, ``DQ`` and its strides are the fp32 accumulator's. dK/dV
-    programs go from the first key block (most causal work) up; dQ programs from the last query
-    block (most causal work) down. With dropout, ``KEEP_MODE`` says where the mask comes from:
-    ``KEEP`` holds the bits the forward stored (``KEEP_LOAD``), or the draws are made again from
-    ``SEED``, the forward's int64 ``[1]`` seed tensor (``KEEP_DRAW``). ``HAS_DB``: each program
-    also writes the column sums of the dQ, dK, dV rows it wrote into ``DB``, fp32 ``[slots, batch,
-    3 * heads * HEAD_DIM]`` (row strides ``stride_db_slot``, ``stride_db_b``;
-    :func:`~dslab.kernels.attention.attention_triton_dq.bias_partials`), slot ``first row // DB_SLOT``."""
+    """Grid ``(programs, batch * heads)`` for ``DQ_ONLY`` and ``BOTH``, ``(programs, batch *
+    kv_heads)`` for the others (``kv_heads = num_heads // KV_GROUP``, ``num_heads`` counting the
+    query heads); ``seq_*_bucket`` only key the autotuner. ``ROLES`` (one of ``DQ_ONLY``,
+    ``DKDV_ONLY``, ``BOTH``, ``FUSED``, ``ATOMIC``, as ints) says what program ``pid`` does; for
+    ``ATOMIC``, ``DQ`` and its strides are the fp32 accumulator's. dK/dV programs go from the first
+    key block (most causal work) up; dQ programs from the last query block (most causal work)
+    down. In a ``BOTH`` launch with ``KV_GROUP > 1`` the dK/dV programs of a kv head's key blocks
+    are spread over its group's rows of the grid: program ``pid`` of query head ``h`` takes key
+    block ``pid * KV_GROUP + h % KV_GROUP``. With dropout, ``KEEP_MODE`` says where the mask comes
+    from: ``KEEP`` holds the bits the forward stored (``KEEP_LOAD``), or the draws are made again
+    from ``SEED``, the forward's int64 ``[1]`` seed tensor (``KEEP_DRAW``). ``HAS_DB`` (only with
+    ``KV_GROUP == 1``): each program also writes the column sums of the dQ, dK, dV rows it wrote
+    into ``DB``, fp32 ``[slots, batch, 3 * heads * HEAD_DIM]`` (row strides ``stride_db_slot``,
+    ``stride_db_b``; :func:`~dslab.kernels.attention.attention_triton_dq.bias_partials`), slot
+    ``first row // DB_SLOT``."""
     tl.static_assert(BLOCK_N1 % BLOCK_M1 == 0)
     tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)
     tl.static_assert(not HAS_DB or ROLES == 1 or BLOCK_N1 % DB_SLOT == 0)
@@ -109,7 +123,7 @@ def _attention_bwd_kernel(
     else:
         seed = 0
     n_groups = tl.cdiv(seq_k, 8)
-    keep_base = KEEP + bh.to(tl.int64) * seq_q * n_groups
+    keep_base = KEEP + bh.to(tl.int64) * seq_q * n_groups  # query head bh's (dK/dV roles: unused when grouped)
     keep_rows = seq_q
     if ROLES == 1:
         _dq_role(
@@ -117,38 +131,49 @@ def _attention_bwd_kernel(
             stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
             stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
             stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
-            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, True, HAS_DB, DB_SLOT, BLOCK_M2, BLOCK_N2,
+            HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, True, HAS_DB, DB_SLOT, KV_GROUP,
+            BLOCK_M2, BLOCK_N2,
         )
     elif ROLES == 3:
         n_key_blocks = tl.cdiv(seq_k, BLOCK_N1)
-        if pid >= n_key_blocks:
+        if KV_GROUP == 1:
+            n_dkdv = n_key_blocks
+            pid_n = pid
+            bh_kv = bh
+        else:
+            n_dkdv = tl.cdiv(n_key_blocks, KV_GROUP)
+            pid_n = pid * KV_GROUP + bh % KV_GROUP  # heads_q is a multiple of KV_GROUP
+            bh_kv = bh // KV_GROUP
+        if pid >= n_dkdv:
             _dq_role(
                 Q, K, V, O, DO, DQ, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
-                stride_dqs, stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows,
-                pid - n_key_blocks, bh,
-                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, HAS_DB, DB_SLOT, BLOCK_M2, BLOCK_N2,
+                stride_dqs, stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups,
+                keep_rows, pid - n_dkdv, bh,
+                HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, HAS_DB, DB_SLOT, KV_GROUP,
+                BLOCK_M2, BLOCK_N2,
             )
-        else:
+        elif KV_GROUP == 1 or pid_n < n_key_blocks:  # a constexpr True (a plain else) without grouping
             _dkdv_role(
-                Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
+                Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, KEEP, DB, stride_db_slot, stride_db_b,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
                 stride_dqs, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
+                stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows,
+                pid_n, bh_kv,
                 HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, False, True, EVEN_N, HAS_DB, DB_SLOT,
-                False, BLOCK_M1, BLOCK_N1,
+                False, KV_GROUP, BLOCK_M1, BLOCK_N1,
             )
     else:
         _dkdv_role(
-            Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
+            Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, KEEP, DB, stride_db_slot, stride_db_b,
             stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
             stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
             stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
             stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid, bh,
             HEAD_DIM, CAUSAL, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, ROLES >= 4, ROLES == 4, EVEN_N, HAS_DB, DB_SLOT,
-            ROLES == 5, BLOCK_M1, BLOCK_N1,
+            ROLES == 5, KV_GROUP, BLOCK_M1, BLOCK_N1,
         )
 
 
@@ -204,32 +229,36 @@ BOTH_MAX_WORK_CAPTURED = 2**30
 # (dropout 0.1, bias sums), ATOMIC against DQ_ONLY + DKDV_ONLY per layer: 256 against 268 us at
 # BERT-large seq 512, 420 against 423 at GPT-2 124M, 235 against 242 at GPT-2 1.5B.
 ATOMIC_MIN_WORK = 0
-_AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT"]
+_AUTOTUNE_KEY = ["seq_q_bucket", "seq_k_bucket", "CAUSAL", "HAS_KPM", "HAS_DROPOUT", "KV_GROUP"]
 
 
-def fused_block_n(seq_k: int, seq_q: int, batch_heads: int, interpret: bool | None = None) -> int | None:
+def fused_block_n(seq_k: int, seq_q: int, batch_heads: int, interpret: bool | None = None,
+                  kv_group: int = 1) -> int | None:
     """BLOCK_N1 of the FUSED path, or None when another path runs: FUSED has one program per
-    (batch, head), so long query sequences over few heads go elsewhere. ``interpret`` is
-    :func:`interpreting`, when the caller has it."""
+    (batch, kv head), each over the ``seq_q`` rows of its ``kv_group`` query heads
+    (``batch_heads`` counts query heads), so long query sequences over few heads go elsewhere.
+    ``interpret`` is :func:`interpreting`, when the caller has it."""
     if interpret is None:
         interpret = interpreting()
     limit = _BWD_INTERPRET_TILE[1] if interpret else FUSED_MAX_SEQ_K
-    if seq_k > limit or (seq_q > FUSED_MAX_SEQ_Q and batch_heads < FUSED_MIN_PROGRAMS):
+    rows, programs = seq_q * kv_group, batch_heads // kv_group
+    if seq_k > limit or (rows > FUSED_MAX_SEQ_Q and programs < FUSED_MIN_PROGRAMS):
         return None
     return limit if interpret else max(64, seq_bucket(seq_k))
 
 
 def backward_roles(
     batch_heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool, interpret: bool | None = None,
-    capturing: bool = False, deterministic: bool | None = None,
+    capturing: bool = False, deterministic: bool | None = None, kv_group: int = 1,
 ) -> tuple[int, ...]:
     """The launches of one backward, in order: ``(FUSED,)``, ``(BOTH,)``, ``(ATOMIC,)`` (between
     :mod:`dslab.kernels.attention.attention_triton_dq`'s two small launches) or ``(DQ_ONLY, DKDV_ONLY)``.
+    ``batch_heads`` counts query heads, ``kv_group`` query heads share a kv head.
     ``capturing``: the launches go into a CUDA graph (or rehearse one:
     :func:`dslab.kernels.dispatch.launches_graphed`), where the split's extra launch costs no host
     time (:data:`BOTH_MAX_WORK_CAPTURED`). ``deterministic`` (default: whether torch's
     deterministic algorithms are on) rules out ``ATOMIC``."""
-    if fused_block_n(seq_k, seq_q, batch_heads, interpret) is not None:
+    if fused_block_n(seq_k, seq_q, batch_heads, interpret, kv_group) is not None:
         return (FUSED,)
     work = batch_heads * seq_q * seq_k * head_dim // (2 if causal else 1)
     limit = BOTH_MAX_WORK_CAPTURED if capturing else BOTH_MAX_WORK
@@ -288,12 +317,16 @@ def reset_kernels() -> None:
     attention_triton_dq.reset_kernels()
 
 
-def _grid(roles: int, seq_q: int, seq_k: int, batch_heads: int):
+def _grid(roles: int, seq_q: int, seq_k: int, batch_heads: int, kv_group: int):
+    """The launch grid of ``roles`` over ``batch_heads`` (batch times query heads); see the kernel."""
     if roles == DQ_ONLY:
         return lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M2"]), batch_heads)
     if roles == BOTH:
-        return lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]) + triton.cdiv(seq_q, meta["BLOCK_M2"]), batch_heads)
-    return lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]), batch_heads)
+        return lambda meta: (
+            triton.cdiv(triton.cdiv(seq_k, meta["BLOCK_N1"]), kv_group) + triton.cdiv(seq_q, meta["BLOCK_M2"]),
+            batch_heads,
+        )
+    return lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N1"]), batch_heads // kv_group)
 
 
 def attention_backward(
@@ -313,6 +346,8 @@ def attention_backward(
     bias_sums: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Launch the backward; returns dq, dk, dv. Every tensor is ``[batch, heads, seq, head_dim]``
+    (k, v, dk, dv with ``kv_heads``, a divisor of q's heads: grouped-query attention, query head
+    ``h`` reading kv head ``h // (heads // kv_heads)``, dk and dv summed over each group's query heads)
     with any strides (``grad_out`` and ``out`` too: a ``[batch, seq, heads * head_dim]`` buffer
     viewed as heads is read in place); a last dimension that is not unit-stride is copied first.
     ``seed``: the forward's int64 ``[1]`` tensor (None without dropout). ``grads``: (dq, dk, dv)
@@ -322,7 +357,8 @@ def attention_backward(
     kernels draw the mask again from ``seed``. ``bias_sums``: also return, fourth, the fp32
     ``[rows, 3 * heads * head_dim]`` partial column sums of dq, dk, dv (heads in order within each
     of the three; :func:`~dslab.kernels.attention.attention_triton_dq.bias_partials`), whose sum over rows
-    is the gradient of a bias added to packed q, k, v; the programs add up their own rows, so no kernel reads the gradients again."""
+    is the gradient of a bias added to packed q, k, v (as many heads in all three); the programs add
+    up their own rows, so no kernel reads the gradients again."""
     if grads is None:
         dq, dk, dv = empty_rows_like(q), empty_rows_like(k), empty_rows_like(v)
     else:
@@ -332,12 +368,14 @@ def attention_backward(
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     batch_heads = batch * heads
+    kv_group = heads // k.shape[1]
+    assert not (bias_sums and kv_group != 1), "bias sums need as many k, v heads as q heads"
     kpm, stride_kpm_b = padding_as_bytes(key_padding_mask, q)
     dropout_p = kernel_dropout_p(dropout_p)
     interpret = interpreting()
     capturing = q.is_cuda and launches_graphed()
-    roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal, interpret, capturing)
-    block_n1 = fused_block_n(seq_k, seq_q, batch_heads, interpret) if roles == (FUSED,) else None
+    roles = backward_roles(batch_heads, seq_q, seq_k, head_dim, causal, interpret, capturing, kv_group=kv_group)
+    block_n1 = fused_block_n(seq_k, seq_q, batch_heads, interpret, kv_group) if roles == (FUSED,) else None
     dq_target = dq
     if roles[0] == DQ_ONLY:
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
@@ -361,9 +399,10 @@ def attention_backward(
         flags = dict(
             HEAD_DIM=head_dim, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
             HAS_DROPOUT=dropout_p > 0.0, KEEP_MODE=KEEP_LOAD if load_keep else KEEP_DRAW,
-            DOT_FP32=dot_in_fp32, ROLES=role, HAS_DB=bias_sums, DB_SLOT=DB_SLOT_ROWS,
+            DOT_FP32=dot_in_fp32, ROLES=role, HAS_DB=bias_sums, DB_SLOT=DB_SLOT_ROWS, KV_GROUP=kv_group,
         )
-        _launcher(head_dim, role, block_n1)(_grid(role, seq_q, seq_k, batch_heads), tensors, ints, scalars, flags)
+        grid = _grid(role, seq_q, seq_k, batch_heads, kv_group)
+        _launcher(head_dim, role, block_n1)(grid, tensors, ints, scalars, flags)
     if roles[0] == ATOMIC:
         attention_triton_dq.finish_dq(dq, dq_target, scale, partials if bias_sums else None)
         dq = dq_target

@@ -1,7 +1,13 @@
 """The two program roles of the attention backward (:mod:`dslab.kernels.attention.attention_triton_bwd`
 holds the kernel that runs them, its launch plans and tiles): ``_dq_role``, dQ of a query block over
 key blocks, and ``_dkdv_role``, dK and dV of a key block over query blocks, which can also write or
-add its tiles' dQ. The formulas are those of the backward module's docstring."""
+add its tiles' dQ. The formulas are those of the backward module's docstring.
+
+Grouped-query attention (``KV_GROUP = heads_q // heads_kv`` query heads per key/value head, query
+head ``h`` reading kv head ``h // KV_GROUP``): a dQ program reads its query head's kv head; a dK/dV
+program owns a key block of one kv head and adds up the contributions of the group's query heads
+one after the other in head order (:func:`_dkdv_query_blocks`), so dK and dV are the sums over the group
+with no extra memory and no atomics, in the same order on every run."""
 
 from __future__ import annotations
 
@@ -127,15 +133,17 @@ def _dq_role(
     stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid_m, bh,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, STORE_DELTA: tl.constexpr, HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr,
-    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    KV_GROUP: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
-    """dQ of the ``pid_m``-th query block of head ``bh`` (counted from the last when ``CAUSAL``),
-    from ``delta = rowsum(dO * O)`` of its rows (stored for the dK/dV programs when
-    ``STORE_DELTA``). Three matmuls per tile: S, dP, dQ. ``HAS_DB``: also its columns' sums."""
+    """dQ of the ``pid_m``-th query block of query head ``bh`` (``batch * num_heads + head``;
+    counted from the last when ``CAUSAL``), over the keys of kv head ``head // KV_GROUP``, from
+    ``delta = rowsum(dO * O)`` of its rows (stored for the dK/dV programs when ``STORE_DELTA``).
+    Three matmuls per tile: S, dP, dQ. ``HAS_DB``: also its columns' sums."""
     if CAUSAL:
         pid_m = tl.cdiv(seq_q, BLOCK_M2) - 1 - pid_m
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
+    kv_h = h // KV_GROUP
     start_m = pid_m * BLOCK_M2
     offs_m = start_m + tl.arange(0, BLOCK_M2)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -148,8 +156,8 @@ def _dq_role(
     if STORE_DELTA:
         tl.store(DELTA + bh.to(tl.int64) * seq_q + offs_m, delta, mask=row_valid)
     lse = tl.load(LSE + bh.to(tl.int64) * seq_q + offs_m, mask=row_valid, other=float("inf"))
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    k_base = K + b * stride_kb + kv_h * stride_kh
+    v_base = V + b * stride_vb + kv_h * stride_vh
     kpm_base = KPM + b * stride_kpm_b
     dq = tl.zeros([BLOCK_M2, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
@@ -176,24 +184,65 @@ def _dq_role(
 
 
 @triton.jit
+def _dkdv_query_blocks(
+    dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+    stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
+    qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows,
+    CAUSAL: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_DB: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+):
+    """Add one query head (flattened ``bh``, its tensors at the ``*_base`` pointers) to dK, dV of the
+    key block at ``start_n``: the causal diagonal's query blocks with the mask, the rest without
+    (see :func:`_dkdv_query_loop`)."""
+    if CAUSAL:
+        # Queries before start_n see none of these keys; [start_n, start_n + BLOCK_N1) is the diagonal.
+        diag_end = tl.minimum(start_n + BLOCK_N1, seq_q)
+        dk, dv, dq_sum = _dkdv_query_loop(
+            dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+            stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
+            qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start_n, diag_end,
+            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, ATOMIC_DQ,
+            BLOCK_M1, BLOCK_N1,
+        )
+        rest_start = start_n + BLOCK_N1
+    else:
+        rest_start = 0
+    dk, dv, dq_sum = _dkdv_query_loop(
+        dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
+        stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
+        qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, rest_start, seq_q,
+        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, ATOMIC_DQ,
+        BLOCK_M1, BLOCK_N1,
+    )
+    return dk, dv, dq_sum
+
+
+@triton.jit
 def _dkdv_role(
-    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, DB, stride_db_slot, stride_db_b,
+    Q, K, V, O, DO, DQ, DK, DV, LSE, DELTA, KPM, KEEP, DB, stride_db_slot, stride_db_b,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, pid_n, bh,
+    stride_kpm_b, num_heads, seq_q, seq_k, qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows,
+    pid_n, bh,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, KEEP_MODE: tl.constexpr,
     DOT_FP32: tl.constexpr, FUSED_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, EVEN_N: tl.constexpr,
-    HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M1: tl.constexpr,
-    BLOCK_N1: tl.constexpr,
+    HAS_DB: tl.constexpr, DB_SLOT: tl.constexpr, ATOMIC_DQ: tl.constexpr, KV_GROUP: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
 ):
-    """dK, dV of key block ``pid_n`` of head ``bh``, looping over query blocks (S^T, dV, dP^T, dK:
-    four matmuls per tile). With ``FUSED_DQ`` (one key block covers ``seq_k``) it also writes each
-    query block's complete dQ (a fifth matmul); with ``ATOMIC_DQ`` too, its dQ tiles are added into
-    the fp32 accumulator ``DQ`` (any number of key blocks). ``HAS_DB``: also the column sums of
-    what it writes (those of dQ, with ``ATOMIC_DQ``, are the finishing launch's)."""
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
+    """dK, dV of key block ``pid_n`` of kv head ``bh`` (``batch * (num_heads // KV_GROUP) + kv
+    head``), looping over query blocks (S^T, dV, dP^T, dK: four matmuls per tile) of each of the
+    group's ``KV_GROUP`` query heads in turn. With ``FUSED_DQ`` (one key block covers ``seq_k``) it
+    also writes each query block's complete dQ (a fifth matmul); with ``ATOMIC_DQ`` too, its dQ
+    tiles are added into the fp32 accumulator ``DQ`` (any number of key blocks). ``keep_base`` is
+    the dropout bits of query head ``bh`` when ``KV_GROUP == 1``; grouped, each query head's are
+    found in ``KEEP``. ``HAS_DB`` (only without grouping): also the column sums of what it writes
+    (those of dQ, with ``ATOMIC_DQ``, are the finishing launch's)."""
+    tl.static_assert(not HAS_DB or KV_GROUP == 1)
+    kv_heads = num_heads // KV_GROUP
+    b = (bh // kv_heads).to(tl.int64)
+    h = (bh % kv_heads).to(tl.int64)  # the kv head; the query head too without grouping
     offs_d = tl.arange(0, HEAD_DIM)
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
@@ -217,26 +266,31 @@ def _dkdv_role(
     dk = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
     dq_sum = tl.zeros([BLOCK_M1, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        # Queries before start_n see none of these keys; [start_n, start_n + BLOCK_N1) is the diagonal.
-        diag_end = tl.minimum(start_n + BLOCK_N1, seq_q)
-        dk, dv, dq_sum = _dkdv_query_loop(
-            dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
-            stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
-            qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, start_n, diag_end,
-            True, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, ATOMIC_DQ,
+    if KV_GROUP == 1:
+        dk, dv, dq_sum = _dkdv_query_blocks(
+            dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base,
+            delta_base, stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
+            qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows,
+            CAUSAL, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, ATOMIC_DQ,
             BLOCK_M1, BLOCK_N1,
         )
-        rest_start = start_n + BLOCK_N1
     else:
-        rest_start = 0
-    dk, dv, dq_sum = _dkdv_query_loop(
-        dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d, q_base, do_base, o_base, dq_base, lse_base, delta_base,
-        stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bh,
-        qk_scale, sm_scale, dropout_p, seed, keep_base, n_groups, keep_rows, rest_start, seq_q,
-        False, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, ATOMIC_DQ,
-        BLOCK_M1, BLOCK_N1,
-    )
+        # Query head h * KV_GROUP + r, flattened as int32 like the program ids that key the dQ
+        # programs' dropout draws.
+        first_bh = (bh // kv_heads) * num_heads + (bh % kv_heads) * KV_GROUP
+        for r in range(KV_GROUP):
+            hq = h * KV_GROUP + r
+            bhq = first_bh + r
+            dk, dv, dq_sum = _dkdv_query_blocks(
+                dk, dv, dq_sum, k, v, key_pad, start_n, offs_n, offs_d,
+                Q + b * stride_qb + hq * stride_qh, DO + b * stride_dob + hq * stride_doh,
+                O + b * stride_ob + hq * stride_oh, DQ + b * stride_dqb + hq * stride_dqh,
+                LSE + bhq.to(tl.int64) * seq_q, DELTA + bhq.to(tl.int64) * seq_q,
+                stride_qs, stride_dos, stride_os, stride_dqs, seq_q, seq_k, bhq,
+                qk_scale, sm_scale, dropout_p, seed, KEEP + bhq.to(tl.int64) * seq_q * n_groups, n_groups, keep_rows,
+                CAUSAL, FUSED_DQ, DELTA_FROM_O, EVEN_N, HAS_KPM, HAS_DROPOUT, KEEP_MODE, DOT_FP32, HAS_DB, ATOMIC_DQ,
+                BLOCK_M1, BLOCK_N1,
+            )
     dk = dk * sm_scale
     if HAS_KPM and not FUSED_DQ:
         dk = tl.where(key_pad[:, None], 0.0, dk)

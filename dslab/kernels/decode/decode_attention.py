@@ -1,10 +1,15 @@
 """Decode attention: the one new token of each sequence attending over a preallocated KV cache.
 
-    out[b, h] = softmax(scale * k_cache[b, h, j] . q[b, h]  for valid_start[b] <= j < valid_end[b]) @ v_cache[b, h, j]
+    out[b, h] = softmax(scale * k_cache[b, g, j] . q[b, h]  for valid_start[b] <= j < valid_end[b]) @ v_cache[b, g, j]
+
+with ``g = h // (H // H_kv)``.
 
 - ``q`` ``[B, H, D]``: the query of the new token of each sequence.
-- ``k_cache``, ``v_cache`` ``[B, H, S_max, D]``: the preallocated cache (unit stride along D; the
-  new token's k and v are already written at position ``valid_end[b] - 1``).
+- ``k_cache``, ``v_cache`` ``[B, H_kv, S_max, D]``: the preallocated cache (unit stride along D; the
+  new token's k and v are already written at position ``valid_end[b] - 1``). ``H_kv`` divides
+  ``H``: grouped-query attention (``H_kv = H`` for multi-head attention, 1 for multi-query), query
+  head ``h`` reading kv head ``h // (H // H_kv)`` (transformers' ``repeat_kv`` convention). The
+  kernels index the kv head; the cache is never copied per query head.
 - ``valid_start``, ``valid_end`` ``[B]`` int32/int64 on q's device: sequence b attends to the cache
   positions ``valid_start[b] <= j < valid_end[b]`` (left padding puts the pad tokens before
   ``valid_start``). They are read on the device, never on the host, so that a CUDA graph captures
@@ -14,9 +19,9 @@
 - ``scale`` defaults to ``D ** -0.5``; out ``[B, H, D]`` in q's dtype; scores, softmax and the
   weighted sum accumulate in fp32.
 
-Memory traffic: the valid part of the cache, ``2 * B * H * L * D`` elements for L valid positions
-(plus q and out); the flops are ``4 * B * H * L * D``. Decode attention is bound by reading the
-cache.
+Memory traffic: the valid part of the cache, ``2 * B * H_kv * L * D`` elements for L valid
+positions (plus q and out; the ``H // H_kv`` programs of a group read the same cache rows, mostly
+from L2); the flops are ``4 * B * H * L * D``. Decode attention is bound by reading the cache.
 
 Forward-only: this is an inference op. A backward through it (any backend) raises a RuntimeError
 that says so, rather than differentiating the reference on one device and failing on another.
@@ -80,11 +85,15 @@ def decode_attention_reference(
     """Plain masked softmax attention in fp32 (fp64 for fp64 inputs) over the whole cache, cast to
     q's dtype.
 
-    Materialises fp32 copies of the caches and the ``[B, H, S_max]`` scores; reads the bounds on
-    the device (no host synchronisation). An empty range gives zeros.
+    Materialises fp32 copies of the caches (repeated to q's heads, ``repeat_kv``, when they have
+    fewer) and the ``[B, H, S_max]`` scores; reads the bounds on the device (no host
+    synchronisation). An empty range gives zeros.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if k_cache.shape[1] != q.shape[1]:
+        group = q.shape[1] // k_cache.shape[1]
+        k_cache, v_cache = k_cache.repeat_interleave(group, dim=1), v_cache.repeat_interleave(group, dim=1)
     compute = torch.promote_types(q.dtype, torch.float32)
     positions = torch.arange(k_cache.shape[2], device=q.device)
     valid = (positions >= valid_start[:, None]) & (positions < valid_end[:, None])  # [B, S_max]
@@ -106,7 +115,7 @@ def _triton_module():
 @torch.library.custom_op("dslab::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          valid_start: torch.Tensor, valid_end: torch.Tensor, scale: float) -> torch.Tensor:
-    """out [B, H, D] for q [B, H, D], caches [B, H, S_max, D], bounds [B]."""
+    """out [B, H, D] for q [B, H, D], caches [B, H_kv, S_max, D] (H_kv divides H), bounds [B]."""
     return _triton_module().decode_attention(q, k_cache, v_cache, valid_start, valid_end, scale)
 
 
@@ -129,13 +138,20 @@ def _validate(q, k_cache, v_cache, valid_start, valid_end, scale) -> None:
         raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
     batch, heads, head_dim = q.shape
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != (batch, heads, head_dim):
-            raise ValueError(f"{name} must have shape [B, H, S_max, D] = [{batch}, {heads}, S_max, {head_dim}] "
-                             f"(q's B, H, D), got {tuple(cache.shape)}")
+        if cache.dim() != 4 or (cache.shape[0], cache.shape[3]) != (batch, head_dim):
+            raise ValueError(f"{name} must have shape [B, H_kv, S_max, D] = [{batch}, H_kv, S_max, {head_dim}] "
+                             f"(q's B, D), got {tuple(cache.shape)}")
         if cache.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {cache.dtype}")
         if cache.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {cache.device}")
+    kv_heads = k_cache.shape[1]
+    if v_cache.shape[1] != kv_heads:
+        raise ValueError(f"k_cache must have shape [B, H, S_max, D] with the same H (H_kv) as v_cache: k_cache has "
+                         f"{kv_heads} heads, v_cache {v_cache.shape[1]}")
+    if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads != 0):
+        raise ValueError(f"q has {heads} heads and k_cache, v_cache have {kv_heads}: grouped-query attention "
+                         f"needs q's heads to be a multiple of the caches' (H_kv must divide H)")
     if v_cache.shape[2] != k_cache.shape[2]:
         raise ValueError(f"v_cache must have k_cache's S_max = {k_cache.shape[2]}, got {v_cache.shape[2]}")
     for name, bound in (("valid_start", valid_start), ("valid_end", valid_end)):
@@ -166,9 +182,9 @@ def decode_attention(
     valid_end: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of q ``[B, H, D]`` over ``k_cache``/``v_cache`` ``[B, H, S_max, D]`` positions
-    ``valid_start[b] <= j < valid_end[b]``; returns ``[B, H, D]`` in q's dtype (see the module
-    docstring). Forward-only.
+    """Attention of q ``[B, H, D]`` over ``k_cache``/``v_cache`` ``[B, H_kv, S_max, D]`` positions
+    ``valid_start[b] <= j < valid_end[b]``, query head ``h`` with kv head ``h // (H // H_kv)``
+    (``H % H_kv == 0``); returns ``[B, H, D]`` in q's dtype (see the module docstring). Forward-only.
 
     The Triton path runs on CUDA tensors (or under the ``triton`` backend with
     ``TRITON_INTERPRET=1``) for fp32/fp16/bf16 and D in {16, 32, 64, 128}, and never synchronises

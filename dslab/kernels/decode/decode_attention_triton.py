@@ -17,6 +17,12 @@ are split over ``splits`` programs per (b, h) (flash-decoding, Dao et al. 2023):
 
 With one split the first kernel normalises and writes ``out`` itself (one launch).
 
+Grouped-query attention (caches ``[B, H_kv, S_max, D]`` with ``H_kv`` dividing ``H``): row
+``b * H + h`` of the grid reads kv head ``h // KV_GROUP``, ``KV_GROUP = H // H_kv`` a constexpr,
+so the cache is read in place (the group's programs, adjacent in the grid, share its rows through
+L2) and ``KV_GROUP = 1`` compiles to the kernel without grouping. Partials and the combine are per
+query head, as without grouping.
+
 ``splits`` and ``chunk`` depend only on the shapes and the device (:func:`plan_splits`), never on
 the valid lengths, so one CUDA graph serves every decode step; a step reads only the valid part of
 the cache, splits past ``valid_end`` return at once.
@@ -47,19 +53,21 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, heads, s_max, chunk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    KV_GROUP: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // heads
     h = bh % heads
+    kv_h = h // KV_GROUP
     start = tl.load(START + b).to(tl.int32)
     end = tl.load(END + b).to(tl.int32)
     lo = tl.maximum(start, split * chunk)
     hi = tl.minimum(tl.minimum(end, (split + 1) * chunk), s_max)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + dims).to(tl.float32) * qk_scale
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
     m = tl.full((1,), float("-inf"), tl.float32)
     l = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
@@ -152,7 +160,7 @@ def decode_attention(
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Launch the kernels; inputs already validated (q [B, H, D] with any strides, caches
-    [B, H, S_max, D] with unit stride along D, bounds [B] on q's device). ``splits`` and
+    [B, H_kv, S_max, D] with unit stride along D and H_kv dividing H, bounds [B] on q's device). ``splits`` and
     ``block_n`` override :func:`plan_splits` and :func:`block_size` (tests)."""
     batch, heads, head_dim = q.shape
     s_max = k_cache.shape[2]
@@ -183,7 +191,8 @@ def decode_attention(
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
             heads, s_max, chunk, scale * LOG2_E,
-            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits, BF16_BY_HAND=bf16_by_hand, num_warps=num_warps,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits, BF16_BY_HAND=bf16_by_hand,
+            KV_GROUP=heads // k_cache.shape[1], num_warps=num_warps,
         )
         if splits > 1:
             _decode_combine_kernel[(batch * heads,)](

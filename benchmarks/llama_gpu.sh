@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The Llama family's GPU measurements, in parts that each fit one device call (10 minutes):
+#   tests     the gpu-marked tests of the Llama kernels and model (RMSNorm, SwiGLU, rope, GQA
+#             attention and decode attention, the model and its injection)
+#   kernels   benchmarks/kernels/run.py --ops llama_ops,attention (RMSNorm, SwiGLU, rope against PyTorch)
+#   train1b   dslab bench suites/llama --cases 1b (dslab, torch, torch-compile, torch-compile-ro, hf, liger)
+#   train3b   dslab bench suites/llama --cases 3b
+#   infer     dslab bench suites/llama_inference (batch 1, 8, 32 decode; a 512-token prefill)
+# Several parts in one call run in order: bash benchmarks/llama_gpu.sh tests train1b
+# Reports and logs land in $OUT; each part's table prints last.
+set -u
+. benchmarks/gpu_setup.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+TRIALS=${TRIALS:-3}
+for part in "$@"; do
+  case "$part" in
+    tests)
+      timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+        tests/kernels/norm/test_rms_norm.py tests/kernels/activation/test_swiglu.py tests/kernels/attention/test_rope.py \
+        tests/kernels/attention/test_attention_gqa.py tests/kernels/decode/test_decode_attention_gqa.py \
+        tests/models/test_llama_gpu.py tests/inference/test_llama_injection.py > "$OUT/tests.log" 2>&1
+      tail -15 "$OUT/tests.log" ;;
+    kernels)
+      timeout "${KERNELS_S:-300}" python3 benchmarks/kernels/run.py --ops llama_ops --rounds 3 \
+        --json "$OUT/kernels_llama.json" > "$OUT/kernels.log" 2>&1
+      tail -12 "$OUT/kernels.log" ;;
+    train1b|train3b)
+      case_name=${part#train}
+      timeout "${TRAIN_S:-540}" python3 -m dslab.cli bench suites/llama --cases "$case_name" --trials "$TRIALS" \
+        --out "$OUT/reports" > "$OUT/$part.log" 2>&1
+      grep -vE "^\[llama" "$OUT/$part.log" | tail -22 ;;
+    infer)
+      timeout "${INFER_S:-540}" python3 -m dslab.cli bench suites/llama_inference --trials "$TRIALS" \
+        --out "$OUT/reports" > "$OUT/infer.log" 2>&1
+      grep -vE "^\[llama" "$OUT/infer.log" | tail -40 ;;
+    *) echo "llama_gpu.sh: unknown part '$part' (tests, kernels, train1b, train3b, infer)" >&2; exit 2 ;;
+  esac
+done
