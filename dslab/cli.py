@@ -70,7 +70,8 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", choices=("full", "tiny"), default=None,
                         help="'full' on a GPU (default there), 'tiny' on a CPU (default without a GPU)")
     parser.add_argument("--arms", default=None,
-                        help="comma-separated arms (dslab, torch, torch-compile, torch-compile-ro, hf); default: the suite's")
+                        help="comma-separated arms (dslab, torch, torch-compile, torch-compile-ro, hf, sdpa, liger); "
+                             "default: the suite's")
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all of the scale's)")
     parser.add_argument("--trials", type=int, default=None, help="trials per arm (default: the suite's)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per trial (default: the suite's)")

@@ -78,7 +78,7 @@ def test_frozen_bench_arms():
     """The arms ``--arms`` and a suite's ``arms`` accept are typed by users too (STYLE.md #12)."""
     from dslab.bench.suite import ARMS
 
-    assert ARMS == ("dslab", "torch", "torch-compile", "torch-compile-ro", "hf", "sdpa")
+    assert ARMS == ("dslab", "torch", "torch-compile", "torch-compile-ro", "hf", "sdpa", "liger")
 
 
 def test_env_text(capsys):
