@@ -32,7 +32,8 @@ VIEW_TABS = (("experts", "Expert load"), ("inference", "Inference"), ("scaling",
              ("pipeline", "Pipeline"), ("trace", "Trace"))
 ALL_TABS = TABS + VIEW_TABS
 BEST_PLAIN_NOTE = ("The best plain-PyTorch arm of a case is its fastest arm other than dslab (torch, torch-compile, "
-                   "torch-compile-ro, hf) that finished all its trials; dslab/best plain is dslab's samples/s over "
+                   "torch-compile-ro, hf, sdpa, liger, and the peers of the parallel suites) that finished all its "
+                   "trials; dslab/best plain is dslab's samples/s over "
                    "that arm's, both medians of trials interleaved in the same run.")
 PERFETTO = "https://ui.perfetto.dev"
 ENVIRONMENT_KEY_WIDTH = 48

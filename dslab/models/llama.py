@@ -29,6 +29,20 @@ their adds, rope and SwiGLU. The layer stack runs through CUDA graphs as GPT-2's
 The loss is next-token cross-entropy over the positions with a next token (GPT-2's definition,
 :mod:`dslab.models.gpt2`), through the op set's ``linear_cross_entropy`` with the head's padded
 rows (``vocab_pad_multiple``) excluded from the softmax.
+
+Sequence parallelism (DeepSpeed-Ulysses; ``LlamaConfig.sequence_parallel_size`` > 1,
+``LlamaForCausalLM(config, kernels, sp_group)``): every rank of the group is handed the whole
+batch and keeps its contiguous chunk of each sequence (rank r: positions ``[r s/p, (r+1) s/p)``,
+rotated at those positions); attention runs through
+:class:`dslab.parallel.sequence.DistributedAttention`, which trades the sequence split for a
+head split around it (all-to-alls through :mod:`dslab.comm`). The targets are shifted on the whole
+sequence before the split, so the last position of a chunk is scored against the next chunk's
+first token, and the loss is the mean over the whole sequence's targets: each rank's sum of its
+targets' losses, all-reduced, over the all-reduced count. Every rank returns that loss; a rank's
+parameter gradients are then its chunk's share, which summed over the group are the unsplit
+model's (the data-parallel reduction over a group that contains the sequence ranks does it). Every
+chunk must hold at least one target (a chunk of ignored labels only makes the loss NaN). Without
+labels, ``forward`` returns this rank's chunk of the logits.
 """
 
 from __future__ import annotations
@@ -41,11 +55,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dslab import comm
 from dslab.models import hf_mapping
 from dslab.models.graphs import CudaGraphLayers
 from dslab.models.llama_ops import LlamaOps, RotaryTables, llama_op_set
 from dslab.models.ops import IGNORE_INDEX, Embedding, OpSet, init_normal_, op_set
+from dslab.models.tensor_parallel_layers import check_group_size
 from dslab.models.weight_cast import Linear, weight
+from dslab.parallel.sequence import DistributedAttention
+from dslab.parallel.tensor_parallel_regions import reduce_from_tensor_parallel_region
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -79,6 +97,7 @@ class LlamaConfig:
     vocab_pad_multiple: int = 1
     chain_layer_norms: bool = True
     checkpoint_layers: int = 0
+    sequence_parallel_size: int = 1
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -91,13 +110,16 @@ class LlamaConfig:
     def validate(self) -> None:
         """ValueError naming the first bad field."""
         for key in ("vocab_size", "max_positions", "hidden", "intermediate", "layers", "heads", "kv_heads",
-                    "head_dim", "vocab_pad_multiple"):
+                    "head_dim", "vocab_pad_multiple", "sequence_parallel_size"):
             value = getattr(self, key)
             if not _positive_int(value):
                 raise ValueError(f"{key} must be a positive int, got {value!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads} (grouped-query attention "
                              f"gives each key/value head the same number of query heads)")
+        if self.heads % self.sequence_parallel_size:
+            raise ValueError(f"heads={self.heads} does not divide by sequence_parallel_size="
+                             f"{self.sequence_parallel_size}: each rank attends with whole heads")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary positions rotate pairs)")
         if not self.rms_norm_eps >= 0.0:
@@ -237,23 +259,38 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with rotary positions: ``Wo attention(rope(q), rope(k), v)``."""
 
-    def __init__(self, config: LlamaConfig, ops: LlamaOps, rotary: RotaryTables):
+    def __init__(self, config: LlamaConfig, ops: LlamaOps, rotary: RotaryTables, sp_group=None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.heads, config.kv_heads, config.head_dim
         self.ops = ops
         self.rotary = rotary
         self.qkv = Linear(config.hidden, config.qkv_rows, bias=False)
         self.o_proj = Linear(config.heads * config.head_dim, config.hidden, bias=False)
+        self.sp_size = config.sequence_parallel_size
+        # batch-first chunks [b, s/p, h, d] in, the whole sequence of h/p heads to the kernel
+        self.sequence_attention = (DistributedAttention(self._local_attention, sp_group, scatter_idx=2, gather_idx=1)
+                                   if self.sp_size > 1 else None)
+        self.sp_rank = comm.get_rank(sp_group) if self.sp_size > 1 else 0
+
+    def _local_attention(self, q, k, v, key_padding_mask=None):
+        """Causal attention of ``[b, s, h, d]`` q, k, v -> ``[b, s, h, d]``."""
+        context = self.ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                     key_padding_mask=key_padding_mask)
+        return context.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         qkv = self.qkv(x).view(batch, seq, self.heads + 2 * self.kv_heads, self.head_dim)
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
-        cos, sin = self.rotary.tables(seq, x.device)
+        cos, sin = self.rotary.tables(seq, x.device, start=self.sp_rank * seq)
         q, k = self.ops.rope(q, k, cos, sin)
-        context = self.ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                                     key_padding_mask=key_padding_mask)
-        return self.o_proj(context.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
+        if self.sequence_attention is None:
+            context = self._local_attention(q, k, v, key_padding_mask)
+        else:
+            if key_padding_mask is not None:
+                raise ValueError("key_padding_mask is not supported with sequence_parallel_size > 1")
+            context = self.sequence_attention(q, k, v)
+        return self.o_proj(context.reshape(batch, seq, self.heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -278,11 +315,11 @@ class LlamaLayer(nn.Module):
     CHAINS_NORMS = True
     pre_ln = True
 
-    def __init__(self, config: LlamaConfig, ops: LlamaOps, rotary: RotaryTables):
+    def __init__(self, config: LlamaConfig, ops: LlamaOps, rotary: RotaryTables, sp_group=None):
         super().__init__()
         self.chain_layer_norms = config.chain_layer_norms
         self.attention_norm = RMSNorm(config.hidden, config.rms_norm_eps, ops)
-        self.attention = LlamaAttention(config, ops, rotary)
+        self.attention = LlamaAttention(config, ops, rotary, sp_group)
         self.mlp_norm = RMSNorm(config.hidden, config.rms_norm_eps, ops)
         self.mlp = LlamaMLP(config, ops)
 
@@ -301,11 +338,15 @@ class LlamaLayer(nn.Module):
 class LlamaForCausalLM(CudaGraphLayers, nn.Module):
     """The Llama language model with its head. ``forward(input_ids, labels=None)`` returns the fp32
     mean next-token loss when ``labels`` is given, else the logits ``[batch, seq, vocab_size]``.
-    ``kernels`` picks the op sets ("dslab" or "torch")."""
+    ``kernels`` picks the op sets ("dslab" or "torch"); ``sp_group``, with
+    ``config.sequence_parallel_size`` > 1, the process group of that many ranks the sequence is
+    split over (None: the default group, which must then have that many ranks; module docstring)."""
 
-    def __init__(self, config: LlamaConfig, kernels: str = "dslab"):
+    def __init__(self, config: LlamaConfig, kernels: str = "dslab", sp_group=None):
         super().__init__()
         config.validate()
+        check_sequence_parallel_group(config.sequence_parallel_size, sp_group)
+        self.sp_group = sp_group
         self.ops: OpSet = op_set(kernels)
         self.llama_ops = llama_op_set(kernels)
         if self.ops.head_dims is not None and config.head_dim not in self.ops.head_dims:
@@ -315,7 +356,8 @@ class LlamaForCausalLM(CudaGraphLayers, nn.Module):
         self.kernels = kernels
         self.rotary = RotaryTables(config.head_dim, config.rope_theta, config.rope_scaling)
         self.embed = Embedding(config.padded_vocab_size, config.hidden, self.ops)
-        self.layers = nn.ModuleList(LlamaLayer(config, self.llama_ops, self.rotary) for _ in range(config.layers))
+        self.layers = nn.ModuleList(LlamaLayer(config, self.llama_ops, self.rotary, sp_group)
+                                    for _ in range(config.layers))
         self.final_norm = RMSNorm(config.hidden, config.rms_norm_eps, self.llama_ops)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden, config.padded_vocab_size,
                                                                       bias=False)
@@ -342,14 +384,44 @@ class LlamaForCausalLM(CudaGraphLayers, nn.Module):
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         vocab = self.config.vocab_size
+        targets = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        if self.config.sequence_parallel_size > 1:
+            input_ids, targets = self._sequence_chunk(input_ids, targets)
         tie = self.ops.embedding_tie(self.embed.weight) if self.lm_head is None else None
         hidden = self.hidden_states(input_ids, tie)
         if labels is None:
             logits = F.linear(hidden, self._head(tie))
             return logits[..., :vocab] if logits.shape[-1] != vocab else logits
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        return self.ops.linear_cross_entropy(hidden.reshape(-1, self.config.hidden), self._loss_head(),
+        loss = self.ops.linear_cross_entropy(hidden.reshape(-1, self.config.hidden), self._loss_head(),
                                              targets.reshape(-1), vocab, IGNORE_INDEX, tie=tie)
+        if self.config.sequence_parallel_size == 1:
+            return loss
+        # the whole sequence's mean: the chunks' sums over the chunks' counts
+        count = (targets != IGNORE_INDEX).sum().to(loss.dtype)
+        total = reduce_from_tensor_parallel_region(loss * count, self.sp_group)
+        all_counts = count.clone()  # count itself is saved for the product's backward
+        comm.all_reduce(all_counts, group=self.sp_group)
+        return total / all_counts
+
+    def _sequence_chunk(self, input_ids: torch.Tensor, targets: torch.Tensor | None):
+        """This rank's contiguous chunk of the ids and of the shifted targets."""
+        size = self.config.sequence_parallel_size
+        seq = input_ids.shape[1]
+        if seq % size:
+            raise ValueError(f"input_ids has seq {seq}, which sequence_parallel_size={size} splits over its ranks: "
+                             f"it must divide by {size}")
+        chunk = seq // size
+        start = comm.get_rank(self.sp_group) * chunk
+        ids = input_ids[:, start:start + chunk]
+        return ids, (None if targets is None else targets[:, start:start + chunk])
+
+    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+        """As :meth:`CudaGraphLayers.enable_cuda_graphs`; refused with sequence parallelism (the
+        layer graphs are not built for the all-to-alls inside the stack)."""
+        if enabled and self.config.sequence_parallel_size > 1:
+            raise ValueError(f"'cuda_graphs.enabled' with sequence_parallel_size={self.config.sequence_parallel_size}: "
+                             "the layer stack's CUDA graphs do not take collectives; turn graphs off")
+        super().enable_cuda_graphs(enabled)
 
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config: LlamaConfig, kernels: str = "dslab") -> LlamaForCausalLM:
@@ -361,6 +433,12 @@ class LlamaForCausalLM(CudaGraphLayers, nn.Module):
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's weights under transformers ``LlamaForCausalLM``'s keys."""
         return hf_mapping.llama_to_hf(self.state_dict(), self.config)
+
+
+def check_sequence_parallel_group(sp_size: int, group) -> None:
+    """ValueError naming ``sequence_parallel_size`` unless ``group`` (None: the default group) has
+    that many ranks (:func:`dslab.models.tensor_parallel_layers.check_group_size`)."""
+    check_group_size(sp_size, group, "sequence_parallel_size", "sp_group")
 
 
 def llama_parameter_count(config: LlamaConfig) -> int:

@@ -154,20 +154,19 @@ class RotaryTables:
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self._tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``(cos, sin)`` ``[seq, head_dim / 2]``. Under ``torch.compile`` they are computed
+    def tables(self, seq: int, device: torch.device, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(cos, sin)`` ``[seq, head_dim / 2]`` of positions ``start .. start + seq`` (a
+        sequence-parallel rank's chunk starts past 0). Under ``torch.compile`` they are computed
         in the traced code each call and never kept: a kept output of a compiled region would be
         memory that ``mode="reduce-overhead"``'s CUDA graphs overwrite on their next replay."""
-        if torch.compiler.is_compiling():
-            from dslab.kernels.attention.rope import rope_tables
+        from dslab.kernels.attention.rope import rope_tables
 
-            return rope_tables(torch.arange(seq, device=device), self.inv_freq.to(device))
-        key = (seq, str(device))
+        if torch.compiler.is_compiling():
+            return rope_tables(torch.arange(start, start + seq, device=device), self.inv_freq.to(device))
+        key = (start, seq, str(device))
         found = self._tables.get(key)
         if found is None:
-            from dslab.kernels.attention.rope import rope_tables
-
-            positions = torch.arange(seq, device=device)
+            positions = torch.arange(start, start + seq, device=device)
             found = rope_tables(positions, self.inv_freq.to(device))
             self._tables[key] = found
         return found

@@ -98,20 +98,26 @@ class ParallelTokenEmbedding(VocabParallelEmbedding):
         return super().forward(ids)
 
 
-def check_tensor_parallel_group(tp_size: int, group) -> None:
-    """ValueError naming ``tp_size`` unless ``group`` (None: the default group) has ``tp_size``
-    ranks; with ``tp_size`` 1 a group is optional, and must then have one rank."""
-    if tp_size == 1:
+def check_group_size(size: int, group, size_key: str, group_key: str) -> None:
+    """ValueError naming ``size_key`` unless ``group`` (None: the default group) has ``size`` ranks;
+    with ``size`` 1 a group is optional, and must then have one rank. ``group_key``: the argument
+    that passes the group, for the message."""
+    if size == 1:
         if group is not None and comm.get_world_size(group) != 1:
-            raise ValueError(f"tp_size=1 but tp_group has {comm.get_world_size(group)} ranks")
+            raise ValueError(f"{size_key}=1 but {group_key} has {comm.get_world_size(group)} ranks")
         return
     if not comm.is_initialized():
-        raise ValueError(f"tp_size={tp_size} needs a process group of {tp_size} ranks: start the script with "
+        raise ValueError(f"{size_key}={size} needs a process group of {size} ranks: start the script with "
                          "torchrun or dslab launch (no process group is initialised)")
-    size = comm.get_world_size(group)
-    if size != tp_size:
-        which = "the default group (tp_group=None)" if group is None else "tp_group"
-        raise ValueError(f"tp_size={tp_size} but {which} has {size} ranks")
+    found = comm.get_world_size(group)
+    if found != size:
+        which = f"the default group ({group_key}=None)" if group is None else group_key
+        raise ValueError(f"{size_key}={size} but {which} has {found} ranks")
+
+
+def check_tensor_parallel_group(tp_size: int, group) -> None:
+    """:func:`check_group_size` for ``tp_size`` and ``tp_group``."""
+    check_group_size(tp_size, group, "tp_size", "tp_group")
 
 
 def tensor_parallel_layer(hidden: int, heads: int, intermediate: int, hidden_dropout: float,

@@ -58,7 +58,8 @@ of a record, it left the layout unchanged too.
 
 ``ratios[case]["dslab/<arm>"]`` is the dslab arm's samples/s over that arm's. The best plain arm
 of a case is the fastest arm other than dslab (every other arm runs plain PyTorch: ``torch``,
-``torch-compile``, ``torch-compile-ro``, and transformers' model in ``hf``) among those whose
+``torch-compile``, ``torch-compile-ro``, transformers' model in ``hf`` and with Liger-Kernel's ops in
+``liger``, ``sdpa``, and the parallel suites' peers) among those whose
 result is ``ok``; ``best_plain[case]`` names it and ``ratios[case]["dslab/best_plain"]`` is
 dslab's samples/s over its. Version 2 added those two; version 1 had the rest. Arms named
 ``dslab-<variant>`` (the inference suites' ``dslab-int8``) are dslab's too, never a best plain arm.

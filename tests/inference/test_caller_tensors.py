@@ -32,11 +32,15 @@ BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 PROMPT = 8
 NEW_TOKENS = 2  # the first token from the prefill, one decode step
 BATCHES = (32, 5)
+# GPT-2 of two layers, two heads of 32 (the smallest head dim prefill attention takes), hidden 64,
+# an MLP of 80 and a vocabulary of 100 (the head's 128 padded rows cut back to 100): every kernel
+# of the larger tiny model, at fewer interpreted programs per launch.
+HIDDEN, HEADS, INNER, VOCAB = 64, 2, 80, 100
 
 
 @pytest.fixture(scope="module")
 def model():
-    return hf_gpt2()
+    return hf_gpt2(n_embd=HIDDEN, n_head=HEADS, n_inner=INNER, vocab_size=VOCAB)
 
 
 def _caller_storage(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +49,7 @@ def _caller_storage(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     padding on every row)."""
     view_pads = [0 if row % 2 == 0 else 1 + row % 3 for row in range(batch)]
     pads = [2] + [pad + 2 for pad in view_pads] + [2]
-    ids, mask = prompts(batch + 2, PROMPT + 2, seed=seed, pads=pads)
+    ids, mask = prompts(batch + 2, PROMPT + 2, vocab=VOCAB, seed=seed, pads=pads)
     assert ids.dtype == mask.dtype == torch.int64
     return ids, mask
 

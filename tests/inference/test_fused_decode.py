@@ -1,5 +1,5 @@
 """The fused decode step (dslab.inference.fused_decode) against the op-by-op step on the same
-caches: logits of several consecutive tokens and the KV cache entries they write, for a left-padded
+caches: logits of consecutive tokens and the KV cache entries they write, for a left-padded
 batch, on the PyTorch reference and on the Triton kernels (interpreter), in fp32, bf16 and int8.
 Also: when the engine falls back to the op-by-op step, and that greedy generation is unchanged."""
 
@@ -14,12 +14,18 @@ from dslab.inference.fused_decode import unfused_reason
 from dslab.kernels import kernel_backend
 from dslab.kernels.dispatch import interpreting
 
-STEPS = 3
+# Two steps: the second reads the cache entries the first wrote.
+STEPS = 2
+# Two layers (layer 0 gathers the embeddings, layer 1 reads the residual stream), two heads of 32
+# (the smallest head dim prefill attention takes), hidden 64 (two K blocks of the interpreter's 32),
+# an MLP of 80 (fc_out's K of 80 ends in a partial K block), a vocabulary of 100 (the head's 128
+# padded rows cut back to 100): few interpreted programs per Triton launch.
+HIDDEN, HEADS, INNER, VOCAB = 64, 2, 80, 100
 
 
 @pytest.fixture(scope="module")
 def model():
-    return hf_gpt2()
+    return hf_gpt2(n_embd=HIDDEN, n_head=HEADS, n_inner=INNER, vocab_size=VOCAB)
 
 
 def _steps(engine, ids, mask, fused: bool):
@@ -51,7 +57,7 @@ def compare_steps(model, dtype):
     and the fused one may be off by at most twice the op-by-op step's own error."""
     engine = dslab.init_inference(model, dtype=dtype, max_out_tokens=16)
     engine.module.fused_decode_rows = 4  # the batch of 3 (bucket 4) fused too
-    ids, mask = (t.to(engine.device) for t in prompts(3, 8, pads=[0, 3, 1]))
+    ids, mask = (t.to(engine.device) for t in prompts(3, 8, vocab=VOCAB, pads=[0, 3, 1]))
     assert unfused_reason(engine.module, 4) is None
     fused, fused_cache, pos_f = _steps(engine, ids, mask, True)
     plain, plain_cache, pos_p = _steps(engine, ids, mask, False)
@@ -84,7 +90,7 @@ def test_fused_step_matches_the_op_by_op_step_on_triton(model, dtype):
 
 
 def test_greedy_tokens_equal_with_and_without_fusion(model):
-    ids, mask = prompts(3, 8, pads=[0, 3, 1])
+    ids, mask = prompts(3, 8, vocab=VOCAB, pads=[0, 3, 1])
     engine = dslab.init_inference(model, dtype=torch.float32, max_out_tokens=24)
     engine.module.fused_decode_rows = 4
     fused = engine.generate(ids, attention_mask=mask, max_new_tokens=8)

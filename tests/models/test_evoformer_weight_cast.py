@@ -20,6 +20,9 @@ from dslab.models.weight_cast import autocast_dtype, cast_weights, use_casts, we
 needs_interpreter = pytest.mark.skipif(
     not (dispatch.triton_available() and dispatch.interpreting()),
     reason="needs triton and TRITON_INTERPRET=1 (the dslab set's kernels on the CPU)")
+# Crops of 3 sequences x 4 residues, one of each padded (bench.evoformer's masks): distinct sizes,
+# every attention (row, column, triangle) at few interpreted programs per launch.
+N_SEQ, N_RES = 3, 4
 
 
 def test_weight_outside_a_scope_is_the_parameter():
@@ -104,7 +107,7 @@ def _step(model, batch):
 @needs_interpreter
 @pytest.mark.parametrize("checkpoint_blocks", [False, True])
 def test_bit_identical_to_per_weight_casts(monkeypatch, checkpoint_blocks):
-    config = evoformer_tiny(n_seq=4, n_res=5, checkpoint_blocks=checkpoint_blocks)
+    config = evoformer_tiny(n_seq=N_SEQ, n_res=N_RES, checkpoint_blocks=checkpoint_blocks)
     torch.manual_seed(3)
     model = EvoformerTrainModel(config, kernels="dslab")
     batch = evoformer_batch(config, 1, torch.bfloat16, 7, "cpu")
@@ -139,7 +142,7 @@ class _CastCounter(TorchDispatchMode):
 def test_no_per_weight_casts_left(monkeypatch):
     """Per-weight casts of the chosen weights, forward and backward: many without the one-pass
     cast, none with it (the flat buffers' casts have other shapes)."""
-    config = evoformer_tiny(blocks=1, n_seq=4, n_res=5)
+    config = evoformer_tiny(blocks=1, n_seq=N_SEQ, n_res=N_RES)
     torch.manual_seed(1)
     model = EvoformerTrainModel(config, kernels="dslab")
     batch = evoformer_batch(config, 1, torch.bfloat16, 2, "cpu")

@@ -1,0 +1,170 @@
+"""Sequence-parallel attention, DeepSpeed-Ulysses style (``deepspeed.sequence.layer``).
+
+Each of the ``p`` ranks of a sequence-parallel group holds a contiguous chunk of the sequence
+(rank r: positions ``[r * s/p, (r + 1) * s/p)``) of q, k and v, with every head. Attention needs
+the whole sequence, but each head is independent of the others, so one all-to-all per tensor
+trades the split: afterwards each rank holds the whole sequence of ``h/p`` heads (rank r: heads
+``[r * h/p, (r + 1) * h/p)``), runs the ordinary attention on them, and one more all-to-all
+trades the output back to the rank's sequence chunk with every head::
+
+    q, k, v [s/p, b, h, d]  --all-to-all-->  [s, b, h/p, d]  --local_attention-->  [s, b, h/p, d]
+    out     [s/p, b, h, d]  <--all-to-all--  [s, b, h/p, d]
+
+The all-to-all that scatters dim ``a`` and gathers dim ``c`` is a permutation of the ranks'
+elements; its adjoint (and inverse) scatters ``c`` and gathers ``a``, which is its backward, so
+the gradients of q, k and v reach the rank that holds them. Each exchange is one
+:func:`dslab.comm.all_to_all_single` (the comms logger sees it as ``all_to_all``): four in the
+forward (q, k, v, out) and four in the backward.
+
+Layouts (``scatter_idx`` is the heads' dim, ``gather_idx`` the sequence's):
+
+- ``scatter_idx=2, gather_idx=0``: sequence first, ``[s/p, b, h, d]`` (DeepSpeed's default,
+  Megatron's layout); ``local_attention`` gets ``[s, b, h/p, d]``.
+- ``scatter_idx=2, gather_idx=1``: batch first, ``[b, s/p, h, d]``; ``local_attention`` gets
+  ``[b, s, h/p, d]``.
+
+Other index pairs are refused (ValueError naming ``scatter_idx`` or ``gather_idx``).
+
+Heads: ``h`` must divide by ``p``. Grouped-query k and v (``h_kv`` heads, a divisor of ``h``)
+are split the same way when ``h_kv`` divides by ``p``; when it is smaller than ``p`` and divides
+it, each kv head is repeated ``p / h_kv`` times in place first (transformers' ``repeat_kv``
+order), so that rank r receives the one kv head its query heads attend with, and the repeats'
+gradients sum back into it. Any other kv head count is refused by name.
+
+A group of one rank (or no process group at all) makes the wrapper the identity around
+``local_attention``: no collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from dslab import comm
+
+# (scatter_idx, gather_idx) -> the layout's name
+LAYOUTS = {(2, 0): "[s/p, b, h, d] (sequence first)", (2, 1): "[b, s/p, h, d] (batch first)"}
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> torch.Tensor:
+    """Cut ``x`` into ``size`` blocks along ``scatter_dim``, send block r to rank r, and
+    concatenate the blocks received along ``gather_dim`` in rank order (no autograd)."""
+    shape = list(x.shape)
+    split = shape[:scatter_dim] + [size, shape[scatter_dim] // size] + shape[scatter_dim + 1:]
+    # [size, ...]: the rank blocks one after the other along dim 0, as the flat collective wants
+    send = x.reshape(split).movedim(scatter_dim, 0).contiguous()
+    received = torch.empty_like(send)
+    comm.all_to_all_single(received, send, group=group)
+    # received's dims after 0 are x's dims (scatter_dim shrunk); rank blocks go in front of gather_dim
+    out_shape = list(received.shape[1:])
+    out_shape[gather_dim] *= size
+    return received.movedim(0, gather_dim).reshape(out_shape)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """Forward: the all-to-all scattering ``scatter_dim`` and gathering ``gather_dim``;
+    backward: the inverse one (gathering ``scatter_dim``, scattering ``gather_dim``)."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group, size):
+        ctx.scatter_dim, ctx.gather_dim, ctx.group, ctx.size = scatter_dim, gather_dim, group, size
+        return _all_to_all(x, scatter_dim, gather_dim, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.gather_dim, ctx.scatter_dim, ctx.group, ctx.size), None, None, None, None
+
+
+def seq_all_to_all(x: torch.Tensor, scatter_idx: int, gather_idx: int, group=None) -> torch.Tensor:
+    """Differentiable all-to-all over ``group``: ``x``'s dim ``scatter_idx`` is cut into the
+    group's size blocks, rank r receiving block r, and dim ``gather_idx`` becomes the ranks' pieces
+    concatenated in rank order. The identity in a group of one rank."""
+    size = comm.get_world_size(group)
+    if size == 1:
+        return x
+    for name, idx in (("scatter_idx", scatter_idx), ("gather_idx", gather_idx)):
+        if not 0 <= idx < x.dim():
+            raise ValueError(f"{name}={idx} is not a dim of a {x.dim()}-d tensor")
+    if scatter_idx == gather_idx:
+        raise ValueError(f"scatter_idx and gather_idx are both {scatter_idx}")
+    if x.shape[scatter_idx] % size:
+        raise ValueError(f"dim {scatter_idx} (scatter_idx) of size {x.shape[scatter_idx]} does not divide "
+                         f"by the sequence-parallel group size {size}")
+    return _SeqAllToAll.apply(x, scatter_idx, gather_idx, group, size)
+
+
+class DistributedAttention(nn.Module):
+    """``local_attention`` over the whole sequence for inputs split along the sequence over
+    ``sequence_process_group`` (DeepSpeed's ``deepspeed.sequence.layer.DistributedAttention``).
+
+    ``forward(query, key, value, *args, **kwargs)`` takes this rank's sequence chunk of q, k, v
+    in the layout that ``scatter_idx``/``gather_idx`` name (see the module docstring: ``(2, 0)``
+    ``[s/p, b, h, d]``, ``(2, 1)`` ``[b, s/p, h, d]``), calls ``local_attention(q, k, v, *args,
+    **kwargs)`` on the whole sequence of this rank's ``h/p`` heads, and returns this rank's
+    sequence chunk of the output with every head. ``sequence_process_group`` None means the
+    default group (the world) when a process group is initialised.
+    """
+
+    def __init__(self, local_attention, sequence_process_group=None, scatter_idx: int = 2, gather_idx: int = 0):
+        super().__init__()
+        if not callable(local_attention):
+            raise ValueError(f"local_attention must be callable, got {type(local_attention).__name__}")
+        if scatter_idx != 2:
+            raise ValueError(f"scatter_idx={scatter_idx} is not supported: the heads' dim must be 2 "
+                             f"(layouts: {', '.join(f'{k}: {v}' for k, v in LAYOUTS.items())})")
+        if (scatter_idx, gather_idx) not in LAYOUTS:
+            raise ValueError(f"gather_idx={gather_idx} is not supported: the sequence's dim must be 0 "
+                             f"{LAYOUTS[(2, 0)]} or 1 {LAYOUTS[(2, 1)]}")
+        self.local_attn = local_attention
+        self.spg = sequence_process_group
+        self.scatter_idx = scatter_idx
+        self.gather_idx = gather_idx
+
+    def _kv_repeats(self, heads: int, kv_heads: int, size: int, name: str) -> int:
+        """How many times each of ``name``'s heads is repeated before the exchange (1: none)."""
+        if kv_heads == heads or kv_heads % size == 0:
+            if heads % kv_heads:
+                raise ValueError(f"{name} has {kv_heads} heads, which do not divide the query's {heads}")
+            return 1
+        if heads % kv_heads == 0 and size % kv_heads == 0:
+            return size // kv_heads
+        raise ValueError(f"{name} has {kv_heads} heads: neither a multiple nor a divisor of the "
+                         f"sequence-parallel group size {size} (query heads: {heads})")
+
+    def _check(self, query, key, value, size: int) -> tuple[int, int]:
+        """Validate the inputs' shapes; the repeats of key's and value's heads."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a 4-d tensor {LAYOUTS[(self.scatter_idx, self.gather_idx)]}, "
+                                 f"got {shape}")
+        batch_dim = 1 - self.gather_idx
+        for name, t in (("key", key), ("value", value)):
+            for dim, what in ((self.gather_idx, "sequence length"), (batch_dim, "batch size")):
+                if t.shape[dim] != query.shape[dim]:
+                    raise ValueError(f"{name}'s {what} {t.shape[dim]} (dim {dim}) differs from query's "
+                                     f"{query.shape[dim]}")
+        if key.shape[2] != value.shape[2]:
+            raise ValueError(f"key has {key.shape[2]} heads and value {value.shape[2]}: they must match")
+        heads = query.shape[2]
+        if heads % size:
+            raise ValueError(f"query has {heads} heads, which do not divide by the sequence-parallel "
+                             f"group size {size}")
+        return (self._kv_repeats(heads, key.shape[2], size, "key"),
+                self._kv_repeats(heads, value.shape[2], size, "value"))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
+        size = comm.get_world_size(self.spg)
+        key_repeats, value_repeats = self._check(query, key, value, size)
+        if size == 1:
+            return self.local_attn(query, key, value, *args, **kwargs)
+        if key_repeats > 1:
+            key = key.repeat_interleave(key_repeats, dim=2)
+        if value_repeats > 1:
+            value = value.repeat_interleave(value_repeats, dim=2)
+        s, g = self.scatter_idx, self.gather_idx
+        q, k, v = (_SeqAllToAll.apply(t, s, g, self.spg, size) for t in (query, key, value))
+        out = self.local_attn(q, k, v, *args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"local_attention must return one tensor, got {type(out).__name__}")
+        return _SeqAllToAll.apply(out, g, s, self.spg, size)
