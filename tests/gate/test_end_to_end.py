@@ -8,6 +8,8 @@ import pytest
 from dslab import cli
 from dslab.bench.runner import run_suite
 
+THRESHOLD = "50%"
+
 
 def _suite(tmp_path):
     suite = {
@@ -32,10 +34,11 @@ def test_gate_passes_a_rerun_and_fails_an_injected_slowdown(tmp_path, monkeypatc
     capsys.readouterr()
 
     rerun, _ = run_suite(suite, out=reports)
-    # A wide threshold: this CPU is shared and its speed wanders; the statistics themselves are
-    # validated on synthetic noise in test_verdict.py.
+    # A wide threshold: this CPU is shared and its speed wanders (a CI run saw an unchanged rerun's
+    # median 20% slower, its 99% interval reaching -42%); the statistics themselves are validated on
+    # synthetic noise in test_verdict.py. The injected slowdown below takes ~75% off.
     code = cli.main(["gate", "--suite", "gate_e2e", "--reports", str(reports), "--candidate", rerun.run_id,
-                     "--threshold", "30%"])
+                     "--threshold", THRESHOLD])
     assert code == 0, capsys.readouterr().out
 
     step_ms = baseline.result("small", "dslab").metrics["step_time_ms"]
@@ -43,7 +46,7 @@ def test_gate_passes_a_rerun_and_fails_an_injected_slowdown(tmp_path, monkeypatc
     slowed, _ = run_suite(suite, out=reports)
     capsys.readouterr()
     code = cli.main(["gate", "--suite", "gate_e2e", "--reports", str(reports), "--candidate", slowed.run_id,
-                     "--threshold", "30%", "--format", "markdown"])
+                     "--threshold", THRESHOLD, "--format", "markdown"])
     out = capsys.readouterr().out
     assert code == 1, out
     assert "samples_per_s" in out and "regression" in out.lower()
