@@ -4,8 +4,8 @@ A config is a dict, a path to a JSON file, or a :class:`DslabConfig`. Each compo
 section's model next to its code (``fp16``/``bf16`` in :mod:`precision`, ``optimizer`` in
 :mod:`optimizers`, ``scheduler`` in :mod:`schedulers`, ``csv_monitor``/``tensorboard`` in
 :mod:`monitor`, ``zero_optimization`` in :mod:`zero_config`, ``aio`` in
-:mod:`dslab.io.config`); this module gathers them, derives the batch sizes, and turns every
-problem into a ``ValueError`` that names the key.
+:mod:`dslab.io.config`, ``autotuning`` in :mod:`autotuning.config`); this module gathers them,
+derives the batch sizes, and turns every problem into a ``ValueError`` that names the key.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic import Field
 
 from dslab.config_base import ConfigSection, closest_key, known_keys, parse_section
 from dslab.engine.activation_checkpointing import ActivationCheckpointingConfig
+from dslab.engine.autotuning.config import AutotuningConfig
 from dslab.engine.compile_config import CompileConfig
 from dslab.engine.cuda_graph_config import CudaGraphConfig
 from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
@@ -35,7 +36,6 @@ from dslab.profilers.telemetry import TelemetryConfig
 # off ({"enabled": false}, false, null) is accepted and ignored; anything else is refused.
 UNSUPPORTED_DEEPSPEED_KEYS = (
     "amp",
-    "autotuning",
     "checkpoint",
     "comet",
     "communication_data_type",
@@ -65,6 +65,8 @@ class DslabConfig(ConfigSection):
     gradient_accumulation_steps: int | None = Field(None, ge=1)
     steps_per_print: int = Field(10, ge=1)
     gradient_clipping: float = Field(0.0, ge=0.0)
+    # DeepSpeed-Ulysses: ranks each sequence is split over (dslab.engine.sequence_parallel)
+    sequence_parallel_size: int = Field(1, ge=1)
     fp16: FP16Config = FP16Config()
     bf16: BF16Config = Field(BF16Config(), alias="bf16")
     optimizer: OptimizerConfig | None = None
@@ -77,6 +79,8 @@ class DslabConfig(ConfigSection):
     # uses the section's defaults
     aio: AioConfig | None = None
     compile: CompileConfig = CompileConfig()
+    # read by the tuner (dslab.engine.autotuning), not by the training step
+    autotuning: AutotuningConfig = AutotuningConfig()
     # dslab's own keys
     cuda_graphs: CudaGraphConfig = CudaGraphConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()

@@ -46,6 +46,7 @@ from dslab.engine.optimizers import build_optimizer, fused_kernels_supported
 from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
 from dslab.engine.profiling import ProfilerHooks, build_profilers
 from dslab.engine.schedulers import build_scheduler
+from dslab.engine.sequence_parallel import SequenceParallelLayout
 from dslab.engine.zero import build_zero
 from dslab.parallel.partitioned import forget_partition, gather_, is_partitioned
 from dslab.parallel.tensor_parallel import allreduce_sequence_parallel_grads
@@ -97,6 +98,9 @@ def _check_partitioned(model: nn.Module, stage: int) -> None:
 class DslabEngine(nn.Module):
     """Wraps ``model`` for training; built by :func:`dslab.initialize`."""
 
+    # set by dslab.initialize in an autotuning experiment (dslab.engine.autotuning.experiment)
+    autotuning_experiment = None
+
     def __init__(
         self,
         model: nn.Module,
@@ -117,9 +121,16 @@ class DslabEngine(nn.Module):
         # model-parallel groups (model_parallel.py)
         self.mpu = mpu
         self.parallel = ModelParallelLayout(mpu, config)
-        self.dp_group = self.parallel.dp_group
-        self.dp_world_size = self.parallel.dp_world_size
-        self.dp_rank = self.parallel.dp_rank
+        # sequence parallelism (sequence_parallel_size): the data axis of a data x sequence grid;
+        # gradients are reduced, and ZeRO shards, over the seq_dp ranks that hold one replica
+        # (sequence_parallel.py; without it they are the data-parallel group)
+        self.sequence_layout = SequenceParallelLayout(config, self.parallel, model)
+        self.sequence_parallel_group = self.sequence_layout.group
+        self.dp_group = self.sequence_layout.dp_group
+        self.dp_world_size = self.sequence_layout.dp_world_size
+        self.dp_rank = self.sequence_layout.dp_rank
+        self.seq_dp_group = self.sequence_layout.seq_dp_group
+        self.seq_dp_world_size = self.sequence_layout.seq_dp_world_size
         config.resolve_batch_size(self.dp_world_size)
         dispatch.set_backend(None if config.kernels == "auto" else config.kernels)
 
@@ -135,8 +146,9 @@ class DslabEngine(nn.Module):
         config.cuda_graphs.apply(self.module)
         if "activation_checkpointing" in config.model_fields_set:
             config.activation_checkpointing.apply()  # the process's checkpoint settings, as DeepSpeed's
+            config.activation_checkpointing.apply_to_model(self.module)
         object.__setattr__(self, "_run_module", config.compile.wrap(self.module))
-        if self.dp_world_size > 1:
+        if self.seq_dp_world_size > 1:
             self._broadcast_parameters(trainable=not shard_in_place)
 
         self.autocast_dtype = autocast_dtype(config.fp16, config.bf16)
@@ -152,7 +164,7 @@ class DslabEngine(nn.Module):
         self.zero = None
         # bf16 copies of the weights, kept by the optimizer (weight_copies.py); None for autocast alone.
         self.weight_copies = weight_copies.build(
-            config, self.module, device=self.device, world_size=self.dp_world_size,
+            config, self.module, device=self.device, world_size=self.seq_dp_world_size,
             optimizer_passed=optimizer is not None, experts=self.expert_layout is not None, log=log,
             model_parallel=self.parallel.model_parallel)
         self.optimizer = self._configure_optimizer(optimizer, params)
@@ -163,10 +175,10 @@ class DslabEngine(nn.Module):
         self.lr_scheduler = self._configure_scheduler(lr_scheduler)
 
         self.grad_reducer = self.zero
-        if self.dp_world_size > 1 and self.zero is None:
+        if self.seq_dp_world_size > 1 and self.zero is None:
             self.grad_reducer = GradientAllReducer(
                 self._data_parallel_parameters(), config.zero_optimization.reduce_bucket_size,
-                group=self.dp_group)
+                group=self.seq_dp_group)
         if self.zero is not None:
             self.zero.norm_groups = self.parallel.norm_groups
             if self.parallel.tp_world_size > 1:
@@ -184,7 +196,7 @@ class DslabEngine(nn.Module):
         self.profilers.call("attach", self.module, self.optimizer)
         memory_tracer = self.profilers.find("memory")
         if memory_tracer is not None:
-            memory_tracer.set_zero_stage(config.zero_optimization.stage, self.dp_world_size, self.zero)
+            memory_tracer.set_zero_stage(config.zero_optimization.stage, self.seq_dp_world_size, self.zero)
         self.monitor = Monitor(config.csv_monitor, config.tensorboard, rank=self.rank)
         self._pending_losses: list[torch.Tensor] = []
 
@@ -203,16 +215,16 @@ class DslabEngine(nn.Module):
         parameter starts from the first rank of its expert-data-parallel group: the ranks of
         other ep ranks hold other experts."""
         params = [p for p in self.module.parameters() if trainable or not p.requires_grad]
-        source = comm.get_global_rank(self.dp_group, 0)
+        source = comm.get_global_rank(self.seq_dp_group, 0)
         with torch.no_grad():
             for p in params:
                 if expert_parallel.is_expert_param(p):
                     reduction = expert_parallel.reduction_group(p)
                     comm.broadcast(p.data, src=reduction.source_rank, group=reduction.group)
                 else:
-                    comm.broadcast(p.data, src=source, group=self.dp_group)
+                    comm.broadcast(p.data, src=source, group=self.seq_dp_group)
             for tensor in self.module.buffers():
-                comm.broadcast(tensor.data, src=source, group=self.dp_group)
+                comm.broadcast(tensor.data, src=source, group=self.seq_dp_group)
 
     def _data_parallel_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients stage 0 averages over the data-parallel group."""
@@ -242,7 +254,7 @@ class DslabEngine(nn.Module):
                 self.module, self.config, optimizer, params,
                 lambda groups, fused_ok: build_optimizer(self.config.optimizer, groups, fused_ok=fused_ok),
                 device=self.device, broadcast=self.config.zero_optimization.stage == 3,
-                group=self.dp_group)
+                group=self.seq_dp_group)
             return built
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
@@ -328,6 +340,8 @@ class DslabEngine(nn.Module):
         # in the forward and one in the backward.
         accumulation = self.gradient_accumulation_steps()
         scaled = loss / accumulation if accumulation != 1 else loss
+        if self.sequence_layout.size > 1:  # a rank's gradients are its chunk's share (sequence_parallel.py)
+            scaled = scaled * self.sequence_layout.loss_multiplier
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.loss_scale
         if self.grad_reducer is not None:
@@ -461,6 +475,8 @@ class DslabEngine(nn.Module):
                 times = wall_clock.collect()
                 parts = ", ".join(f"{k}: {sum(v) / len(v):.2f}" for k, v in sorted(times.items()) if v)
                 log.info("time (ms) | %s", parts)
+        if self.autotuning_experiment is not None:
+            self.autotuning_experiment.on_optimizer_step_end()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dslab import comm
+from dslab.engine.autotuning.experiment import attach_from_env as attach_autotuning_experiment
 from dslab.engine.config import load_config
 from dslab.engine.data import build_dataloader
 from dslab.engine.engine import DslabEngine
@@ -63,6 +64,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_class = PipelineEngine if isinstance(model, PipelineModule) else DslabEngine
     engine = engine_class(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                           lr_scheduler=lr_scheduler, mpu=mpu)
+    # an autotuning experiment (DSLAB_AUTOTUNING_EXPERIMENT set): times its steps, then exits
+    attach_autotuning_experiment(engine)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, engine.train_micro_batch_size_per_gpu(),

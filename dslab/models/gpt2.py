@@ -42,6 +42,18 @@ up. The dense form converts to and from the split one: :meth:`GPT2LMHeadModel.de
 :meth:`GPT2LMHeadModel.load_dense_state_dict` and, offline,
 :func:`~dslab.models.tensor_parallel_layers.gpt2_tp_state_dict` and
 :func:`~dslab.models.tensor_parallel_layers.gpt2_dense_state_dict`.
+
+Sequence parallelism (DeepSpeed-Ulysses; ``GPT2Config.sequence_parallel_size`` > 1,
+``GPT2LMHeadModel(config, kernels, sp_group=...)``), as dslab's Llama has it: every rank of the
+group is handed the whole batch and keeps its contiguous chunk of each sequence (rank r: positions
+``[r s/p, (r+1) s/p)``, which read the learned position rows of those positions); attention runs
+through :class:`dslab.parallel.sequence.DistributedAttention`
+(:mod:`dslab.models.sequence_parallel_layers`). The targets are shifted on the whole sequence
+before the split, and the loss is the whole sequence's mean
+(:func:`dslab.parallel.sequence.sequence_mean_loss`); every rank returns it, and a rank's
+gradients are its chunk's share, which summed over the group are the unsplit model's. Without
+labels ``forward`` returns this rank's chunk of the logits. ``heads`` must divide by the size;
+tensor parallelism is not combined with it.
 """
 
 from __future__ import annotations
@@ -54,16 +66,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dslab import comm
 from dslab.models import hf_mapping
 from dslab.models.graphs import CudaGraphLayers
 from dslab.models.ops import (
     IGNORE_INDEX, Embedding, LayerNorm, PositionEmbedding, TransformerLayer, check_head_dim, init_normal_, op_set,
     scale_residual_init_,
 )
+from dslab.models.sequence_parallel_layers import sequence_parallel_layer
 from dslab.models.tensor_parallel_layers import (
-    ParallelTokenEmbedding, check_tensor_parallel_group, gpt2_tp_state_dict, mark_sequence_parallel_replicas,
-    sequence_shard, tensor_parallel_layer, tensor_parallel_lm_logits, tensor_parallel_lm_loss,
+    ParallelTokenEmbedding, check_group_size, check_tensor_parallel_group, gpt2_tp_state_dict,
+    mark_sequence_parallel_replicas, sequence_shard, tensor_parallel_layer, tensor_parallel_lm_logits,
+    tensor_parallel_lm_loss,
 )
+from dslab.parallel.sequence import sequence_mean_loss, split_sequence
 from dslab.parallel.tensor_parallel import gather_tensor_parallel_state_dict
 from dslab.parallel.tensor_parallel_regions import tensor_parallel_rank
 
@@ -86,7 +102,10 @@ class GPT2Config:
     ``tp_size``: the ranks of the tensor-parallel group the model is split over (1: dense); it
     must divide ``heads``, the MLP width and ``padded_vocab_size`` (pad the vocabulary with
     ``vocab_pad_multiple``). ``sequence_parallel``: with ``tp_size`` > 1, the stream between the
-    projections split along the sequence too."""
+    projections split along the sequence too.
+
+    ``sequence_parallel_size``: the ranks of the DeepSpeed-Ulysses group each sequence is split
+    over (1: none; module docstring); it must divide ``heads``."""
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -101,13 +120,15 @@ class GPT2Config:
     checkpoint_layers: int = 0
     tp_size: int = 1
     sequence_parallel: bool = False
+    sequence_parallel_size: int = 1
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
-        for key in ("vocab_size", "n_positions", "hidden", "layers", "heads", "vocab_pad_multiple"):
+        for key in ("vocab_size", "n_positions", "hidden", "layers", "heads", "vocab_pad_multiple",
+                    "sequence_parallel_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{key} must be a positive int, got {value!r}")
@@ -140,6 +161,12 @@ class GPT2Config:
             raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError("sequence_parallel needs tp_size > 1")
+        if self.heads % self.sequence_parallel_size:
+            raise ValueError(f"heads={self.heads} does not divide by sequence_parallel_size="
+                             f"{self.sequence_parallel_size}: each rank attends with whole heads")
+        if self.sequence_parallel_size > 1 and self.tp_size > 1:
+            raise ValueError(f"sequence_parallel_size={self.sequence_parallel_size} with tp_size={self.tp_size}: "
+                             "Ulysses sequence parallelism is not combined with tensor parallelism; pick one")
 
     @property
     def intermediate(self) -> int:
@@ -204,17 +231,24 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
 
     ``tp_group``: with ``config.tp_size`` > 1, the process group of ``tp_size`` ranks the model is
     split over (None: the default group, which must then have ``tp_size`` ranks); see the module
-    docstring. Ranks seeded alike build the slices of the dense model built from the same seed."""
+    docstring. Ranks seeded alike build the slices of the dense model built from the same seed.
 
-    def __init__(self, config: GPT2Config, kernels: str = "dslab", tp_group=None):
+    ``sp_group``: with ``config.sequence_parallel_size`` > 1, the process group of that many ranks
+    each sequence is split over (None: the default group, which must then have that many ranks;
+    :func:`dslab.parallel.sequence.initialize_sequence_parallel` makes the ones the engine uses)."""
+
+    def __init__(self, config: GPT2Config, kernels: str = "dslab", tp_group=None, sp_group=None):
         super().__init__()
         config.validate()
         self.ops = op_set(kernels)
         check_head_dim(self.ops, config.hidden, config.heads)
         check_tensor_parallel_group(config.tp_size, tp_group)
+        check_group_size(config.sequence_parallel_size, sp_group, "sequence_parallel_size", "sp_group")
         self.config = config
         self.kernels = kernels
         self.tp_group = tp_group
+        self.sp_group = sp_group
+        self.sp_rank = comm.get_rank(sp_group) if config.sequence_parallel_size > 1 else 0
         if config.tp_size == 1:
             self.wte = Embedding(config.padded_vocab_size, config.hidden, self.ops)
         else:
@@ -234,6 +268,8 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
                 config.layer_norm_epsilon)
         options = dict(pre_ln=True, causal=True, gelu_approximate="tanh", ops=self.ops,
                        chain_layer_norms=config.chain_layer_norms)
+        if config.sequence_parallel_size > 1:
+            return sequence_parallel_layer(*args, **options, sp_group=self.sp_group)
         if config.tp_size == 1:
             return TransformerLayer(*args, **options)
         return tensor_parallel_layer(*args, **options, group=self.tp_group, sequence_parallel=config.sequence_parallel)
@@ -246,9 +282,14 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, tie=None) -> torch.Tensor:
         """``[batch, seq, hidden]`` after the final LayerNorm (with sequence parallelism this
-        rank's ``[batch, seq/tp, hidden]``). ``tie``: from ``ops.embedding_tie(self.wte.weight)``,
-        for the head that reads the result."""
-        if self.config.sequence_parallel:
+        rank's ``[batch, seq/tp, hidden]``; with ``sequence_parallel_size`` > 1 ``input_ids`` is
+        this rank's chunk, at positions from ``sp_rank * seq``). ``tie``: from
+        ``ops.embedding_tie(self.wte.weight)``, for the head that reads the result."""
+        if self.config.sequence_parallel_size > 1:
+            chunk = input_ids.shape[1]
+            start = self.sp_rank * chunk
+            x = self.wte(input_ids, tie) + self.wpe(start + chunk)[start:]
+        elif self.config.sequence_parallel:
             positions = sequence_shard(self.wpe(input_ids.shape[1]), self.tp_group)
             x = self.wte(input_ids, tie) + positions
         else:
@@ -265,14 +306,27 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         vocab = self.config.vocab_size
         if self.config.tp_size > 1:
             return self._tensor_parallel_forward(input_ids, labels)
+        targets = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        if self.config.sequence_parallel_size > 1:
+            input_ids, targets = self._sequence_chunk(input_ids, targets)
         tie = self.ops.embedding_tie(self.lm_head_weight)
         hidden = self.hidden_states(input_ids, tie)
         if labels is None:
             logits = F.linear(hidden, self.lm_head_weight if tie is None else tie.head_weight())
             return logits[..., :vocab] if logits.shape[-1] != vocab else logits
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        return self.ops.linear_cross_entropy(hidden.reshape(-1, self.config.hidden), self.lm_head_weight,
+        loss = self.ops.linear_cross_entropy(hidden.reshape(-1, self.config.hidden), self.lm_head_weight,
                                              targets.reshape(-1), vocab, IGNORE_INDEX, tie=tie)
+        if self.config.sequence_parallel_size == 1:
+            return loss
+        return sequence_mean_loss(loss, targets, self.sp_group, IGNORE_INDEX)
+
+    def _sequence_chunk(self, input_ids: torch.Tensor, targets: torch.Tensor | None):
+        """This rank's contiguous chunk of the ids and of the (whole-sequence shifted) targets."""
+        size = self.config.sequence_parallel_size
+        if input_ids.shape[1] % size:
+            raise ValueError(f"input_ids has seq {input_ids.shape[1]}, which sequence_parallel_size={size} splits "
+                             f"over its ranks: it must divide by {size}")
+        return split_sequence((input_ids, targets), self.sp_rank, size)
 
     def _tensor_parallel_forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """:meth:`forward` split over the tensor-parallel group: the head's logits of this rank's
@@ -312,14 +366,17 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         if enabled and self.config.tp_size > 1:
             raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size}: the layer stack's CUDA "
                              "graphs do not take tensor-parallel layers; turn graphs off")
+        if enabled and self.config.sequence_parallel_size > 1:
+            raise ValueError(f"'cuda_graphs.enabled' with sequence_parallel_size={self.config.sequence_parallel_size}: "
+                             "the layer stack's CUDA graphs do not take collectives; turn graphs off")
         super().enable_cuda_graphs(enabled)
 
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config: GPT2Config, kernels: str = "dslab",
-                           tp_group=None) -> GPT2LMHeadModel:
+                           tp_group=None, sp_group=None) -> GPT2LMHeadModel:
         """A model with ``config`` and the weights of a HuggingFace ``GPT2LMHeadModel`` state dict
         (with ``config.tp_size`` > 1, this rank's shards of them)."""
-        model = cls(config, kernels, tp_group=tp_group)
+        model = cls(config, kernels, tp_group=tp_group, sp_group=sp_group)
         model.load_dense_state_dict(hf_mapping.gpt2_from_hf(state_dict, config.layers, config.padded_vocab_size))
         return model
 

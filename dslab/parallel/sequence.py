@@ -33,14 +33,30 @@ gradients sum back into it. Any other kv head count is refused by name.
 
 A group of one rank (or no process group at all) makes the wrapper the identity around
 ``local_attention``: no collectives.
+
+Around the attention (the rest of a training step):
+
+- :func:`initialize_sequence_parallel` builds (once per size) the grid of ``world = dp x sp``
+  ranks, DeepSpeed's and Megatron-DeepSpeed's layout: the ``sp`` ranks of one sequence-parallel
+  group are neighbours (ranks ``[i sp, (i + 1) sp)``, on one host when ``sp`` fits in it, for
+  the all-to-alls), a data-parallel group holds the ranks of one sequence-parallel rank (strided
+  by ``sp``), and the sequence-data-parallel group (every rank holding the same replica of the
+  weights, here the world) is where gradients are reduced and ZeRO shards. A model is built with
+  its ``.group``; the engine (``sequence_parallel_size``) finds the same groups.
+- :func:`split_sequence`: this rank's contiguous chunk of every tensor of a batch (data side).
+- :func:`sequence_mean_loss`: the whole sequence's mean loss from each rank's mean over its chunk.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from dslab import comm
+from dslab.parallel.topology import ProcessTopology
+from dslab.parallel.tensor_parallel_regions import reduce_from_tensor_parallel_region
 
 # (scatter_idx, gather_idx) -> the layout's name
 LAYOUTS = {(2, 0): "[s/p, b, h, d] (sequence first)", (2, 1): "[b, s/p, h, d] (batch first)"}
@@ -168,3 +184,123 @@ class DistributedAttention(nn.Module):
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"local_attention must return one tensor, got {type(out).__name__}")
         return _SeqAllToAll.apply(out, g, s, self.spg, size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups, the batch's split and the loss over the split.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SequenceParallelGroups:
+    """The groups of one ``sequence_parallel_size`` as seen from this rank.
+
+    ``group``: the ``size`` ranks this rank's sequence is split over (``rank`` is its place
+    there); ``data_parallel_group``: the ``data_parallel_size`` ranks with this rank's sequence
+    chunk of other batches (``data_parallel_rank`` its place there); ``seq_data_parallel_group``:
+    every rank holding the same replica of the weights (None: the world), over which gradients
+    are reduced. With ``size`` 1 every group is None (the world, or no process group)."""
+
+    size: int
+    rank: int
+    group: object
+    data_parallel_size: int
+    data_parallel_rank: int
+    data_parallel_group: object
+    seq_data_parallel_group: object = None
+
+    def ranks(self) -> list[int]:
+        """The global ranks of :attr:`group`, in group order."""
+        if self.size == 1:
+            return [comm.get_rank()]
+        return [comm.get_global_rank(self.group, r) for r in range(self.size)]
+
+
+_groups: dict[int, SequenceParallelGroups] = {}
+
+
+def initialize_sequence_parallel(sequence_parallel_size: int) -> SequenceParallelGroups:
+    """The sequence- and data-parallel groups of ``world = dp x sequence_parallel_size`` ranks
+    (module docstring), created on the first call for a size (every rank must make that call, in
+    the same order as its other group creations) and returned as they are on the next ones.
+    ValueError naming ``sequence_parallel_size`` when it is not a positive int dividing the
+    world, or is > 1 without a process group."""
+    size = sequence_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"sequence_parallel_size must be a positive int, got {size!r}")
+    if size in _groups:
+        return _groups[size]
+    world, rank = comm.get_world_size(), comm.get_rank()
+    if size == 1:
+        groups = SequenceParallelGroups(1, 0, None, world, rank, None)
+    else:
+        if not comm.is_initialized():
+            raise ValueError(f"sequence_parallel_size={size} needs a process group of a multiple of {size} "
+                             "ranks: start the script with torchrun or dslab launch (no process group is "
+                             "initialised)")
+        if world % size:
+            raise ValueError(f"sequence_parallel_size={size} does not divide the world size {world}: the "
+                             f"world is data-parallel x sequence-parallel ranks")
+        grid = ProcessTopology(["data", "sequence"], [world // size, size])
+        mine = {}
+        for axis in ("sequence", "data"):  # every rank creates every group, in one order
+            for ranks in grid.get_axis_comm_lists(axis):
+                made = comm.new_group(ranks)
+                if rank in ranks:
+                    mine[axis] = made
+        coord = grid.get_coord(rank)
+        groups = SequenceParallelGroups(size, coord.sequence, mine["sequence"], world // size, coord.data,
+                                        mine["data"])
+    _groups[size] = groups
+    return groups
+
+
+def _split(tensor: torch.Tensor, sp_rank: int, sp_size: int, dim: int, where: str) -> torch.Tensor:
+    if tensor.dim() <= dim:
+        raise ValueError(f"{where} has shape {tuple(tensor.shape)}: no dim {dim} to split the sequence along")
+    length = tensor.shape[dim]
+    if length % sp_size:
+        raise ValueError(f"{where} has sequence length {length} (dim {dim}), which does not divide by the "
+                         f"sequence-parallel size {sp_size}")
+    chunk = length // sp_size
+    return tensor.narrow(dim, sp_rank * chunk, chunk)
+
+
+def split_sequence(batch, sp_rank: int, sp_size: int, dim: int = 1):
+    """Rank ``sp_rank``'s contiguous chunk (positions ``[r s/p, (r + 1) s/p)``) along ``dim`` of
+    every tensor in ``batch`` (a tensor, or dicts, lists and tuples of them, nested; other values
+    pass through). Chunks are views. A model that takes chunks needs its labels shifted for the
+    next-token loss *before* the split, or the last position of each chunk loses its target
+    (dslab's GPT-2 and Llama take the whole batch and split it themselves). ValueError naming the
+    batch entry whose length does not divide by ``sp_size``."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank={sp_rank} is not a rank of a sequence-parallel group of {sp_size}")
+
+    def walk(item, where: str):
+        if isinstance(item, torch.Tensor):
+            return _split(item, sp_rank, sp_size, dim, where)
+        if isinstance(item, dict):
+            return type(item)((k, walk(v, f"{where}[{k!r}]")) for k, v in item.items())
+        if isinstance(item, (list, tuple)):
+            parts = [walk(v, f"{where}[{i}]") for i, v in enumerate(item)]
+            return type(item)(*parts) if hasattr(item, "_fields") else type(item)(parts)
+        return item
+
+    return walk(batch, "batch")
+
+
+def sequence_mean_loss(chunk_loss: torch.Tensor, chunk_targets: torch.Tensor, group=None,
+                       ignore_index: int = -100) -> torch.Tensor:
+    """The mean loss over the whole sequence of every rank of ``group``, from this rank's mean
+    ``chunk_loss`` over the targets of its chunk that are not ``ignore_index``: each rank's sum
+    (mean x count), all-reduced, over the all-reduced count. Every rank returns the same value;
+    the backward is the identity through the sum, so a rank's gradients are its chunk's share
+    and their sum over the group is the unsplit loss's gradient. A chunk without targets makes
+    its mean (and so the result) NaN."""
+    count = (chunk_targets != ignore_index).sum().to(chunk_loss.dtype)
+    total = reduce_from_tensor_parallel_region(chunk_loss * count, group)
+    all_counts = count.clone()  # count itself is saved for the product's backward
+    comm.all_reduce(all_counts, group=group)
+    return total / all_counts

@@ -159,6 +159,21 @@ def test_engine_trains_checkpointed_layers_as_plain_ones_at_stage_0_and_3():
     assert stats["eager_activation_checkpointing"] == 3
 
 
+def test_the_config_key_checkpoints_the_model_with_no_code_change():
+    """``activation_checkpointing.checkpoint_layers`` sets the model's field when the engine is built:
+    the same losses as the plain model, and the layers recomputed (the graphed stack's count)."""
+    plain, _ = _engine_losses(0, 0)
+    losses, stats = _engine_losses(3, 0, cuda_graphs=True, section={"checkpoint_layers": 1})
+    assert losses == pytest.approx(plain, abs=1e-5)
+    assert stats["eager_activation_checkpointing"] == 3
+    with pytest.raises(ValueError, match="activation_checkpointing.checkpoint_layers: the model"):
+        dslab.initialize(model=torch.nn.Linear(4, 4), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "activation_checkpointing": {"checkpoint_layers": 1}})
+    with pytest.raises(ValueError, match="checkpoint_layers"):
+        load_config({"activation_checkpointing": {"checkpoint_layers": -1}})
+
+
 def test_stage3_keeps_a_recomputed_layer_gathered_for_its_backward(monkeypatch):
     """Checkpointed layers at stage 3 with every module released after its forward: inside a
     backward each unit is gathered once, for its layer's recompute, and that gather serves the
