@@ -8,7 +8,9 @@ Routes (all read-only, all under the reports directory):
   scaling (a data-parallel run's cases ``<model case>-n<N>``; ``?case=`` picks the model case),
   pipeline (a run with pipeline-parallel arms: stage utilisation and timelines) and trace (the
   profiled step and its collectives per rank, :mod:`dashboards.trace_view`). The navigation shows
-  the tabs with records for the run; every tab's address answers.
+  the tabs with records for the run; every tab's address answers. The Run tab of an autotuning run
+  (suite ``autotune``, or any run with ``profilers["autotuning"]``) is the tuner's experiments,
+  :mod:`dashboards.autotune_view`.
 - ``/compare?a=<suite>/<run_id>&b=<suite>/<run_id>``: two runs side by side.
 - ``/trace/<suite>/<run_id>``: the run's ``trace.pftrace`` (``dslab bench`` writes it with the run;
   ``dslab trace`` for an older one).

@@ -1,8 +1,10 @@
 """A run's page as Dash components, built from a :class:`dashboards.data.RunStore`: its header
 (status, notes, the Perfetto trace's link), the tabs' navigation and the tabs (the Flops, Comms,
 Memory and Trace tabs in their own modules; the runs and compare pages in
-:mod:`dashboards.runs_page`). The navigation lists only the tabs with something to show for the
-run (:func:`visible_tabs`); the address of a hidden one still answers, saying why it is empty.
+:mod:`dashboards.runs_page`). An autotuning run's Run tab draws its experiments
+(:mod:`dashboards.autotune_view`) instead of a section per case. The navigation lists only the
+tabs with something to show for the run (:func:`visible_tabs`); the address of a hidden one still
+answers, saying why it is empty.
 
 A tab builds the frames it draws (:mod:`dslab.report.frames`: the run's ``results`` and
 ``trials``, the chosen case's profiler records with ``strict=True``) and hands them to
@@ -16,7 +18,7 @@ from urllib.parse import quote
 
 from dash import dcc, html
 
-from dashboards import experts_view, figures, io_view, pipeline_view, scaling_view, trace_view, views
+from dashboards import autotune_view, experts_view, figures, io_view, pipeline_view, scaling_view, trace_view, views
 from dashboards import inference as inference_view
 from dashboards.comms_tab import comms_tab
 from dashboards.components import PAGE_SIZE, case_links, graph, guarded, key_value, table, warning
@@ -104,6 +106,13 @@ def _trace_line(store: RunStore, report, suite: str, run_id: str) -> html.P:
                   id="trace-link")
 
 
+def _trace_lines(store: RunStore, report, suite: str, run_id: str) -> list:
+    """The trace's line; none for an autotuning run without a trace (``dslab autotune`` writes none)."""
+    if autotune_view.is_autotune(report) and store.trace_file(suite, run_id) is None:
+        return []
+    return [_trace_line(store, report, suite, run_id)]
+
+
 def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
     problems = [f"this report lacks {', '.join(report.missing)} (older or cut short)"] if report.missing else []
     problems += list(report.warnings)
@@ -115,7 +124,7 @@ def _header(store: RunStore, report, suite: str, run_id: str, tab: str) -> list:
         html.P(f"status {report.status} - created {report.created or '?'} - finished {report.finished or '-'}"),
         *[warning(p) for p in problems],
         *[html.P(f"note: {n}", className="note") for n in notes],
-        _trace_line(store, report, suite, run_id),
+        *_trace_lines(store, report, suite, run_id),
         _nav(suite, run_id, tab, visible_tabs(report)),
     ]
 
@@ -138,6 +147,9 @@ def _tab_bodies() -> dict:
 
 
 def _run_tab(report, suite, run_id, case) -> list:
+    if autotune_view.is_autotune(report):
+        return _autotune_sections(report) + guarded(
+            "Environment", lambda: environment_table(views.environment_rows(report)))
     columns = [("case", "case"), ("arm", "arm"), ("status", "status"), ("trials", "trials"),
                ("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"), ("step_time_ms", "step ms"),
                ("spread_pct", "spread %"), ("model_tflops", "TFLOP/s"), ("mfu_pct", "MFU %"), ("peak_gib", "peak GiB"),
@@ -152,6 +164,36 @@ def _run_tab(report, suite, run_id, case) -> list:
                                                           graph(f"trials-{c}", figures.trials_strip(trials, c))],
                                                          className="pair"))
     out += guarded("Environment", lambda: environment_table(views.environment_rows(report)))
+    return out
+
+
+def _autotune_sections(report) -> list:
+    """The Run tab of an autotuning run (:mod:`dashboards.autotune_view`): the summary line, the
+    metric per experiment with the running best, the estimated memory against the budget, and
+    every experiment in run order; the reason when the report has no autotuning section."""
+    try:
+        data = autotune_view.section(report)
+    except ValueError as err:
+        return [warning(f"Autotuning: {err}")]
+    if data is None:
+        return [html.P(autotune_view.empty_message(report), id="autotune-empty", className="warning")]
+    rows, facts = [], {}
+
+    def summary():
+        rows.extend(autotune_view.experiment_rows(report))
+        facts.update(autotune_view.summary(report, rows))
+        return html.P(autotune_view.summary_line(facts), id="autotune-summary")
+
+    out = guarded("Autotuning", summary)
+    if not facts:
+        return out
+    out += guarded("Metric per experiment", lambda: graph(
+        "autotune-metric", autotune_view.metric_figure(rows, facts["spec"])))
+    out += guarded("Estimated memory against the budget", lambda: graph(
+        "autotune-memory", autotune_view.memory_figure(rows, facts["budget_gb"])))
+    out += guarded("Experiments", lambda: table("autotune-experiments", rows, autotune_view.columns(facts["spec"]),
+                                                page_size=PAGE_SIZE))
+    out.append(html.P(autotune_view.NOTE, className="note"))
     return out
 
 

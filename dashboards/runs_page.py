@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 from dash import dcc, html
 
-from dashboards import compare_view, history_view, views
+from dashboards import autotune_view, compare_view, history_view, views
 from dashboards.components import PAGE_SIZE, graph, guarded, table, warning
 from dashboards.data import RunStore, RunSummary, commit_label, gpu_label, source_label
 from dslab.gate import GateSettings
@@ -37,11 +37,17 @@ def filter_summaries(summaries: list[RunSummary], suites, arms, gpus, commits) -
 
 
 def history_graphs(store: RunStore, summaries: list[RunSummary], arms) -> list:
-    """One history figure per suite of ``summaries`` (the filtered runs), ``arms`` as filtered."""
+    """One history figure per suite of ``summaries`` (the filtered runs), ``arms`` as filtered. The
+    autotune suite has none: its cases are tuning experiments, a panel each, not workloads to follow
+    over commits."""
     out = []
-    for suite in sorted({s.suite for s in summaries}):
+    suites = {s.suite for s in summaries}
+    for suite in sorted(suites - {autotune_view.SUITE}):
         out.extend(guarded(f"{suite}", lambda suite=suite: graph(
             f"history-{suite}", history_view.history_figure_of(store, suite, summaries, set(arms or ())))))
+    if autotune_view.SUITE in suites:
+        out.append(html.P(f"{autotune_view.SUITE}: no throughput history (its cases are the tuner's experiments; "
+                          "a run's page draws them)", className="note", id="history-autotune-note"))
     return out or [html.P("no runs match the filters")]
 
 

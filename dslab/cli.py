@@ -86,6 +86,11 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true",
                         help="also print the profilers' text reports (the flops profile, ...) to the terminal; "
                              "they are always written to the run's directory (profiles/<case>/)")
+    parser.add_argument("--pin-kernels", dest="pin_kernels", default=None, metavar="FILE",
+                        help="replay the kernel choices recorded in FILE (kernel-choices JSON, a baseline, or a "
+                             "run's run.json) before any arm is built: Triton autotune configs and cuDNN/cuBLAS "
+                             "flags (cudnn.benchmark off); refused when FILE was recorded on another device or "
+                             "torch/Triton/CUDA/cuDNN version. Every run records its choices in its report")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -105,7 +110,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                 raise RunNotStarted(str(err)) from err
         report, _ = run_suite(args.suite, scale=args.scale, arms=arms, cases=cases, trials=args.trials,
                               steps=args.steps, warmup_steps=args.warmup, out=args.out, zero_stage=args.zero_stage,
-                              verbose=args.verbose, nprocs=nprocs)
+                              verbose=args.verbose, nprocs=nprocs, pin_kernels=args.pin_kernels)
     except RunNotStarted as err:
         print(f"dslab: error: {err}", file=sys.stderr)
         return EXIT_BENCH_NOT_STARTED
@@ -277,6 +282,33 @@ def _run_launch(args: argparse.Namespace) -> int:
     return launch(args)
 
 
+def _autotune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num_gpus", type=int, default=None,
+                        help="processes per host for each experiment (default 1; more run through dslab launch)")
+    parser.add_argument("--num_nodes", type=int, default=None, help="hosts of the hostfile for each experiment")
+    parser.add_argument("--memory-budget", dest="memory_budget", default=None,
+                        help="memory per GPU the memory model prunes against, e.g. 40GB (default: 95%% of the "
+                             "GPU's; on a CPU nothing is pruned without it)")
+    parser.add_argument("--reports", default="reports", help="reports root (default: reports/)")
+    parser.add_argument("--tuner-type", dest="tuner_type", choices=("gridsearch", "random", "model_based"),
+                        default=None, help="overrides autotuning.tuner_type")
+    parser.add_argument("script", nargs=argparse.REMAINDER,
+                        help="the training script and its arguments, its config among them (--deepspeed_config "
+                             "FILE, whose \"autotuning\": {\"enabled\": true}); dslab autotune's options go before it")
+
+
+def _run_autotune(args: argparse.Namespace) -> int:
+    from dslab.engine.autotuning.driver import tune_command
+    from dslab.engine.launch.runner import autotune_processes
+
+    processes, options = 1, None
+    if args.num_gpus is not None or args.num_nodes is not None:
+        processes, options = autotune_processes(args)
+    code, _ = tune_command(args.script, processes=processes, launcher_args=options,
+                           memory_budget=args.memory_budget, tuner_type=args.tuner_type, reports=args.reports)
+    return code
+
+
 def _zero_to_fp32_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir",
                         help="a save directory (its 'latest', or --tag, picks the checkpoint) or "
@@ -366,6 +398,12 @@ COMMANDS: tuple[Command, ...] = (
         "start a training script on every host of a hostfile (one torchrun per host), or on this machine",
         _launch_arguments,
         _run_launch,
+    ),
+    Command(
+        "autotune",
+        "search a training script's engine config (ZeRO stage, micro-batch, ...) for the fastest that fits",
+        _autotune_arguments,
+        _run_autotune,
     ),
     Command(
         "zero-to-fp32",

@@ -25,7 +25,7 @@ EXPECTED_TOP_LEVEL_OPTIONS = {"--version"}
 # A subcommand with actions of its own (dslab report list/show) maps to {action: options}.
 EXPECTED_COMMANDS = {
     "bench": {"--scale", "--arms", "--cases", "--trials", "--steps", "--warmup", "--out", "--nprocs",
-              "--zero-stage", "--verbose"},
+              "--zero-stage", "--verbose", "--pin-kernels"},
     "report": {
         "list": {"--suite", "--reports"},
         "show": {"--reports", "--json"},
@@ -35,10 +35,13 @@ EXPECTED_COMMANDS = {
     "dashboard": {"--reports", "--host", "--port"},
     "trace": {"--reports", "--force"},
     "gate": {"--suite", "--reports", "--baseline", "--candidate", "--metric", "--arm", "--threshold",
-             "--alpha", "--format", "--update-baseline", "--pytest-benchmark"},
+             "--alpha", "--format", "--update-baseline", "--pytest-benchmark",
+             "--ab", "--case", "--scale", "--baseline-tree", "--max-trials", "--min-trials", "--out",
+             "--candidate-env", "--no-pin-kernels"},
     "env": {"--json"},
     "launch": {"--hostfile", "--include", "--exclude", "--num_nodes", "--num_gpus", "--master_addr",
-               "--master_port", "--rdzv_backend", "--dry-run"},
+               "--master_port", "--rdzv_backend", "--dry-run", "--autotuning"},
+    "autotune": {"--num_gpus", "--num_nodes", "--memory-budget", "--reports", "--tuner-type"},
     "zero-to-fp32": {"--tag"},
     "nvme-tune": {"--path", "--size", "--trials", "--device", "--sweep-config", "--no-fio", "--out"},
 }

@@ -6,6 +6,18 @@ Options (each has a default, so that the folder also runs when its conftest is n
     --kernel-rounds N          timed rounds per benchmark (default 30): the samples the gate compares
     --kernel-iterations N      calls per round (default 10); a round's value is their mean
     --kernel-warmup-rounds N   untimed rounds first (default 3): Triton's autotuning and compilation
+    --kernel-pins FILE         replay the kernel choices recorded in FILE before anything runs: a
+                               pytest-benchmark JSON of these benchmarks, or a kernel-choices JSON
+
+Kernel choices (:mod:`dslab.kernels.pinning`): each process picks its kernels afresh (Triton's
+autotuner times its configs per process, and two configs within its noise go either way), so two
+runs of the same code can differ by what their choices differ. The JSON's ``machine_info`` records
+the session's choices, read at the end of the session (``kernel_choices``: every autotuner's chosen
+configs, the cuDNN/cuBLAS flags, the device and versions they hold for, and ``replay``, the replay's
+summary with the keys the session autotuned itself, or None). ``--kernel-pins`` replays a file's
+choices in ``pytest_configure``, before collection builds any case: the autotuners take the
+recorded configs without benchmarking them and the flags are the recorded ones. A file recorded
+on another GPU or another torch, Triton, CUDA or cuDNN is refused (a usage error naming the field).
 
 Test ids come from the cases themselves: on a GPU, every ``bench_<op>.py`` builds its cases once
 at collection to name them (``<op> <shape>`` as an id) and drops them; at run time the cases of one
@@ -37,6 +49,7 @@ if importlib.util.find_spec("pytest_benchmark") is None:
 ARMS = ("dslab", "torch")
 NO_CUDA = "needs a CUDA GPU: the kernel benchmarks time device work with CUDA events"
 PEAKS_KEY = pytest.StashKey[dict]()
+PINS_KEY = pytest.StashKey[dict]()
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,22 @@ def pytest_addoption(parser):
         default = getattr(DEFAULT_TIMING, name)
         group.addoption(f"--kernel-{name.replace('_', '-')}", type=int, default=default,
                         help=f"{text} (default {default})")
+    group.addoption("--kernel-pins", default=None, metavar="FILE",
+                    help="replay the kernel choices recorded in FILE (a pytest-benchmark JSON of these benchmarks, "
+                         "or a kernel-choices JSON) before anything runs")
+
+
+def pytest_configure(config):
+    """Replay ``--kernel-pins`` before collection builds any case (module docstring)."""
+    path = config.getoption("kernel_pins", None)
+    if not path:
+        return
+    from dslab.kernels.pinning import load_kernel_choices, replay_kernel_choices
+
+    try:
+        config.stash[PINS_KEY] = replay_kernel_choices(load_kernel_choices(path), source=str(path))
+    except (ValueError, FileNotFoundError) as err:
+        raise pytest.UsageError(f"--kernel-pins: {err}") from None
 
 
 def _free_device_memory() -> None:
@@ -150,7 +179,10 @@ def device_peaks(pytestconfig) -> dict:
 def pytest_benchmark_update_machine_info(config, machine_info):
     """What ``dslab gate --pytest-benchmark`` must find equal besides pytest-benchmark's own host
     fields: the GPU's name, torch and CUDA (major.minor), and ``DSLAB_KERNELS`` (which forces the
-    reference kernels). Triton's version and the measured ceilings are recorded, not compared."""
+    reference kernels). Triton's version, the measured ceilings and the session's kernel choices
+    (module docstring; what ``--kernel-pins`` reads back) are recorded, not compared."""
+    from dslab.kernels.pinning import pinning_misses, record_kernel_choices
+
     triton_spec = importlib.util.find_spec("triton")
     machine_info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
                              "triton": __import__("triton").__version__ if triton_spec else None}
@@ -158,3 +190,6 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     if torch.cuda.is_available():
         machine_info["gpu"] = {"name": torch.cuda.get_device_name(), "count": torch.cuda.device_count(),
                                "measured_peaks": config.stash.get(PEAKS_KEY, None)}
+    replay = config.stash.get(PINS_KEY, None)
+    machine_info["kernel_choices"] = {**record_kernel_choices(),
+                                      "replay": None if replay is None else {**replay, "misses": pinning_misses()}}

@@ -44,6 +44,7 @@ from dslab.bench.common import (
 )
 from dslab.bench.data_parallel import DataParallelSuite
 from dslab.bench.inference import InferenceSuite
+from dslab.bench.kernel_pins import merge_part_pins, pins_note, record_pins, replay_pins
 from dslab.bench.launcher import run_launches
 from dslab.bench.measure import measure_peaks
 from dslab.bench.model_parallel import ModelParallelSuite
@@ -92,6 +93,7 @@ def run_suite(
     verbose: bool = False,
     nprocs: list[int] | None = None,
     summary: TextIO | None = None,
+    pin_kernels: str | Path | None = None,
 ) -> tuple[RunReport, Path]:
     """Run the suite at ``suite_path``; returns the report and the path of its run.json.
 
@@ -106,7 +108,10 @@ def run_suite(
 
     A data- or model-parallel suite started outside torchrun launches its processes itself, one
     torchrun per process count (``nprocs``, else the suite's; :mod:`dslab.bench.launcher`), and
-    merges what they measured into this run's report; the summary adds the scaling table."""
+    merges what they measured into this run's report; the summary adds the scaling table.
+
+    ``pin_kernels`` names a file of kernel choices (a baseline, a run.json) replayed before any arm
+    is built; every run records its own after the trials (:mod:`dslab.bench.kernel_pins`)."""
     try:
         suite, suite_file = load_suite(suite_path)
         kind = suite_kind(suite, suite_file, zero_stage, verbose, nprocs)
@@ -122,6 +127,7 @@ def run_suite(
             raise ValueError(f"suite {suite.name} has no scale {scale!r}; it has {', '.join(suite.scales)}")
         counts = _counts(suite.scales[scale], trials, steps, warmup_steps)
         plan = kind.plan(scale, arms, cases, counts, world, device)
+        pins = replay_pins(pin_kernels) if pin_kernels else None
     except (ValueError, FileNotFoundError) as err:
         raise RunNotStarted(str(err)) from err
     summary_lines = Progress(summary or stream or sys.stdout, enabled=world.rank == 0)
@@ -133,7 +139,7 @@ def run_suite(
     report.environment = collect_environment()
     report.config = plan.config
     report.data = plan.data
-    for note in plan.notes:
+    for note in plan.notes + ([pins_note(pins)] if pins else []):
         progress.line(note)
         report.notes.append(note)
     context = RunContext(report, device, world, progress, out, counts, plan.arms)
@@ -143,7 +149,8 @@ def run_suite(
                   f"trial(s) of {counts.steps} {plan.step_noun} on {device}{ranks} -> {path.parent}")
     try:
         if launching:
-            _launch(report, plan, suite_file, scale, counts, out, verbose, context, progress)
+            _launch(report, plan, suite_file, scale, counts, out, verbose, context, progress, pin_kernels)
+            merge_part_pins(report)
         else:
             report.peaks = measure_peaks(device)
             datasheet = datasheet_bf16(report.environment)
@@ -153,6 +160,7 @@ def run_suite(
                 case_run = kind.open_case(case, context)
                 if case_run is not None:
                     run_case(case_run, context)
+            record_pins(report, world, pins)
         _ratios(report)
         report.status = report.finished_status()
     except KeyboardInterrupt:
@@ -189,14 +197,15 @@ def _ratios(report: RunReport) -> None:
 
 
 def _launch(report: RunReport, plan, suite_file: Path, scale: str, counts: Counts, out, verbose: bool,
-            context: RunContext, progress: Progress) -> None:
+            context: RunContext, progress: Progress, pin_kernels: str | Path | None = None) -> None:
     """A data- or model-parallel run's launches, one per process count (:mod:`dslab.bench.launcher`)."""
     nprocs = list(plan.config["nprocs"])
     cases_by_n = {n: [c["name"] for c in plan.config["cases"] if c["nprocs"] == n] for n in nprocs}
     bases = list(dict.fromkeys(c["base_case"] for c in plan.config["cases"]))
     options = ["--scale", scale, "--arms", ",".join(plan.arms), "--cases", ",".join(bases),
                "--trials", str(counts.trials), "--steps", str(counts.steps), "--warmup", str(counts.warmup_steps),
-               "--out", str(out), *(["--verbose"] if verbose else [])]
+               "--out", str(out), *(["--verbose"] if verbose else []),
+               *(["--pin-kernels", str(Path(pin_kernels).resolve())] if pin_kernels else [])]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     run_launches(report, suite_file, nprocs, cases_by_n, plan.arms, options, context.run_path, gpus, progress,
                  context.write)

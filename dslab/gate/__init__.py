@@ -9,6 +9,27 @@ reach the threshold. Which runs may be compared is in :mod:`dslab.gate.fingerpri
 baselines live, rolling baselines and change points over a run history in
 :mod:`dslab.gate.baseline`; pytest-benchmark files in :mod:`dslab.gate.pytest_benchmark`.
 
+A/B mode: paired trials in alternation, judged sequentially
+-----------------------------------------------------------
+``dslab gate --ab --suite suites/S --case C --baseline-tree DIR`` does not read two runs made at
+different times: it makes the comparison itself (:mod:`dslab.gate.ab`). One worker process per
+source tree (``python -m dslab.bench.ab_worker``, the bench runner's own machinery for one arm of
+one case) builds and warms up the arm; then the baseline's and the candidate's trials alternate
+in ABBA order on the same machine, so a drift of the machine falls on both trials of a pair
+alike. After each pair, :func:`dslab.gate.sequential.judge_pairs` judges the log ratios of the
+pairs with the Wilcoxon signed-rank interval of their pseudo-median and stops at the first clear
+verdict: regression (clearly worse, and a threshold-sized drop consistent with the data),
+improvement, or pass (a threshold-sized drop ruled out); after ``--max-trials`` pairs (default
+15) it passes, marked inconclusive. The looks' levels are set exactly, by the joint null
+distribution of the signed-rank statistics over the looks, so that an unchanged candidate is
+called a regression with probability at most alpha (default 0.05) whatever the noise's shape,
+and a threshold-sized regression is passed early in at most 1% of runs. Defaults there: a 3%
+threshold; the first look that can decide is at 9 pairs. With 1% trial-to-trial CV and 5% of
+trials 5-15% slow, simulation gives 2.5-3.3% false alarms, a 3% drop at a 3% threshold caught
+in 96% of runs and a 2% drop at a 2% threshold in 91% (the table and why in
+:mod:`dslab.gate.sequential`). ``--candidate-env NAME=VALUE`` sets a variable for the candidate's
+worker only, e.g. ``DSLAB_INJECT_STEP_SLEEP_MS`` to check the gate against this checkout itself.
+
 Trials: how many a suite needs
 ------------------------------
 A trial is one warm-up plus measured steps of one arm, summarised by its median; the gate
@@ -46,9 +67,13 @@ suite once and write a baseline from it (``dslab gate --update-baseline RUN``), 
 with a sleep of, say, 5-10% of the step time, and ``dslab gate`` must exit 1 on the slowed run
 and 0 on a rerun without the variable. The value is left out of the fingerprint, so the slowed
 run stays comparable; the gate's output notes it; and a slowed run is refused as a baseline and
-skipped by rolling baselines and change-point histories.
+skipped by rolling baselines and change-point histories. In A/B mode the check is one command
+each way, with this checkout on both sides: ``dslab gate --ab --suite suites/S --case C
+--candidate-env DSLAB_INJECT_STEP_SLEEP_MS=<ms>`` must exit 1, and the same without the variable
+(an A/A run) 0; the result notes the sleep.
 """
 
+from dslab.gate.ab import ABRequest, render_ab, run_ab
 from dslab.gate.baseline import (
     TrialSet,
     baseline_path,
@@ -62,6 +87,7 @@ from dslab.gate.baseline import (
 )
 from dslab.gate.fingerprint import Fingerprint, explain_difference, fingerprint_of
 from dslab.gate.format import render
+from dslab.gate.sequential import SequentialSettings, SequentialVerdict, judge_pairs, simulate
 from dslab.gate.stats import bootstrap_ratio_ci, mann_whitney, median_ratio
 from dslab.gate.verdict import GateReport, GateSettings, Row, compare_samples, gate_trial_sets
 
@@ -69,12 +95,15 @@ RECOMMENDED_TRIALS = 15
 INJECT_SLEEP_VARIABLE = "DSLAB_INJECT_STEP_SLEEP_MS"
 
 __all__ = [
+    "ABRequest",
     "INJECT_SLEEP_VARIABLE",
     "RECOMMENDED_TRIALS",
     "Fingerprint",
     "GateReport",
     "GateSettings",
     "Row",
+    "SequentialSettings",
+    "SequentialVerdict",
     "TrialSet",
     "baseline_path",
     "bootstrap_ratio_ci",
@@ -84,11 +113,15 @@ __all__ = [
     "fingerprint_of",
     "gate_trial_sets",
     "history_change_points",
+    "judge_pairs",
     "mann_whitney",
     "median_ratio",
     "read_baseline",
     "render",
+    "render_ab",
     "rolling_baseline",
+    "run_ab",
+    "simulate",
     "trial_set_from_reports",
     "write_baseline",
     "write_change_points",

@@ -12,8 +12,17 @@ atomically::
       "source_runs": ["20261122T031500Z-3fa9c1"],
       "fingerprint": {"key": "...", "hardware": {...}, "config": {...}, "cases": {...}},
       "results": [{"case": "seq128", "arm": "dslab", "status": "ok", "error": null,
-                   "trials": {"samples_per_s": [612.1, 608.3, ...], "step_time_ms": [...]}}]
+                   "trials": {"samples_per_s": [612.1, 608.3, ...], "step_time_ms": [...]}}],
+      "kernel_choices": {"fingerprint": {...}, "backends": {...}, "triton": {...}, ...}
     }
+
+``kernel_choices`` (optional; baselines written before it lack it and read as before) is the
+kernel choices of the newest source run that recorded them, as that run's report holds them
+(``profilers["kernel_choices"]["_run"]``, :mod:`dslab.report.schema`): the Triton autotune
+configs and cuDNN/cuBLAS flags the baseline's numbers were measured with. ``dslab bench SUITE
+--pin-kernels <baseline file>`` replays them, so that a candidate runs the baseline's kernels
+rather than picking its own (:mod:`dslab.kernels.pinning`, which this layer does not import: here
+they are plain data, kept as read). Pooled runs may have chosen differently; the newest's are kept.
 
 A run that finished is used whether it is ``complete`` or ``partial`` (some arm failed or ran out
 of memory): its arms that ran are pooled, and a failed arm keeps its status and error, so the
@@ -44,6 +53,9 @@ FINISHED_STATUSES = (STATUS_COMPLETE, STATUS_PARTIAL)
 CHANGE_POINTS_SCHEMA = "dslab.change_points"
 CHANGE_POINTS_FILE = "change_points.json"
 BASELINES_DIR = "baselines"
+# Where a run report keeps the run's kernel choices: profilers[KERNEL_CHOICES_SECTION][RUN_RECORD].
+KERNEL_CHOICES_SECTION = "kernel_choices"
+RUN_RECORD = "_run"
 
 
 def _result_trials(result) -> dict[str, list[float]]:
@@ -57,11 +69,19 @@ def _result_trials(result) -> dict[str, list[float]]:
     return out
 
 
+def kernel_choices_of(report) -> dict | None:
+    """The kernel choices a run recorded (``profilers["kernel_choices"]["_run"]``), or None."""
+    section = report.profilers.get(KERNEL_CHOICES_SECTION) if isinstance(report.profilers, dict) else None
+    choices = section.get(RUN_RECORD) if isinstance(section, dict) else None
+    return choices if isinstance(choices, dict) else None
+
+
 def trial_set_from_reports(reports: list, label: str | None = None) -> TrialSet:
     """Pool ``reports`` (RunReports of one suite and one fingerprint key, oldest first).
 
     A case whose settings differ from those of the newest report holding it is taken only from
-    the reports that agree with the newest. Raises ValueError when the reports are of different
+    the reports that agree with the newest. The set keeps the kernel choices of the newest report
+    that recorded them (:func:`kernel_choices_of`). Raises ValueError when the reports are of different
     suites or fingerprint keys (naming the differing fields) or when one did not finish (a
     ``partial`` run is used: its failed arms keep their status and error).
     """
@@ -90,6 +110,7 @@ def trial_set_from_reports(reports: list, label: str | None = None) -> TrialSet:
         label=label or (f"run {reports[0].run_id}" if len(reports) == 1 else
                         f"{len(reports)} runs {reports[0].run_id} .. {reports[-1].run_id}"),
         created=utc_now(),
+        kernel_choices=next((c for c in map(kernel_choices_of, reversed(reports)) if c is not None), None),
     )
     for r, fp in zip(reports, prints):
         for result in r.results:
@@ -126,6 +147,10 @@ def trial_set_from_dict(data: dict, where: str = "baseline") -> TrialSet:
         label=str(data.get("label") or where),
         created=data.get("created"),
     )
+    choices = data.get("kernel_choices")
+    if choices is not None and not isinstance(choices, dict):
+        raise ValueError(f"{where}: 'kernel_choices' must be an object (the source run's kernel choices)")
+    out.kernel_choices = choices
     for i, entry in enumerate(data.get("results") or []):
         if not isinstance(entry, dict) or "case" not in entry or "arm" not in entry:
             raise ValueError(f"{where}: 'results[{i}]' needs 'case' and 'arm'")

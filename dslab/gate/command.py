@@ -5,6 +5,7 @@
     dslab gate --suite bert_large --candidate RUN --baseline OTHER_RUN --format markdown
     dslab gate --suite bert_large --update-baseline RUN   # write reports/baselines/<suite>/<key>.json
     dslab gate --pytest-benchmark base.json cand.json     # kernel microbenchmarks
+    dslab gate --ab --suite suites/gpt2 --case 124m --baseline-tree ../main   # A/B in alternation, here
 
 Anything that stops a judgement (no such run, no baseline for this fingerprint, a malformed file)
 is reported in the chosen format as a problem and exits 2, never 1: exit 1 means a regression
@@ -12,6 +13,12 @@ was found. A ``partial`` run (one whose ``dslab bench`` exited 3: some arm faile
 memory) is judged on the arms that ran; a note names its failed arms, and a failed arm that is
 judged (``--arm``, default dslab) is a cannot-judge row with its error, so the gate exits 2. Every suite gate also refreshes ``<reports>/<suite>/change_points.json`` (see
 :func:`dslab.gate.baseline.history_change_points`), the change points the dashboard shows.
+
+``--ab`` runs a comparison instead of reading one (:mod:`dslab.gate.ab`): the baseline tree
+(``--baseline-tree``, default this checkout) and this checkout run one case in alternation on
+this machine and :mod:`dslab.gate.sequential` judges the pairs, stopping at a clear verdict; the
+defaults are then a 3% threshold and alpha 0.05 (the classic modes keep 5% and 0.01). Options
+of one mode given to the other are refused (exit 2).
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from dslab.gate.baseline import (
 )
 from dslab.gate.fingerprint import explain_difference
 from dslab.gate.format import FORMATS, render
+from dslab.gate.ab import ABRequest, default_out, parse_env_assignments, render_ab, run_ab
 from dslab.gate.pytest_benchmark import gate_pytest_benchmark
+from dslab.gate.sequential import SequentialSettings
 from dslab.gate.verdict import (
     DEFAULT_METRICS,
     EXIT_CANNOT_JUDGE,
@@ -47,6 +56,13 @@ from dslab.report import find_run, list_runs, read_report
 from dslab.report.store import REPORT_FILE
 
 ROLLING_PREFIX = "rolling:"
+# Defaults that differ by mode: (classic gate, --ab).
+DEFAULT_THRESHOLD = {False: 0.05, True: 0.03}
+DEFAULT_ALPHA = {False: 0.01, True: 0.05}
+# The options only --ab takes, and the classic options it refuses.
+AB_ONLY = ("case", "scale", "baseline_tree", "max_trials", "min_trials", "out", "candidate_env", "no_pin_kernels")
+NOT_WITH_AB = ("baseline", "candidate", "update_baseline", "pytest_benchmark")
+AB_MIN_TRIALS, AB_MAX_TRIALS = 5, 15
 
 
 def parse_threshold(text: str) -> float:
@@ -78,14 +94,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="metric to judge, repeatable (default: samples_per_s, else tokens_per_s)")
     parser.add_argument("--arm", action="append", default=None, metavar="ARM",
                         help="arm to judge, repeatable (default: dslab)")
-    parser.add_argument("--threshold", type=parse_threshold, default=0.05,
-                        help="smallest change that counts, e.g. 5%% or 0.05 (default: 5%%)")
-    parser.add_argument("--alpha", type=float, default=0.01, help="significance level of the rank test (default: 0.01)")
+    parser.add_argument("--threshold", type=parse_threshold, default=None,
+                        help="smallest change that counts, e.g. 5%% or 0.05 (default: 5%%; with --ab 3%%)")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="significance level of the rank test (default: 0.01); with --ab, the bound on the "
+                             "chance of calling an unchanged candidate a regression (default: 0.05)")
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     parser.add_argument("--update-baseline", nargs="+", default=None, metavar="RUN",
                         help="write the baseline of RUN's fingerprint from RUN (several runs are pooled) and exit")
     parser.add_argument("--pytest-benchmark", nargs=2, default=None, metavar=("BASE_JSON", "CAND_JSON"),
                         help="gate two pytest-benchmark JSON files (saved with --benchmark-save-data) instead")
+    parser.add_argument("--ab", action="store_true",
+                        help="run the baseline tree and this checkout in alternation on this machine and judge the "
+                             "pairs sequentially (--suite is then the suite's folder, --case the case)")
+    parser.add_argument("--case", default=None, help="with --ab: the case to run")
+    parser.add_argument("--scale", default=None, help="with --ab: the suite's scale (default: full on a CUDA GPU, "
+                                                      "else tiny)")
+    parser.add_argument("--baseline-tree", default=None, metavar="DIR",
+                        help="with --ab: the source tree of the baseline, e.g. a git worktree of origin/main "
+                             "(default: this checkout, an A/A run)")
+    parser.add_argument("--max-trials", type=int, default=None, metavar="N",
+                        help="with --ab: the most trials per side (default: 15)")
+    parser.add_argument("--min-trials", type=int, default=None, metavar="N",
+                        help="with --ab: the fewest trials per side before a verdict (default: 5)")
+    parser.add_argument("--out", default=None, metavar="FILE",
+                        help="with --ab: the result JSON (default: <reports>/ab/<suite>/<case>-<arm>-<time>.json)")
+    parser.add_argument("--candidate-env", action="append", default=None, metavar="NAME=VALUE",
+                        help="with --ab: an environment variable for the candidate's worker only, repeatable "
+                             "(e.g. DSLAB_INJECT_STEP_SLEEP_MS=5 to check the gate)")
+    parser.add_argument("--no-pin-kernels", action="store_true",
+                        help="with --ab: let the candidate's worker pick its own kernels (default: it replays the "
+                             "choices the baseline's worker made: Triton autotune configs, cuDNN/cuBLAS flags)")
 
 
 def _read_runs(root: str, refs: list[str], suite: str | None) -> list:
@@ -186,10 +225,76 @@ def _update_baseline(args: argparse.Namespace, settings: GateSettings) -> int:
     return 0
 
 
+def checkout_root() -> Path:
+    """The source tree this dslab runs from (the folder above the ``dslab`` package)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _mode_options_error(args: argparse.Namespace) -> str | None:
+    """Options of one mode given to the other, named; None when there are none."""
+    ab = getattr(args, "ab", False)
+    given = ["--" + name.replace("_", "-") for name in (NOT_WITH_AB if ab else AB_ONLY)
+             if getattr(args, name, None) not in (None, False)]
+    if not given:
+        return None
+    if ab:
+        return f"{', '.join(given)}: not with --ab (its baseline is a source tree: --baseline-tree)"
+    return f"{', '.join(given)}: only with --ab"
+
+
+def _ab_request(args: argparse.Namespace) -> tuple[ABRequest, Path]:
+    if not args.suite or not args.case:
+        raise ValueError("--ab needs --suite (the suite's folder, e.g. suites/gpt2) and --case")
+    suite = Path(args.suite).expanduser().resolve()
+    if not suite.exists() and (checkout_root() / "suites" / args.suite).exists():
+        suite = checkout_root() / "suites" / args.suite
+    if not suite.exists():
+        raise ValueError(f"--suite {args.suite}: no such folder or file ({suite}, nor under "
+                         f"{checkout_root() / 'suites'})")
+    for name in ("metric", "arm"):
+        if getattr(args, name) and len(getattr(args, name)) > 1:
+            raise ValueError(f"--ab judges one {name}; got --{name} {', '.join(getattr(args, name))}")
+    settings = SequentialSettings(
+        threshold=DEFAULT_THRESHOLD[True] if args.threshold is None else args.threshold,
+        alpha=DEFAULT_ALPHA[True] if args.alpha is None else args.alpha,
+        min_pairs=AB_MIN_TRIALS if args.min_trials is None else args.min_trials,
+        max_pairs=AB_MAX_TRIALS if args.max_trials is None else args.max_trials)
+    here = checkout_root()
+    arm = args.arm[0] if args.arm else "dslab"
+    request = ABRequest(suite=suite, case=args.case, arm=arm, scale=args.scale,
+                        metric=args.metric[0] if args.metric else None,
+                        baseline_tree=Path(args.baseline_tree) if args.baseline_tree else here, candidate_tree=here,
+                        candidate_env=parse_env_assignments(args.candidate_env), settings=settings,
+                        pin_kernels=not args.no_pin_kernels)
+    out = Path(args.out) if args.out else default_out(args.reports, suite, args.case, arm)
+    return request, out
+
+
+def _run_ab(args: argparse.Namespace) -> int:
+    try:
+        request, out = _ab_request(args)
+    except ValueError as err:
+        message = str(err).replace("min_pairs", "--min-trials").replace("max_pairs", "--max-trials")
+        print(f"dslab gate: error: {message}", file=sys.stderr)
+        return EXIT_CANNOT_JUDGE
+    result = run_ab(request, out)
+    print(render_ab(result, args.format), end="")
+    if args.format != "json":
+        print(f"result: {out}")
+    return result["exit_code"]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``dslab gate`` with parsed ``args``; returns the exit code (0 pass, 1 regression, 2 cannot judge)."""
+    conflict = _mode_options_error(args)
+    if conflict:
+        print(f"dslab gate: error: {conflict}", file=sys.stderr)
+        return EXIT_CANNOT_JUDGE
+    if getattr(args, "ab", False):
+        return _run_ab(args)
     try:
-        settings = GateSettings(threshold=args.threshold, alpha=args.alpha)
+        settings = GateSettings(threshold=DEFAULT_THRESHOLD[False] if args.threshold is None else args.threshold,
+                                alpha=DEFAULT_ALPHA[False] if args.alpha is None else args.alpha)
     except ValueError as err:
         print(f"dslab gate: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_JUDGE

@@ -19,7 +19,8 @@ class TrialSet:
     ``trials[(case, arm)][metric]`` is the list of trial values (pooled over ``source_runs`` in
     run order); ``status[(case, arm)]`` is ``{"status": "ok" | "failed" | "skipped", "error": ...}``
     (failed or skipped only when no source run measured it; the error then names the run);
-    ``label`` says where the set came from.
+    ``label`` says where the set came from. ``kernel_choices`` is the kernel choices of the newest
+    source run that recorded them (:mod:`dslab.gate.baseline`), kept as plain data; None when none did.
     """
 
     suite: str
@@ -29,6 +30,7 @@ class TrialSet:
     trials: dict[tuple[str, str], dict[str, list[float]]] = field(default_factory=dict)
     status: dict[tuple[str, str], dict] = field(default_factory=dict)
     created: str | None = None
+    kernel_choices: dict | None = None
 
     def values(self, case: str, arm: str, metric: str) -> list[float]:
         return list(self.trials.get((case, arm), {}).get(metric, []))
@@ -37,7 +39,7 @@ class TrialSet:
         return list(dict.fromkeys([*self.status, *self.trials]))
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "schema": BASELINE_SCHEMA,
             "schema_version": BASELINE_VERSION,
             "suite": self.suite,
@@ -51,3 +53,6 @@ class TrialSet:
                 for case, arm in self.pairs()
             ],
         }
+        if self.kernel_choices is not None:
+            out["kernel_choices"] = self.kernel_choices
+        return out

@@ -49,6 +49,15 @@ assignments), the expert flops per step of each arm and, with expert parallelism
 ``all_to_all`` rows of the comms logger; those results also carry ``expert_tflops``. Being an
 optional section and an optional metric, they left the layout (and its version) unchanged.
 
+``profilers["kernel_choices"]`` holds the run's kernel choices, written by the bench runner after
+the last trial (``dslab.bench.kernel_pins``); its one record is not a case's but the run's, under
+the key ``"_run"`` (a launched part of a multi-process run writes ``"_run <part>"``, which the
+launching process merges into ``"_run"``): the Triton autotune configs each autotuner chose, the
+cuDNN/cuBLAS flags, the device/torch/Triton/CUDA/cuDNN fingerprint they hold for
+(``dslab.kernels.pinning``), and ``replay``, None unless the run replayed choices from a file
+(``dslab bench --pin-kernels``), then what it pinned and the keys it autotuned itself. Baselines
+keep it; an optional section, it left the layout (and its version) unchanged.
+
 A profiler's record may name the text report it wrote as ``text_file``: a path relative to the
 run's directory (``profiles/<case>/flops_profile.txt`` for the flops profile,
 ``profiles/<case>/comms_calls.txt`` for the comms logger's verbose lines; ``profiles/<case>/rank<r>/``

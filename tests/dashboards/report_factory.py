@@ -7,6 +7,8 @@ section is made by the real analysis functions (:mod:`dslab.profilers.comms_anal
 generated records, so its shape follows the comms logger's. :func:`make_small_report` is the
 minimal report of the 500-run load test. :func:`make_scaling_report` is a data-parallel run
 (``suites/zero``'s shape: cases ``<model case>-n<N>``) with made-up, consistent numbers.
+:func:`make_autotune_report` is a ``dslab autotune`` run: one result per experiment and the
+tuner's ``profilers["autotuning"]`` section, from :data:`AUTOTUNE_EXPERIMENTS`.
 """
 
 from __future__ import annotations
@@ -327,6 +329,80 @@ def make_pipeline_report(run_id: str = PIPELINE_RUN_ID) -> dict:
                      {"step": 1, "wall_ms": wall / 2, "busy_ms": busy / 2, "timeline": PIPELINE_TIMELINES[stage]}]}
         for stage, (busy, wall) in PIPELINE_BUSY.items()]}}
     return data
+
+
+AUTOTUNE_SUITE = "autotune"
+AUTOTUNE_RUN_ID = "20261207T100000Z-tune00"
+AUTOTUNE_BUDGET_BYTES = 80 * 10**9
+AUTOTUNE_WORLD = 4
+AUTOTUNE_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB\nTraceback ..."
+AUTOTUNE_FAILED = "RuntimeError: NCCL error in: all_gather_into_tensor\nTraceback ..."
+# In run order: (name, ZeRO stage, micro-batch, gradient accumulation, other overrides, status, throughput
+# (samples/s; None: no metric), estimated GB per GPU (10^9 bytes), reason (None: the first line of the error)).
+AUTOTUNE_EXPERIMENTS = (
+    ("z0_mbs2_gas1", 0, 2, 1, {}, "ok", 110.0, 40.2, None),
+    ("z0_mbs4_gas1", 0, 4, 1, {}, "ok", 150.0, 62.5, None),
+    ("z0_mbs8_gas1", 0, 8, 1, {}, "pruned", None, 91.2, "estimated 91.2 GB > 80.0 GB budget"),
+    ("z1_mbs4_gas1", 1, 4, 1, {}, "ok", 170.0, 51.0, None),
+    ("z1_mbs8_gas1", 1, 8, 1, {}, "oom", None, 78.9, None),
+    ("z2_mbs4_gas1", 2, 4, 1, {}, "early_stopped", 120.0, 44.0, "stopped after 2 profiled steps: more than 5% "
+                                                                "worse than the best so far"),
+    ("z2_mbs8_gas2", 2, 8, 2, {"offload_optimizer": "cpu", "activation_checkpointing": True}, "ok", 165.0, 70.3,
+     None),
+    ("z3_mbs4_gas1", 3, 4, 1, {}, "failed", None, 30.1, None),
+    ("z3_mbs16_gas1", 3, 16, 1, {}, "pruned", None, 120.5, "estimated 120.5 GB > 80.0 GB budget"),
+)
+
+
+def make_autotune_report(run_id: str = AUTOTUNE_RUN_ID, suite: str = AUTOTUNE_SUITE, *,
+                         created: str = "2026-12-07T10:00:00+00:00") -> dict:
+    """The ``run.json`` content of a ``dslab autotune`` run (gridsearch on throughput, 4 GPUs) over
+    :data:`AUTOTUNE_EXPERIMENTS`: per experiment a result (arm dslab; ``ok`` with three profiled
+    steps for ok and early-stopped ones, the latter with ``early_stopped`` = 1; ``skipped`` with the
+    reason for pruned ones; ``oom`` and ``failed`` with their errors) and an entry of
+    ``profilers["autotuning"]``, whose best is the fastest ok experiment."""
+    results, entries = [], []
+    best = None
+    for order, (name, stage, mbs, gas, other, status, throughput, estimated_gb, reason) in enumerate(
+            AUTOTUNE_EXPERIMENTS):
+        config = {"zero_stage": stage, "micro_batch_size": mbs, "gradient_accumulation_steps": gas, **other}
+        wall = 24.0 + 2 * order if status != "pruned" else 0.0
+        if status == "ok" and (best is None or throughput > best[1]):
+            best = (name, throughput)
+        result = {"case": name, "arm": "dslab",
+                  "status": {"pruned": "skipped", "early_stopped": "ok"}.get(status, status),
+                  "error": {"pruned": reason, "oom": AUTOTUNE_OOM, "failed": AUTOTUNE_FAILED}.get(status),
+                  "trials": [], "metrics": {}}
+        if throughput is not None:
+            samples = mbs * gas * AUTOTUNE_WORLD
+            step_s = samples / throughput
+            metrics = {"samples_per_s": throughput, "latency_ms": step_s * 1e3, "tflops_per_gpu": throughput * 0.5,
+                       "peak_memory_gb": round(estimated_gb * 0.9, 3)}
+            if status == "early_stopped":
+                metrics["early_stopped"] = 1.0
+            steps = 2 if status == "early_stopped" else 3
+            result["trials"] = [{"trial": 0, "step_times_ms": [step_s * 1e3] * steps, "metrics": metrics}]
+            result["metrics"] = dict(metrics)
+        results.append(result)
+        if reason is None and result["error"]:
+            reason = result["error"].splitlines()[0]
+        entries.append({"name": name, "order": order, "config": config, "status": status, "metric": throughput,
+                        "estimated_memory_bytes": int(round(estimated_gb * 1e9)), "reason": reason,
+                        "wall_time_s": wall})
+    section = {"metric": "throughput", "tuner_type": "gridsearch", "best": best[0], "best_metric": best[1],
+               "wall_time_s": sum(e["wall_time_s"] for e in entries) + 5.0, "experiments": entries,
+               "memory_budget_bytes": AUTOTUNE_BUDGET_BYTES, "model": {"num_params": 355_000_000}}
+    return {
+        "schema": "dslab.run", "schema_version": 3, "run_id": run_id, "suite": suite, "status": "partial",
+        "created": created, "finished": created,
+        "environment": {"dslab": {"version": "0.1.0", "git_commit": "7e57ab1e00", "git_dirty": False},
+                        "cuda": {"available": True, "device_count": AUTOTUNE_WORLD,
+                                 "gpus": [{"index": i, "name": GPU, "total_memory_bytes": 85 << 30}
+                                          for i in range(AUTOTUNE_WORLD)]}},
+        "config": {"autotuning": {"enabled": True, "metric": "throughput", "tuner_type": "gridsearch"}},
+        "data": {}, "peaks": {}, "results": results, "ratios": {}, "best_plain": {},
+        "profilers": {"autotuning": section}, "inference": {}, "notes": [],
+    }
 
 
 def write_run(root: Path, data: dict | str, suite: str | None = None, run_id: str | None = None) -> Path:

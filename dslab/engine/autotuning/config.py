@@ -38,6 +38,10 @@ class AutotuningConfig(ConfigSection):
     many experiments without a better one; ``tuner_num_trials``: experiments at most.
     ``arg_mappings``: config key -> the script's command-line option that sets it (for scripts
     that take batch sizes as arguments).
+
+    dslab's key ``prune_dominated_stages`` (default true): hold back the ZeRO stages that can only
+    buy memory where a lower stage fits (:func:`dslab.engine.autotuning.tuner.dominated_stages`);
+    false runs every stage of the space (a full grid).
     """
 
     enabled: bool = False
@@ -58,6 +62,8 @@ class AutotuningConfig(ConfigSection):
     exps_dir: str = Field("autotuning_exps", min_length=1)
     overwrite: bool = True
     arg_mappings: dict[str, str] = Field(default_factory=dict)
+    # dslab's key
+    prune_dominated_stages: bool = True
 
     @pydantic.field_validator("arg_mappings", mode="before")
     @classmethod

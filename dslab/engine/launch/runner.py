@@ -11,6 +11,11 @@ sends SIGTERM to every child's process group (torchrun stops its workers on it),
 same way: their peers are gone, and they would otherwise wait in a collective until a timeout.
 The exit status is the worst (highest) of the children that ended on their own, 128 + N for
 one killed by signal N, and 130 after a Ctrl-C.
+
+``--autotuning tune`` searches the script's config first (:mod:`dslab.engine.autotuning`: one run
+of the script per experiment, on the same hosts and slots, through this launcher when that is more
+than one process) and writes the optimal config; ``--autotuning run`` then launches the script
+once with it (``autotuning.results_dir``/ds_config_optimal.json in place of its config argument).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dslab.engine.launch.commands import DEFAULT_MASTER_PORT, LaunchCommand, build_commands
+from dslab.engine.launch.commands import DEFAULT_MASTER_PORT, LaunchCommand, build_commands, is_local_host
 from dslab.engine.launch.environment import env_file_values, propagated_env
 from dslab.engine.launch.hostfile import DEFAULT_HOSTFILE, parse_hostfile
 from dslab.engine.launch.resources import select_resources
@@ -136,8 +141,50 @@ def run_commands(commands: Sequence[LaunchCommand], grace_s: float = TERMINATE_G
             signal.signal(signal.SIGTERM, previous)
 
 
+def autotune_processes(args: argparse.Namespace,
+                       gpu_count: Callable[[], int] = _cuda_device_count) -> tuple[int, list[str] | None]:
+    """``(processes, launch options)`` an autotuning search runs each experiment with: the hosts and
+    slots ``dslab launch`` would use for ``args``, and the options that make a launch use them
+    again (None when it is one process on this machine, which runs without the launcher)."""
+    hosts = discover_hosts(getattr(args, "hostfile", None), args.num_gpus, gpu_count=gpu_count)
+    resources = select_resources(hosts, getattr(args, "include", None), getattr(args, "exclude", None),
+                                 args.num_nodes, args.num_gpus)
+    processes = sum(len(slots) for slots in resources.values())
+    if processes == 1 and all(is_local_host(host) for host in resources):
+        return 1, None
+    options = []
+    for name in ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_addr", "master_port",
+                 "rdzv_backend"):
+        value = getattr(args, name, None)
+        if value is not None:
+            options += [f"--{name}", str(value)]
+    return processes, options
+
+
+def _launch_autotuning(args: argparse.Namespace) -> int:
+    from dslab.engine.autotuning.driver import script_arguments, tune_command
+
+    if args.dry_run:
+        raise ValueError("--dry-run cannot be combined with --autotuning: the search runs the script")
+    if not args.script:
+        raise ValueError("dslab launch --autotuning needs a script to run: dslab launch --autotuning run [options] "
+                         "script.py [args...]")
+    processes, options = autotune_processes(args)
+    code, result = tune_command(args.script, processes=processes, launcher_args=options)
+    if args.autotuning == "tune" or code != 0:
+        return code
+    optimal = result.written["ds_config_optimal"].resolve()
+    args.script = [args.script[0], *script_arguments(args.script[1:], optimal, result.best.config,
+                                                     result.settings["arg_mappings"])]
+    print(f"dslab launch: training with {optimal}", file=sys.stderr, flush=True)
+    return run_commands(plan_launch(args))
+
+
 def launch(args: argparse.Namespace) -> int:
-    """``dslab launch``: print the commands (``--dry-run``) or run them."""
+    """``dslab launch``: print the commands (``--dry-run``) or run them; with ``--autotuning``,
+    search the config first (module docstring)."""
+    if getattr(args, "autotuning", None):
+        return _launch_autotuning(args)
     commands = plan_launch(args)
     if args.dry_run:
         for command in commands:
@@ -163,4 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="static: --node_rank per host (default); c10d: torchrun's c10d rendezvous")
     parser.add_argument("--dry-run", dest="dry_run", action="store_true",
                         help="print the command of every host, one per line, and run nothing")
+    parser.add_argument("--autotuning", choices=("tune", "run"), default=None,
+                        help="search the script's config first (its config needs \"autotuning\": {\"enabled\": "
+                             "true}): 'tune' writes the optimal config and stops, 'run' then trains with it")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="the training script and its arguments")
