@@ -7,8 +7,9 @@ Each session starts three workers of :mod:`dslab.bench.ab_worker` from this tree
 ``dslab gate --ab`` starts, each building, compiling and warming up the case on its own): the
 baseline, an unchanged candidate, and a candidate whose dslab arm sleeps ``slowdown`` times the
 baseline's median step time in every step (``DSLAB_INJECT_STEP_SLEEP_MS``, calibrated from two
-baseline trials; the sleep waits for the device first, so the real slowdown is at least that and
-is reported as measured). Then ``repeats`` times, alternately: an A/A gate run (baseline against
+baseline trials; by default as a device-side spin, ``DSLAB_INJECT_STEP_SLEEP_MODE=device``, which
+adds that much device time without a host synchronisation; the real slowdown is reported as
+measured, the median of the pairs' ratios). Then ``repeats`` times, alternately: an A/A gate run (baseline against
 the unchanged candidate) and an injected gate run (baseline against the slowed one), each the
 sequential test of :func:`dslab.gate.sequential.judge_pairs` over fresh ABBA-ordered pairs until
 its verdict or ``max_pairs``, exactly as :mod:`dslab.gate.ab` runs it. Gate runs within a
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-pairs", type=int, default=15)
     parser.add_argument("--metric", default="samples_per_s")
     parser.add_argument("--no-pin-kernels", action="store_true")
+    parser.add_argument("--inject-mode", choices=("host", "device"), default="device",
+                        help="DSLAB_INJECT_STEP_SLEEP_MODE of the slowed worker (default device: a GPU spin that "
+                             "adds device time without a host synchronisation)")
     parser.add_argument("--logs", default="gate_detection_logs")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -96,7 +100,8 @@ def main(argv=None) -> int:
         sleep_ms = args.slowdown * step_ms
         clean = Worker("candidate", tree, ABRequest(**base_request, candidate_env=env), logs / f"s{s}_clean.log", pins)
         clean.read(3600)
-        slow = Worker("candidate", tree, ABRequest(**base_request, candidate_env={**env, INJECT: f"{sleep_ms:.4f}"}),
+        slow_env = {**env, INJECT: f"{sleep_ms:.4f}", "DSLAB_INJECT_STEP_SLEEP_MODE": args.inject_mode}
+        slow = Worker("candidate", tree, ABRequest(**base_request, candidate_env=slow_env),
                       logs / f"s{s}_slow.log", pins)
         slow_ready = slow.read(3600)
         session = {"pinned": str(pins) if pins else None,

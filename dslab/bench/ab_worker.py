@@ -89,7 +89,7 @@ class ArmSession:
 
     def __init__(self, args: argparse.Namespace, scratch: Path):
         import dslab
-        from dslab.bench.arms import inject_sleep_ms
+        from dslab.bench.arms import inject_sleep_mode, inject_sleep_ms
         from dslab.bench.common import ArmSkipped, Progress, current_device
         from dslab.bench.kernel_pins import pins_note, replay_pins
         from dslab.kernels.pinning import pinning_misses, record_kernel_choices
@@ -148,7 +148,8 @@ class ArmSession:
             "suite_file": str(suite_file), "case": args.case, "arm": args.arm, "scale": scale, "device": str(device),
             "steps": counts.steps, "warmup_steps": counts.warmup_steps, "settle_steps": self.settle_steps,
             "warmup_s": time.perf_counter() - started, "dslab_path": str(Path(dslab.__file__).resolve().parent),
-            "inject_step_sleep_ms": inject_sleep_ms(), "injection_applies": applies,
+            "inject_step_sleep_ms": inject_sleep_ms(), "inject_step_sleep_mode": inject_sleep_mode(),
+            "injection_applies": applies,
             "environment": report.environment, "config": plan.config,
             "notes": list(report.notes) + ([pins_note(replay)] if replay else []),
             "kernel_choices": record_kernel_choices(),

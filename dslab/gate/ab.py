@@ -4,7 +4,7 @@ and judge the pairs sequentially, stopping as soon as the verdict is clear.
     dslab gate --ab --suite suites/gpt2 --case 124m --baseline-tree ../main-checkout --threshold 3%
 
 One worker process per tree (``python -m dslab.bench.ab_worker``, :mod:`dslab.bench.ab_worker`),
-started with the same Python (``sys.executable``), ``PYTHONPATH=<tree>`` and ``<tree>`` as its
+started with the same Python (``sys.executable``), ``<tree>`` first on ``PYTHONPATH`` and ``<tree>`` as its
 working directory, builds the case's arm once and warms it up; the baseline's worker starts
 first and is ready before the candidate's starts, so neither warm-up (compilation, autotuning)
 runs beside the other. Both run the same suite file (the one named here, resolved from the
@@ -134,7 +134,9 @@ class Worker:
                               ("--warmup-steps", request.warmup_steps), ("--pin-kernels", pin_file)):
             if value is not None:
                 command += [option, str(value)]
-        env = {**os.environ, "PYTHONPATH": str(tree), **(request.candidate_env if side == "candidate" else {})}
+        # the tree first, ahead of what the caller's path holds (its other packages stay reachable)
+        path = os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        env = {**os.environ, "PYTHONPATH": path, **(request.candidate_env if side == "candidate" else {})}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "wb")
         self.pending = b""

@@ -122,9 +122,29 @@ def test_injected_sleep_slows_only_the_dslab_arm(tmp_path, monkeypatch):
     monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MS", "40")
     report, _ = run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], trials=1)
     assert report.result("b", "dslab").metrics["step_time_min_ms"] >= 40
+    monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MODE", "device")  # on a CPU: the host sleep as well
+    report, _ = run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], trials=1)
+    assert report.result("b", "dslab").metrics["step_time_min_ms"] >= 40
+    monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MODE", "gpu")
+    with pytest.raises(ValueError, match="DSLAB_INJECT_STEP_SLEEP_MODE='gpu': choose host or device"):
+        run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], trials=1)
+    monkeypatch.delenv("DSLAB_INJECT_STEP_SLEEP_MODE")
     monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MS", "soon")
     with pytest.raises(ValueError, match="DSLAB_INJECT_STEP_SLEEP_MS"):
         run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], trials=1)
+
+
+@pytest.mark.gpu
+def test_device_spin_lasts_what_it_was_calibrated_for():
+    from dslab.bench.arms import device_spin_cycles
+
+    cycles = device_spin_cycles(5.0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) == pytest.approx(5.0, rel=0.1)
 
 
 def test_suite_validation_names_the_problem(tmp_path):
