@@ -46,6 +46,7 @@ from dslab.bench.data_parallel import DataParallelSuite
 from dslab.bench.inference import InferenceSuite
 from dslab.bench.kernel_pins import merge_part_pins, pins_note, record_pins, replay_pins
 from dslab.bench.launcher import run_launches
+from dslab.bench.long_context import LongContextSuite
 from dslab.bench.measure import measure_peaks
 from dslab.bench.model_parallel import ModelParallelSuite
 from dslab.bench.protocol import CaseRun, Counts, RunContext, SuiteKind
@@ -60,7 +61,7 @@ from dslab.report.summary import describe, results_table
 
 # Each suite.json "kind" and the class that runs it.
 KINDS = {"training": TrainingSuite, "inference": InferenceSuite, "data_parallel": DataParallelSuite,
-         "model_parallel": ModelParallelSuite}
+         "model_parallel": ModelParallelSuite, "long_context": LongContextSuite}
 
 
 def suite_kind(suite, suite_file: Path, zero_stage: int | None = None, verbose: bool = False,
@@ -190,7 +191,7 @@ def _ratios(report: RunReport) -> None:
     """dslab's ratios: over every other arm of a case, or for a data- or model-parallel run over
     the peers that shard or split the model the same way
     (:func:`dslab.report.scaling.best_peer_ratios`)."""
-    if report.config.get("kind") in ("data_parallel", "model_parallel"):
+    if report.config.get("kind") in ("data_parallel", "model_parallel", "long_context"):
         report.ratios, report.best_plain = best_peer_ratios(report), {}
     else:
         report.compute_ratios("dslab", "samples_per_s")

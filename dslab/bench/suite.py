@@ -158,7 +158,8 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
     ``"kind": "inference"`` is an :class:`dslab.bench.inference_suite.InferenceSuiteConfig`, one
     with ``"kind": "data_parallel"`` a
     :class:`dslab.bench.data_parallel_suite.DataParallelSuiteConfig`, one with ``"kind":
-    "model_parallel"`` a :class:`dslab.bench.model_parallel_suite.ModelParallelSuiteConfig`."""
+    "model_parallel"`` a :class:`dslab.bench.model_parallel_suite.ModelParallelSuiteConfig`, one with
+    ``"kind": "long_context"`` a :class:`dslab.bench.long_context_suite.LongContextSuiteConfig`."""
     path = Path(path)
     file = path / SUITE_FILE if path.is_dir() else path
     if not file.is_file():
@@ -178,6 +179,8 @@ def load_suite(path: str | Path) -> tuple[SuiteConfig, Path]:
         from dslab.bench.data_parallel_suite import DataParallelSuiteConfig as model
     elif isinstance(data, dict) and data.get("kind") == "model_parallel":
         from dslab.bench.model_parallel_suite import ModelParallelSuiteConfig as model
+    elif isinstance(data, dict) and data.get("kind") == "long_context":
+        from dslab.bench.long_context_suite import LongContextSuiteConfig as model
     try:
         suite = parse_section(model, data)
     except ValueError as err:
