@@ -78,7 +78,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per trial (default: the suite's)")
     parser.add_argument("--out", default="reports", help="reports root (default: reports/)")
     parser.add_argument("--nprocs", default=None,
-                        help="a data- or model-parallel suite's process counts, comma-separated (e.g. 1,2,4; "
+                        help="a data-parallel, model-parallel or long-context suite's process counts, comma-separated (e.g. 1,2,4; "
                              "default: the suite's, else 1, 2, 4, ... up to the GPUs here)")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="ZeRO stage of the dslab arm's engine (overrides the suite's "

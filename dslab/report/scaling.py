@@ -181,10 +181,13 @@ def scaling_table(report: RunReport) -> str:
     if not points:
         return ""
     counts = sorted({p.nprocs for p in points})
-    model_parallel = report.config.get("kind") == "model_parallel" if isinstance(report.config, dict) else False
-    if model_parallel:
+    kind = report.config.get("kind") if isinstance(report.config, dict) else None
+    if kind == "model_parallel":
         lines = ["strong scaling (the case's global batch on every process count): tokens/s, efficiency = "
                  "tokens/s(N) / (N x tokens/s(1)), peak GiB per GPU"]
+    elif kind == "long_context":
+        lines = ["one sequence split over the processes: tokens/s (all ranks), efficiency = tokens/s(N) / "
+                 "(N x tokens/s(1)) where one process ran the case, peak GiB per GPU"]
     else:
         lines = ["weak scaling: tokens/s (all ranks), efficiency = tokens/s(N) / (N x tokens/s(1)), "
                  "peak GiB per GPU"]
