@@ -3,6 +3,10 @@
 #   detect    benchmarks/gate_detection.py on suites/gpt2 case 124m: A/A gate runs and gate runs
 #             against a 2% injected step slowdown, threshold 2%, <= 15 pairs (SESSIONS x REPEATS each)
 #   autotune  benchmarks/autotune_vs_grid.sh gpt2_355m: the tuned search against the full grid
+#   kernels   the kernel benchmarks (KERNEL_SELECT, a pytest -k expression) once unpinned as the baseline,
+#             then KREPEATS times: an A/A run replaying the baseline's kernel choices and a run with
+#             every dslab kernel slowed 3% on the device (--kernel-inject-slowdown), each gated at 3%
+#             (dslab gate --pytest-benchmark; needs pytest-benchmark's wheel in .whl/)
 # Several parts in one call run in order: bash benchmarks/gate_gpu.sh detect autotune
 # Results and logs land in $OUT; each part's table prints last.
 set -u
@@ -19,6 +23,25 @@ for part in "$@"; do
       echo "detect: exit $?"; tail -30 "$OUT/gate_detection.log" ;;
     autotune)
       bash benchmarks/autotune_vs_grid.sh "${MODEL:-gpt2_355m}" ;;
-    *) echo "gate_gpu.sh: unknown part '$part' (detect, autotune)" >&2; exit 2 ;;
+    kernels)
+      select=${KERNEL_SELECT:-"layer_norm or cross_entropy"}
+      bench() {  # name, extra options
+        local name=$1; shift
+        timeout "${KERNEL_RUN_S:-240}" python3 -m pytest benchmarks/kernels -m gpu -q -p no:cacheprovider -k "$select" \
+          --benchmark-json="$OUT/$name.json" --benchmark-save-data "$@" > "$OUT/$name.log" 2>&1
+        echo "$name: pytest exit $?"
+      }
+      bench kernels_base
+      for i in $(seq 1 "${KREPEATS:-3}"); do
+        for kind in aa slow; do
+          extra=(--kernel-pins "$OUT/kernels_base.json")
+          [ "$kind" = slow ] && extra+=(--kernel-inject-slowdown "${KERNEL_SLOWDOWN:-0.03}")
+          bench "kernels_${kind}_$i" "${extra[@]}"
+          python3 -m dslab.cli gate --pytest-benchmark "$OUT/kernels_base.json" "$OUT/kernels_${kind}_$i.json" \
+            --threshold 3% > "$OUT/kernels_gate_${kind}_$i.txt" 2>&1
+          echo "kernels $kind run $i: gate exit $? ($(grep -c -i regression "$OUT/kernels_gate_${kind}_$i.txt") lines naming a regression)"
+        done
+      done ;;
+    *) echo "gate_gpu.sh: unknown part '$part' (detect, autotune, kernels)" >&2; exit 2 ;;
   esac
 done

@@ -138,6 +138,37 @@ class EventTimer:
         return self._seconds
 
 
+def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: EventTimer | None = None,
+           spin: Callable[[int], object] | None = None,
+           cycles_for_ms: Callable[[float], int] | None = None) -> Callable[[], None]:
+    """``fn`` followed by a device-side spin of ``fraction`` of its median time: a deliberate,
+    known slowdown for checking the kernel gate (``--kernel-inject-slowdown``). The median comes
+    from ``calls`` event-timed calls of ``fn``; the spin is ``torch.cuda._sleep`` of the cycles
+    :func:`dslab.bench.arms.device_spin_cycles` calibrates for that many milliseconds, queued on
+    the same stream with no synchronisation, so each timed call grows by that much device time.
+    ``timer``, ``spin`` and ``cycles_for_ms`` replace the CUDA pieces (the CPU tests' stand-ins).
+    The returned callable's ``injected_ms`` is the spin's length."""
+    if fraction <= 0:
+        return fn
+    timer = timer or EventTimer()
+    timer.reserve(calls)
+    timed = timer.timed(fn)
+    for _ in range(calls):
+        timed()
+    injected_ms = fraction * statistics.median(timer.collect_ms())
+    if cycles_for_ms is None:
+        from dslab.bench.arms import device_spin_cycles as cycles_for_ms
+    cycles = cycles_for_ms(injected_ms)
+    spin = spin or torch.cuda._sleep
+
+    def call() -> None:
+        fn()
+        spin(cycles)
+
+    call.injected_ms = injected_ms
+    return call
+
+
 def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> list[float]:
     """Per-call times in ms from CUDA events around each call (:class:`EventTimer`), ``iters``
     calls back to back after ``warmup`` untimed calls."""

@@ -8,6 +8,9 @@ Options (each has a default, so that the folder also runs when its conftest is n
     --kernel-warmup-rounds N   untimed rounds first (default 3): Triton's autotuning and compilation
     --kernel-pins FILE         replay the kernel choices recorded in FILE before anything runs: a
                                pytest-benchmark JSON of these benchmarks, or a kernel-choices JSON
+    --kernel-inject-slowdown F each dslab arm followed by a device-side spin of F times its median
+                               call time (``common.slowed``): a known slowdown for checking the gate,
+                               recorded in ``machine_info["dslab_inject_slowdown"]``
 
 Kernel choices (:mod:`dslab.kernels.pinning`): each process picks its kernels afresh (Triton's
 autotuner times its configs per process, and two configs within its noise go either way), so two
@@ -82,6 +85,9 @@ def pytest_addoption(parser):
         default = getattr(DEFAULT_TIMING, name)
         group.addoption(f"--kernel-{name.replace('_', '-')}", type=int, default=default,
                         help=f"{text} (default {default})")
+    group.addoption("--kernel-inject-slowdown", type=float, default=0.0, metavar="FRACTION",
+                    help="slow every dslab arm by this fraction of its median call time with a device-side spin "
+                         "(common.slowed), to check the kernel gate; recorded in machine_info (default 0: off)")
     group.addoption("--kernel-pins", default=None, metavar="FILE",
                     help="replay the kernel choices recorded in FILE (a pytest-benchmark JSON of these benchmarks, "
                          "or a kernel-choices JSON) before anything runs")
@@ -166,6 +172,15 @@ def timing(pytestconfig) -> Timing:
 
 
 @pytest.fixture(scope="session")
+def inject_slowdown(pytestconfig) -> float:
+    """``--kernel-inject-slowdown``: the fraction each dslab arm is slowed by (0: not at all)."""
+    value = pytestconfig.getoption("kernel_inject_slowdown", 0.0) or 0.0
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"--kernel-inject-slowdown must lie in [0, 1), got {value}")
+    return value
+
+
+@pytest.fixture(scope="session")
 def device_peaks(pytestconfig) -> dict:
     """The measured bf16 matmul and copy ceilings (``dslab.bench.measure.measure_peaks``), once per
     session; also written to the JSON's ``machine_info.gpu.measured_peaks``."""
@@ -190,6 +205,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     if torch.cuda.is_available():
         machine_info["gpu"] = {"name": torch.cuda.get_device_name(), "count": torch.cuda.device_count(),
                                "measured_peaks": config.stash.get(PEAKS_KEY, None)}
+    machine_info["dslab_inject_slowdown"] = config.getoption("kernel_inject_slowdown", 0.0) or 0.0
     replay = config.stash.get(PINS_KEY, None)
     machine_info["kernel_choices"] = {**record_kernel_choices(),
                                       "replay": None if replay is None else {**replay, "misses": pinning_misses()}}

@@ -42,20 +42,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import EventTimer
+from common import EventTimer, slowed
 
 DEVICE_CLOCK = EventTimer()
 
 pytestmark = [pytest.mark.gpu, pytest.mark.benchmark(timer=DEVICE_CLOCK)]
 
 
-def test_kernel(benchmark, case_ref, arm, case_store, timing, device_peaks):
+def test_kernel(benchmark, case_ref, arm, case_store, timing, device_peaks, inject_slowdown):
     case = case_store.get(case_ref)
     benchmark.group = case.label
     benchmark.extra_info.update(op=case.op, shape=case.shape, arm=arm, notes=case.notes, target=case.target,
                                 bytes_moved=case.bytes_moved, flops=case.flops, device=torch.cuda.get_device_name())
+    fn = getattr(case, arm)
+    if arm == "dslab" and inject_slowdown:
+        fn = slowed(fn, inject_slowdown)  # a deliberate slowdown (--kernel-inject-slowdown)
+        benchmark.extra_info["injected_ms"] = fn.injected_ms
     DEVICE_CLOCK.reserve(timing.iterations)
-    benchmark.pedantic(DEVICE_CLOCK.timed(getattr(case, arm)), rounds=timing.rounds, iterations=timing.iterations,
+    benchmark.pedantic(DEVICE_CLOCK.timed(fn), rounds=timing.rounds, iterations=timing.iterations,
                        warmup_rounds=timing.warmup_rounds)
     if benchmark.stats is None:  # --benchmark-disable: the call ran once, untimed
         return

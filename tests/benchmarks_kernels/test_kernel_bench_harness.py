@@ -95,6 +95,28 @@ def test_event_timer_collects_each_call_in_order():
     assert timer() == pytest.approx(2.25e-3)
 
 
+def test_slowed_adds_the_fraction_of_the_median_as_device_time():
+    stream = SimulatedStream()
+    timer = common.EventTimer(event_type=stream.event)
+    sizes = iter([2.0, 2.0, 9.0, 2.0, 1.9] * 10)  # one slow call among them: the median ignores it
+    spun = []
+
+    def spin(cycles):
+        spun.append(cycles)
+        stream.kernel(cycles / 1000.0)  # a stand-in device at 1000 cycles per ms
+
+    fn = common.slowed(lambda: stream.kernel(next(sizes)), 0.03, calls=5, timer=timer, spin=spin,
+                       cycles_for_ms=lambda ms: round(ms * 1000))
+    assert fn.injected_ms == pytest.approx(0.06)
+    check = common.EventTimer(event_type=stream.event)
+    timed = check.timed(fn)
+    for _ in range(5):
+        timed()
+    assert check.collect_ms() == pytest.approx([2.06, 2.06, 9.06, 2.06, 1.96])
+    assert spun == [60] * 5
+    assert common.slowed(print, 0.0) is print  # off: the callable itself
+
+
 BENCH_FILE = f"""
 import sys
 import time
