@@ -62,8 +62,7 @@ from dslab.models.llama_ops import LlamaOps, RotaryTables, llama_op_set
 from dslab.models.ops import IGNORE_INDEX, Embedding, OpSet, init_normal_, op_set
 from dslab.models.tensor_parallel_layers import check_group_size
 from dslab.models.weight_cast import Linear, weight
-from dslab.parallel.sequence import DistributedAttention
-from dslab.parallel.tensor_parallel_regions import reduce_from_tensor_parallel_region
+from dslab.parallel.sequence import DistributedAttention, sequence_mean_loss, split_sequence
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -396,24 +395,15 @@ class LlamaForCausalLM(CudaGraphLayers, nn.Module):
                                              targets.reshape(-1), vocab, IGNORE_INDEX, tie=tie)
         if self.config.sequence_parallel_size == 1:
             return loss
-        # the whole sequence's mean: the chunks' sums over the chunks' counts
-        count = (targets != IGNORE_INDEX).sum().to(loss.dtype)
-        total = reduce_from_tensor_parallel_region(loss * count, self.sp_group)
-        all_counts = count.clone()  # count itself is saved for the product's backward
-        comm.all_reduce(all_counts, group=self.sp_group)
-        return total / all_counts
+        return sequence_mean_loss(loss, targets, self.sp_group, IGNORE_INDEX)  # the whole sequence's mean
 
     def _sequence_chunk(self, input_ids: torch.Tensor, targets: torch.Tensor | None):
         """This rank's contiguous chunk of the ids and of the shifted targets."""
         size = self.config.sequence_parallel_size
-        seq = input_ids.shape[1]
-        if seq % size:
-            raise ValueError(f"input_ids has seq {seq}, which sequence_parallel_size={size} splits over its ranks: "
-                             f"it must divide by {size}")
-        chunk = seq // size
-        start = comm.get_rank(self.sp_group) * chunk
-        ids = input_ids[:, start:start + chunk]
-        return ids, (None if targets is None else targets[:, start:start + chunk])
+        if input_ids.shape[1] % size:
+            raise ValueError(f"input_ids has seq {input_ids.shape[1]}, which sequence_parallel_size={size} splits "
+                             f"over its ranks: it must divide by {size}")
+        return split_sequence((input_ids, targets), comm.get_rank(self.sp_group), size)
 
     def enable_cuda_graphs(self, enabled: bool = True) -> None:
         """As :meth:`CudaGraphLayers.enable_cuda_graphs`; refused with sequence parallelism (the
