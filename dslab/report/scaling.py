@@ -215,7 +215,7 @@ def scaling_table(report: RunReport) -> str:
             lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     comparisons = peer_comparisons(report)
     if comparisons:
-        way = "split the model" if model_parallel else "shard"
+        way = "split the model" if kind == "model_parallel" else "shard"
         lines.append(f"dslab against the peers that {way} the same way (throughput x, peak memory x):")
         for c in comparisons:
             memory = "" if c.memory_ratio is None else f", memory {c.memory_ratio:.2f}x"
