@@ -3,8 +3,6 @@ profiled step and measured steps of a single-process run, every rank's collectiv
 track for a run that launched two processes; a trace that cannot be written is a warning in the
 progress lines and a note in the report, and the run still completes."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,8 +19,6 @@ from test_runner import tiny_suite  # noqa: E402
 
 pytest.importorskip("perfetto.protos.perfetto.trace.perfetto_trace_pb2")
 from test_trace import parse, slices  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_writes_the_trace_after_the_report(tmp_path):
@@ -57,15 +53,13 @@ def test_a_trace_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, mon
 
 
 @pytest.mark.world_size(2)
-def test_a_launched_run_has_a_track_per_rank(tmp_path):
-    out = tmp_path / "reports"
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "dslab.cli", "bench", str(REPO / "suites" / "zero"), "--nprocs", "2",
-           "--arms", "dslab-zero2", "--trials", "1", "--steps", "2", "--warmup", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+def test_a_launched_run_has_a_track_per_rank(zero_tiny_run):
+    """``dslab bench suites/zero`` at the tiny scale (tests/bench/conftest.py's ``zero_tiny_run``,
+    which test_zero_suite.py checks too): its launches of 1 and 2 processes write one trace, whose
+    two-process ZeRO-2 arm has a track of collectives per rank."""
+    proc = zero_tiny_run
     assert proc.returncode == 0, proc.stderr[-4000:]
-    (run,) = list_runs(out)
+    (run,) = list_runs(proc.out)
     assert proc.stderr.count("trace: ") == 1  # the launcher's process writes it, not each launch
     report = read_report(run)
     case = "tiny-n2 dslab-zero2"

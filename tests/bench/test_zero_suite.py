@@ -5,7 +5,6 @@ launcher's bookkeeping (a failed launch, merging a part) with stand-in commands;
 config checks and ``--nprocs``."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,13 +29,10 @@ def _deepspeed_importable() -> bool:
 
 
 @pytest.mark.world_size(2)
-def test_tiny_scale_on_cpu_launches_one_and_two_processes_into_one_report(tmp_path):
-    out = tmp_path / "reports"
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "dslab.cli", "bench", str(SUITE), "--trials", "1", "--steps", "2",
-           "--warmup", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+def test_tiny_scale_on_cpu_launches_one_and_two_processes_into_one_report(zero_tiny_run):
+    """The run of tests/bench/conftest.py's ``zero_tiny_run``: ``dslab bench suites/zero --trials 1
+    --steps 2 --warmup 1``, the tiny scale's process counts and arms."""
+    proc, out = zero_tiny_run, zero_tiny_run.out
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "launching 1 process(es)" in proc.stderr and "launching 2 process(es)" in proc.stderr
     assert "weak scaling" in proc.stdout  # the summary, on standard output

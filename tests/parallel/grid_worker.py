@@ -4,10 +4,15 @@ engine's loop with ``mpu=grid`` when there is one stage, the pipeline engine's `
 otherwise. Writes its losses and its parameters gathered to their dense form (see
 test_grid_engine.py).
 
-    grid_worker.py OUT_DIR TP PP DP STEPS MICRO ACCUM [key=value ...]
+    grid_worker.py OUT_DIR TP PP DP STEPS MICRO ACCUM [key=value ...] [+ OUT_DIR TP ...]
 
 Options: zero=<stage>, clip=<norm>, sp=1 (sequence parallel), opt=AdamW|SGD, lr=<lr>,
 pipeline=1 (the pipeline engine even with one stage).
+
+Runs joined by ``+`` train one after another in the same processes (each its own grid, model and
+engine), so the tests pay for one launch, not one per run; a run's ``TP x PP x DP`` must be the
+launch's world size. Each run seeds the model from ``torch.manual_seed(0)`` and draws its data
+from generators of its own, so it computes what it would alone.
 """
 
 import sys
@@ -78,7 +83,18 @@ def main(out_dir, tp, pp, dp, steps, micro, accum, options):
     engine.destroy()
 
 
+def split_runs(args: list[str]) -> list[list[str]]:
+    """The command line's runs: the argument lists between ``+``."""
+    runs = [[]]
+    for arg in args:
+        if arg == "+":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return runs
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    opts = dict(a.split("=", 1) for a in args[7:])
-    main(args[0], *(int(a) for a in args[1:7]), opts)
+    for run in split_runs(sys.argv[1:]):
+        opts = dict(a.split("=", 1) for a in run[7:])
+        main(run[0], *(int(a) for a in run[1:7]), opts)

@@ -2,10 +2,16 @@
 seeded layer-list model with tied input and output layers and a tuple-carrying middle, and writes
 its losses and its stage's parameters (see test_pipeline.py).
 
-    pipe_worker.py OUT_DIR STAGES DP STEPS MICRO ACCUM [key=value ...]
+    pipe_worker.py OUT_DIR STAGES DP STEPS MICRO ACCUM [key=value ...] [+ OUT_DIR STAGES ...]
 
 Options: zero=<stage>, clip=<norm>, ckpt=<interval>, partition=<method>, bf16=1, fp16=1, comms=1,
 model=mlp|gpt2, lr=<lr>, opt=AdamW|SGD, short=1 (then a batch one micro-batch short).
+
+Runs joined by ``+`` train one after another in the same processes (each its own model, engine
+and process groups), so the tests pay for one launch, not one per run; a run's ``STAGES x DP``
+must be the launch's world size. The model and its data are seeded per run, never from the
+process's RNG state, so a run computes what it would alone. The comms logger's counts are the
+process's, so a ``comms=1`` run comes first in its launch.
 """
 
 import sys
@@ -147,7 +153,18 @@ def main(out_dir: str, stages: int, dp: int, steps: int, micro: int, accum: int,
     engine.destroy()
 
 
+def split_runs(args: list[str]) -> list[list[str]]:
+    """The command line's runs: the argument lists between ``+``."""
+    runs = [[]]
+    for arg in args:
+        if arg == "+":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return runs
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    opts = dict(a.split("=", 1) for a in args[6:])
-    main(args[0], *(int(a) for a in args[1:6]), opts)
+    for run in split_runs(sys.argv[1:]):
+        opts = dict(a.split("=", 1) for a in run[6:])
+        main(run[0], *(int(a) for a in run[1:6]), opts)

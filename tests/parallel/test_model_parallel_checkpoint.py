@@ -18,26 +18,34 @@ import dslab
 from dslab.models.gpt2 import GPT2LMHeadModel, gpt2_tiny
 from dslab.models.gpt2_pipe import gpt2_pipeline_module
 
+from shared_launch import shared_directory
+
 HERE = Path(__file__).parent
 CASES = ("tp2_dp2_zero1", "tp2_dp2_zero2", "pp2_dp2_zero1", "tp2_pp2")
 STEPS = 2  # mp_checkpoint_worker.STEPS
+PHASES = (("save", 4), ("resume", 4), ("refuse", 2))  # mp_checkpoint_worker.py's phases, in order, and their ranks
 
 
-def launch(out: Path, phase: str, world: int) -> list[dict]:
+def launch(out: Path, phase: str, world: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(HERE / "mp_checkpoint_worker.py"), str(out), phase]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(out / f"{phase}_rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def launch_phases(out: Path) -> None:
+    for phase, world in PHASES:
+        launch(out, phase, world)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mp-checkpoints")
-    saved = launch(out, "save", 4)
-    resumed = launch(out, "resume", 4)
-    refused = launch(out, "refuse", 2)
+    """The three launches, once per session: the tests of this module may run on both of
+    pytest-xdist's workers, which then read one set of checkpoints (shared_launch.py)."""
+    out = shared_directory(tmp_path_factory, "mp-checkpoints", launch_phases)
+    saved, resumed, refused = ([torch.load(out / f"{phase}_rank{r}.pt", weights_only=True) for r in range(world)]
+                               for phase, world in PHASES)
     return out, saved, resumed, refused
 
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism: the 1F1B schedule, partitioning, topologies, and real gloo runs where 2 and
 4 stages (and 2 stages x 2 data-parallel replicas with ZeRO-1) give one stage's losses and
-weights (pipe_worker.py)."""
+weights (pipe_worker.py: the one-stage references in one process, the split runs in one launch
+per world size)."""
 
 import os
 import subprocess
@@ -16,6 +17,8 @@ from dslab.parallel.pipe.module import LayerSpec, PipelineModule, partition_bala
 from dslab.parallel.pipe.p2p import decode_header, encode_header
 from dslab.parallel.pipe.schedule import bubble_fraction, inference_schedule, train_schedule
 from dslab.parallel.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+
+from shared_launch import shared_directory
 
 HERE = Path(__file__).parent
 
@@ -193,14 +196,43 @@ def test_activation_header_round_trip():
 
 
 # -- gloo runs ----------------------------------------------------------------------------------
+#
+# Every run below, by name: (stages, dp, options, steps, micro, accum). The one-stage references
+# train in one process, the split runs in one launch per world size (pipe_worker.py runs a
+# launch's runs one after another); each launch runs once per session (shared_launch.py) and the
+# tests read its runs' results.
+
+REFERENCES = {
+    "one": (1, 1, ("clip=0.5",), 3, 2, 4),
+    "one_micro4": (1, 1, ("clip=0.5",), 3, 4, 4),
+    # SGD: the key bias's gradient is zero up to rounding, which Adam would blow up to full steps
+    # that differ with the recomputation's rounding; SGD keeps them at rounding size
+    "gpt2": (1, 1, ("model=gpt2", "clip=1.0", "opt=SGD", "lr=0.5"), 3, 2, 4),
+    "fp16": (1, 1, ("fp16=1", "clip=0.5"), 6, 2, 4),
+}
+ON_TWO = {  # the comms=1 run first: the comms logger counts its process's transfers
+    "pp2": (2, 1, ("clip=0.5", "comms=1"), 3, 2, 4),
+    "fp16_pp2": (2, 1, ("fp16=1", "clip=0.5", "short=1"), 6, 2, 4),
+}
+ON_FOUR = {
+    "pp4": (4, 1, ("clip=0.5",), 3, 2, 4),
+    "pp2_dp2": (2, 2, ("clip=0.5", "zero=1"), 3, 2, 4),
+    "gpt2_pp4": (4, 1, ("model=gpt2", "partition=type:GPT2Block", "clip=1.0", "ckpt=1", "opt=SGD", "lr=0.5"), 3, 2,
+                 4),
+}
 
 
-def run(tmp_path, stages: int, dp: int, *options, steps: int = 3, micro: int = 2, accum: int = 4) -> list[dict]:
-    out = tmp_path / f"pp{stages}-dp{dp}-{'-'.join(options) or 'plain'}".replace(":", "_").replace("=", "")
-    out.mkdir()
+def launch(out: Path, runs: dict[str, tuple], world: int) -> None:
+    """Train ``runs`` in one launch of ``world`` processes (one plain process when 1), each into
+    ``out/<name>``."""
+    args = []
+    for name, (stages, dp, options, steps, micro, accum) in runs.items():
+        assert stages * dp == world, name
+        (out / name).mkdir()
+        if args:
+            args.append("+")
+        args += [str(out / name), str(stages), str(dp), str(steps), str(micro), str(accum), *options]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [str(out), str(stages), str(dp), str(steps), str(micro), str(accum), *options]
-    world = stages * dp
     if world == 1:
         cmd = [sys.executable, str(HERE / "pipe_worker.py"), *args]
     else:
@@ -208,7 +240,28 @@ def run(tmp_path, stages: int, dp: int, *options, steps: int = 3, micro: int = 2
                str(HERE / "pipe_worker.py"), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def results(tmp_path_factory, label: str, runs: dict[str, tuple], world: int) -> dict[str, list[dict]]:
+    """Each run's rank results (one dict per rank), from the session's launch of ``runs``."""
+    out = shared_directory(tmp_path_factory, f"pipeline-{label}", lambda out: launch(out, runs, world))
+    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=True) for r in range(world)]
+            for name in runs}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, dict]:
+    return {name: ranks[0] for name, ranks in results(tmp_path_factory, "one", REFERENCES, 1).items()}
+
+
+@pytest.fixture(scope="module")
+def on_two(tmp_path_factory) -> dict[str, list[dict]]:
+    return results(tmp_path_factory, "two", ON_TWO, 2)
+
+
+@pytest.fixture(scope="module")
+def on_four(tmp_path_factory) -> dict[str, list[dict]]:
+    return results(tmp_path_factory, "four", ON_FOUR, 4)
 
 
 def assert_same_training(reference: dict, ranks: list[dict], rtol=1e-5, atol=1e-6):
@@ -227,10 +280,8 @@ def assert_same_training(reference: dict, ranks: list[dict], rtol=1e-5, atol=1e-
 
 
 @pytest.mark.world_size(4)
-def test_two_and_four_stages_train_as_one(tmp_path):
-    one = run(tmp_path, 1, 1, "clip=0.5")[0]
-    two = run(tmp_path, 2, 1, "clip=0.5", "comms=1")
-    four = run(tmp_path, 4, 1, "clip=0.5")
+def test_two_and_four_stages_train_as_one(references, on_two, on_four):
+    one, two, four = references["one"], on_two["pp2"], on_four["pp4"]
     assert [r["parts"] for r in four][0] == [0, 2, 4, 6, 7]
     assert_same_training(one, two)
     assert_same_training(one, four)
@@ -251,30 +302,24 @@ def test_two_and_four_stages_train_as_one(tmp_path):
 
 
 @pytest.mark.world_size(4)
-def test_pipeline_times_data_parallel_with_zero1_trains_as_one(tmp_path):
-    one = run(tmp_path, 1, 1, "clip=0.5", micro=4)[0]
-    grid = run(tmp_path, 2, 2, "clip=0.5", "zero=1")
+def test_pipeline_times_data_parallel_with_zero1_trains_as_one(references, on_four):
+    grid = on_four["pp2_dp2"]
     assert sorted((r["stage"], r["dp_rank"]) for r in grid) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert_same_training(one, grid)
+    assert_same_training(references["one_micro4"], grid)
 
 
 @pytest.mark.world_size(4)
-def test_gpt2_in_four_stages_with_checkpointing_trains_as_one(tmp_path):
-    # SGD: the key bias's gradient is zero up to rounding, which Adam would blow up to full steps
-    # that differ with the recomputation's rounding; SGD keeps them at rounding size
-    one = run(tmp_path, 1, 1, "model=gpt2", "clip=1.0", "opt=SGD", "lr=0.5")[0]
-    four = run(tmp_path, 4, 1, "model=gpt2", "partition=type:GPT2Block", "clip=1.0", "ckpt=1", "opt=SGD",
-               "lr=0.5")
+def test_gpt2_in_four_stages_with_checkpointing_trains_as_one(references, on_four):
+    four = on_four["gpt2_pp4"]
     assert four[0]["parts"] == [0, 2, 3, 4, 7]
-    assert_same_training(one, four)
+    assert_same_training(references["gpt2"], four)
 
 
 @pytest.mark.world_size(2)
-def test_fp16_pipeline_scales_skips_and_steps_as_one_stage(tmp_path):
+def test_fp16_pipeline_scales_skips_and_steps_as_one_stage(references, on_two):
     # a loss scale of 2^19 that doubles every 2 steps: fp16 activations' gradients overflow at
     # 2^21, so some steps are skipped (on every stage together) and the others applied
-    one = run(tmp_path, 1, 1, "fp16=1", "clip=0.5", steps=6)[0]
-    two = run(tmp_path, 2, 1, "fp16=1", "clip=0.5", "short=1", steps=6)
+    one, two = references["fp16"], on_two["fp16_pp2"]
     assert 0 < one["skipped"] < 6
     # a data iterator one micro-batch short: both stages stopped with the error, neither hung
     assert [r["short_error"] for r in two] == ["data_iter gave 3 of the batch's 4 micro-batches "
