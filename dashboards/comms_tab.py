@@ -7,7 +7,7 @@ from __future__ import annotations
 from dash import html
 
 from dashboards import comms_view, figures, views
-from dashboards.components import case_links, graph, guarded, table
+from dashboards.components import case_links, graph, guarded, plain_table
 from dslab.report import frames
 
 
@@ -42,7 +42,7 @@ def comms_tab(report, suite, run_id, case) -> list:
         calls_frame, analysis = calls(), frames.stragglers(report, case=chosen, strict=True)
         matrix = comms_view.straggler_matrix(calls_frame, analysis)
         rows = comms_view.straggler_rows(analysis, matrix)
-        return [table("comms-stragglers-table", rows, comms_view.STRAGGLER_COLUMNS),
+        return [plain_table("comms-stragglers-table", rows, comms_view.STRAGGLER_COLUMNS),
                 graph("comms-caused-wait", comms_view.caused_wait_bar(rows, chosen)),
                 graph("comms-stragglers", figures.straggler_heatmap(matrix, chosen)),
                 html.P(comms_view.STRAGGLER_NOTE, className="note")]
@@ -60,10 +60,10 @@ def comms_tab(report, suite, run_id, case) -> list:
         rows = comms_view.step_rows(steps)
         step = comms_view.typical_step(rows)
         return [graph("comms-step", comms_view.step_timeline(steps, step, rank, chosen, _phase_medians(report, chosen))),
-                table("comms-steps", rows, comms_view.STEP_COLUMNS, page_size=20),
+                plain_table("comms-steps", rows, comms_view.STEP_COLUMNS),
                 html.P(comms_view.STEP_NOTE, className="note")]
 
-    out += guarded("Per op (reporting rank)", lambda: table(
+    out += guarded("Per op (reporting rank)", lambda: plain_table(
         "comms-ops", comms_view.comms_op_rows(frames.comms_ops(report, case=chosen, strict=True)),
         comms_view.OP_COLUMNS))
     out += guarded("Stragglers", stragglers)

@@ -45,6 +45,10 @@ MARGIN = {"l": 90, "r": 20, "t": 60, "b": 50}
 LATE_COLOUR, OTHER_COLOUR = "#d62728", "#9ca3af"
 P2P_MATCH = {"send": "send/recv", "recv": "send/recv"}
 NO_PAYLOAD_OPS = frozenset({"barrier", "all_gather_object"})
+# Above this many collectives the bandwidth plot draws one marker per op and message size (the
+# median, whiskers to the min and max) instead of one per collective: a thousand overlapping
+# markers read no better than their spread per size, and cost Plotly a few hundred ms to draw.
+BANDWIDTH_POINTS_MAX = 300
 REFERENCE_KEY = "comms_busbw"
 
 OP_COLUMNS = [
@@ -73,7 +77,9 @@ STRAGGLER_NOTE = (
 BANDWIDTH_NOTE = (
     "One point per collective: busbw = bytes / latency x the op's bus factor (nccl-tests: all_reduce "
     "2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, send/recv 1), the latency "
-    "the smallest of the group's members (the last arriver's, which did not wait). GB/s = 1e9 bytes/s."
+    "the smallest of the group's members (the last arriver's, which did not wait). GB/s = 1e9 bytes/s. "
+    f"A case of more than {BANDWIDTH_POINTS_MAX} collectives is drawn as one point per op and message size: "
+    "the median busbw of its collectives, whiskers to the slowest and the fastest, their count in the hover."
 )
 STEP_NOTE = (
     "The report records no per-bucket ids and no timestamps of the step's forward, backward and "
@@ -249,6 +255,23 @@ def bandwidth_points(calls: pd.DataFrame) -> list[dict]:
                        "busbw_GBps": algbw * factor, "rank": rank, "members": len(members)})
     points.sort(key=lambda p: (p["op"], p["bytes"], p["seq"]))
     return points
+
+
+def bandwidth_by_size(points: list[dict]) -> list[dict]:
+    """:func:`bandwidth_points` summarised per op and message size, in that order: ``{"op",
+    "bytes", "count", "busbw_GBps"`` (the median), ``"busbw_min_GBps", "busbw_max_GBps",
+    "latency_ms"`` (the median), ``"group_sizes"`` (sorted)``}``."""
+    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for p in points:
+        groups[(p["op"], p["bytes"])].append(p)
+    out = []
+    for (op, size), mine in sorted(groups.items()):
+        busbw = [p["busbw_GBps"] for p in mine]
+        out.append({"op": op, "bytes": size, "count": len(mine), "busbw_GBps": statistics.median(busbw),
+                    "busbw_min_GBps": min(busbw), "busbw_max_GBps": max(busbw),
+                    "latency_ms": statistics.median(p["latency_ms"] for p in mine),
+                    "group_sizes": sorted({p["group_size"] for p in mine if p["group_size"] is not None})})
+    return out
 
 
 def reference_busbw(report: RunReport) -> dict | None:

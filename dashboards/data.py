@@ -225,6 +225,12 @@ class RunStore:
                 self._pages.popitem(last=False)
         return page
 
+    def drop_pages(self) -> None:
+        """Forget the pages drawn so far, so that each is drawn afresh on its next request; the
+        reports read stay kept (the page-speed test times first draws this way)."""
+        with self._lock:
+            self._pages.clear()
+
     def trace_file(self, suite: str, run_id: str) -> Path | None:
         """The run's Perfetto trace (``dslab bench`` writes it with the run, ``dslab trace`` for an older
         one), None when the run's directory has none."""

@@ -8,7 +8,7 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboards import views
+from dashboards import comms_view, views
 from dslab.report import frames
 
 TEMPLATE = "plotly_white"
@@ -73,12 +73,18 @@ def flops_treemap(nodes: list[dict], case: str) -> go.Figure:
     """The module tree sized by flops (forward + backward) and coloured by achieved TFLOP/s
     (:func:`dashboards.flops_view.treemap_nodes`: each parent's own ops are a named child, so the
     sizes add up with ``branchvalues="total"``); a node without a time (an own-ops node of a profile
-    timed by CUDA events around modules) is grey, not the bottom of the scale."""
+    timed by CUDA events around modules) is grey, not the bottom of the scale. Nodes that fold
+    several modules (:func:`dashboards.flops_view.folded_treemap_nodes`, ``count``) say how many
+    in their hover, and the title says that the blocks are folded."""
     if not nodes:
         return empty(f"{case}: flops by module", "the flops profile has no modules")
 
     def shown(value, spec: str, unit: str) -> str:
         return "n/a" if value is None else f"{value:{spec}} {unit}"
+
+    def folded(n) -> str:
+        count = n.get("count", 1)
+        return f"{count} modules, summed" if count > 1 else "one module"
 
     known = [n["tflops"] for n in nodes if n["tflops"] is not None]
     top = max(known, default=0.0) or 1.0
@@ -88,9 +94,9 @@ def flops_treemap(nodes: list[dict], case: str) -> go.Figure:
         ids=[n["id"] for n in nodes], labels=[n["label"] for n in nodes], parents=[n["parent"] for n in nodes],
         values=[n["flops"] for n in nodes], branchvalues="total", marker={"colors": colours},
         customdata=[[n["type"], f"{n['flops'] / 1e9:.4g} GFLOP", shown(n["tflops"], ".4g", "TFLOP/s"),
-                     shown(n["latency_ms"], ".3g", "ms fwd + bwd")] for n in nodes],
+                     shown(n["latency_ms"], ".3g", "ms fwd + bwd"), folded(n)] for n in nodes],
         hovertemplate="%{id}<br>%{customdata[0]}<br>%{customdata[1]}<br>%{customdata[2]}"
-                      "<br>%{customdata[3]}<extra></extra>",
+                      "<br>%{customdata[3]}<br>%{customdata[4]}<extra></extra>",
         maxdepth=4))
     # the colour bar of the scale above, on an invisible point (a treemap given colours has none)
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip", marker={
@@ -100,7 +106,11 @@ def flops_treemap(nodes: list[dict], case: str) -> go.Figure:
     fig.update_yaxes(visible=False)
     fig.update_layout(modebar={"remove": ["zoom", "pan", "select", "lasso", "zoomIn", "zoomOut", "autoScale",
                                           "resetScale"]})
-    return _layout(fig, f"{case}: flops by module (size: flops fwd + bwd, colour: achieved TFLOP/s)", height=520)
+    title = f"{case}: flops by module (size: flops fwd + bwd, colour: achieved TFLOP/s)"
+    if any(n.get("count", 1) > 1 for n in nodes):
+        title += ("<br><sup>numbered blocks folded into one box (layers.* is every layers.N: flops and time "
+                  "summed); the table lists every module</sup>")
+    return _layout(fig, title, height=520)
 
 
 def roofline(points: list[dict], ceilings: dict, case: str) -> go.Figure:
@@ -141,12 +151,28 @@ def comms_bandwidth(points: list[dict], reference: dict | None, case: str) -> go
     """Bus bandwidth of every collective against its message size on log-log axes, one trace per
     op (:func:`dashboards.comms_view.bandwidth_points`), with the measured bus-bandwidth curve of
     ``benchmarks/comms_busbw.py`` dashed where the run has one
-    (:func:`dashboards.comms_view.reference_busbw`)."""
+    (:func:`dashboards.comms_view.reference_busbw`). Above
+    :data:`dashboards.comms_view.BANDWIDTH_POINTS_MAX` collectives, one marker per op and message
+    size (:func:`dashboards.comms_view.bandwidth_by_size`: the median, whiskers to the min and
+    max), as the title says."""
     if not points:
         return empty(f"{case}: bus bandwidth", "no timed collectives with a payload on two or more ranks")
     fig = go.Figure()
+    by_size = len(points) > comms_view.BANDWIDTH_POINTS_MAX
     for op in sorted({p["op"] for p in points}):
         mine = [p for p in points if p["op"] == op]
+        if by_size:
+            sizes = comms_view.bandwidth_by_size(mine)
+            fig.add_trace(go.Scatter(
+                x=[s["bytes"] for s in sizes], y=[s["busbw_GBps"] for s in sizes], mode="markers", name=op,
+                error_y={"type": "data", "symmetric": False,
+                         "array": [s["busbw_max_GBps"] - s["busbw_GBps"] for s in sizes],
+                         "arrayminus": [s["busbw_GBps"] - s["busbw_min_GBps"] for s in sizes]},
+                customdata=[[s["count"], s["busbw_min_GBps"], s["busbw_max_GBps"], s["latency_ms"]] for s in sizes],
+                hovertemplate="%{x} bytes<br>median busbw %{y:.4g} GB/s of %{customdata[0]} collectives"
+                              "<br>min %{customdata[1]:.4g}, max %{customdata[2]:.4g} GB/s<br>median latency "
+                              "%{customdata[3]:.4g} ms<extra>" + op + "</extra>"))
+            continue
         fig.add_trace(go.Scatter(
             x=[p["bytes"] for p in mine], y=[p["busbw_GBps"] for p in mine], mode="markers", name=op,
             customdata=[[p["latency_ms"], p["rank"], p["group_size"], p["step"]] for p in mine],
@@ -158,7 +184,11 @@ def comms_bandwidth(points: list[dict], reference: dict | None, case: str) -> go
                                  name=reference["label"], line={"dash": "dash", "color": "#444444"}))
     fig.update_xaxes(type="log", title="message bytes")
     fig.update_yaxes(type="log", title="bus bandwidth (GB/s)")
-    return _layout(fig, f"{case}: bus bandwidth per collective against message size", height=420)
+    title = f"{case}: bus bandwidth per collective against message size"
+    if by_size:
+        title = (f"{case}: bus bandwidth against message size<br><sup>{len(points)} collectives: the median per op "
+                 "and message size, whiskers to the slowest and the fastest</sup>")
+    return _layout(fig, title, height=420)
 
 
 def straggler_heatmap(matrix: dict, case: str) -> go.Figure:

@@ -8,7 +8,7 @@ import dash_ag_grid as dag
 from dash import html
 
 from dashboards import figures, flops_view, views
-from dashboards.components import case_links, display_rows, graph, guarded, key_value, table
+from dashboards.components import case_links, column_defs, display_rows, graph, guarded, key_value, plain_table
 from dslab.report import frames
 
 TREE_HEIGHT = "520px"
@@ -19,11 +19,12 @@ def modules_grid(rows: list[dict]) -> dag.AgGrid:
     tall as the treemap beside it: sortable, each column with a filter (a number filter on the
     numeric ones, so ``depth = 3`` picks one depth), the module's name pinned on the left."""
     text = {"module", "type", "timed_by"}
-    defs = [{"field": key, "headerName": name,
-             "filter": "agTextColumnFilter" if key in text else "agNumberColumnFilter",
-             **({"pinned": "left"} if key == "module" else {})} for key, name in flops_view.MODULE_COLUMNS]
+    shown = display_rows(rows)
+    extra = {key: {"filter": "agTextColumnFilter" if key in text else "agNumberColumnFilter",
+                   **({"pinned": "left"} if key == "module" else {})} for key, _ in flops_view.MODULE_COLUMNS}
+    defs = column_defs(shown, flops_view.MODULE_COLUMNS, **extra)
     return dag.AgGrid(
-        id="flops-modules", rowData=display_rows(rows), columnDefs=defs, columnSize="autoSize",
+        id="flops-modules", rowData=shown, columnDefs=defs,
         defaultColDef={"sortable": True, "resizable": True, "floatingFilter": True},
         dashGridOptions={"enableCellTextSelection": True}, style={"height": TREE_HEIGHT})
 
@@ -39,7 +40,7 @@ def flops_tab(report, suite, run_id, case) -> list:
     def tree():
         nodes.extend(flops_view.flops_tree(frames.flops_modules(report, case=chosen, strict=True)))
         return [html.Div([
-            html.Div(graph("flops-treemap", figures.flops_treemap(flops_view.treemap_nodes(nodes), chosen)),
+            html.Div(graph("flops-treemap", figures.flops_treemap(flops_view.folded_treemap_nodes(nodes), chosen)),
                      style={"minWidth": 0}),
             html.Div([modules_grid(flops_view.module_rows(nodes)), html.P(flops_view.MODULES_NOTE, className="note")],
                      style={"minWidth": 0}),
@@ -53,11 +54,11 @@ def flops_tab(report, suite, run_id, case) -> list:
         if not rows:
             return [html.P("this profile has no device times (recorded before dslab timed modules by their "
                            "kernels, or the timing failed)", id="flops-breakdown-empty")]
-        return [table("flops-breakdown", rows, flops_view.BREAKDOWN_COLUMNS)]
+        return [plain_table("flops-breakdown", rows, flops_view.BREAKDOWN_COLUMNS)]
 
     out += guarded("Where the step went (device time)", breakdown)
     out += guarded("Module types per depth",
-                   lambda: table("flops-types", flops_view.type_rows(nodes), flops_view.TYPE_COLUMNS, filters=True))
+                   lambda: plain_table("flops-types", flops_view.type_rows(nodes), flops_view.TYPE_COLUMNS))
 
     def roof():
         activations = frames.memory_activations(report, case=chosen)

@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import pandas as pd
 
+from dashboards.folding import fold_tree
 from dashboards.views import _dict, _number
 from dslab.report import RunReport, frames
 from dslab.report.hardware import lookup_gpu
@@ -41,7 +42,9 @@ MODULES_NOTE = (
     "= forward flops / 2, as DeepSpeed's profile prints them. Shares are of the whole model's flops "
     "and forward + backward time. Times: 'device kernels' is the device time of the kernels the "
     "module ran on the device-timed step; 'CUDA-event span' is the module's span on the counted "
-    "step, host gaps included (a module the device timer saw no kernels of, or a profile without it)."
+    "step, host gaps included (a module the device timer saw no kernels of, or a profile without it). "
+    "The treemap folds the numbered blocks of a module list into one box (layers.* is every layers.N: "
+    "flops and time summed, its TFLOP/s that of the sums); this table keeps every module."
 )
 # (field, header) of the per-module table: DeepSpeed's detailed profile, one row per module.
 MODULE_COLUMNS = [
@@ -181,6 +184,26 @@ def treemap_nodes(nodes: list[dict]) -> list[dict]:
             "tflops": own / (own_ms * 1e-3) / 1e12 if own_ms and own_ms > 0 else None,
         })
     return out
+
+
+def folded_treemap_nodes(nodes: list[dict]) -> list[dict]:
+    """:func:`treemap_nodes` of :func:`flops_tree`'s ``nodes`` with the numbered blocks of each
+    module list folded into one node (:func:`dashboards.folding.fold_tree`: ``layers.*`` holds
+    every ``layers.N``), as the treemap draws them. A folded node's flops, params and time are
+    its modules' sums and ``count`` says how many; its achieved TFLOP/s is the flops of its
+    modules that have a time over that time (None when none has one), so one block without a
+    time does not dilute the others'."""
+    prepared = []
+    for n in treemap_nodes(nodes):
+        timed = n["latency_ms"] is not None and n["latency_ms"] > 0
+        prepared.append({**n, "timed_ms": n["latency_ms"] if timed else None,
+                         "timed_flops": n["own_flops"] if timed else None})
+    folded = fold_tree(prepared, ("flops", "own_flops", "params", "latency_ms", "timed_ms", "timed_flops"), "flops")
+    for n in folded:
+        n["tflops"] = n["timed_flops"] / (n["timed_ms"] * 1e-3) / 1e12 if n["timed_ms"] and n["timed_flops"] else None
+        if n["label"] == OWN_OPS:
+            n["type"] = f"ops of {n['parent']} outside its submodules"
+    return folded
 
 
 def _model_totals(nodes: list[dict]) -> tuple[float, float]:

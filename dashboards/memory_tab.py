@@ -8,7 +8,7 @@ from __future__ import annotations
 from dash import html
 
 from dashboards import figures, memory_view, views
-from dashboards.components import case_links, graph, guarded, table
+from dashboards.components import case_links, graph, guarded, plain_table, table
 from dslab.report import frames
 
 
@@ -40,7 +40,7 @@ def wall_clock_section(report, case: str | None) -> list:
         result = memory_view.profiled_result(report, case)
         step_ms = result.metrics.get("step_time_ms") if result is not None else None
         rows = memory_view.wall_clock_rows(frames.wall_clock(report, case=case, strict=True), step_ms)
-        return [table("memory-wall-clock", rows, memory_view.WALL_CLOCK_COLUMNS),
+        return [plain_table("memory-wall-clock", rows, memory_view.WALL_CLOCK_COLUMNS),
                 graph("memory-wall-clock-bar", memory_view.wall_clock_bar(rows, step_ms, case)),
                 html.P(memory_view.WALL_CLOCK_NOTE, className="note")]
 
@@ -77,7 +77,7 @@ def memory_tab(report, suite, run_id, case) -> list:
         step = data.get("profile_step")
         series = memory_view.memory_timeline(frames.memory_timeline(report, case=chosen, strict=True))
         peak = dict(zip(series["step"], series["peak_allocated"])).get(step)
-        out = [table("memory-phases", rows, memory_view.PHASE_COLUMNS)]
+        out = [plain_table("memory-phases", rows, memory_view.PHASE_COLUMNS)]
         levels = memory_view.phase_levels(data)
         if levels:
             out.append(graph("memory-phase-levels", memory_view.profiled_step_figure(
@@ -88,9 +88,10 @@ def memory_tab(report, suite, run_id, case) -> list:
         nodes = memory_view.activation_tree(frames.memory_activations(report, case=chosen, strict=True))
         if not nodes:
             return [html.P("no activations recorded", className="note")]
-        return [graph("memory-activations", memory_view.activation_treemap(nodes, chosen)),
-                table("memory-activations-top", memory_view.activation_top_rows(nodes), memory_view.ACTIVATION_COLUMNS,
-                      page_size=60),
+        return [graph("memory-activations", memory_view.activation_treemap(
+                    memory_view.folded_activation_nodes(nodes), chosen)),
+                plain_table("memory-activations-top", memory_view.activation_top_rows(nodes),
+                            memory_view.ACTIVATION_COLUMNS),
                 html.P(memory_view.ACTIVATION_NOTE, className="note")]
 
     out += guarded("Timeline", timeline)

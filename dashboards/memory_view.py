@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from dashboards.figure_base import empty_figure, laid_out, plotly_go
+from dashboards.folding import fold_tree, folds_any
 from dashboards.views import _dict, _number
 from dslab.report import RunReport, frames
 
@@ -60,8 +61,9 @@ WALL_CLOCK_COLUMNS = [
 ACTIVATION_NOTE = (
     "Bytes each module saved for backward on the profiled step, a storage charged once, to the first "
     "module that saved it (shared: storage it saved that an earlier module was charged for). A parent holds "
-    "its children; the table folds the numbered blocks of a module list into one row (layers.* is every "
-    "layers.N), shows the largest rows by bytes with their parents, and the treemap every module."
+    "its children. The treemap and the table fold the numbered blocks of a module list into one (layers.* is "
+    "every layers.N, their bytes summed); the treemap holds every folded module, three levels at a time "
+    "(click a box to open it), the table the largest rows by bytes with their parents."
 )
 TIMELINE_NOTE = (
     "Peaks since each step began, of the profiled arm only (the other arms run between its trials, so the "
@@ -293,19 +295,33 @@ def activation_top_rows(nodes: list[dict], top: int = TOP_MODULES) -> list[dict]
     return rows
 
 
+def folded_activation_nodes(nodes: list[dict]) -> list[dict]:
+    """:func:`activation_tree`'s ``nodes`` with the numbered blocks of each module list folded
+    into one node (:func:`dashboards.folding.fold_tree`: ``layers.*`` holds every ``layers.N``,
+    its bytes the blocks' sum, ``count`` how many), as the treemap draws them; the table
+    (:func:`activation_top_rows`) folds them the same way."""
+    return fold_tree(nodes, ("bytes", "own_bytes", "shared_bytes"), "bytes")
+
+
 def activation_treemap(nodes: list[dict], case: str) -> go.Figure:
-    """Every module of :func:`activation_tree` sized by the bytes it and its children saved for
-    backward, three levels shown at a time (click to zoom)."""
+    """The modules of :func:`activation_tree` (or :func:`folded_activation_nodes`) sized by the
+    bytes they and their children saved for backward, three levels shown at a time (click to
+    zoom); a node that folds several modules says how many, and the title that blocks are folded."""
     go = _go()
     if not nodes or not any(n["bytes"] for n in nodes):
         return _empty(f"{case}: activation memory", "no activations recorded")
     fig = go.Figure(go.Treemap(
         ids=[n["id"] for n in nodes], labels=[n["label"] for n in nodes], parents=[n["parent"] for n in nodes],
         values=[n["bytes"] for n in nodes], branchvalues="total", maxdepth=3,
-        customdata=[[n["bytes"] / 2**20, n["own_bytes"] / 2**20, n["shared_bytes"] / 2**20] for n in nodes],
+        customdata=[[n["bytes"] / 2**20, n["own_bytes"] / 2**20, n["shared_bytes"] / 2**20, n.get("count", 1)]
+                    for n in nodes],
         hovertemplate="%{id}<br>%{customdata[0]:.4g} MiB with children<br>%{customdata[1]:.4g} MiB its own"
-                      "<br>%{customdata[2]:.4g} MiB shared with an earlier module<extra></extra>"))
-    return _layout(fig, f"{case}: activation memory by module (size: bytes saved for backward)", height=520)
+                      "<br>%{customdata[2]:.4g} MiB shared with an earlier module<br>%{customdata[3]} module(s)"
+                      "<extra></extra>"))
+    title = f"{case}: activation memory by module (size: bytes saved for backward)"
+    if folds_any(nodes):
+        title += "<br><sup>numbered blocks folded into one box (layers.* is every layers.N, bytes summed)</sup>"
+    return _layout(fig, title, height=520)
 
 
 # -- model states and ranks -------------------------------------------------------------------

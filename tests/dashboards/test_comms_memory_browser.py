@@ -1,10 +1,10 @@
 """The Comms and Memory tabs in a real headless Chromium, on the committed reports: what plotly
-drew and the grids hold is the data of the views. Comms (three gloo ranks, rank 1 slowed, a bus
+drew and the tables hold is the data of the views. Comms (three gloo ranks, rank 1 slowed, a bus
 bandwidth curve written into the copy's peaks by benchmarks/comms_busbw.py): the straggler table
 names rank 1, the heatmap's colour range ignores the warm-up collective and crosses mark rank 1,
 bandwidth on log-log axes beside the reference, headers with units. Memory (GPT-2 1.5B on an
 H100): the trials shaded and the profiled steps drawn on the timeline, the activation treemap and
-its folded table, the phase deltas, where the step's wall time went."""
+its table with the blocks folded, the phase deltas, where the step's wall time went."""
 
 from __future__ import annotations
 
@@ -55,20 +55,17 @@ def _graph(browser, graph_id: str) -> dict:
         graph_id)
 
 
-def _grid(browser, grid_id: str, columns: list[str]) -> list[dict]:
-    from test_dashboard_browser import _wait
-
-    return _wait(browser).until(lambda d: d.execute_script(
-        "return Array.from(document.querySelectorAll('#' + arguments[0] + ' .ag-center-cols-container .ag-row'))"
-        ".sort((a, b) => Number(a.getAttribute('row-index')) - Number(b.getAttribute('row-index')))"
-        ".map(r => Object.fromEntries(arguments[1].map(c => [c, r.querySelector('[col-id=\"' + c + '\"]').innerText])))",
-        grid_id, columns))
-
-
-def _headers(browser, grid_id: str) -> list[str]:
+def _plain(browser, table_id: str, columns: list[str]) -> list[dict]:
+    """The rows of the plain table ``table_id`` (:func:`dashboards.components.plain_table`), in order."""
     return browser.execute_script(
-        "return Array.from(document.querySelectorAll('#' + arguments[0] + ' .ag-header-cell-text')).map(e => e.innerText)",
-        grid_id)
+        "return Array.from(document.querySelectorAll('#' + arguments[0] + ' tbody tr'))"
+        ".map(r => Object.fromEntries(arguments[1].map(c => [c, r.querySelector('[data-field=\"' + c + '\"]').innerText])))",
+        table_id, columns)
+
+
+def _plain_headers(browser, table_id: str) -> list[str]:
+    return browser.execute_script(
+        "return Array.from(document.querySelectorAll('#' + arguments[0] + ' th')).map(e => e.innerText)", table_id)
 
 
 def test_comms_tab_names_and_marks_the_late_rank(browser, server, root, tmp_path):
@@ -84,12 +81,12 @@ def test_comms_tab_names_and_marks_the_late_rank(browser, server, root, tmp_path
     _load(browser, f"{server}/run/gpt2/{COMMS_RUN}/comms", tmp_path, "comms_tab")
     assert "could not be drawn" not in _text(browser)
 
-    table = _grid(browser, "comms-stragglers-table", ["rank", "late", "times_last"])
+    table = _plain(browser, "comms-stragglers-table", ["rank", "late", "times_last"])
     assert [(r["rank"], r["late"], r["times_last"]) for r in table] == [
         (str(r["rank"]), r["late"], str(r["times_last"])) for r in rows]
     assert {r["rank"]: r["late"] for r in table} == {"0": "no", "1": "yes", "2": "no"}
-    assert _headers(browser, "comms-ops")[:2] == ["op", "message bytes"]
-    assert {"algbw GB/s", "busbw GB/s", "mean latency (ms)"} <= set(_headers(browser, "comms-ops"))
+    assert _plain_headers(browser, "comms-ops")[:2] == ["op", "message bytes"]
+    assert {"algbw GB/s", "busbw GB/s", "mean latency (ms)"} <= set(_plain_headers(browser, "comms-ops"))
 
     heatmap = _graph(browser, "comms-stragglers")
     cells, crosses = heatmap["data"]
@@ -135,15 +132,17 @@ def test_memory_tab_marks_the_timeline_and_draws_the_module_tree(browser, server
     assert sorted(s["x0"] for s in timeline["shapes"] if s["type"] == "line") == [3, 6]
     assert [t["name"] for t in timeline["data"]] == ["peak allocated", "peak reserved"]
 
+    folded = memory_view.folded_activation_nodes(nodes)
     treemap = _graph(browser, "memory-activations")["data"][0]
-    assert treemap["type"] == "treemap" and treemap["ids"] == [n["id"] for n in nodes]
-    assert treemap["values"] == [n["bytes"] for n in nodes]
-    table = _grid(browser, "memory-activations-top", ["module", "instances", "path"])
+    assert treemap["type"] == "treemap" and treemap["ids"] == [n["id"] for n in folded]
+    assert treemap["values"] == [n["bytes"] for n in folded]
+    assert "layers.*" in treemap["ids"] and "layers.0" not in treemap["ids"]  # the 48 blocks in one box
+    table = _plain(browser, "memory-activations-top", ["module", "instances", "path"])
     assert [r["path"] for r in table] == [r["path"] for r in top]
     layers = next(r for r in table if r["path"] == "layers.*")
     assert layers["instances"] == "48" and layers["module"].strip() == "layers.*"
 
-    phases = _grid(browser, "memory-phases", ["phase", "delta_mib"])
+    phases = _plain(browser, "memory-phases", ["phase", "delta_mib"])
     assert [p["phase"] for p in phases] == ["forward", "backward", "optimizer step"]
     assert float(phases[0]["delta_mib"]) == pytest.approx(data["phases"]["forward_delta"] / 2**20, rel=1e-3)
     levels = _graph(browser, "memory-phase-levels")["data"][0]

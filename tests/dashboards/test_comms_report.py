@@ -109,8 +109,7 @@ def test_comms_page_shows_every_rank_and_names_the_straggler(browser, comms_serv
     assert f"stragglers named: rank {SLOW_RANK}" in page
 
     rows = _wait(browser).until(lambda d: d.execute_script(
-        "return Array.from(document.querySelectorAll('#comms-ops .ag-center-cols-container .ag-row'))"
-        ".map(r => r.innerText)"))
+        "return Array.from(document.querySelectorAll('#comms-ops tbody tr')).map(r => r.innerText)"))
     assert len(rows) == len(comms["ops"]) and any("all_reduce" in row for row in rows)
 
     def plotted(graph_id):

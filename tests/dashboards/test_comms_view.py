@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from report_factory import RUN_IDS, STRAGGLER_RANK, comms_record, late_rank_records, make_report
+from table_reader import read_plain_table
 
 from dashboards import comms_tab, comms_view, figures
 from dslab.profilers.comms_analysis import bus_factor
@@ -116,6 +117,28 @@ def test_bus_bandwidth_is_one_point_per_collective_at_the_fastest_members_latenc
     assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
 
 
+def test_over_the_limit_the_bandwidth_plot_draws_the_median_per_op_and_size_with_its_range():
+    report = read_report(FIXTURES / "zero_reports" / "zero" / "20261128T212522Z-68abb2")
+    points = comms_view.bandwidth_points(frames.comms_calls(report, case="355m-n4 dslab-zero2", strict=True))
+    assert len(points) > comms_view.BANDWIDTH_POINTS_MAX
+    sizes = comms_view.bandwidth_by_size(points)
+    assert sum(s["count"] for s in sizes) == len(points) and len(sizes) < 20
+    for s in sizes:
+        mine = sorted(p["busbw_GBps"] for p in points if (p["op"], p["bytes"]) == (s["op"], s["bytes"]))
+        middle = len(mine) // 2
+        median = mine[middle] if len(mine) % 2 else (mine[middle - 1] + mine[middle]) / 2
+        assert (s["count"], s["busbw_min_GBps"], s["busbw_max_GBps"]) == (len(mine), mine[0], mine[-1])
+        assert s["busbw_GBps"] == pytest.approx(median)
+    fig = figures.comms_bandwidth(points, None, "355m-n4 dslab-zero2")
+    assert f"{len(points)} collectives: the median per op and message size" in fig.layout.title.text
+    drawn = [(t.name, x, y, hi, lo) for t in fig.data
+             for x, y, hi, lo in zip(t.x, t.y, t.error_y.array, t.error_y.arrayminus)]
+    assert drawn == [(s["op"], s["bytes"], s["busbw_GBps"], s["busbw_max_GBps"] - s["busbw_GBps"],
+                      s["busbw_GBps"] - s["busbw_min_GBps"]) for s in sizes]
+    few = points[:comms_view.BANDWIDTH_POINTS_MAX]  # at the limit: a marker per collective
+    assert sum(len(t.x) for t in figures.comms_bandwidth(few, None, "c").data) == len(few)
+
+
 def test_the_three_rank_report_has_a_point_per_all_reduce_and_the_warm_up_clipped():
     run = FIXTURES / "comms_reports" / "gpt2" / "20261126T020306Z-cbf34f"
     report = read_report(run)
@@ -211,6 +234,8 @@ def test_the_comms_tab_labels_its_columns_with_units_and_draws_each_view():
     report = _report(late_rank_records(late_rank=STRAGGLER_RANK, late_ms=5.0))
     tree = comms_tab.comms_tab(report, "gpt2_medium", RUN_IDS[0], CASE)
     grids = {g.id: [c["headerName"] for c in g.columnDefs] for g in _components(tree, "AgGrid")}
+    grids.update({t.id: [name for _, name in read_plain_table(t).headers]
+                  for t in _components(tree, "Markdown")})  # the plain tables' headers
     assert grids["comms-ops"] == ["op", "message bytes", "calls", "timed calls", "mean latency (ms)",
                                   "min latency (ms)", "max latency (ms)", "algbw GB/s", "busbw GB/s"]
     assert "caused wait (ms)" in grids["comms-stragglers-table"] and "times last" in grids["comms-stragglers-table"]

@@ -93,6 +93,18 @@ def test_summaries_flag_unreadable_runs_and_cache(reports_root):
     assert again[RUN_IDS[0]] is first[RUN_IDS[0]]
 
 
+def test_dropped_pages_are_drawn_afresh_from_the_kept_report(reports_root):
+    store = RunStore(reports_root)
+    path = f"/run/{SUITE}/{RUN_IDS[0]}"
+    first = render(store, path)
+    report = store.report(SUITE, RUN_IDS[0])
+    assert render(store, path) is first  # kept
+    store.drop_pages()
+    again = render(store, path)
+    assert again is not first and str(again) == str(first)
+    assert store.report(SUITE, RUN_IDS[0]) is report  # not read again
+
+
 def test_filters():
     store_rows = [make_small_report(f"20261101T00000{i}Z-00000{i}", suite, "2026-11-01T00:00:00+00:00", 100.0)
                   for i, suite in enumerate(("a", "b", "a"))]

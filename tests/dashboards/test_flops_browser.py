@@ -69,6 +69,11 @@ def test_flops_tab_draws_the_module_table_treemap_and_roofline(browser, flops_se
     assert grid[1] == [n["id"] for n in sorted(nodes, key=lambda n: n["order"])]  # one row per module
     shown = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#flops-modules .ag-header-cell-text")]
     assert "module" in shown and "params (M)" in shown and "depth" in shown
+    # the widths set on the server fit every header and every drawn cell: no text is cut
+    cut = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#flops-modules .ag-header-cell-text, #flops-modules .ag-cell'))"
+        ".filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)")
+    assert cut == []
     # the depth column's number filter: depth 3 is every block's attention, MLP and norms
     depth3 = browser.execute_script(
         "const api = dash_ag_grid.getApi('flops-modules');"

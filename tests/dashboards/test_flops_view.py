@@ -14,6 +14,7 @@ import dash_ag_grid as dag
 import plotly.colors
 import pytest
 from dash import dcc, html
+from table_reader import read_plain_table
 
 from dashboards import figures, flops_view
 from dashboards.flops_tab import flops_tab
@@ -41,7 +42,7 @@ def _walk(component):
 
 
 def _found(out: list, kind) -> dict:
-    return {c.id: c for top in out for c in _walk(top) if isinstance(c, kind)}
+    return {c.id: c for top in out for c in _walk(top) if isinstance(c, kind) and getattr(c, "id", None)}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["gpt2-124m", "bert-seq128"])
@@ -136,10 +137,15 @@ def test_every_header_on_the_tab_is_readable_with_units():
     report = read_report(GPT2)
     out = flops_tab(report, "gpt2", report.run_id, "124m")
     grids = _found(out, dag.AgGrid)
-    assert set(grids) == {"flops-modules", "flops-breakdown", "flops-types"}
-    for grid_id, grid in grids.items():
-        for column in grid.columnDefs:
-            field, header = column["field"], column["headerName"]
+    assert set(grids) == {"flops-modules"}
+    plain = _found(out, dcc.Markdown)
+    assert set(plain) == {"flops-breakdown", "flops-types"}  # a few rows, in their order: plain tables
+    columns = {grid_id: [(c["field"], c["headerName"]) for c in grid.columnDefs] for grid_id, grid in grids.items()}
+    for table_id, table in plain.items():
+        columns[table_id] = read_plain_table(table).headers
+    assert columns["flops-breakdown"] == flops_view.BREAKDOWN_COLUMNS
+    for grid_id, pairs in columns.items():
+        for field, header in pairs:
             assert "_" not in header, (grid_id, header)
             if field not in TEXT_FIELDS | UNITLESS:
                 assert "(" in header or "TFLOP/s" in header, (grid_id, header)  # a unit
@@ -149,7 +155,7 @@ def test_every_header_on_the_tab_is_readable_with_units():
     filters = {c["field"]: c["filter"] for c in modules.columnDefs}
     assert filters["depth"] == "agNumberColumnFilter" and filters["module"] == "agTextColumnFilter"
     assert modules.defaultColDef["sortable"] and modules.defaultColDef["floatingFilter"]
-    assert [c["headerName"] for c in grids["flops-types"].columnDefs] == [h for _, h in flops_view.TYPE_COLUMNS]
+    assert columns["flops-types"] == flops_view.TYPE_COLUMNS
     assert set(_found(out, dcc.Graph)) == {"flops-treemap", "flops-roofline"}
 
 
