@@ -4,9 +4,10 @@
     python3 benchmarks/decode_profile.py [--presets gpt2_124m,gpt2_1558m] [--batches 1,32]
         [--dtypes bf16,int8] [--replays 100] [--trials 5] [--top 8]
 
-For each preset x batch x dtype it injects one random transformers GPT-2 (bf16, the suite's seed),
-prefills a 32-token prompt and captures the step's CUDA graph for both variants (fused at every
-batch here; the engine fuses batch 1 only, the fastest choice these rows show), then:
+For each preset x batch x dtype it injects one random transformers model (GPT-2 for ``gpt2_*``
+presets, Llama for ``llama*``; bf16, the suite's seed), prefills a 32-token prompt and captures the
+step's CUDA graph for both variants (fused at every batch here; the engine fuses batch 1 only, the
+fastest choice these rows show; a model without a fused step has the op-by-op variant only), then:
 
 - ``ms/step``: the graph replayed ``--replays`` times back to back between CUDA events (the step
   alone: no token choice, no host work between steps), median of ``--trials``; both variants
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from inference_kernels_bench import copy_bandwidth_gbs  # noqa: E402
 
-from dslab.bench.inference import build_hf_gpt2, make_prompts  # noqa: E402
+from dslab.bench.inference import build_hf_gpt2, build_hf_llama, make_prompts  # noqa: E402
 from dslab.inference import init_inference  # noqa: E402
 from dslab.inference.decode import DecodeRunner  # noqa: E402
 
@@ -51,13 +52,16 @@ class Variant:
     def __init__(self, engine, prompts, fused: bool):
         self.engine, self.fused = engine, fused
         self.runner = DecodeRunner(engine.module, engine.max_seq, True)  # its own slot and graph
-        engine.module.fused_decode = fused
-        engine.module.fused_decode_rows = 64  # fused at every batch here (the engine fuses batch 1 only)
+        fusable = hasattr(engine.module, "fused_decode")
+        if fusable:
+            engine.module.fused_decode = fused
+            engine.module.fused_decode_rows = 64  # fused at every batch here (the engine fuses batch 1 only)
         self.slot = self.runner.slot(prompts.shape[0])
         self.prompts = prompts
         self.reset()
         self.runner.step(self.slot)  # captures
-        engine.module.fused_decode, engine.module.fused_decode_rows = True, 1
+        if fusable:
+            engine.module.fused_decode, engine.module.fused_decode_rows = True, 1
 
     def reset(self):
         with torch.no_grad():
@@ -115,30 +119,35 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {read_gbs:.0f} GB/s (read + write)", flush=True)
     rows = []
     for preset in args.presets.split(","):
-        model = build_hf_gpt2(preset, {}, 0, torch.bfloat16, device)
+        build = build_hf_llama if preset.startswith("llama") else build_hf_gpt2
+        model = build(preset, {}, 0, torch.bfloat16, device)
         for dtype_name in args.dtypes.split(","):
             engine = init_inference(model, dtype=DTYPES[dtype_name], max_out_tokens=PROMPT + 2 * args.replays + 16)
             weight_bytes = engine.memory_records()["weights_bytes"]
             for batch in (int(b) for b in args.batches.split(",")):
                 prompts = make_prompts(batch, PROMPT, engine.module.vocab_size, 0, device)
-                fused, plain = Variant(engine, prompts, True), Variant(engine, prompts, False)
-                fused.reset()
-                plain.reset()
+                fusable = hasattr(engine.module, "fused_decode")
+                plain = Variant(engine, prompts, False)
+                fused = Variant(engine, prompts, True) if fusable else plain
+                variants = (fused, plain) if fusable else (plain,)
+                for variant in variants:
+                    variant.reset()
                 a, b = fused.steps(8), plain.steps(8)
                 scale = max(x.abs().max().item() for x in b)
                 diff = max((x - y).abs().max().item() for x, y in zip(a, b)) / scale
                 same = all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b))
                 times = {True: [], False: []}
                 for _ in range(args.trials):
-                    for variant in (fused, plain):
+                    for variant in variants:
                         times[variant.fused].append(variant.time_ms(args.replays))
-                t_fused, t_plain = statistics.median(times[True]), statistics.median(times[False])
+                t_plain = statistics.median(times[False])
+                t_fused = statistics.median(times[True]) if fusable else float("nan")
                 label = f"{preset} b{batch} {dtype_name}"
                 print(f"\n== {label}: fused {t_fused:.4f} ms/step, op by op {t_plain:.4f} "
                       f"(trials {', '.join(f'{t:.4f}' for t in times[True])} | "
                       f"{', '.join(f'{t:.4f}' for t in times[False])}); logits rel diff {diff:.2e}, "
                       f"greedy same {same}", flush=True)
-                for variant in (fused, plain):
+                for variant in variants:
                     kernels = variant.kernels()
                     launches = sum(c for c, _ in kernels.values())
                     busy = sum(us for _, us in kernels.values())

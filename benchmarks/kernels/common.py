@@ -209,11 +209,12 @@ def reset_cuda_generators() -> None:
         generator.graphsafe_set_state(generator.clone_state())
 
 
-def graph_time_ms(fn: Callable[[], object], iters: int = 30, failures: list[str] | None = None) -> list[float] | None:
-    """Per-replay times in ms of ``fn`` captured once in a CUDA graph: the device time of its
-    kernels without the host's launch overhead. None when ``fn`` cannot be captured, with the
-    reason appended to ``failures``; the CUDA generators are reset after a failed capture
-    (:func:`reset_cuda_generators`) so that the failure cannot reach the next case."""
+def graph_replay(fn: Callable[[], object], failures: list[str] | None = None) -> Callable[[], None] | None:
+    """``fn`` captured once in a CUDA graph (after three warm-up calls on a side stream), as a
+    callable that replays it: the device work of one call of ``fn`` without the host's launch
+    overhead. None when ``fn`` cannot be captured, with the reason appended to ``failures``; the
+    CUDA generators are reset after a failed capture (:func:`reset_cuda_generators`) so that the
+    failure cannot reach the next case. The callable holds the graph (and its memory pool)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
@@ -230,6 +231,19 @@ def graph_time_ms(fn: Callable[[], object], iters: int = 30, failures: list[str]
         if failures is not None:
             failures.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         return None
-    times = time_ms(graph.replay, warmup=3, iters=iters)
-    del graph
-    return times
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.graph = graph
+    return replay
+
+
+def graph_time_ms(fn: Callable[[], object], iters: int = 30, failures: list[str] | None = None) -> list[float] | None:
+    """Per-replay times in ms of ``fn`` captured once in a CUDA graph (:func:`graph_replay`): the
+    device time of its kernels without the host's launch overhead. None when ``fn`` cannot be
+    captured, with the reason appended to ``failures``."""
+    replay = graph_replay(fn, failures)
+    if replay is None:
+        return None
+    return time_ms(replay, warmup=3, iters=iters)

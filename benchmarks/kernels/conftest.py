@@ -11,6 +11,10 @@ Options (each has a default, so that the folder also runs when its conftest is n
     --kernel-inject-slowdown F each dslab arm followed by a device-side spin of F times its median
                                call time (``common.slowed``): a known slowdown for checking the gate,
                                recorded in ``machine_info["dslab_inject_slowdown"]``
+    --kernel-timing MODE       ``graph`` (default): each timed call is one replay of the case captured
+                               in a CUDA graph, so a round times the device's work alone; ``eager``:
+                               the case's own calls, the host's issuing included when the host is the
+                               slower side (``test_kernels_bench.py``)
 
 Kernel choices (:mod:`dslab.kernels.pinning`): each process picks its kernels afresh (Triton's
 autotuner times its configs per process, and two configs within its noise go either way), so two
@@ -50,6 +54,7 @@ if importlib.util.find_spec("pytest_benchmark") is None:
                       "(or pip install pytest-benchmark)")
 
 ARMS = ("dslab", "torch")
+TIMING_MODES = ("graph", "eager")
 NO_CUDA = "needs a CUDA GPU: the kernel benchmarks time device work with CUDA events"
 PEAKS_KEY = pytest.StashKey[dict]()
 PINS_KEY = pytest.StashKey[dict]()
@@ -88,6 +93,10 @@ def pytest_addoption(parser):
     group.addoption("--kernel-inject-slowdown", type=float, default=0.0, metavar="FRACTION",
                     help="slow every dslab arm by this fraction of its median call time with a device-side spin "
                          "(common.slowed), to check the kernel gate; recorded in machine_info (default 0: off)")
+    group.addoption("--kernel-timing", choices=TIMING_MODES, default="graph",
+                    help="graph: time replays of each case captured in a CUDA graph (device work only; a case "
+                         "that cannot be captured runs eagerly and says so); eager: time the calls as issued "
+                         "(default graph)")
     group.addoption("--kernel-pins", default=None, metavar="FILE",
                     help="replay the kernel choices recorded in FILE (a pytest-benchmark JSON of these benchmarks, "
                          "or a kernel-choices JSON) before anything runs")
@@ -169,6 +178,12 @@ def timing(pytestconfig) -> Timing:
         if value < least:
             raise ValueError(f"--kernel-{name.replace('_', '-')} must be at least {least}, got {value}")
     return Timing(**values)
+
+
+@pytest.fixture(scope="session")
+def timing_mode(pytestconfig) -> str:
+    """``--kernel-timing``: ``graph`` or ``eager`` (module docstring)."""
+    return pytestconfig.getoption("kernel_timing", "graph") or "graph"
 
 
 @pytest.fixture(scope="session")

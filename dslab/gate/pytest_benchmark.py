@@ -14,7 +14,10 @@ host name and kernel release are left out); and on what dslab's kernel benchmark
 (``benchmarks/kernels/conftest.py``) add to ``machine_info``: ``gpu.name``, the major.minor of
 ``torch.version`` and ``torch.cuda``, and ``dslab_kernels`` (the ``DSLAB_KERNELS`` variable). Those
 four are compared as recorded, a missing one as null, so that a GPU file is never judged against
-one without a GPU. Rounds of one pytest process are not independent trials the way separate
+one without a GPU. A benchmark is judged only against one timed the same way: the kernel
+benchmarks record ``extra_info["timing"]`` (``"graph"``: replays of a CUDA graph, the device's work
+alone; ``"eager..."``: the calls as issued; absent in files from before the option, which timed
+eagerly). Rounds of one pytest process are not independent trials the way separate
 benchmark trials are, so the p-value is optimistic; the threshold and the interval test are what
 keep a microbenchmark gate quiet on noise.
 """
@@ -63,6 +66,19 @@ def machine_fingerprint(machine_info: dict) -> dict:
     return out
 
 
+def timing_methods(data: dict) -> dict[tuple[str, str], str]:
+    """``{(fullname, group): "graph" | "eager"}``: how each benchmark was timed (``extra_info
+    ["timing"]``'s first word; ``"eager"`` when absent)."""
+    out = {}
+    for bench in data["benchmarks"]:
+        if not isinstance(bench, dict):
+            continue
+        name = str(bench.get("fullname") or bench.get("name") or "?")
+        timing = (bench.get("extra_info") or {}).get("timing")
+        out[(name, str(bench.get("group") or ""))] = str(timing).split(":")[0] if timing else "eager"
+    return out
+
+
 def benchmark_timings(data: dict) -> dict[tuple[str, str], list[float] | None]:
     """``{(fullname, group): per-round seconds}``; None for a benchmark saved without its data."""
     out = {}
@@ -94,6 +110,7 @@ def gate_pytest_benchmark(
             f"{path}: {json.dumps(a)} (baseline) vs {json.dumps(b)} (candidate)" for path, a, b in differences))
         return report
     base, cand = benchmark_timings(base_data), benchmark_timings(cand_data)
+    base_method, cand_method = timing_methods(base_data), timing_methods(cand_data)
     for name, group in dict.fromkeys([*cand, *base]):
         key = (name, group)
         reason = None
@@ -106,6 +123,9 @@ def gate_pytest_benchmark(
             if missing:
                 reason = (f"the {' and '.join(missing)} file{'s were' if len(missing) > 1 else ' was'} saved without "
                           f"per-round timings (stats.data); rerun pytest with --benchmark-save-data")
+            elif base_method[key] != cand_method[key]:
+                reason = (f"timed differently: {base_method[key]} in the baseline, {cand_method[key]} in the "
+                          f"candidate (the kernel benchmarks' --kernel-timing, or a case that could not be captured)")
         if reason is not None:
             report.rows.append(Row(verdict=CANNOT_JUDGE, reason=reason, direction=DIRECTION, case=name, arm=group,
                                    metric=METRIC))

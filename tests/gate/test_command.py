@@ -156,7 +156,7 @@ def test_threshold_parsing():
             parse_threshold(bad)
 
 
-def bench_file(path, scale=1.0, save_data=True, cpu="AMD EPYC 9654", seed=0, extra_machine_info=None):
+def bench_file(path, scale=1.0, save_data=True, cpu="AMD EPYC 9654", seed=0, extra_machine_info=None, timing=None):
     rng = np.random.default_rng(seed)
     benchmarks = []
     for name in ("test_layer_norm", "test_softmax"):
@@ -164,7 +164,10 @@ def bench_file(path, scale=1.0, save_data=True, cpu="AMD EPYC 9654", seed=0, ext
         stats = {"min": min(times), "median": float(np.median(times)), "rounds": len(times)}
         if save_data:
             stats["data"] = times
-        benchmarks.append({"name": name, "fullname": f"tests/test_k.py::{name}", "group": None, "stats": stats})
+        bench = {"name": name, "fullname": f"tests/test_k.py::{name}", "group": None, "stats": stats}
+        if timing is not None:
+            bench["extra_info"] = {"timing": timing[name] if isinstance(timing, dict) else timing}
+        benchmarks.append(bench)
     path.write_text(json.dumps({
         "machine_info": {"node": f"host{seed}", "machine": "x86_64", "processor": "x86_64", "system": "Linux",
                          "python_implementation": "CPython", "python_version": "3.12.3",
@@ -187,6 +190,24 @@ def test_pytest_benchmark_gating(tmp_path, capsys):
     assert code == 2 and "machine_info.cpu.brand_raw" in out.out
     code, out = gate(capsys, "--pytest-benchmark", base, str(tmp_path / "absent.json"))
     assert code == 2 and "absent.json" in out.out
+
+
+def test_pytest_benchmark_gating_judges_only_benchmarks_timed_alike(tmp_path, capsys):
+    """The kernel benchmarks' --kernel-timing: a graph-timed benchmark is not judged against an
+    eager one (a file from before the option counts as eager); the rest are judged as usual."""
+    base = bench_file(tmp_path / "base.json", seed=1, timing="graph")
+    code, out = gate(capsys, "--pytest-benchmark", base, bench_file(tmp_path / "g.json", seed=2, timing="graph"))
+    assert code == 0, out.out
+    mixed = {"test_layer_norm": "graph", "test_softmax": "eager: the case could not be captured (RuntimeError: x)"}
+    code, out = gate(capsys, "--pytest-benchmark", base, bench_file(tmp_path / "m.json", seed=2, timing=mixed),
+                     "--format", "json")
+    rows = {row["case"]: row for row in json.loads(out.out)["rows"]}
+    assert code == 2
+    assert rows["tests/test_k.py::test_layer_norm"]["verdict"] == "pass"
+    softmax = rows["tests/test_k.py::test_softmax"]
+    assert softmax["verdict"] == "cannot-judge" and "graph in the baseline, eager in the candidate" in softmax["reason"]
+    code, out = gate(capsys, "--pytest-benchmark", bench_file(tmp_path / "old.json", seed=3), base)
+    assert code == 2 and "eager in the baseline, graph in the candidate" in out.out
 
 
 def kernel_machine_info(gpu="NVIDIA H100 80GB HBM3", torch_version="2.13.0+cu128", kernels=None):
