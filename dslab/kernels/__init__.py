@@ -28,7 +28,8 @@ The families (:data:`FAMILIES`):
 ==============  ===========================================================================
 
 Shared by the families: :mod:`dslab.kernels.dispatch` (the backend switch), ``_grid`` (persistent
-grids and their partial sums) and ``_triton_compat`` (the optional Triton import). Modules import
+grids and their partial sums), ``_launch`` (direct launches of plain Triton kernels, past Triton's
+per-call Python) and ``_triton_compat`` (the optional Triton import). Modules import
 each other by their full module path, never through a package's ``__init__``, so no two files
 import each other (``tests/test_import_graph.py``).
 

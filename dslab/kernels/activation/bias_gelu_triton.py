@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dslab.kernels._launch import FastJit
 from dslab.kernels._grid import column_sums, resident_programs
 from dslab.kernels._grid import device_guard as _device_guard
 from dslab.kernels._grid import unit_stride_rows as _rows
@@ -124,6 +125,9 @@ def _bias_gelu_fwd_kernel(
     tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+_FAST_BIAS_GELU_FWD = FastJit(_bias_gelu_fwd_kernel)
+
+
 @triton.jit
 def _bias_gelu_bwd_kernel(
     DY, X, B, DX, DB_partial, M, N, stride_dy, stride_x, stride_dx,
@@ -153,6 +157,7 @@ def _bias_gelu_bwd_kernel(
         tl.store(DB_partial + pid_m * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
+_FAST_BIAS_GELU_BWD = FastJit(_bias_gelu_bwd_kernel)
 
 
 @functools.cache
@@ -171,7 +176,7 @@ def forward(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> tor
         return y
     block_m, block_n, num_warps = _config(n)
     with _device_guard(x):
-        _bias_gelu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _FAST_BIAS_GELU_FWD[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             x, bias, y, m, n, x.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh",
             PRECISE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -196,7 +201,7 @@ def backward(
     strides = (dy.stride(0), x.stride(0), dx.stride(0))
     with _device_guard(x):
         if bias is None:
-            _bias_gelu_bwd_kernel[(row_tiles, col_tiles)](dy, x, None, dx, None, m, n, *strides, **meta)
+            _FAST_BIAS_GELU_BWD[(row_tiles, col_tiles)](dy, x, None, dx, None, m, n, *strides, **meta)
             return dx, None
         # The partials' size depends on the grid: the occupancy query compiles the same
         # specialization with an aligned fp32 tensor standing in for them.
@@ -208,6 +213,6 @@ def backward(
         resident = resident_programs(_bias_gelu_bwd_kernel, probe_args, meta, key, x.device)
         row_programs = min(row_tiles, max(1, resident // col_tiles))
         db_partial = torch.empty((1, row_programs, n), dtype=torch.float32, device=x.device)
-        _bias_gelu_bwd_kernel[(row_programs, col_tiles)](dy, x, bias, dx, db_partial, m, n, *strides, **meta)
+        _FAST_BIAS_GELU_BWD[(row_programs, col_tiles)](dy, x, bias, dx, db_partial, m, n, *strides, **meta)
         (db,) = column_sums(db_partial, (bias.dtype,))
     return dx, db

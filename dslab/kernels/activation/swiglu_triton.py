@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dslab.kernels._launch import FastJit
 from dslab.kernels._grid import device_guard as _device_guard
 from dslab.kernels._grid import unit_stride_rows as _rows
 from dslab.kernels.activation.bias_gelu_triton import _sigmoid_parts
@@ -49,6 +50,9 @@ def _swiglu_fwd_kernel(
     tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
+_FAST_SWIGLU_FWD = FastJit(_swiglu_fwd_kernel)
+
+
 @triton.jit
 def _swiglu_bwd_kernel(
     DY, X, DX, M, I, stride_dy, stride_x, stride_dx,
@@ -68,6 +72,9 @@ def _swiglu_bwd_kernel(
     dgate_ptrs = DX + rows64 * stride_dx + cols[None, :]
     tl.store(dgate_ptrs, (dy * u * dsilu).to(DX.dtype.element_ty), mask=mask)
     tl.store(dgate_ptrs + I, (dy * silu).to(DX.dtype.element_ty), mask=mask)
+
+
+_FAST_SWIGLU_BWD = FastJit(_swiglu_bwd_kernel)
 
 
 @functools.cache
@@ -94,7 +101,7 @@ def forward(x: torch.Tensor) -> torch.Tensor:
         return y
     block_m, block_n, num_warps = _config(half, False)
     with _device_guard(x):
-        _swiglu_fwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(half, block_n))](
+        _FAST_SWIGLU_FWD[(triton.cdiv(m, block_m), triton.cdiv(half, block_n))](
             x, y, m, half, x.stride(0), y.stride(0),
             PRECISE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
@@ -110,7 +117,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return dx
     block_m, block_n, num_warps = _config(half, True)
     with _device_guard(x):
-        _swiglu_bwd_kernel[(triton.cdiv(m, block_m), triton.cdiv(half, block_n))](
+        _FAST_SWIGLU_BWD[(triton.cdiv(m, block_m), triton.cdiv(half, block_n))](
             dy, x, dx, m, half, dy.stride(0), x.stride(0), dx.stride(0),
             PRECISE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )

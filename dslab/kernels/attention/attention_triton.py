@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from dslab.kernels._launch import launch_hooks_active
 from dslab.kernels.dispatch import interpreting
 
 LOG2_E = 1.4426950408889634
@@ -339,20 +340,7 @@ def fwd_launcher(head_dim: int) -> "CachedLaunch":
 
 
 _LAUNCH_CACHE_SIZE = 256
-_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 _INT32 = (-(2**31), 2**31 - 1)
-
-
-def _launch_hooks_active() -> bool:
-    """Whether a Triton launch hook (a profiler such as Proton) is installed: launches then take
-    Triton's own path, which calls the hooks."""
-    if _RUNTIME_KNOBS is None:  # Triton before 3.4 kept the hooks on CompiledKernel
-        return getattr(triton.compiler.CompiledKernel, "launch_enter_hook", None) is not None
-    for name in ("launch_enter_hook", "launch_exit_hook"):
-        hook = getattr(_RUNTIME_KNOBS, name, None)
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
 
 
 class CachedLaunch:
@@ -404,7 +392,7 @@ class CachedLaunch:
             *[type(s) if type(s) is not int else low <= s <= high for s in scalars],
         )
         entry = self.entries.get(key)
-        if entry is None or _launch_hooks_active():
+        if entry is None or launch_hooks_active():
             kernel = self.autotuned[grid](*tensors, *ints, *scalars, **flags)
             if entry is None and not interpreting():
                 self._remember(key, kernel, (*tensors, *ints, *scalars), flags)

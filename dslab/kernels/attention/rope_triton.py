@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dslab.kernels._launch import FastJit
 from dslab.kernels._grid import device_guard as _device_guard
 
 
@@ -78,6 +79,9 @@ def _rope_kernel(
                           heads_k, half, stride_kb, stride_ks, stride_kh, BLOCK_H)
 
 
+_FAST_ROPE = FastJit(_rope_kernel)
+
+
 @functools.cache
 def _config(half: int, heads_q: int, heads_k: int) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_H, BLOCK_HALF, num_warps): head tiles of the largest power of two dividing
@@ -122,7 +126,7 @@ def rotate(
     q_tiles, k_tiles = triton.cdiv(heads_q, block_h), triton.cdiv(heads_k, block_h)
     k_strides = (k.stride(0), k.stride(1), k.stride(2)) if k is not None else (0, 0, 0)
     with _device_guard(q):
-        _rope_kernel[(triton.cdiv(rows, block_r), q_tiles + k_tiles)](
+        _FAST_ROPE[(triton.cdiv(rows, block_r), q_tiles + k_tiles)](
             q, k, cos, sin, q_out, k_out,
             rows, seq, heads_q, heads_k, half, q_tiles,
             q.stride(0), q.stride(1), q.stride(2), *k_strides,

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dslab.kernels._launch import FastJit
 from dslab.kernels._grid import column_sums, resident_programs
 from dslab.kernels._grid import device_guard as _device_guard
 from dslab.kernels._grid import unit_stride_rows as _rows
@@ -82,6 +83,9 @@ def _layer_norm_fwd_kernel(
     if HAS_BIAS:
         y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+_FAST_LAYER_NORM_FWD = FastJit(_layer_norm_fwd_kernel)
 
 
 @triton.jit
@@ -150,6 +154,7 @@ def _layer_norm_bwd_kernel(
         tl.store(Partials + dxb_row.to(tl.int64) * N + cols, tl.sum(dxb_acc, axis=0), mask=col_mask)
 
 
+_FAST_LAYER_NORM_BWD = FastJit(_layer_norm_bwd_kernel)
 
 
 @functools.cache
@@ -223,7 +228,7 @@ def forward(
         return y, h, mean, rstd
     block_m, block_n, num_warps = _forward_config(n)
     with _device_guard(x):
-        _layer_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        _FAST_LAYER_NORM_FWD[(triton.cdiv(m, block_m),)](
             x, residual, weight, bias, y, h, mean, rstd, x_bias, seed if p > 0.0 else None,
             m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
             y.stride(0), h.stride(0) if h is not None else 0, eps, _threshold(p), _scale(p),
@@ -305,7 +310,7 @@ def _backward(dy, h, weight, bias, mean, rstd, dh, x_bias, p, seed, dropout_side
         programs = min(triton.cdiv(m, block_m), resident)
         partials = (torch.empty((len(grads), programs, n), dtype=torch.float32, device=h.device)
                     if grads else None)
-        _layer_norm_bwd_kernel[(programs,)](
+        _FAST_LAYER_NORM_BWD[(programs,)](
             dy, h, weight, mean, rstd, dh, dx, partials, dxd, seed, m, n, *scalars, **meta)
         sums = iter(column_sums(partials, tuple(t.dtype for t in grads)) if grads else ())
     dw, db, dxb = (next(sums) if t is not None else None for t in (weight, bias, x_bias))

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dslab.kernels._launch import FastJit
 from dslab.kernels._grid import column_sums, resident_programs
 from dslab.kernels._grid import device_guard as _device_guard
 from dslab.kernels._grid import unit_stride_rows as _rows
@@ -65,6 +66,9 @@ def _rms_norm_fwd_kernel(
     if HAS_WEIGHT:
         y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+_FAST_RMS_NORM_FWD = FastJit(_rms_norm_fwd_kernel)
 
 
 @triton.jit
@@ -105,6 +109,9 @@ def _rms_norm_bwd_kernel(
         tl.store(Partials + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
+_FAST_RMS_NORM_BWD = FastJit(_rms_norm_bwd_kernel)
+
+
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -125,7 +132,7 @@ def forward(
         return y, h, rstd
     block_m, block_n, num_warps = _forward_config(n)
     with _device_guard(x):
-        _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        _FAST_RMS_NORM_FWD[(triton.cdiv(m, block_m),)](
             x, residual, weight, y, h, rstd,
             m, n, x.stride(0), residual.stride(0) if residual is not None else 0,
             y.stride(0), h.stride(0) if h is not None else 0, eps,
@@ -173,6 +180,6 @@ def backward(
         programs = min(triton.cdiv(m, block_m), resident)
         partials = (torch.empty((1, programs, n), dtype=torch.float32, device=h.device)
                     if weight is not None else None)
-        _rms_norm_bwd_kernel[(programs,)](dy, h, weight, rstd, dh, dx, partials, m, n, *strides, **meta)
+        _FAST_RMS_NORM_BWD[(programs,)](dy, h, weight, rstd, dh, dx, partials, m, n, *strides, **meta)
         dw = column_sums(partials, (weight.dtype,))[0] if weight is not None else None
     return dx, dw
