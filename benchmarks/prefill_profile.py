@@ -11,6 +11,9 @@ each call synchronised on both sides:
 - ``generate1``: ``engine.generate(prompts, max_new_tokens=1)`` (the suite's prefill: start of the
   call to the first new token, host work included) and transformers' ``generate`` the same way;
 - ``forward``: the injected module's ``prefill`` alone, and transformers' model forward;
+- ``forward, FastJit off``: the injected module's ``prefill`` with every
+  :class:`dslab.kernels._launch.FastJit` kernel launched through Triton's own path, interleaved
+  trial by trial with it on (the ``forward`` figure), to show what the direct launches save;
 - for dslab's ``generate1``: ``torch.profiler`` (CPU and CUDA) over one call: kernels launched,
   device busy time (the kernels' union), and the ``--top`` host ops by self CPU time, so that a
   host-bound prefill shows which calls hold it.
@@ -33,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dslab.bench.inference import build_hf_gpt2, build_hf_llama, make_prompts  # noqa: E402
 from dslab.inference import init_inference  # noqa: E402
+from dslab.kernels._launch import FastJit  # noqa: E402
 
 
 def sync() -> None:
@@ -125,6 +129,16 @@ def main() -> None:
             measured = {name: statistics.median(timed_ms(call, args.trials)) for name, call in
                         (("dslab generate1", dslab_generate), ("hf generate1", hf_generate),
                          ("dslab forward", dslab_forward), ("hf forward", hf_forward))}
+            launch_times = {True: [], False: []}
+            for _ in range(args.trials):
+                for enabled in (True, False):
+                    for launcher in FastJit.instances:
+                        launcher.enabled = enabled
+                    launch_times[enabled] += timed_ms(dslab_forward, 1)
+            for launcher in FastJit.instances:
+                launcher.enabled = True
+            measured["dslab forward, FastJit on"] = statistics.median(launch_times[True])
+            measured["dslab forward, FastJit off"] = statistics.median(launch_times[False])
             kernels, busy, top = host_profile(dslab_generate, args.top)
             label = f"{preset} b{args.batch} p{length}"
             print(f"\n== {label}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in measured.items())
@@ -137,11 +151,11 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print(f"\n{'case':<22} {'dslab gen1':>10} {'hf gen1':>8} {'ratio':>6} {'dslab fwd':>9} {'hf fwd':>7} "
-          f"{'kernels':>7} {'busy ms':>7}")
+          f"{'kernels':>7} {'busy ms':>7} {'fast on':>7} {'off':>7}")
     for label, m, kernels, busy in rows:
         print(f"{label:<22} {m['dslab generate1']:>10.2f} {m['hf generate1']:>8.2f} "
               f"{m['dslab generate1'] / m['hf generate1']:>6.2f} {m['dslab forward']:>9.2f} {m['hf forward']:>7.2f} "
-              f"{kernels:>7d} {busy:>7.2f}")
+              f"{kernels:>7d} {busy:>7.2f} {m['dslab forward, FastJit on']:>7.2f} {m['dslab forward, FastJit off']:>7.2f}")
 
 
 if __name__ == "__main__":

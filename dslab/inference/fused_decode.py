@@ -1,9 +1,10 @@
 """The per-token step of a pre-LN causal model (GPT-2) in five launches a layer.
 
-GPT-2's layout only (:class:`~dslab.inference.modules.InferenceTransformer`): LayerNorm, bias +
-GELU, learned position embeddings. The Llama layout
+GPT-2's layout (:class:`~dslab.inference.modules.InferenceTransformer`): LayerNorm, bias + GELU,
+learned position embeddings. The Llama layout
 (:class:`~dslab.inference.llama_modules.InferenceLlama`: RMSNorm, rotary positions, grouped-query
-attention, SwiGLU) runs its step op by op.
+attention, SwiGLU) has its own fused step on the same op, :mod:`dslab.inference.fused_decode_llama`,
+which shares :func:`linear` and :func:`rows_reason` from here.
 
 :meth:`InferenceTransformer.decode_step <dslab.inference.modules.InferenceTransformer.decode_step>`
 runs :func:`fused_decode_step` when :func:`unfused_reason` finds nothing against it. With ``x`` the
@@ -53,16 +54,28 @@ def unfused_reason(model, rows: int) -> str | None:
             or model.embedding_norm is not None or model.mlm is not None or model.final_norm is None \
             or not model.layers:
         return f"{model.source} is not a pre-LN causal language model"
-    if rows > min(model.fused_decode_rows, MAX_ROWS):
-        return f"{rows} rows > fused_decode_rows ({min(model.fused_decode_rows, MAX_ROWS)})"
-    if use_custom_op():
-        return "a dispatch mode or torch.compile is active (the op-by-op step's ops are counted)"
+    reason = rows_reason(model, rows)
+    if reason is not None:
+        return reason
     if any(layer.qkv.int8 and layer.qkv.group_size is not None for layer in model.layers):
         return "int8 weights with group scales"
     return None
 
 
-def _linear(module, x, **kwargs):
+def rows_reason(model, rows: int) -> str | None:
+    """What keeps any fused step at ``rows`` rows off: more rows than ``model.fused_decode_rows``
+    (or the kernel's :data:`~dslab.kernels.decode.decode_linear.MAX_ROWS`), or an active dispatch
+    mode; None otherwise."""
+    if rows > min(model.fused_decode_rows, MAX_ROWS):
+        return f"{rows} rows > fused_decode_rows ({min(model.fused_decode_rows, MAX_ROWS)})"
+    if use_custom_op():
+        return "a dispatch mode or torch.compile is active (the op-by-op step's ops are counted)"
+    return None
+
+
+def linear(module, x, **kwargs):
+    """``decode_linear`` of an :class:`~dslab.inference.modules.InferenceLinear`'s weight, bias and
+    (int8) scale."""
     scale = module.scale if module.int8 else None
     return decode_linear(x, module.weight, module.bias, scale=scale, **kwargs)
 
@@ -80,17 +93,17 @@ def fused_decode_step(model, tokens: torch.Tensor, write_pos: torch.Tensor, vali
         kv = (q, keys, values, write_pos, model.head_dim)
         norm = (layer.attention_norm.weight, layer.attention_norm.bias, layer.attention_norm.eps)
         if index == 0:
-            q, x = _linear(layer.qkv, model.word_embeddings, x_rows=tokens, residual=model.position_embeddings,
+            q, x = linear(layer.qkv, model.word_embeddings, x_rows=tokens, residual=model.position_embeddings,
                            residual_rows=write_pos, residual_row_offset=valid_start, norm=norm,
                            return_sum=True, kv=kv)
         else:
-            q, x = _linear(layer.qkv, d, residual=x, norm=norm, return_sum=True, kv=kv)
+            q, x = linear(layer.qkv, d, residual=x, norm=norm, return_sum=True, kv=kv)
         context = decode_attention(q.view(rows, layer.heads, model.head_dim), keys, values, valid_start, valid_end,
                                    scale=layer.scale)
-        a = layer.tp.all_reduce(_linear(layer.out_proj, context.view(rows, -1)))
+        a = layer.tp.all_reduce(linear(layer.out_proj, context.view(rows, -1)))
         norm = (layer.mlp_norm.weight, layer.mlp_norm.bias, layer.mlp_norm.eps)
-        h, x = _linear(layer.fc_in, a, residual=x, norm=norm, activation=gelu, return_sum=True)
-        d = layer.tp.all_reduce(_linear(layer.fc_out, h))
+        h, x = linear(layer.fc_in, a, residual=x, norm=norm, activation=gelu, return_sum=True)
+        d = layer.tp.all_reduce(linear(layer.fc_out, h))
     final = model.final_norm
     logits = decode_linear(d, model.lm_head, None, residual=x, norm=(final.weight, final.bias, final.eps))
     return logits[:, :model.vocab_size]

@@ -31,8 +31,9 @@ Weights as in :mod:`dslab.inference.modules`: parameters in the compute dtype, t
 weights of each layer int8 with fp32 scales under ``dtype=torch.int8``
 (:class:`~dslab.inference.modules.InferenceLinear`); the row-parallel biases (``[+ bo]``,
 ``[+ bd]``, when the model has them) are added by tensor-parallel rank 0 only. The per-token step
-runs op by op: the fused GPT-2 step (:mod:`dslab.inference.fused_decode`) does not take this
-layout.
+runs fused, five launches a layer (:mod:`dslab.inference.fused_decode_llama`), unless its
+``unfused_reason`` names a reason (by default: more than one row; ``fused_decode = False``), and
+then op by op as written above.
 
 Memory traffic of one decode step at batch B: every weight once, the valid part of the KV cache
 (``2 * layers * B * Hkv * L * D`` elements for L valid positions: ``Hkv / H`` of multi-head
@@ -46,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dslab.inference.config import WeightQuantConfig
+from dslab.inference.fused_decode_llama import fused_decode_step, unfused_reason
 from dslab.inference.kv_cache import KVCache, RotaryDecodeAttention, RotaryPrefillAttention
 from dslab.inference.modules import VOCAB_PAD, InferenceLinear, frozen_parameter, pad_rows, positions_and_padding
 from dslab.inference.policies import LlamaLayerSpec, LlamaSpec
@@ -129,6 +131,10 @@ class InferenceLlama(nn.Module):
                         else frozen_parameter(pad_rows(spec.lm_head, VOCAB_PAD), dtype, device))
         self.register_buffer("rope_inv_freq", spec.rope_inv_freq.to(device=device, dtype=torch.float32),
                              persistent=False)
+        #: Whether :meth:`decode_step` may run the fused step (:mod:`dslab.inference.fused_decode_llama`),
+        #: and up to how many rows (as :class:`~dslab.inference.modules.InferenceTransformer`'s).
+        self.fused_decode = True
+        self.fused_decode_rows = 1
 
     # --- pieces ----------------------------------------------------------------------------------
 
@@ -174,7 +180,10 @@ class InferenceLlama(nn.Module):
                     cache: KVCache) -> torch.Tensor:
         """One token per row: ``tokens`` int64 ``[batch]`` at cache position ``write_pos``, its
         position id ``write_pos - valid_start`` -> logits ``[batch, vocab]``. Static shapes, no host
-        synchronisation: the body of the decode CUDA graph."""
+        synchronisation: the body of the decode CUDA graph. Fused
+        (:mod:`dslab.inference.fused_decode_llama`) unless ``unfused_reason`` names a reason."""
+        if unfused_reason(self, tokens.shape[0]) is None:
+            return fused_decode_step(self, tokens, write_pos, valid_start, cache)
         cos, sin = self.rope((write_pos - valid_start)[:, None])  # [batch, 1, head_dim / 2]
         attend = RotaryDecodeAttention(cache, write_pos, valid_start, cos, sin)
         hidden = self.run_layers(F.embedding(tokens[:, None], self.word_embeddings), attend)
