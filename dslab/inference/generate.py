@@ -292,8 +292,9 @@ def _eos_ids(eos_token_id, vocab: int | None) -> list[int]:
 
 
 def check_prompt(input_ids, attention_mask, vocab: int, device: torch.device):
-    """``(input_ids, attention_mask or None, valid_start int32 [batch])`` on ``device``;
-    ValueError naming the argument for anything ``generate`` cannot take."""
+    """``(input_ids, attention_mask or None, valid_start int32 [batch])`` on ``device`` (the mask
+    None also when it pads no row); ValueError naming the argument for anything ``generate`` cannot
+    take."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
             or input_ids.dtype == torch.bool or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty [batch, seq] integer tensor, got "
@@ -313,6 +314,8 @@ def check_prompt(input_ids, attention_mask, vocab: int, device: torch.device):
     if not bool((mask[:, 1:] >= mask[:, :-1]).all()) or not bool((mask[:, -1] == 1).all()):
         raise ValueError("attention_mask must be left-padded (each row: zeros, then at least one 1 up to the "
                          "end); right padding would put pad tokens between the prompt and the new tokens")
+    if bool((mask[:, 0] == 1).all()):  # no row is padded: the mask says nothing the model needs
+        return input_ids, None, torch.zeros(input_ids.shape[0], dtype=torch.int32, device=device)
     return input_ids, mask, (mask == 0).sum(dim=1).to(torch.int32)
 
 
@@ -428,7 +431,7 @@ def generate_tokens(model: InferenceTransformer, runner: DecodeRunner, input_ids
     sequence = torch.cat([input_ids, input_ids.new_zeros(batch, max_new_tokens)], dim=1)
     slot = runner.slot(batch)
     produced = 0
-    logits = model.prefill(input_ids, attention_mask, slot.cache)
+    logits = runner.prefill(slot, input_ids, attention_mask)
     for step in range(max_new_tokens):
         if step > 0:
             logits = runner.step(slot)[:batch]

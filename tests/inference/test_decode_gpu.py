@@ -4,13 +4,14 @@
 and near-ties may flip); int8 decode (the Triton weight-streaming GEMM) under graphs equals its
 eager run; one capture per batch bucket, one replay per later token. The prefill's flash
 attention, launched through cached launches, follows each call's batch: the caller's tensors stay
-as they were and the logits equal those of Triton's own launches."""
+as they were and the logits equal those of Triton's own launches. The prompt's graph (captured the
+second time a shape comes) gives the eager prefill's logits and tokens, GPT-2 and Llama layouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import hf_gpt2, prompts
+from tiny_models import hf_gpt2, hf_llama, prompts
 
 import dslab
 
@@ -35,15 +36,22 @@ def test_graphs_equal_eager_and_transformers_fp32(model, pads):
     ids, mask = prompts(len(pads), 12, pads=pads)
     ids, mask = ids.cuda(), mask.cuda()
     graphed, eager = _engines(model, dtype=torch.float32)
-    ours = graphed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)
-    again = graphed.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS)  # replays the captured graph
+    # No stop at the model's eos on either side: 32 new tokens each (dslab's generate, like
+    # transformers', stops at the generation config's eos unless told otherwise).
+    run = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+    ours = graphed.generate(ids, **run)
+    again = graphed.generate(ids, **run)  # replays the captured graphs
     assert torch.equal(ours, again)
-    assert torch.equal(ours, eager.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS))
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours, eager.generate(ids, **run))
+    expected = model.generate(ids, do_sample=False, **run)
     assert torch.equal(ours, expected)
     stats = graphed.cuda_graph_stats
-    assert stats == {"captures": 1, "replays": 2 * (NEW_TOKENS - 1)}
+    decode = {key: value for key, value in stats.items() if not key.startswith("prefill")}
+    assert decode == {"captures": 1, "replays": 2 * (NEW_TOKENS - 1)}
+    if len(pads) == 1:  # unpadded: the second prompt of the shape is captured and replayed
+        assert (stats["prefill eager"], stats["prefill captures"], stats["prefill replays"]) == (1, 1, 1)
+    else:  # a padded prompt is never graphed
+        assert stats["prefill eager"] == 2 and "prefill captures" not in stats
 
 
 def test_graphs_equal_eager_bf16_and_int8(model):
@@ -124,3 +132,19 @@ def test_prefill_attention_follows_each_calls_batch(model):
     for r, row in enumerate(rows):
         attention_triton.clear_launch_caches()
         assert torch.equal(engine.generate(ids[r:r + 1], attention_mask=mask[r:r + 1], max_new_tokens=8), row), r
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_graphed_prefill_equals_the_eager_prefill(family):
+    source = (hf_gpt2() if family == "gpt2" else hf_llama("llama")).cuda()
+    ids, mask = prompts(2, 16, vocab=source.config.vocab_size, pads=[0, 0])
+    ids, mask = ids.cuda(), mask.cuda()
+    graphed, eager = _engines(source, dtype=torch.bfloat16)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True, output_logits=True)
+    runs = [graphed.generate(ids, **kwargs) for _ in range(3)]  # eager, captured + replayed, replayed
+    reference = eager.generate(ids, **kwargs)
+    stats = graphed.cuda_graph_stats
+    assert (stats["prefill eager"], stats["prefill captures"], stats["prefill replays"]) == (1, 1, 2), stats
+    for run in runs:
+        assert torch.equal(run.sequences, reference.sequences)
+        torch.testing.assert_close(run.logits[0], reference.logits[0], rtol=2e-2, atol=2e-2)

@@ -145,3 +145,21 @@ def test_token_clock_marks_every_new_token(engine):
     assert timing["new_tokens"] == 5 and len(timing["per_token_ms"]) == 4
     assert timing["prefill_ms"] > 0 and timing["total_ms"] == pytest.approx(timing["prefill_ms"]
                                                                            + sum(timing["per_token_ms"]))
+
+
+def test_a_mask_that_pads_nothing_is_dropped_and_off_cuda_the_prompt_runs_eagerly(engine):
+    """check_prompt returns no mask when no row is padded (the prefill then needs no padding mask,
+    and a graphed prefill can take it); without CUDA graphs every prefill runs eagerly, counted."""
+    from dslab.inference.generate import check_prompt
+
+    ids, mask = prompts(3, 7)
+    _, kept, start = check_prompt(ids, mask, VOCAB, torch.device("cpu"))
+    assert kept is None and start.tolist() == [0, 0, 0]
+    padded_ids, padded = prompts(3, 7, pads=[0, 2, 0])
+    _, kept, start = check_prompt(padded_ids, padded, VOCAB, torch.device("cpu"))
+    assert torch.equal(kept, padded) and start.tolist() == [0, 2, 0]
+    before = engine.cuda_graph_stats.get("prefill eager", 0)
+    first = engine.generate(ids, attention_mask=mask, max_new_tokens=3)
+    assert torch.equal(first, engine.generate(ids, max_new_tokens=3))
+    assert engine.cuda_graph_stats["prefill eager"] == before + 2
+    assert "prefill captures" not in engine.cuda_graph_stats
