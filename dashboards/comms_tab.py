@@ -1,5 +1,6 @@
 """The Comms tab of a run: the reporting rank's per-op summary, the stragglers (who arrived late
-and whom it kept waiting), bus bandwidth against message size beside the measured curve, and one
+and whom it kept waiting), bus bandwidth against message size beside the measured curve, the
+profiled step's gradient buckets against backward (where the record has ``overlap``), and one
 step's collectives of a multi-rank run (:mod:`dashboards.comms_view`)."""
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def comms_tab(report, suite, run_id, case) -> list:
                     comms_view.bandwidth_points(calls()), comms_view.reference_busbw(report), chosen)),
                 html.P(comms_view.BANDWIDTH_NOTE, className="note")]
 
+    def overlap():
+        ranks = comms_view.overlap_ranks(data)
+        rank = comms_view.overlap_rank(ranks, data.get("rank"))
+        shown = ranks[rank]
+        others = [html.Li(comms_view.overlap_summary(o, r)) for r, o in ranks.items() if r != rank]
+        return [html.P(comms_view.overlap_summary(shown, rank), id="comms-overlap-summary"),
+                graph("comms-overlap", comms_view.overlap_timeline(shown, rank, chosen)),
+                plain_table("comms-overlap-buckets", comms_view.overlap_rows(shown), comms_view.OVERLAP_COLUMNS),
+                *([html.Ul(others, className="note")] if others else []),
+                html.P(comms_view.OVERLAP_NOTE, className="note")]
+
     def one_step():
         rank = data.get("rank") if isinstance(data.get("rank"), int) else 0
         steps = comms_view.step_calls(calls(), rank)
@@ -68,6 +80,8 @@ def comms_tab(report, suite, run_id, case) -> list:
         comms_view.OP_COLUMNS))
     out += guarded("Stragglers", stragglers)
     out += guarded("Bus bandwidth against message size", bandwidth)
+    if data.get("overlap") is not None:
+        out += guarded("Gradient communication against backward (profiled step)", overlap)
     out += guarded("Collectives of one step (per gradient bucket)", one_step)
     if isinstance(data.get("definitions"), str):
         out.append(html.P(data["definitions"], className="note"))

@@ -1,6 +1,7 @@
 """The Comms tab's tables and figures: the reporting rank's per-op summary, who arrived late to
-each collective and whom it kept waiting, bus bandwidth against message size, and one step's
-collectives on the reporting rank.
+each collective and whom it kept waiting, bus bandwidth against message size, one step's
+collectives on the reporting rank, and how much of the profiled step's gradient communication
+backward hid (the comms record's ``overlap``, :mod:`dslab.profilers.comms_overlap`).
 
 Pure functions over one case's ``comms_calls``, ``comms_ops`` and ``stragglers`` frames
 (:mod:`dslab.report.frames`) and the run's ``peaks``, plus the plotly figures drawn from them.
@@ -82,8 +83,9 @@ BANDWIDTH_NOTE = (
     "the median busbw of its collectives, whiskers to the slowest and the fastest, their count in the hover."
 )
 STEP_NOTE = (
-    "The report records no per-bucket ids and no timestamps of the step's forward, backward and "
-    "optimizer phases, so each gradient bucket's collective is shown by its issue order within the "
+    "These per-call records carry no timestamps of the step's forward, backward and optimizer "
+    "phases (the gradient overlap above has them, where the report records it), so each gradient "
+    "bucket's collective is shown by its issue order within the "
     "step, on the reporting rank's clock from the step's first collective (on CUDA: when the issuing "
     "stream reached it). The engine issues the last buckets when backward ends and waits for them "
     "before the optimizer step, so the time after the last issue is communication backward did not hide."
@@ -399,3 +401,129 @@ def step_timeline(steps: dict[int, list[dict]], step: int | None, rank: int, cas
         shown = ", ".join(f"{name} {ms:.3g} ms" for name, ms in phases_ms.items())
         title += f"<br><sup>median phase times (wall clock, no timestamps): {shown}</sup>"
     return _layout(fig, title, barmode="overlay", height=160 + 22 * len(group), legend={"title": {"text": "op"}})
+
+
+# -- gradient overlap of the profiled step ----------------------------------------------------
+
+OVERLAPPED_COLOUR, EXPOSED_COLOUR = "#2ca02c", "#d62728"
+PHASE_COLOURS = {"forward": "#9ecae1", "backward": "#3182bd", "gradient wait": "#fdae6b", "optimizer": "#756bb1"}
+#: the compute row's bars: (name, from mark, to mark)
+PHASE_SPANS = (("forward", "forward_begin", "backward_begin"), ("backward", "backward_begin", "backward_end"),
+               ("gradient wait", "backward_end", "optimizer_begin"), ("optimizer", "optimizer_begin", "step_end"))
+OVERLAP_COLUMNS = [
+    ("bucket", "bucket"), ("op", "op"), ("mb", "MB (10^6 bytes)"), ("issue_ms", "issued (ms, host)"),
+    ("start_ms", "start (ms)"), ("end_ms", "end (ms)"), ("overlapped_ms", "overlapped with backward (ms)"),
+    ("exposed_ms", "exposed after backward (ms)"),
+]
+OVERLAP_NOTE = (
+    "Times in ms since the step's forward began, on the shown rank's clock. Overlapped: the part of a "
+    "bucket's collective inside backward (autograd's backward, before the engine waits for the "
+    "reductions); exposed: the rest, which the optimizer step waited for (the 'gradient wait' bar). "
+    "Start and end are CUDA events on a GPU (from the issuing stream reaching the op to its "
+    "completion) and the host clock on gloo (from the issue to the completion of the work handle), "
+    "so a bucket queued behind another counts its queueing. The summary's totals are over the union "
+    "of the buckets' spans."
+)
+
+
+def overlap_ranks(data) -> dict[int, dict]:
+    """``{rank: overlap}`` of a comms record (``profilers["comms"][case]``; empty when it has no
+    ``overlap``), each checked to have ``buckets``, ``phases_ms`` and ``totals``. Raises ValueError
+    on a malformed one."""
+    raw = data.get("overlap") if isinstance(data, dict) else None
+    if raw is None:
+        return {}
+    per_rank = _dict(_dict(raw, "comms.overlap").get("per_rank"), "comms.overlap.per_rank")
+    out = {}
+    for key, overlap in per_rank.items():
+        where = f"comms.overlap.per_rank.{key}"
+        if not str(key).lstrip("-").isdigit():
+            raise ValueError(f"{where}: the rank is not an integer")
+        _dict(overlap, where)
+        _list(overlap.get("buckets"), f"{where}.buckets")
+        _dict(overlap.get("phases_ms"), f"{where}.phases_ms")
+        _dict(overlap.get("totals"), f"{where}.totals")
+        out[int(key)] = overlap
+    return dict(sorted(out.items()))
+
+
+def overlap_rank(ranks: dict[int, dict], preferred) -> int | None:
+    """The rank shown: ``preferred`` (the reporting rank) when it has an overlap, else the lowest."""
+    if not ranks:
+        return None
+    return preferred if preferred in ranks else min(ranks)
+
+
+def overlap_rows(overlap: dict) -> list[dict]:
+    """One row per bucket in issue order, keyed as :data:`OVERLAP_COLUMNS` (bytes in MB)."""
+    buckets = sorted((_dict(b, "comms.overlap bucket") for b in overlap["buckets"]),
+                     key=lambda b: (_number(b.get("issue_ms")) is None, _number(b.get("issue_ms")) or 0.0))
+    rows = []
+    for b in buckets:
+        nbytes = _number(b.get("bytes"))
+        rows.append({"bucket": b.get("bucket"), "op": b.get("op"), "mb": None if nbytes is None else nbytes / 1e6,
+                     **{key: _number(b.get(key)) for key, _ in OVERLAP_COLUMNS[3:]}})
+    return rows
+
+
+def overlap_summary(overlap: dict, rank: int) -> str:
+    """The one-line verdict: how much gradient communication backward hid and how much was exposed."""
+    totals = overlap["totals"]
+    comm_ms, hidden, exposed = (_number(totals.get(k)) for k in ("comm_ms", "overlapped_ms", "exposed_ms"))
+    if comm_ms is None or hidden is None or exposed is None:
+        raise ValueError("comms.overlap totals need comm_ms, overlapped_ms and exposed_ms")
+    backward = _number(totals.get("backward_ms"))
+    during = f" ({backward:.3g} ms)" if backward is not None else ""
+    step = overlap.get("step")
+    where = f"rank {rank}" + (f", step {step}" if step is not None else "")
+    return (f"{where}: {hidden:.3g} of {comm_ms:.3g} ms of gradient communication hidden behind backward"
+            f"{during}; {exposed:.3g} ms exposed.")
+
+
+def _segments(start: float, end: float, window: tuple[float, float]) -> list[tuple[float, float, bool]]:
+    """``[(from, to, overlapped)]``: the parts of ``[start, end]`` inside and outside ``window``."""
+    cuts = sorted({start, end, *(t for t in window if start < t < end)})
+    return [(a, b, window[0] <= a and b <= window[1]) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def overlap_timeline(overlap: dict, rank: int, case: str) -> go.Figure:
+    """The profiled step on ``rank``: one row of compute phases (forward, backward, the wait for
+    the gradients, optimizer) and one row per bucket in issue order, its collective drawn from
+    start to end, green where it ran inside backward and red where it was exposed."""
+    go = _go()
+    phases = {k: v for k, v in overlap["phases_ms"].items() if _number(v) is not None}
+    if "backward_begin" not in phases or "backward_end" not in phases:
+        return _empty(f"{case}: gradient overlap", "no backward marks on this rank")
+    window = (phases["backward_begin"], phases["backward_end"])
+    rows = overlap_rows(overlap)
+    compute = "compute"
+    labels = [compute] + [f"bucket {r['bucket']} {r['op']}" for r in rows]
+    fig = go.Figure()
+    for name, lo, hi in PHASE_SPANS:
+        if lo in phases and hi in phases and phases[hi] > phases[lo]:
+            fig.add_trace(go.Bar(y=[compute], x=[phases[hi] - phases[lo]], base=[phases[lo]], orientation="h",
+                                 name=name, marker_color=PHASE_COLOURS[name], legendgroup="phases",
+                                 hovertemplate=f"{name}<br>%{{base:.3f}} to %{{customdata:.3f}} ms<extra></extra>",
+                                 customdata=[phases[hi]]))
+    pieces = {True: ([], [], [], []), False: ([], [], [], [])}
+    for label, row in zip(labels[1:], rows):
+        if row["start_ms"] is None or row["end_ms"] is None:
+            continue
+        for a, b, inside in _segments(row["start_ms"], row["end_ms"], window):
+            ys, xs, bases, data = pieces[inside]
+            ys.append(label)
+            xs.append(b - a)
+            bases.append(a)
+            data.append([row["start_ms"], row["end_ms"], row["mb"] or 0.0])
+    for inside, (ys, xs, bases, data) in pieces.items():
+        name = "overlapped with backward" if inside else "exposed"
+        fig.add_trace(go.Bar(y=ys, x=xs, base=bases, orientation="h", name=name, customdata=data,
+                             marker_color=OVERLAPPED_COLOUR if inside else EXPOSED_COLOUR,
+                             hovertemplate="%{y}<br>" + name + ": %{x:.3f} ms<br>collective %{customdata[0]:.3f}"
+                                           " to %{customdata[1]:.3f} ms, %{customdata[2]:.3g} MB<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", categoryorder="array", categoryarray=labels, title=None)
+    clock = "CUDA events" if overlap.get("clock") == "cuda_events" else "host clock"
+    fig.update_xaxes(title=f"ms since forward began (rank {rank}, {clock})")
+    step = overlap.get("step")
+    title = f"{case}: gradient buckets against backward, step {step} on rank {rank}"
+    return _layout(fig, title, barmode="overlay", height=170 + 24 * len(labels))

@@ -5,6 +5,11 @@ about it: ``before(call)`` just before the op is issued on the current stream an
 ``after(call, work)`` right after it returns (``work`` is the async handle, or None for a blocking
 call). Observers must not synchronize the device; they record and move on.
 
+Gradient buckets. The engine passes ``bucket=<index>`` where it reduces one bucket of gradients
+(stage 0's bucketed all-reduce, ZeRO's per-unit reduce-scatter), and observers read it as
+``call.bucket``; the comms logger uses it to tell how much gradient communication backward hid
+(see ``dslab.profilers.comms``). Without observers the tag costs nothing.
+
 In a single process (no process group) the collectives are the identity and observers are not
 called: nothing was communicated.
 
@@ -49,6 +54,8 @@ class CollectiveCall:
     device: torch.device = torch.device("cpu")
     group_name: str = ""
     extra: dict = field(default_factory=dict)
+    #: the gradient bucket (stage 0) or ZeRO unit this collective reduces; None for any other
+    bucket: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -130,13 +137,15 @@ def _group_name(group) -> str:
 
 
 def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, ranks: list[int] | None = None,
-           **extra):
+           bucket: int | None = None, **extra):
     """Run ``fn`` (the torch.distributed call) between the observers' hooks, and record it in
     the open :func:`recording_calls` lists. ``ranks``: the ranks taking part when they are not
-    the whole group (a point-to-point transfer's sender and receiver)."""
+    the whole group (a point-to-point transfer's sender and receiver); ``bucket``: the gradient
+    bucket the call reduces (:attr:`CollectiveCall.bucket`)."""
     if not _observers and not _recordings.lists:
         return fn()
     call = _call(op, tensor, group, async_op, ranks, extra)
+    call.bucket = bucket
     for calls in _recordings.lists:
         calls.append(call)
     for obs in _observers:
@@ -173,13 +182,15 @@ def averaging_op(group=None):
     return ReduceOp.AVG if dist.get_backend(group) == "nccl" else None
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
-    """In-place all-reduce of ``tensor`` across ``group``."""
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
+               bucket: int | None = None):
+    """In-place all-reduce of ``tensor`` across ``group``; ``bucket`` tags a gradient bucket's
+    reduction for observers (:attr:`CollectiveCall.bucket`)."""
     if not is_initialized():
         return None
     return _issue(
         "all_reduce", tensor, group, async_op,
-        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), bucket=bucket,
     )
 
 
@@ -190,10 +201,11 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
-                          async_op: bool = False):
+                          async_op: bool = False, bucket: int | None = None):
     """Reduce ``input`` across ranks and leave this rank's equal slice in ``output``.
 
-    The observed size is the input's (nccl-tests' convention for reduce_scatter).
+    The observed size is the input's (nccl-tests' convention for reduce_scatter); ``bucket`` tags
+    a gradient bucket's reduction for observers (:attr:`CollectiveCall.bucket`).
     """
     if not is_initialized():
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
@@ -201,6 +213,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     return _issue(
         "reduce_scatter", input, group, async_op,
         lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
+        bucket=bucket,
     )
 
 

@@ -118,10 +118,10 @@ class GradientAllReducer:
             bucket = self.buckets[self._next]
             if not force and bucket.ready < len(bucket.params):
                 return
-            self._issue(bucket)
+            self._issue(bucket, self._next)
             self._next += 1
 
-    def _issue(self, bucket: _Bucket) -> None:
+    def _issue(self, bucket: _Bucket, index: int) -> None:
         first = bucket.params[0]
         if bucket.buffer is None:
             bucket.buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
@@ -130,7 +130,7 @@ class GradientAllReducer:
         if bucket.average_op is None:
             bucket.buffer.div_(reduction.divisor)
         bucket.work = comm.all_reduce(bucket.buffer, op=bucket.average_op or comm.ReduceOp.SUM,
-                                      group=reduction.group, async_op=True)
+                                      group=reduction.group, async_op=True, bucket=index)
         bucket.issued = True
 
     def finish(self) -> None:

@@ -352,6 +352,8 @@ class DslabEngine(nn.Module):
         # In the copies' scope too, so that a recomputation (activation checkpointing) reads them.
         with torch.autograd.set_multithreading_enabled(False), weight_copies.scope(self.weight_copies):
             scaled.backward(retain_graph=retain_graph)
+        if hooks:
+            hooks.mark("backward_compute_end")
         if self.grad_reducer is not None:
             self.grad_reducer.finish()
         if hooks:

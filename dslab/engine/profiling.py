@@ -60,6 +60,7 @@ class ProfilerHooks:
     def __init__(self, profilers: list[Profiler]):
         self.profilers = profilers
         self._in_step = False
+        self._markers = [p for p in profilers if hasattr(p, "on_mark")]
 
     def __bool__(self) -> bool:
         return bool(self.profilers)
@@ -77,6 +78,15 @@ class ProfilerHooks:
         if self._in_step:
             self._in_step = False
             self.call("on_step_end", step)
+
+    def mark(self, phase: str) -> None:
+        """A point inside a hook-delimited phase, told to the profilers that have an
+        ``on_mark(phase)`` method (the comms logger's phase marks). The engine marks
+        ``backward_compute_end`` when autograd's backward has returned and before it waits for the
+        gradient reductions, so that the wait (communication backward did not hide) can be told
+        from backward itself."""
+        for p in self._markers:
+            p.on_mark(phase)
 
     def find(self, section: str) -> Profiler | None:
         return next((p for p in self.profilers if p.section == section), None)

@@ -31,7 +31,8 @@ Latency of one call
     ``debug``, its caller the replay's.
 
     CPU (gloo). Host clock: a blocking op is timed around the call; an async op's completion is
-    stamped by a callback on ``work.get_future()``.
+    stamped by a callback on ``work.get_future()``, or for a handle without one (gloo's
+    reduce_scatter) by a thread that waits on the handle beside its issuer.
 
 Arrival (for straggler analysis)
     Host ops: ``time.time_ns()`` in ``before()``. CUDA ops: when the issuing stream reached the
@@ -49,6 +50,13 @@ Matching across ranks
     rank. (``CollectiveCall.seq`` counts all of a process's calls on all groups, so it differs
     between ranks that belong to different groups.) Two distinct process groups with the same
     ranks share a counter.
+
+Gradient overlap (``records()["overlap"]``)
+    Collectives the engine tags with a gradient bucket (``bucket=`` in :mod:`dslab.comm`) are
+    also kept as spans of their micro-step, beside the step's phase marks (forward, backward,
+    optimizer; CUDA events on the compute stream, or the host clock on a CPU), for the last
+    micro-step that ran the optimizer; :mod:`dslab.profilers.comms_overlap` says what each figure
+    is. Every rank's goes in the records.
 
 Memory: the summary table is kept as running figures (exact for every call); raw records, used
 for straggler analysis and the run report, are kept for the last ``max_records`` calls per rank.
@@ -79,6 +87,7 @@ from dslab.profilers.comms_analysis import (
     summary_rows,
 )
 from dslab.profilers.comms_format import format_call, format_stragglers, format_summary
+from dslab.profilers.comms_overlap import OVERLAP_DEFINITIONS, BucketSpan, StepMarks
 
 #: the ops dslab.comm issues
 COMM_OPS = ("all_gather", "all_gather_object", "all_reduce", "all_to_all", "barrier", "broadcast",
@@ -197,6 +206,9 @@ class CommsLogger(Profiler):
         self._step: int | None = None
         self._suspended = False
         self._text_file = None  # the file the verbose lines went to, once one went there
+        self._marks_on_cuda = False  # phase marks as CUDA events (the model is on a GPU)
+        self._marks: StepMarks | None = None  # the current micro-step's
+        self._profiled: StepMarks | None = None  # the last micro-step that ran the optimizer
         comm.add_observer(self)
         comm.set_summary_provider(self.log_summary)
 
@@ -229,6 +241,8 @@ class CommsLogger(Profiler):
                   "bytes": call.nbytes, "dtype": str(call.dtype).removeprefix("torch."),
                   "async": call.async_op, "step": self._step, "arrival_ns": now,
                   "host_arrival_ns": now, "latency_ms": None}
+        if call.bucket is not None:
+            record["bucket"] = call.bucket
         if self.config.debug:
             record["caller"] = _caller()
         return record
@@ -246,14 +260,27 @@ class CommsLogger(Profiler):
         if on_cuda and torch.cuda.is_current_stream_capturing():
             return  # it runs at the graph's replays, which its owner announces (replayed())
         record = self._record(call)
+        issued = time.perf_counter_ns()
         if on_cuda:
             device = torch.cuda.current_device()
             ref = self._reference(device)
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            self._open[call.seq] = _CudaTiming(record, start, ref)
+            timing = _CudaTiming(record, start, ref)
+            self._open[call.seq] = timing
+            self._span(call, record, issued, timing)
         else:
-            self._open[call.seq] = (record, time.perf_counter_ns())
+            self._open[call.seq] = (record, issued, self._span(call, record, issued, None))
+
+    def _span(self, call: comm.CollectiveCall, record: dict, issued: int, timing) -> BucketSpan | None:
+        """A gradient bucket's span in the current step's marks (None for any other call, or
+        when its clock is not the marks' clock)."""
+        marks = self._marks
+        if call.bucket is None or marks is None or marks.cuda != (timing is not None):
+            return None
+        span = BucketSpan(record, issued, timing)
+        marks.spans.append(span)
+        return span
 
     def after(self, call: comm.CollectiveCall, work) -> None:
         timing = self._open.pop(call.seq, None)
@@ -264,9 +291,12 @@ class CommsLogger(Profiler):
         if isinstance(timing, _CudaTiming):
             self._end_cuda(timing, call, work)
         elif work is None:
-            self._finish(record, (time.perf_counter_ns() - timing[1]) / 1e6)
+            end = time.perf_counter_ns()
+            if timing[2] is not None:
+                timing[2].end_ns = end
+            self._finish(record, (end - timing[1]) / 1e6)
         else:
-            self._end_host_async(record, timing[1], work)
+            self._end_host_async(record, timing[1], work, timing[2])
 
     def replayed(self, call: comm.CollectiveCall) -> None:
         """``call``, captured in a CUDA graph, ran: its owner replayed the graph. Counted as any
@@ -295,14 +325,21 @@ class CommsLogger(Profiler):
         with self._lock:
             self._cuda_pending.append(timing)
 
-    def _end_host_async(self, record: dict, start_ns: int, work) -> None:
+    def _end_host_async(self, record: dict, start_ns: int, work, span: BucketSpan | None = None) -> None:
         def stamp(_future):
-            self._finish(record, (time.perf_counter_ns() - start_ns) / 1e6)
+            end = time.perf_counter_ns()
+            if span is not None:
+                span.end_ns = end
+            self._finish(record, (end - start_ns) / 1e6)
+        def stamp_or_untimed(future):
+            if future.value() is False:  # the op failed; its issuer's wait() raises
+                self._finish(record, None)
+            else:
+                stamp(future)
         try:
             done = work.get_future().then(stamp)
         except RuntimeError:
-            self._finish(record, None)
-            return
+            done = _completion(work).then(stamp_or_untimed)
         with self._lock:
             self._host_pending.append(done)
 
@@ -381,11 +418,49 @@ class CommsLogger(Profiler):
 
     # -------------------------------------------------------------------------- engine hooks --
 
+    def attach(self, model, optimizer=None) -> None:
+        """Phase marks are CUDA events when the model's parameters are on a GPU."""
+        self._marks_on_cuda = any(p.is_cuda for p in model.parameters())
+
     def on_step_begin(self, step: int) -> None:
         self._step = step
+        self._marks = StepMarks(step, self._marks_on_cuda)
+
+    def _mark(self, phase: str) -> None:
+        if self._marks is not None:
+            self._marks.mark(phase)
+
+    def on_forward_begin(self) -> None:
+        self._mark("forward_begin")
+
+    def on_backward_begin(self) -> None:
+        self._mark("backward_begin")
+
+    def on_mark(self, phase: str) -> None:
+        """The engine's marks inside a hook-delimited phase: ``backward_compute_end`` (autograd's
+        backward returned; the gradient reductions are not yet waited for)."""
+        if phase == "backward_compute_end":
+            self._mark("backward_end")
+
+    def on_backward_end(self) -> None:
+        self._mark("backward_end")  # without a gradient reducer the engine marks nothing before
+
+    def on_optimizer_step_begin(self) -> None:
+        self._mark("optimizer_begin")
 
     def on_step_end(self, step: int) -> None:
+        marks, self._marks = self._marks, None
+        if marks is not None:
+            marks.mark("step_end")
+            if marks.complete:
+                self._profiled = marks
         self._resolve(wait=False)
+
+    def overlap(self) -> dict | None:
+        """This rank's gradient overlap of the profiled step (see
+        :mod:`dslab.profilers.comms_overlap`), None before a step reduced a tagged bucket."""
+        self._resolve(wait=True)
+        return None if self._profiled is None else self._profiled.resolve()
 
     # ------------------------------------------------------------------------------- results --
 
@@ -408,9 +483,16 @@ class CommsLogger(Profiler):
 
         A collective when distributed (every rank must call it); the logger's own barriers and
         gather are not logged."""
-        records = self.local_records()
+        per_rank, offsets, _ = self._gather_all()
+        return per_rank, offsets
+
+    def _gather_all(self) -> tuple[dict[int, list[dict]], dict[int, int], dict[int, dict | None]]:
+        """:meth:`gather` plus every rank's :meth:`overlap` (``{rank: overlap or None}``)."""
+        records = self.local_records()  # reads every event the overlap needs
+        overlap = None if self._profiled is None else self._profiled.resolve()
         if not comm.is_initialized() or comm.get_world_size() == 1:
-            return {comm.get_rank(): records}, {comm.get_rank(): 0}
+            rank = comm.get_rank()
+            return {rank: records}, {rank: 0}, {rank: overlap}
         self._suspended = True
         try:
             stamps = []
@@ -418,11 +500,12 @@ class CommsLogger(Profiler):
                 comm.barrier()
                 stamps.append(time.time_ns())
             everyone = comm.all_gather_object({"rank": comm.get_rank(), "stamps": stamps,
-                                               "records": records})
+                                               "records": records, "overlap": overlap})
         finally:
             self._suspended = False
         per_rank = {e["rank"]: e["records"] for e in everyone}
-        return per_rank, clock_offsets({e["rank"]: e["stamps"] for e in everyone})
+        overlaps = {e["rank"]: e["overlap"] for e in everyone}
+        return per_rank, clock_offsets({e["rank"]: e["stamps"] for e in everyone}), overlaps
 
     def log_summary(self, show_straggler: bool = False, return_dict: bool = False):
         """DeepSpeed's ``log_summary``: print this rank's table on rank 0 and, with
@@ -451,19 +534,22 @@ class CommsLogger(Profiler):
 
     def records(self, gather: bool = True) -> dict:
         """For ``report.profilers["comms"]``: ``{"ops": [summary rows of this rank], "per_rank":
-        {rank: [records]}, "stragglers": [...], "straggler": {...}, "definitions": str, ...}``.
+        {rank: [records]}, "stragglers": [...], "straggler": {...}, "definitions": str, ...}``,
+        and ``"overlap": {"per_rank": {rank: overlap}, "definitions": str}`` once a step reduced
+        gradient buckets (:meth:`overlap`).
 
         With ``gather`` (the default) and a process group, this is a collective: every rank must
         call it. Rank keys are strings (JSON)."""
         if gather:
-            per_rank, offsets = self.gather()
+            per_rank, offsets, overlaps = self._gather_all()
         else:
-            per_rank, offsets = {comm.get_rank(): self.local_records()}, {comm.get_rank(): 0}
+            rank = comm.get_rank()
+            per_rank, offsets, overlaps = {rank: self.local_records()}, {rank: 0}, {rank: self.overlap()}
         analysis = analyze_stragglers(per_rank, offsets)
         with self._lock:
             rows = summary_rows(self._summary.as_dict())
             dropped = self._dropped
-        return {
+        out = {
             "rank": comm.get_rank(),
             "ops": rows,
             "per_rank": {str(r): recs for r, recs in sorted(per_rank.items())},
@@ -474,11 +560,33 @@ class CommsLogger(Profiler):
             "definitions": DEFINITIONS,
             "text_file": None if self._text_file is None else str(self._text_file),
         }
+        overlaps = {str(r): o for r, o in sorted(overlaps.items()) if o is not None}
+        if overlaps:
+            out["overlap"] = {"per_rank": overlaps, "definitions": OVERLAP_DEFINITIONS}
+        return out
 
     def close(self) -> None:
         comm.remove_observer(self)
         if getattr(comm, "_summary_provider", None) == self.log_summary:
             comm.set_summary_provider(None)
+
+
+def _completion(work) -> torch.futures.Future:
+    """A future completed when ``work`` (a handle without ``get_future``: gloo's reduce_scatter)
+    completes, by a daemon thread waiting on it (``Work.wait`` releases the GIL), with True, or
+    False when the op failed. The thread only waits; the issuer still waits on ``work`` itself."""
+    future = torch.futures.Future()
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except RuntimeError:
+            future.set_result(False)
+            return
+        future.set_result(True)
+
+    threading.Thread(target=wait, name="comms-logger-wait", daemon=True).start()
+    return future
 
 
 def _string_keys(value):

@@ -13,6 +13,7 @@ A *record* is one collective as one rank saw it, a plain dict as
                  issuing stream reached it, converted to wall clock)
 ``latency_ms``   this rank's latency of this one call, or None when it was not timed
 ``caller``       ``"file:line (function)"`` of the caller, only with ``debug``
+``bucket``       the gradient bucket (or ZeRO unit) the call reduces, only on such calls
 ===============  ==========================================================================
 
 Collectives on one process group run in the same order on every member, so the n-th call of an

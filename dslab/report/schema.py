@@ -49,6 +49,18 @@ assignments), the expert flops per step of each arm and, with expert parallelism
 ``all_to_all`` rows of the comms logger; those results also carry ``expert_tflops``. Being an
 optional section and an optional metric, they left the layout (and its version) unchanged.
 
+``profilers["comms"][case]`` is the comms logger's record (``dslab.profilers.comms``: ``ops``,
+``per_rank`` calls, ``stragglers``, ``straggler``, ``clock_offsets_ns``, ``definitions``, ...).
+A per-rank call the engine issued for a gradient bucket carries ``bucket`` (the bucket's or ZeRO
+unit's index). ``overlap``, present once a step reduced such buckets, is the last micro-step that
+ran the optimizer, per rank: ``{"per_rank": {rank: {"step", "clock": "cuda_events" | "host",
+"phases_ms": {"forward_begin", "backward_begin", "backward_end", "optimizer_begin", "step_end"},
+"host_phases_ms": {...}, "buckets": [{"bucket", "op", "bytes", "group", "seq", "issue_ms",
+"start_ms", "end_ms", "comm_ms", "overlapped_ms", "exposed_ms"}], "totals": {"buckets", "bytes",
+"comm_ms", "overlapped_ms", "exposed_ms", "backward_ms"}}}, "definitions": str}``, times in ms
+since the step's forward began on that rank's clock (``dslab.profilers.comms_overlap`` defines
+each figure). Optional keys of a record, they left the layout (and its version) unchanged.
+
 ``profilers["kernel_choices"]`` holds the run's kernel choices, written by the bench runner after
 the last trial (``dslab.bench.kernel_pins``); its one record is not a case's but the run's, under
 the key ``"_run"`` (a launched part of a multi-process run writes ``"_run <part>"``, which the

@@ -134,11 +134,12 @@ class GradientReduceScatter:
         op = average_op or comm.ReduceOp.SUM
         if self.reduce_scatter:
             shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            work = comm.reduce_scatter_tensor(shard, flat, op=op, group=unit.group, async_op=True)
+            work = comm.reduce_scatter_tensor(shard, flat, op=op, group=unit.group, async_op=True,
+                                              bucket=unit.index)
         else:  # ``reduce_scatter: false``: every rank receives the whole average, keeps its shard
             lo = unit.rank * unit.shard_numel
             shard = flat[lo: lo + unit.shard_numel]
-            work = comm.all_reduce(flat, op=op, group=unit.group, async_op=True)
+            work = comm.all_reduce(flat, op=op, group=unit.group, async_op=True, bucket=unit.index)
         if self.on_issued is not None:
             self.on_issued(unit)
         self._in_flight.append((unit, flat, shard, work))
