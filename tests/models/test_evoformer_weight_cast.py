@@ -85,13 +85,13 @@ def test_cast_once_weights_leaves_out_the_opm_projection_and_biases():
 
 
 @contextlib.contextmanager
-def _per_weight_casts(monkeypatch):
+def _per_weight_casts():
     """The stack without the one-pass cast: autocast casts each weight where it is used."""
     @contextlib.contextmanager
     def no_cast(params, dtype):
         yield {}
 
-    with monkeypatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(evoformer, "cast_weights", no_cast)
         yield
 
@@ -102,24 +102,6 @@ def _step(model, batch):
         loss = model(batch["m"], batch["z"], batch["msa_mask"], batch["pair_mask"])
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-@needs_interpreter
-@pytest.mark.parametrize("checkpoint_blocks", [False, True])
-def test_bit_identical_to_per_weight_casts(monkeypatch, checkpoint_blocks):
-    config = evoformer_tiny(n_seq=N_SEQ, n_res=N_RES, checkpoint_blocks=checkpoint_blocks)
-    torch.manual_seed(3)
-    model = EvoformerTrainModel(config, kernels="dslab")
-    batch = evoformer_batch(config, 1, torch.bfloat16, 7, "cpu")
-    with kernel_backend("triton"):
-        with _per_weight_casts(monkeypatch):
-            ref_loss, ref_grads = _step(model, batch)
-        loss, grads = _step(model, batch)
-    assert torch.equal(loss, ref_loss)
-    assert grads.keys() == ref_grads.keys() and len(grads) == len(list(model.parameters()))
-    for name, ref in ref_grads.items():
-        assert grads[name].dtype == torch.float32, name
-        assert torch.equal(grads[name], ref), name
 
 
 class _CastCounter(TorchDispatchMode):
@@ -138,22 +120,57 @@ class _CastCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@needs_interpreter
-def test_no_per_weight_casts_left(monkeypatch):
-    """Per-weight casts of the chosen weights, forward and backward: many without the one-pass
-    cast, none with it (the flat buffers' casts have other shapes)."""
-    config = evoformer_tiny(blocks=1, n_seq=N_SEQ, n_res=N_RES)
-    torch.manual_seed(1)
+def _per_weight_and_one_pass(checkpoint_blocks: bool, counted: bool) -> tuple[dict, int, int]:
+    """One bf16 autocast training step of the same model on the same batch (on the Triton kernels),
+    with per-weight casts and with the one-pass cast: ``({"per_weight" | "one_pass": (loss,
+    gradients, per-weight casts of the chosen weights counted or None)}, chosen weights,
+    parameters)``. ``counted`` runs both steps under :class:`_CastCounter`, a dispatch mode, so
+    the kernels go through their custom ops; uncounted, through their eager autograd Functions.
+
+    Without checkpointing one block: every chosen weight of a block is cast in the one pass,
+    forward and backward, and a second block would only repeat that. With checkpointing two
+    blocks, so that the second is recomputed in the backward before the first, both under the
+    casts the forward made (``use_casts``)."""
+    config = evoformer_tiny(blocks=2 if checkpoint_blocks else 1, n_seq=N_SEQ, n_res=N_RES,
+                            checkpoint_blocks=checkpoint_blocks)
+    torch.manual_seed(3)
     model = EvoformerTrainModel(config, kernels="dslab")
-    batch = evoformer_batch(config, 1, torch.bfloat16, 2, "cpu")
-    shapes = {tuple(p.shape) for p in cast_once_weights(model.stack.blocks)}
-    counts = {}
+    batch = evoformer_batch(config, 1, torch.bfloat16, 7, "cpu")
+    chosen = cast_once_weights(model.stack.blocks)
+    counter_shapes = {tuple(p.shape) for p in chosen}
+    runs = {}
     with kernel_backend("triton"):
-        for name, ctx in (("per_weight", _per_weight_casts(monkeypatch)), ("one_pass", contextlib.nullcontext())):
-            counter = _CastCounter(shapes)
+        for name, ctx in (("per_weight", _per_weight_casts()), ("one_pass", contextlib.nullcontext())):
+            counter = _CastCounter(counter_shapes) if counted else contextlib.nullcontext()
             with ctx, counter:
-                _step(model, batch)
-            counts[name] = counter.count
-    chosen = len(cast_once_weights(model.stack.blocks))
+                loss, grads = _step(model, batch)
+            runs[name] = (loss, grads, counter.count if counted else None)
+    return runs, len(chosen), len(list(model.parameters()))
+
+
+def _assert_bit_identical(runs: dict, n_params: int) -> None:
+    (ref_loss, ref_grads, _), (loss, grads, _) = runs["per_weight"], runs["one_pass"]
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and len(grads) == n_params
+    for name, ref in ref_grads.items():
+        assert grads[name].dtype == torch.float32, name
+        assert torch.equal(grads[name], ref), name
+
+
+@needs_interpreter
+@pytest.mark.parametrize("checkpoint_blocks", [False, True])
+def test_bit_identical_to_per_weight_casts(checkpoint_blocks):
+    runs, _, n_params = _per_weight_and_one_pass(checkpoint_blocks, counted=False)
+    _assert_bit_identical(runs, n_params)
+
+
+@needs_interpreter
+def test_no_per_weight_casts_left():
+    """Per-weight casts of the chosen weights, forward and backward: many without the one-pass
+    cast, none with it (the flat buffers' casts have other shapes). On this path (the kernels'
+    custom ops, under the counting dispatch mode) the one pass is bit-identical too."""
+    runs, chosen, n_params = _per_weight_and_one_pass(False, counted=True)
+    counts = {name: count for name, (_, _, count) in runs.items()}
     assert counts["per_weight"] >= chosen, counts
     assert counts["one_pass"] == 0, counts
+    _assert_bit_identical(runs, n_params)
