@@ -31,8 +31,9 @@ Latency of one call
     ``debug``, its caller the replay's.
 
     CPU (gloo). Host clock: a blocking op is timed around the call; an async op's completion is
-    stamped by a callback on ``work.get_future()``, or for a handle without one (gloo's
-    reduce_scatter) by a thread that waits on the handle beside its issuer.
+    stamped by a callback on ``work.get_future()``, or for a reduce-scatter handle without one
+    (gloo's) by a thread that waits on the handle beside its issuer; other future-less handles
+    (gloo's send and recv) stay untimed.
 
 Arrival (for straggler analysis)
     Host ops: ``time.time_ns()`` in ``before()``. CUDA ops: when the issuing stream reached the
@@ -339,6 +340,9 @@ class CommsLogger(Profiler):
         try:
             done = work.get_future().then(stamp)
         except RuntimeError:
+            if record["op"] not in THREAD_TIMED_OPS:  # a second waiter on gloo's send/recv never returns
+                self._finish(record, None)
+                return
             done = _completion(work).then(stamp_or_untimed)
         with self._lock:
             self._host_pending.append(done)
@@ -569,6 +573,12 @@ class CommsLogger(Profiler):
         comm.remove_observer(self)
         if getattr(comm, "_summary_provider", None) == self.log_summary:
             comm.set_summary_provider(None)
+
+
+# The ops whose future-less handles (gloo's reduce_scatter) :func:`_completion` may wait on beside
+# their issuer. Not point-to-point ops: gloo's send/recv handles complete once, for one waiter, so a
+# second wait() blocks for good (and so did the pipeline runs that met it).
+THREAD_TIMED_OPS = frozenset({"reduce_scatter"})
 
 
 def _completion(work) -> torch.futures.Future:
