@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# suites/long_context on the 4 GPUs of a lent machine, in one device call (10 minutes): set up
+# suites/long_context on every GPU of a lent machine (or LC_NPROCS of them), in one device call (10 minutes): set up
 # (benchmarks/gpu_setup.sh), optionally check torch-cp against one GPU's unsplit model (LC_CHECK=1:
 # the gpu-marked test of tests/bench/test_long_context_suite.py, both arms at the tiny scale on 2
 # GPUs, about 2 minutes with Triton's first compiles), then run the full scale: a 1.5B Llama at 32k,
@@ -12,7 +12,7 @@
 # progress lines in $OUT/progress.log; the trial lines and then the summary table print last.
 #
 #   LC_CHECK=1  LC_CASES=32k,64k,128k,256k  LC_ARMS=dslab-ulysses,torch-cp  LC_TRIALS=1  LC_STEPS=2
-#   LC_WARMUP=1  LC_CHECK_S=150  LC_SUITE_S=480    bash benchmarks/long_context_gpu.sh
+#   LC_WARMUP=1  LC_CHECK_S=150  LC_SUITE_S=480  LC_NPROCS=<every GPU>    bash benchmarks/long_context_gpu.sh
 # With LC_CHECK=1, leave 256k out (LC_CASES=32k,64k,128k) or lower LC_SUITE_S to stay in one call.
 set -uo pipefail
 . benchmarks/gpu_setup.sh
@@ -28,8 +28,9 @@ if [ "${LC_CHECK:-0}" = 1 ]; then
   tail -8 "$out/check.log"
 fi
 
-echo "== dslab bench suites/long_context --scale full --nprocs 4"
-timeout -s INT -k 60 "${LC_SUITE_S:-480}" python3 -m dslab.cli bench suites/long_context --scale full --nprocs 4 \
+nprocs="${LC_NPROCS:-$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)}"
+echo "== dslab bench suites/long_context --scale full --nprocs $nprocs"
+timeout -s INT -k 60 "${LC_SUITE_S:-480}" python3 -m dslab.cli bench suites/long_context --scale full --nprocs "$nprocs" \
   --cases "${LC_CASES:-32k,64k,128k,256k}" --arms "${LC_ARMS:-dslab-ulysses,torch-cp}" \
   --trials "${LC_TRIALS:-1}" --steps "${LC_STEPS:-2}" --warmup "${LC_WARMUP:-1}" --out "$out/reports" \
   > "$out/summary.txt" 2> "$out/progress.log"

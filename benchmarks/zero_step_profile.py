@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,7 +47,26 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--variants", default="none",
+                   help="comma-separated profiler sets, each timed in its own engine: none, all (every "
+                        "profiler of suites/zero's engine section) or one of " + ", ".join(PROFILER_KEYS)
+                        + "; with more than one, each prints its step and host time and no trace is taken")
     return p.parse_args(argv)
+
+
+PROFILER_KEYS = ("wall_clock_breakdown", "flops_profiler", "memory_tracer", "comms_logger", "telemetry")
+
+
+def profiler_config(variant: str) -> dict:
+    """The engine keys of one ``--variants`` entry, as suites/zero configures them."""
+    if variant == "none":
+        return {}
+    engine = json.loads((Path(__file__).resolve().parents[1] / "suites" / "zero" / "suite.json").read_text())["engine"]
+    names = PROFILER_KEYS if variant == "all" else (variant,)
+    unknown = [n for n in names if n not in PROFILER_KEYS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown profiler {unknown[0]!r} (none, all, {', '.join(PROFILER_KEYS)})")
+    return {n: engine[n] for n in names if n in engine}
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -63,6 +84,12 @@ def main(argv=None) -> None:
     comm.init_distributed()
     device = torch.device("cuda", torch.cuda.current_device())
     rank = comm.get_rank()
+    variants = args.variants.split(",")
+    for variant in variants:
+        profile_variant(args, device, rank, variant, detailed=len(variants) == 1)
+
+
+def profile_variant(args, device, rank: int, variant: str, detailed: bool) -> None:
     torch.manual_seed(1234)
     with torch.device(device):
         model = gpt2.GPT2LMHeadModel(getattr(gpt2, args.preset)(vocab_pad_multiple=64), kernels="dslab")
@@ -74,7 +101,8 @@ def main(argv=None) -> None:
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-              "zero_optimization": zero, "cuda_graphs": {"enabled": args.cuda_graphs}}
+              "zero_optimization": zero, "cuda_graphs": {"enabled": args.cuda_graphs},
+              **profiler_config(variant)}
     engine, _, _, _ = dslab.initialize(model=model, config=config, dist_init_required=False)
     ids = torch.randint(0, 50257, (args.micro_batch, args.seq), device=device,
                         generator=torch.Generator(device).manual_seed(rank))
@@ -96,6 +124,15 @@ def main(argv=None) -> None:
         t2 = time.perf_counter()
         hosts.append(t1 - t0)
         walls.append(t2 - t0)
+    if not detailed:
+        walls.sort()
+        hosts.sort()
+        if rank == 0:
+            print(f"stage {args.stage} graphs {args.cuda_graphs} world {comm.get_world_size()} profilers {variant}: "
+                  f"step {1e3 * walls[len(walls) // 2]:.1f} ms (median), host {1e3 * hosts[len(hosts) // 2]:.1f} ms",
+                  flush=True)
+        engine.destroy()
+        return
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

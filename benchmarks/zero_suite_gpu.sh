@@ -28,7 +28,7 @@ fi
 pkill -f stack_worker.py 2>/dev/null; sleep 1  # a timed-out check's processes must not hold GPUs
 
 echo "== dslab bench suites/zero --arms $arms"
-timeout "${ZERO_SUITE_S:-400}" python3 -m dslab.cli bench suites/zero --nprocs "${ZERO_NPROCS:-1,4}" \
+timeout -s INT -k 60 "${ZERO_SUITE_S:-400}" python3 -m dslab.cli bench suites/zero --nprocs "${ZERO_NPROCS:-1,4}" \
   --cases "${ZERO_CASES:-355m}" --arms "$arms" --trials "${ZERO_TRIALS:-3}" --steps "${ZERO_STEPS:-8}" \
   --warmup "${ZERO_WARMUP:-5}" --out "$out/reports"
 echo "suite exit status $?"

@@ -27,6 +27,7 @@ from dslab.comm.collectives import (
     reduce_scatter_tensor,
     remove_observer,
     send,
+    staging_device,
 )
 from dslab.comm.process import (
     get_global_rank,
@@ -67,6 +68,7 @@ __all__ = [
     "reduce_scatter_tensor",
     "remove_observer",
     "send",
+    "staging_device",
     "set_summary_provider",
 ]
 

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from dslab.comm.process import is_initialized
+from dslab.comm.process import hold_graph_with_collectives, is_initialized
 
 ReduceOp = dist.ReduceOp
 
@@ -96,17 +96,21 @@ def remove_observer(observer: CommObserver) -> None:
 
 
 @contextlib.contextmanager
-def recording_calls() -> Iterator[list[CollectiveCall]]:
+def recording_calls(graph=None) -> Iterator[list[CollectiveCall]]:
     """A list that receives every collective this thread issues inside the block, observers or
     not (nested blocks each receive them). A CUDA graph's owner wraps its capture in it and passes
     the list to :func:`announce_replay` at each replay. Without a process group nothing is issued
-    and the list stays empty."""
+    and the list stays empty. With ``graph`` (the ``torch.cuda.CUDAGraph`` being captured), a
+    capture that issued collectives is reset before the process group is destroyed at exit
+    (:func:`dslab.comm.process.hold_graph_with_collectives`)."""
     calls: list[CollectiveCall] = []
     _recordings.lists.append(calls)
     try:
         yield calls
     finally:
         _recordings.lists[:] = [other for other in _recordings.lists if other is not calls]
+        if graph is not None and calls:
+            hold_graph_with_collectives(graph)
 
 
 def announce_replay(calls: Iterable[CollectiveCall]) -> None:
@@ -180,6 +184,18 @@ def averaging_op(group=None):
     if not is_initialized():
         return None
     return ReduceOp.AVG if dist.get_backend(group) == "nccl" else None
+
+
+def staging_device(tensor: torch.Tensor, group=None) -> torch.device | None:
+    """The device a host ``tensor`` must be copied to before a collective over ``group``: the
+    current CUDA device when the group's backend has no CPU path (nccl), else None (gloo, or the
+    tensor is already on a device)."""
+    if tensor.device.type != "cpu" or not is_initialized():
+        return None
+    backend = str(dist.get_backend(group))
+    if backend == "nccl" or ("cpu:" not in backend and "gloo" not in backend and "mpi" not in backend):
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,

@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -121,8 +122,35 @@ def _register_exit_handler() -> None:
 _EXIT_GRACE_S = 0.1
 
 
+# CUDA graphs that captured collectives (registered by :func:`dslab.comm.recording_calls`). NCCL
+# cannot destroy a communicator while a live graph holds its kernels: ``ncclCommDestroy`` waits
+# forever (pytorch/pytorch#115388), and a process whose engines are still referenced at exit would
+# hang in the exit handler. The handler resets these graphs first.
+_graphs_with_collectives: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def hold_graph_with_collectives(graph) -> None:
+    """``graph`` (a ``torch.cuda.CUDAGraph``) captured collectives: reset it before the process
+    group is destroyed at exit, if it is still alive then."""
+    _graphs_with_collectives.add(graph)
+
+
+def release_graphs_with_collectives() -> int:
+    """Reset every live graph that captured collectives (after the device finishes its work);
+    returns how many. A reset graph cannot be replayed: its owner captures it again."""
+    graphs = list(_graphs_with_collectives)
+    if graphs and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    for graph in graphs:
+        graph.reset()
+        _graphs_with_collectives.discard(graph)
+    return len(graphs)
+
+
 def _leave_at_exit() -> None:
-    """Let the process group's threads finish, then destroy it (if the program did not)."""
+    """Let the process group's threads finish, release the CUDA graphs that captured collectives,
+    then destroy the group (if the program did not)."""
     if is_initialized():
         time.sleep(_EXIT_GRACE_S)
+        release_graphs_with_collectives()
         dist.destroy_process_group()

@@ -578,8 +578,12 @@ class DslabEngine(nn.Module):
         return self.profilers.records()
 
     def destroy(self) -> None:
-        """Remove hooks, stop the profilers and close the monitor's files."""
+        """Remove hooks, stop the profilers, close the monitor's files and free the model's CUDA
+        graphs (captured again if the model trains on)."""
         if self.grad_reducer is not None:
             self.grad_reducer.remove()
         self.profilers.close()
         self.monitor.close()
+        release = getattr(self.module, "release_cuda_graphs", None)
+        if callable(release):
+            release()

@@ -150,7 +150,7 @@ class DecodeRunner:
         torch.cuda.current_stream().wait_stream(stream)
         _clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
-        with comm.recording_calls() as collectives, torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        with comm.recording_calls(graph) as collectives, torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
             slot.logits = self._body(slot)
         _clear_cublas_workspaces()
         slot.write_pos.copy_(saved)  # the capture recorded the advance without running it
@@ -221,7 +221,7 @@ class DecodeRunner:
         _clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         try:
-            with comm.recording_calls() as collectives, \
+            with comm.recording_calls(graph) as collectives, \
                     torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
                 logits = self.model.prefill(ids, None, slot.cache)
         finally:

@@ -124,3 +124,40 @@ def test_announce_replay_without_listeners_takes_no_seq(one_rank_group, observe)
     with comm.recording_calls() as later:
         comm.all_reduce(torch.ones(4))
     assert later[0].seq == calls[0].seq + 1
+
+
+class FakeGraph:
+    """Stands in for a ``torch.cuda.CUDAGraph``: counts its resets."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_a_graph_that_captured_collectives_is_reset_before_the_group_goes(one_rank_group):
+    from dslab.comm import process
+
+    with_calls, without_calls = FakeGraph(), FakeGraph()
+    with comm.recording_calls(with_calls):
+        comm.all_reduce(torch.ones(4))
+    with comm.recording_calls(without_calls):
+        torch.ones(4).add_(1)
+    assert process.release_graphs_with_collectives() == 1
+    assert (with_calls.resets, without_calls.resets) == (1, 0)
+    assert process.release_graphs_with_collectives() == 0  # released once
+
+
+def test_the_exit_handler_resets_live_graphs_and_holds_none_alive(tmp_path):
+    from dslab.comm import process
+
+    comm.init_distributed(dist_backend="gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    kept, dropped = FakeGraph(), FakeGraph()
+    for graph in (kept, dropped):
+        with comm.recording_calls(graph):
+            comm.broadcast(torch.ones(2), src=0)
+    del dropped  # only a weak reference is held: a graph its owner dropped is not kept alive
+    process._leave_at_exit()
+    assert kept.resets == 1 and not comm.is_initialized()
+    assert len(process._graphs_with_collectives) == 0

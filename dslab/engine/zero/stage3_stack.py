@@ -129,11 +129,13 @@ class _Captured:
             pool = torch.cuda.graph_pool_handle()
             clear_cublas_workspaces()
             self.forward_graph = torch.cuda.CUDAGraph()
-            with comm.recording_calls() as self.forward_calls, torch.cuda.graph(self.forward_graph, pool=pool):
+            with comm.recording_calls(self.forward_graph) as self.forward_calls, \
+                    torch.cuda.graph(self.forward_graph, pool=pool):
                 y, state = forward()
             self.static_grad_y = torch.empty_like(y)
             self.backward_graph = torch.cuda.CUDAGraph()
-            with comm.recording_calls() as self.backward_calls, torch.cuda.graph(self.backward_graph, pool=pool):
+            with comm.recording_calls(self.backward_graph) as self.backward_calls, \
+                    torch.cuda.graph(self.backward_graph, pool=pool):
                 grad_x, resident_grads = stack.backward_pass(state, self.static_grad_y)
             clear_cublas_workspaces()
         self.static_y = y.detach()

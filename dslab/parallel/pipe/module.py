@@ -308,7 +308,12 @@ class PipelineModule(nn.Module):
                 if tie["group"] is None:
                     continue
                 for p in self._tied_parameters(key):
-                    comm.broadcast(p.data, src=tie["owner"], group=tie["group"])
+                    # a module still on the host, under nccl: through the current GPU and back
+                    staging = comm.staging_device(p.data, tie["group"])
+                    data = p.data if staging is None else p.data.to(staging)
+                    comm.broadcast(data, src=tie["owner"], group=tie["group"])
+                    if staging is not None:
+                        p.data.copy_(data)
 
     def topology(self) -> ProcessTopology:
         return self._topo

@@ -5,9 +5,12 @@ the engine at stage 0 and at stage 3 with ``cuda_graphs`` on, in fp32 and under 
 with and without gradient accumulation. With graphs on, stage 3 runs the layer stack through
 :mod:`dslab.engine.zero.stage3_stack` (eagerly on a CPU: the same layer-by-layer passes the
 graphs capture on a GPU; ``STACK_WORKER_FAMILIES=gpt2`` runs GPT-2 alone). Rank 0 saves each run's losses, final full parameters, the stack's
-call counts and the bytes of the collectives each run issued.
+call counts and the bytes of the collectives each run issued. Each run's start and losses go to
+stderr; ``STACK_WORKER_DUMP_S=<s>`` dumps every thread's stack and exits after that many seconds
+(for a run that hangs on GPUs).
 """
 
+import faulthandler
 import os
 import sys
 
@@ -65,6 +68,8 @@ def build(family, stage, bf16, accum):
 
 
 def run(family, stage, bf16, accum):
+    what = f"{family} stage {stage}{' bf16' if bf16 else ''} accumulation {accum}"
+    print(f"stack_worker rank {comm.get_rank()}: {what}", file=sys.stderr, flush=True)
     engine = build(family, stage, bf16, accum)
     observed = Observed()
     comm.add_observer(observed)
@@ -87,10 +92,13 @@ def run(family, stage, bf16, accum):
            "device": engine.device.type,
            "calls": observed.calls}
     engine.destroy()
+    print(f"stack_worker rank {comm.get_rank()}: {what}: losses {losses}", file=sys.stderr, flush=True)
     return out
 
 
 def main(path):
+    if os.environ.get("STACK_WORKER_DUMP_S"):
+        faulthandler.dump_traceback_later(float(os.environ["STACK_WORKER_DUMP_S"]), exit=True)
     comm.init_distributed()
     results = {}
     families = os.environ.get("STACK_WORKER_FAMILIES", "gpt2,bert").split(",")
