@@ -91,11 +91,11 @@ def test_tiny_scale_trains_one_split_sequence_per_step(tiny_report):
         entry = next(c for c in report.config["cases"] if c["name"] == case)
         assert entry["sequence_parallel_size"] == 2 and entry["tokens_per_rank"] == seq // 2
         assert entry["formula_flops_per_step"] == llama_step_flops(config, seq, 1)
-        # Ulysses' all-to-alls: q, k, v and the output, forward, backward and the checkpointed
-        # recompute, in each of the 2 layers, over 3 steps
+        # Ulysses' all-to-alls: q, k, v packed in one and the output, forward, backward and the
+        # checkpointed recompute, in each of the 2 layers, over 3 steps
         comms = report.profilers["comms"][f"{case} dslab-ulysses"]
         all_to_all = sum(op["count"] for op in comms["ops"] if op["op"] == "all_to_all")
-        assert all_to_all == 12 * config.layers * 3
+        assert all_to_all == 6 * config.layers * 3
         assert len(comms["per_rank"]) == 2
         record = report.profilers["long_context"][f"{case} dslab-ulysses"]
         assert record["sequence_parallel_size"] == 2 and record["tokens_per_rank"] == seq // 2

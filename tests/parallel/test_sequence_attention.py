@@ -53,14 +53,17 @@ def test_every_rank_passes_every_check(ranks):
         assert result["passed"] == expected, f"rank {result['rank']}"
 
 
-def test_four_all_to_alls_each_way_are_observed(ranks):
+def test_two_all_to_alls_each_way_are_observed_q_k_v_packed_in_one(ranks):
     world = len(ranks)
     for result in ranks:
-        for phase in ("forward_calls", "backward_calls"):
+        numel = result["numel"]
+        # forward: q, k and v packed, then the output; backward: the output's gradient, then q's,
+        # k's and v's packed
+        for phase, sizes in (("forward_calls", [3 * numel, numel]), ("backward_calls", [numel, 3 * numel])):
             calls = result[phase]
-            assert [c["op"] for c in calls] == ["all_to_all"] * 4, (phase, calls)
+            assert [c["op"] for c in calls] == ["all_to_all"] * 2, (phase, calls)
+            assert [c["numel"] for c in calls] == sizes, (phase, calls)
             assert all(c["group_size"] == world for c in calls), (phase, calls)
-            assert all(c["numel"] == result["numel"] for c in calls), (phase, calls)
             assert all(c["dtype"] == "torch.float32" for c in calls), (phase, calls)
 
 
