@@ -13,8 +13,11 @@ should be averaged, or the reverse, shows. Rank 0 then trains the unsplit model 
 gathered). Every micro-step's engine loss (averaged over the data-parallel ranks) must equal the
 single-process loss, and the engine's final whole parameters the single-process ones. The cases:
 ZeRO stages 0 to 3; layer checkpoints with an ``activation_checkpointing`` section at stages 1
-and 3; gradient accumulation at stage 1; a binding clip by the global norm at stage 2. Then the
-sizes and models the engine refuses. Each rank writes ``rank<r>.json``.
+and 3; gradient accumulation at stage 1; a binding clip by the global norm at stage 2. Then a
+checkpoint round trip at stages 1 and 3 (saved after 2 steps, loaded into an engine built from
+other weights, which then trains the next 2 steps to the saving engine's losses and parameters),
+fp16 with a loss scale that overflows the first steps at stages 2 and 3, and the sizes and models
+the engine refuses. Each rank writes ``rank<r>.json``.
 """
 
 import json
@@ -123,6 +126,73 @@ def run_case(stage: int, accum: int, checkpoint_layers: int, kernels: str, clip:
     return {"losses": losses, "reference_losses": reference[0], "engine_steps": engine.global_steps}
 
 
+def checkpoint_round_trip(stage: int, out: Path) -> dict:
+    """Save under sequence parallelism after 2 steps; an engine built from other weights loads
+    the checkpoint and trains the next 2 micro-batches to the same losses and parameters."""
+    groups = initialize_sequence_parallel(SP)
+    rank = comm.get_rank()
+    data = TensorDataset(torch.randint(0, 1000, (64, SEQ), generator=torch.Generator().manual_seed(4)))
+
+    def build(seed: int):
+        torch.manual_seed(seed + rank)
+        model = gpt2("dslab", 1, group=groups.group)
+        engine, _, loader, _ = dslab.initialize(model=model, training_data=data, config=config(stage, 1, True))
+        return engine, loader
+
+    def train(engine, batches) -> list[float]:
+        losses = []
+        for ids in batches:
+            loss = engine(ids, ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    saving, loader = build(SEED)
+    batches = [ids for (ids,), _ in zip(loader, range(4))]
+    train(saving, batches[:2])
+    path = saving.save_checkpoint(out / f"sp_checkpoint_stage{stage}")
+    expected = train(saving, batches[2:])
+    expected_state = saving.module_state_dict()
+    saving.destroy()
+    loading, _ = build(SEED + 100)
+    before = loading.module_state_dict()
+    differed = any(not torch.equal(before[k], expected_state[k]) for k in before)
+    loaded, _ = loading.load_checkpoint(out / f"sp_checkpoint_stage{stage}")
+    assert Path(loaded) == Path(path), (loaded, path)
+    resumed = train(loading, batches[2:])
+    state = loading.module_state_dict()
+    loading.destroy()
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected), rtol=1e-6, atol=1e-7)
+    for name, value in expected_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    return {"expected": expected, "resumed": resumed, "started_elsewhere": differed}
+
+
+def fp16_overflows(stage: int) -> dict:
+    """fp16 with a loss scale so high that the first steps overflow: every rank must skip the
+    same steps (one rank's overflow is every rank's, though each holds other gradient shards)
+    and end with the same scale and parameters."""
+    groups = initialize_sequence_parallel(SP)
+    rank = comm.get_rank()
+    torch.manual_seed(SEED + rank)
+    model = gpt2("torch", group=groups.group)
+    fp16 = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 1}
+    engine, _, _, _ = dslab.initialize(model=model, config=config(stage, 1, False, fp16=fp16))
+    ids = torch.randint(0, 1000, (MICRO, SEQ), generator=torch.Generator().manual_seed(7 + rank // SP))
+    losses, scales = [], []
+    for _ in range(12):
+        loss = engine(ids, ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.float()))
+        scales.append(engine.loss_scale)
+    state = engine.module_state_dict()
+    engine.destroy()
+    checksum = float(sum(v.double().sum() for v in state.values()))
+    return {"skipped": engine.skipped_steps, "scales": scales, "losses": losses, "checksum": checksum}
+
+
 def refusal(build) -> str:
     try:
         build()
@@ -139,6 +209,10 @@ def main() -> None:
     result = {"rank": rank, "world": dist.get_world_size()}
     for name, case in CASES.items():
         result[name] = run_case(*case)
+    for stage in (1, 3):
+        result[f"checkpoint_stage{stage}"] = checkpoint_round_trip(stage, out)
+    for stage in (2, 3):
+        result[f"fp16_stage{stage}"] = fp16_overflows(stage)
     groups = initialize_sequence_parallel(SP)
     split = gpt2("torch", group=groups.group)
     result["world_not_divisible"] = refusal(lambda: dslab.initialize(

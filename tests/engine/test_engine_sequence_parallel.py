@@ -2,7 +2,8 @@
 sp_engine_worker.py): data 2 x sequence 2 trains a split GPT-2 to the losses and the parameters of
 one process on the same global batch, at ZeRO stages 0 to 3, with layer checkpoints, gradient
 accumulation and a binding clip; the data loader gives the ranks of a sequence group the same
-samples. A world the size does not divide, and a model built with another size or group, are
+samples; a checkpoint saved at stages 1 and 3 resumes the run in an engine built from other weights;
+fp16 overflows skip the same steps on every rank at stages 2 and 3. A world the size does not divide, and a model built with another size or group, are
 refused naming the key. In one process: the key's validation and its refusals."""
 
 import json
@@ -45,6 +46,36 @@ def test_data2_x_sequence2_trains_like_one_process(ranks, case):
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(run["reference_losses"]),
                                    rtol=1e-5, atol=1e-6)
         assert len(run["losses"]) == (6 if "accum" in case else 3)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_resumes_the_sequence_parallel_run(ranks, stage):
+    """The worker asserts the resumed losses and parameters against the run that saved; here
+    that the loading engine started from other weights, and every rank resumed the same run."""
+    for result in ranks:
+        run = result[f"checkpoint_stage{stage}"]
+        assert run["started_elsewhere"]
+        assert run["resumed"] == run["expected"] and len(run["resumed"]) == 2
+        # the two ranks of a sequence-parallel group report the whole sequence's loss
+        partner = ranks[result["rank"] ^ 1][f"checkpoint_stage{stage}"]
+        assert run["expected"] == partner["expected"]
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_overflows_skip_the_same_steps_on_every_rank(ranks, stage):
+    """A loss scale of 2**20 overflows fp16 gradients in the first steps: every rank, whatever
+    shard of the gradients it holds, skips the same steps, halves the scale alike, and ends with
+    the same parameters, which trained once the scale came down."""
+    runs = [result[f"fp16_stage{stage}"] for result in ranks]
+    first = runs[0]
+    assert 0 < first["skipped"] < len(first["losses"])
+    assert first["scales"][0] < 2.0**20 and first["losses"][-1] < first["losses"][0] - 1.0
+    for r, run in enumerate(runs):
+        assert (run["skipped"], run["scales"], run["checksum"]) == (first["skipped"], first["scales"],
+                                                                   first["checksum"]), r
+        assert run["losses"] == runs[r ^ 1]["losses"]  # the sequence-parallel partner's whole-sequence loss
 
 
 @pytest.mark.world_size(4)
