@@ -14,7 +14,8 @@ Every layout trains the same model (dslab's GPT-2 on dslab's kernels, bf16 autoc
 parameters, dropout 0, AdamW, clipping 1.0, ZeRO-1 where there is data parallelism) on the same
 global batch: ``--micro`` sequences of ``--seq`` tokens per micro-batch per data-parallel rank and
 ``--micro-batches`` micro-batches per step. Per layout: step time (median of ``--steps`` after
-``--warmup``, CUDA-synchronised), tokens/s, model TFLOP/s per GPU by Megatron's count
+``--warmup``, CUDA-synchronised), host time (until the step's calls return, before the
+synchronisation: close to the step time when the host is what the step waits on), tokens/s, model TFLOP/s per GPU by Megatron's count
 (``72 B s L h^2 (1 + s/6h + V/12Lh)`` per step, Narayanan et al. 2021) and MFU against the bf16
 matmul peak measured in the same process, peak memory allocated, and for pipelines every stage's
 busy and idle time against the 1F1B bubble ``(p-1)/(m+p-1)``. Rank 0 prints the table last.
@@ -106,23 +107,25 @@ def run_layout(name: str, args, device) -> dict:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, hosts, losses = [], [], []
     for i in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
         comm.barrier()
         start = time.perf_counter()
         loss = step()
+        returned = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            hosts.append(returned - start)
             losses.append(float(loss.detach()))
     step_s = statistics.median(times)
     tokens = args.micro * args.seq * args.micro_batches * dp
     flops = model_flops(layers, hidden, args.seq, tokens)
     row = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "size": args.size, "step_s": step_s,
-           "steps_s": times, "tokens_per_s": tokens / step_s,
+           "steps_s": times, "host_s": statistics.median(hosts), "tokens_per_s": tokens / step_s,
            "tflops_per_gpu": flops / step_s / world / 1e12, "losses": losses,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
     peaks = comm.all_gather_object(row["peak_gib"])
@@ -137,14 +140,14 @@ def run_layout(name: str, args, device) -> dict:
 
 
 def fmt(rows: list[dict], peak: float | None) -> str:
-    lines = [f"{'layout':<10}{'tp':>3}{'pp':>3}{'dp':>3}{'step s':>9}{'tokens/s':>11}{'TFLOP/s/GPU':>12}"
+    lines = [f"{'layout':<10}{'tp':>3}{'pp':>3}{'dp':>3}{'step s':>9}{'host s':>8}{'tokens/s':>11}{'TFLOP/s/GPU':>12}"
              f"{'MFU':>7}{'GiB':>7}  stage idle (bubble)"]
     for r in rows:
         idle = ""
         if "pipeline" in r:
             stages = r["pipeline"]["per_stage"]
             idle = " ".join(f"{s['idle_fraction']:.2f}" for s in stages) + f" ({r['pipeline']['bubble_fraction']:.2f})"
-        lines.append(f"{r['layout']:<10}{r['tp']:>3}{r['pp']:>3}{r['dp']:>3}{r['step_s']:>9.3f}"
+        lines.append(f"{r['layout']:<10}{r['tp']:>3}{r['pp']:>3}{r['dp']:>3}{r['step_s']:>9.3f}{r['host_s']:>8.3f}"
                      f"{r['tokens_per_s']:>11,.0f}{r['tflops_per_gpu']:>12.1f}"
                      f"{format(r['tflops_per_gpu'] / peak, '>7.1%') if peak else '      -'}"
                      f"{r['peak_gib_max']:>7.1f}  {idle}")
