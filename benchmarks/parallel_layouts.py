@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node N benchmarks/parallel_layouts.py \
         [--size 1.5b] [--layouts dp,pp4,tp2dp2,pp2dp2,tp2pp2] [--micro 4] [--micro-batches 16] \
-        [--seq 1024] [--warmup 2] [--steps 5] [--json OUT.json]
+        [--seq 1024] [--warmup 2] [--steps 5] [--cuda-graphs] [--json OUT.json]
 
 A layout is ``dp`` (the plain engine, data parallel over every rank), ``ppK`` (K pipeline stages,
 the pipeline engine, data parallel over the rest), ``tpK`` (tensor parallel over K ranks, the
@@ -15,10 +15,11 @@ parameters, dropout 0, AdamW, clipping 1.0, ZeRO-1 where there is data paralleli
 global batch: ``--micro`` sequences of ``--seq`` tokens per micro-batch per data-parallel rank and
 ``--micro-batches`` micro-batches per step. Per layout: step time (median of ``--steps`` after
 ``--warmup``, CUDA-synchronised), host time (until the step's calls return, before the
-synchronisation: close to the step time when the host is what the step waits on), tokens/s, model TFLOP/s per GPU by Megatron's count
-(``72 B s L h^2 (1 + s/6h + V/12Lh)`` per step, Narayanan et al. 2021) and MFU against the bf16
-matmul peak measured in the same process, peak memory allocated, and for pipelines every stage's
-busy and idle time against the 1F1B bubble ``(p-1)/(m+p-1)``. Rank 0 prints the table last.
+synchronisation: close to the step time when the host is what the step waits on), tokens/s,
+model TFLOP/s per GPU by Megatron's count (``72 B s L h^2 (1 + s/6h + V/12Lh)`` per step,
+Narayanan et al. 2021) and MFU against the bf16 matmul peak measured in the same process, peak
+memory allocated, and for pipelines every stage's busy and idle time against the 1F1B bubble
+``(p-1)/(m+p-1)``. Rank 0 prints the table last.
 
 Without a GPU the same runs on gloo processes with the torch kernels and no MFU (``--size tiny``:
 a check of the script, not a measurement).
@@ -81,6 +82,9 @@ def run_layout(name: str, args, device) -> dict:
     kernels = "dslab" if device.type == "cuda" else "torch"
     if device.type != "cuda":
         del cfg["bf16"]
+    graphed = args.cuda_graphs and not pipeline
+    if graphed:  # the layer stack replayed from CUDA graphs, its collectives inside (pipelines run eagerly)
+        cfg["cuda_graphs"] = {"enabled": True}
     if pipeline:
         model = gpt2_pipeline_module(config, kernels, grid=grid, activation_checkpoint_interval=args.ckpt)
         engine, _, _, _ = dslab.initialize(model=model, config=cfg)
@@ -124,7 +128,8 @@ def run_layout(name: str, args, device) -> dict:
     step_s = statistics.median(times)
     tokens = args.micro * args.seq * args.micro_batches * dp
     flops = model_flops(layers, hidden, args.seq, tokens)
-    row = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "size": args.size, "step_s": step_s,
+    row = {"layout": name + ("+graphs" if graphed else ""), "tp": tp, "pp": pp, "dp": dp, "size": args.size,
+           "step_s": step_s,
            "steps_s": times, "host_s": statistics.median(hosts), "tokens_per_s": tokens / step_s,
            "tflops_per_gpu": flops / step_s / world / 1e12, "losses": losses,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
@@ -164,6 +169,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ckpt", type=int, default=0, help="pipeline activation_checkpoint_interval")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay the layer stack of the dp and tp layouts from CUDA graphs (pipelines stay eager)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     comm.init_distributed()

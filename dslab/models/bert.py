@@ -388,11 +388,14 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
         return self.load_state_dict(state_dict, strict=strict)
 
     def enable_cuda_graphs(self, enabled: bool = True) -> None:
-        """As :meth:`CudaGraphLayers.enable_cuda_graphs`; refused with tensor parallelism (the layer
-        graphs do not take the collectives of tensor-parallel layers)."""
-        if enabled and self.config.tp_size > 1:
-            raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size}: the layer stack's CUDA "
-                             "graphs do not take tensor-parallel layers; turn graphs off")
+        """As :meth:`CudaGraphLayers.enable_cuda_graphs`. With tensor parallelism the graphs capture
+        the layers' all-reduces (:mod:`dslab.models.graphs`); refused with tensor parallelism and
+        attention dropout, which switches to the rank's own generator stream
+        (:mod:`dslab.parallel.random`), as no capture may."""
+        if enabled and self.config.tp_size > 1 and self.config.attention_dropout > 0:
+            raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size} and attention_dropout="
+                             f"{self.config.attention_dropout}: tensor-parallel attention dropout switches "
+                             "generator states, which a CUDA graph capture cannot; set it to 0 or turn graphs off")
         super().enable_cuda_graphs(enabled)
 
     @classmethod

@@ -360,15 +360,14 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
         return self.load_state_dict(state_dict, strict=strict)
 
     def enable_cuda_graphs(self, enabled: bool = True) -> None:
-        """As :meth:`CudaGraphLayers.enable_cuda_graphs`; refused with tensor parallelism: the
-        layer graphs have not been built for collectives inside the stack (their warm-up on a side
-        stream, their replays announced to the comm layer's observers)."""
-        if enabled and self.config.tp_size > 1:
-            raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size}: the layer stack's CUDA "
-                             "graphs do not take tensor-parallel layers; turn graphs off")
-        if enabled and self.config.sequence_parallel_size > 1:
-            raise ValueError(f"'cuda_graphs.enabled' with sequence_parallel_size={self.config.sequence_parallel_size}: "
-                             "the layer stack's CUDA graphs do not take collectives; turn graphs off")
+        """As :meth:`CudaGraphLayers.enable_cuda_graphs`. With tensor or sequence parallelism the
+        graphs capture the layers' collectives (:mod:`dslab.models.graphs`); refused with tensor
+        parallelism and dropout, whose attention dropout switches to the rank's own generator
+        stream (:mod:`dslab.parallel.random`), which no capture may do."""
+        if enabled and self.config.tp_size > 1 and self.config.dropout > 0:
+            raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size} and dropout="
+                             f"{self.config.dropout}: tensor-parallel attention dropout switches generator "
+                             "states, which a CUDA graph capture cannot; set dropout 0 or turn graphs off")
         super().enable_cuda_graphs(enabled)
 
     @classmethod

@@ -42,6 +42,14 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, with the differen
   (the capture allocates its own inside its pool, which lives as long as its graphs) and after it
   (no later capture inherits a block of this pool).
 
+Collectives inside the stack (tensor-parallel all-reduces, sequence-parallel all-to-alls) are
+captured with it: the warm-ups issue them on the side stream as every rank does, each capture
+records the calls it issued (:func:`dslab.comm.recording_calls`) and each replay announces them to
+the comm layer's observers (:func:`dslab.comm.announce_replay`), so the comms logger counts them as
+eager calls. A graph that captured collectives is reset before the process group is destroyed at
+exit (NCCL waits on it otherwise). Every rank of the group must replay the same graphs in the same
+order, as it would issue the same calls eagerly.
+
 Side outputs: a stack may give a differentiable scalar besides its output (an MoE layer's
 load-balancing loss) through a :class:`StackSideOutput`. Its ``loss()`` is called right after the
 stack's forward (eagerly, in the warm-up runs and inside the capture) and must hand over the
@@ -71,6 +79,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_globals
 
+from dslab import comm
 from dslab.kernels.dispatch import graphed_launches
 from dslab.models.ops import run_checkpointed_stack, run_layer_stack
 from dslab.models.weight_cast import weight
@@ -164,12 +173,14 @@ class _Captured:
             pool = torch.cuda.graph_pool_handle()
             clear_cublas_workspaces()
             self.forward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.forward_graph, pool=pool):
+            with comm.recording_calls(self.forward_graph) as self.forward_calls, \
+                    torch.cuda.graph(self.forward_graph, pool=pool):
                 outs = forward()
             self.side_state = side.snapshot() if side is not None else None
             self.static_grad_outs = [torch.empty_like(o) for o in outs]
             self.backward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.backward_graph, pool=pool):
+            with comm.recording_calls(self.backward_graph) as self.backward_calls, \
+                    torch.cuda.graph(self.backward_graph, pool=pool):
                 grads = torch.autograd.grad(outs, grad_inputs, self.static_grad_outs, allow_unused=True)
             clear_cublas_workspaces()
         n_grad_inputs = len(self.grad_input_index)
@@ -202,6 +213,7 @@ class _Replay(torch.autograd.Function):
         # gradients (one memory pool): a .grad adopted from those buffers must move out first.
         captured.unalias_param_grads()
         captured.forward_graph.replay()
+        comm.announce_replay(captured.forward_calls)
         if captured.side is not None:
             captured.side.restore(captured.side_state)
         ctx.owner, ctx.captured, ctx.n_inputs = owner, captured, n_inputs
@@ -220,6 +232,7 @@ class _Replay(torch.autograd.Function):
                 buffer.copy_(grad)
         captured.unalias_param_grads()
         captured.backward_graph.replay()
+        comm.announce_replay(captured.backward_calls)
         grad_inputs = [None] * ctx.n_inputs
         for i, g in zip(captured.grad_input_index, captured.static_grad_inputs):
             grad_inputs[i] = g.detach() if g is not None else None

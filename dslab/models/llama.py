@@ -405,14 +405,6 @@ class LlamaForCausalLM(CudaGraphLayers, nn.Module):
                              f"over its ranks: it must divide by {size}")
         return split_sequence((input_ids, targets), comm.get_rank(self.sp_group), size)
 
-    def enable_cuda_graphs(self, enabled: bool = True) -> None:
-        """As :meth:`CudaGraphLayers.enable_cuda_graphs`; refused with sequence parallelism (the
-        layer graphs are not built for the all-to-alls inside the stack)."""
-        if enabled and self.config.sequence_parallel_size > 1:
-            raise ValueError(f"'cuda_graphs.enabled' with sequence_parallel_size={self.config.sequence_parallel_size}: "
-                             "the layer stack's CUDA graphs do not take collectives; turn graphs off")
-        super().enable_cuda_graphs(enabled)
-
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config: LlamaConfig, kernels: str = "dslab") -> LlamaForCausalLM:
         """A model with ``config`` and the weights of a transformers ``LlamaForCausalLM`` state dict."""

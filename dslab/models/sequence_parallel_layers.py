@@ -8,7 +8,8 @@ needs the whole sequence: :class:`SequenceParallelSelfAttention` projects the ch
 (``[batch, seq/p, heads, head_dim]``, batch first) and hands them to
 :class:`dslab.parallel.sequence.DistributedAttention`, which all-to-alls them to the whole
 sequence of ``heads/p`` heads, runs the op set's ``attention`` there, and trades the output back
-(two all-to-alls forward, q, k and v packed in one of ``[batch, seq/p, 3 hidden]`` and the output, and two backward, per layer).
+(two all-to-alls forward, q, k and v packed in one of ``[batch, seq/p, 3 hidden]`` and the
+output's, and two backward, per layer).
 
 The parameters and their names are :class:`~dslab.models.ops.SelfAttention`'s, so the state dict
 of the unsplit model loads as it is. The gradient a rank computes is its chunk's share; the sum

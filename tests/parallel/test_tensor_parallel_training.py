@@ -48,7 +48,7 @@ CHECKS = [
     "initialisation_slices_the_dense_draw", "vocab_parallel_embedding_matches_dense",
     "indivisible_sizes_are_refused_by_name", "vocab_parallel_cross_entropy_matches_dense", "gpt2_matches_dense",
     "gpt2_sequence_parallel_matches_dense", "gpt2_trains_as_dense", "gpt2_loads_a_dense_state_dict",
-    "gpt2_group_size_is_checked",
+    "gpt2_group_size_is_checked", "gpt2_graphs_are_refused_with_dropout_only",
 ]
 
 

@@ -405,6 +405,21 @@ def main(out_dir: Path) -> None:
         else:
             raise AssertionError("a tp_size other than the group's size was accepted")
 
+    @check
+    def gpt2_graphs_are_refused_with_dropout_only():
+        # the graphs capture the all-reduces; attention dropout's switch to the rank's own
+        # generator stream cannot be captured
+        with_dropout = GPT2LMHeadModel(dataclasses.replace(config, tp_size=world, dropout=0.1), "torch")
+        try:
+            with_dropout.enable_cuda_graphs()
+        except ValueError as error:
+            assert f"tp_size={world} and dropout=0.1" in str(error), str(error)
+        else:
+            raise AssertionError("CUDA graphs with tensor-parallel dropout were accepted")
+        without = GPT2LMHeadModel(dataclasses.replace(config, tp_size=world, dropout=0.0), "torch")
+        without.enable_cuda_graphs()
+        assert without.cuda_graph_stats == {}
+
     if world == 4:
         @check
         def gpt2_over_two_subgroups():
