@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from dslab.kernels.dispatch import graphed_launches
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -214,17 +216,23 @@ def graph_replay(fn: Callable[[], object], failures: list[str] | None = None) ->
     callable that replays it: the device work of one call of ``fn`` without the host's launch
     overhead. None when ``fn`` cannot be captured, with the reason appended to ``failures``; the
     CUDA generators are reset after a failed capture (:func:`reset_cuda_generators`) so that the
-    failure cannot reach the next case. The callable holds the graph (and its memory pool)."""
+    failure cannot reach the next case. The callable holds the graph (and its memory pool).
+
+    The warm-ups and the capture run inside :func:`dslab.kernels.dispatch.graphed_launches`, as a
+    model's graphs do: a dslab kernel whose launch plan differs inside a graph (attention's
+    backward at BERT-large's seq 512) compiles and autotunes that plan in the warm-ups, never
+    inside the capture, where Triton's compile or autotune would fail it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(side):
-            for _ in range(3):
+        with graphed_launches():
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
     except Exception as err:  # not capturable (host syncs, CPU-side state): no graph figure
         torch.cuda.synchronize()
         reset_cuda_generators()
