@@ -182,3 +182,39 @@ def test_case_slug_names_op_and_shape():
     attention = common.Case(op="attention fwd+bwd", shape="BERT-large seq 128: b64 h16 s128 d64", dslab=None,
                             torch=None)
     assert attention.slug == "attention_fwd+bwd_BERT_large_seq_128_b64_h16_s128_d64"
+
+
+def test_graph_replay_rehearses_and_captures_the_graphed_launch_plans(monkeypatch):
+    """A dslab kernel whose launch plan differs inside a CUDA graph (attention's backward at
+    BERT-large seq 512) must pick the graphed plan in the warm-ups too, so that it compiles and
+    autotunes there and never inside the capture: every warm-up call and the captured one run
+    inside ``graphed_launches``. CUDA's streams and graphs are stood in for on a CPU."""
+    import contextlib
+
+    from dslab.kernels.dispatch import launches_graphed
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    class FakeGraph:
+        captured = False
+
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def fake_graph(graph, **kwargs):
+        graph.captured = True
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    seen = []
+    replay = common.graph_replay(lambda: seen.append(launches_graphed()))
+    assert replay is not None and replay.graph.captured
+    assert seen == [True, True, True, True]  # three warm-ups and the capture
+    assert not launches_graphed()
