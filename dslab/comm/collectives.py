@@ -73,8 +73,8 @@ class CommObserver(Protocol):
 
 
 class _Recordings(threading.local):
-    """The lists of the :func:`recording_calls` blocks open on this thread (a capture records the
-    collectives its own thread issues, never another thread's)."""
+    """The lists of the :func:`recording_calls` blocks open on this thread (a block records the
+    collectives its own thread issues, and no other thread's outside a CUDA graph capture)."""
 
     def __init__(self):
         self.lists: list[list[CollectiveCall]] = []
@@ -82,7 +82,29 @@ class _Recordings(threading.local):
 
 _observers: list[CommObserver] = []
 _recordings = _Recordings()
+#: the lists of the recording blocks given a graph, on every thread: a backward captured by
+#: ``torch.autograd`` runs on the autograd engine's device thread, into the same capture
+_capture_lists: list[list[CollectiveCall]] = []
+_capture_lock = threading.Lock()
 _seq = itertools.count()
+
+
+def _capturing_here() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _open_recordings() -> list[list[CollectiveCall]]:
+    """The recording lists a call issued now on this thread belongs to: this thread's blocks, and
+    where this thread issues into a CUDA graph capture that another thread opened a block for
+    (the autograd engine's thread, running a captured backward), those blocks too."""
+    own = _recordings.lists
+    if not _capture_lists:
+        return own
+    with _capture_lock:
+        others = [calls for calls in _capture_lists if not any(calls is mine for mine in own)]
+    if others and _capturing_here():
+        return own + others
+    return own
 
 
 def add_observer(observer: CommObserver) -> None:
@@ -98,17 +120,24 @@ def remove_observer(observer: CommObserver) -> None:
 @contextlib.contextmanager
 def recording_calls(graph=None) -> Iterator[list[CollectiveCall]]:
     """A list that receives every collective this thread issues inside the block, observers or
-    not (nested blocks each receive them). A CUDA graph's owner wraps its capture in it and passes
+    not (nested blocks each receive them); with ``graph``, also those another thread issues into
+    a CUDA graph capture meanwhile (the autograd engine's thread runs a captured backward). A CUDA graph's owner wraps its capture in it and passes
     the list to :func:`announce_replay` at each replay. Without a process group nothing is issued
     and the list stays empty. With ``graph`` (the ``torch.cuda.CUDAGraph`` being captured), a
     capture that issued collectives is reset before the process group is destroyed at exit
     (:func:`dslab.comm.process.hold_graph_with_collectives`)."""
     calls: list[CollectiveCall] = []
     _recordings.lists.append(calls)
+    if graph is not None:
+        with _capture_lock:
+            _capture_lists.append(calls)
     try:
         yield calls
     finally:
         _recordings.lists[:] = [other for other in _recordings.lists if other is not calls]
+        if graph is not None:
+            with _capture_lock:
+                _capture_lists[:] = [other for other in _capture_lists if other is not calls]
         if graph is not None and calls:
             hold_graph_with_collectives(graph)
 
@@ -146,11 +175,12 @@ def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, ranks: list
     the open :func:`recording_calls` lists. ``ranks``: the ranks taking part when they are not
     the whole group (a point-to-point transfer's sender and receiver); ``bucket``: the gradient
     bucket the call reduces (:attr:`CollectiveCall.bucket`)."""
-    if not _observers and not _recordings.lists:
+    recordings = _open_recordings()
+    if not _observers and not recordings:
         return fn()
     call = _call(op, tensor, group, async_op, ranks, extra)
     call.bucket = bucket
-    for calls in _recordings.lists:
+    for calls in recordings:
         calls.append(call)
     for obs in _observers:
         obs.before(call)
@@ -366,13 +396,14 @@ def batch_isend_irecv(ops: list[P2POp]) -> list:
     _require_group("batch_isend_irecv")
     if not ops:
         return []
-    observed = bool(_observers or _recordings.lists)
+    recordings = _open_recordings()
+    observed = bool(_observers or recordings)
     calls = []
     if observed:
         for op in ops:
             call = _call(op.op, op.tensor, op.group, True, _pair(op.op, op.peer), {})
             calls.append(call)
-            for recorded in _recordings.lists:
+            for recorded in recordings:
                 recorded.append(call)
             for obs in _observers:
                 obs.before(call)

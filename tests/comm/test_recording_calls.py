@@ -99,6 +99,35 @@ def test_records_only_the_calls_of_its_own_thread(one_rank_group):
     assert [c.numel for c in calls] == [4]
 
 
+def test_a_capture_records_what_another_thread_issues_into_it(one_rank_group, monkeypatch):
+    """A backward captured through ``torch.autograd`` runs on the autograd engine's device thread,
+    whose current stream is the capture's: its collectives belong to the capture. Another
+    thread's calls outside any capture, and every other thread's calls into a block opened
+    without a graph, do not."""
+    capturing = threading.local()
+    monkeypatch.setattr(collectives, "_capturing_here", lambda: getattr(capturing, "on", False))
+
+    def issue(numel, into_capture):
+        def work():
+            capturing.on = into_capture
+            comm.all_reduce(torch.ones(numel))
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+
+    graph = FakeGraph()
+    with comm.recording_calls(graph) as captured:
+        issue(7, into_capture=True)
+        issue(9, into_capture=False)
+        comm.all_reduce(torch.ones(4))
+    with comm.recording_calls() as plain:
+        issue(11, into_capture=True)
+    assert [c.numel for c in captured] == [7, 4]
+    assert plain == []
+    issue(13, into_capture=True)  # no block open: nothing recorded, nothing kept
+    assert collectives._capture_lists == [] and collectives._recordings.lists == []
+
+
 def test_announce_replay_tells_the_observers_with_replayed_only(one_rank_group, observe):
     with comm.recording_calls() as calls:
         comm.all_reduce(torch.ones(4))

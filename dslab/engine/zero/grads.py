@@ -132,7 +132,9 @@ class GradientReduceScatter:
         if unit.grad_divisor > 1 and average_op is None:
             flat.div_(unit.grad_divisor)
         op = average_op or comm.ReduceOp.SUM
-        if self.reduce_scatter:
+        if unit.world_size == 1:  # a group of one: the packed gradients are the reduced shard
+            shard, work = flat, None
+        elif self.reduce_scatter:
             shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
             work = comm.reduce_scatter_tensor(shard, flat, op=op, group=unit.group, async_op=True,
                                               bucket=unit.index)

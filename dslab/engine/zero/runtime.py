@@ -418,6 +418,11 @@ class ZeroRuntime:
                 unit.shard.copy_(master, non_blocking=True)
         if not unit.resident:
             return None
+        if unit.world_size == 1:  # a group of one: the shard is the whole unit
+            if unit.full.data_ptr() != unit.shard.data_ptr():
+                with torch.no_grad():
+                    unit.full.copy_(unit.shard)
+            return None
         per_rank = max(1, self.config.allgather_bucket_size // unit.world_size)
         if unit.shard_numel <= per_rank:
             return comm.all_gather_into_tensor(unit.full, unit.shard, group=unit.group,

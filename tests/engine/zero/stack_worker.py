@@ -26,14 +26,21 @@ STEPS = 3
 
 
 class Observed:
+    """The collectives that ran: those issued eagerly (the capture's warm-up runs included) and
+    those a replayed graph announced, not those recorded into a capture (run at its replays)."""
+
     def __init__(self):
         self.calls = []
 
     def before(self, call):
-        self.calls.append((call.op, call.nbytes, str(call.dtype)))
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self.calls.append((call.op, call.nbytes, str(call.dtype)))
 
     def after(self, call, work):
         pass
+
+    def replayed(self, call):
+        self.calls.append((call.op, call.nbytes, str(call.dtype)))
 
 
 def batch(family, rank, seed):

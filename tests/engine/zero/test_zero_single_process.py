@@ -317,3 +317,48 @@ def test_stage3_adopts_a_unit_read_outside_its_owners_forward():
     assert sorted(names[i] for i in engine.zero.gatherer.adopted) == qkv
     assert live[0] == sorted(["wte.weight", *qkv]) and live[1] == live[2] == ["wte.weight"]
     engine.destroy()
+
+
+class _CountOps:
+    def __init__(self):
+        self.ops = []
+
+    def before(self, call):
+        self.ops.append(call.op)
+
+    def after(self, call, work):
+        pass
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_group_of_one_reduces_and_gathers_without_collectives(tmp_path, stage):
+    """With a process group of one rank (torchrun with one process, as a suite's N = 1 runs),
+    the ZeRO units' reduce-scatters and gathers move nothing: they are skipped (no collective for
+    the comm observers, no NCCL launch), and training gives what it gives without a group."""
+    import torch.distributed as dist
+
+    from dslab import comm
+
+    def train(grouped):
+        torch.manual_seed(0)
+        model = TinyNet(dropout=0.0)
+        engine, _, _, _ = dslab.initialize(model=model, config=base_config(
+            zero_optimization=_zero(stage), gradient_clipping=1.0))
+        counted = _CountOps()
+        comm.add_observer(counted)
+        try:
+            _train(engine)
+        finally:
+            comm.remove_observer(counted)
+        return [p.detach().clone() for p in model.parameters()], counted.ops
+
+    alone, _ = train(grouped=False)
+    comm.init_distributed(dist_backend="gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        grouped, ops = train(grouped=True)
+    finally:
+        dist.destroy_process_group()
+    assert not {"reduce_scatter", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor"} & set(ops), ops
+    assert ops  # the group is there: the gradient norm's all-reduce still goes through it
+    for a, b in zip(alone, grouped):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
