@@ -44,11 +44,35 @@ def main(argv=None) -> None:
         dist.all_reduce(x, async_op=True)
         torch.cuda.Event(enable_timing=True).record()
 
+    pool = [torch.cuda.Event(enable_timing=True) for _ in range(3 * (args.calls + 20))]
+    for event in pool:
+        event.record()  # created (CUDA creates an event at its first record)
+    torch.cuda.synchronize()
+    pooled = iter(pool)
+
+    def create_event():
+        dist.all_reduce(x, async_op=True)
+        torch.cuda.Event(enable_timing=True)
+
+    def pooled_after():
+        dist.all_reduce(x, async_op=True)
+        next(pooled).record()
+
+    def then_pooled():
+        end = next(pooled)
+        dist.all_reduce(x, async_op=True).get_future().then(lambda _f: end.record())
+
+    def then_pooled_stream():
+        end = next(pooled)
+        dist.all_reduce(x, async_op=True).get_future().then(lambda _f: torch.cuda.current_stream().record_event(end))
+
     def through_comm():
         comm.all_reduce(x, async_op=True)
 
     variants = [("bare", bare), ("get_future", future), ("then(no-op)", then_noop),
                 ("then(record event)", then_event), ("event after the call", event_after),
+                ("Event() object only", create_event), ("pooled event after", pooled_after),
+                ("then(record pooled event)", then_pooled), ("then(stream.record_event)", then_pooled_stream),
                 ("dslab.comm, no observer", through_comm)]
     rows = []
     for name, fn in variants:

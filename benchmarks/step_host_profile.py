@@ -83,8 +83,10 @@ def main(argv=None) -> None:
             walls.append(hosts[-1])
     world = f" world {comm.get_world_size()}" if comm.is_initialized() else ""
     label = f"{args.suite} {args.case} {args.arm}{' (profilers dropped)' if args.drop_profilers else ''}{world}"
-    print(f"{label}: step {statistics.median(walls):.1f} ms (device, median), host {statistics.median(hosts):.1f} ms")
-    print(f"  layer stack: {arm.cuda_graph_stats()}")
+    rank0 = comm.get_rank() == 0
+    if rank0:
+        print(f"{label}: step {statistics.median(walls):.1f} ms (device, median), host {statistics.median(hosts):.1f} ms")
+        print(f"  layer stack: {arm.cuda_graph_stats()}")
     profile = cProfile.Profile()
     sync()
     profile.enable()
@@ -101,7 +103,8 @@ def main(argv=None) -> None:
         shown = "{" + fn[2][1:-1] + "}" if fn[2].startswith("<") else fn[2]  # as pstats prints it
         stats.print_callers(re.escape(shown))
     lines = [line for line in out.getvalue().splitlines() if line.strip()]
-    print("\n".join(lines))
+    if rank0:
+        print("\n".join(lines))
     if args.sync_debug and cuda:
         seen = collections.Counter()
 
@@ -116,9 +119,10 @@ def main(argv=None) -> None:
                 arm.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        print(f"synchronising calls in one step: {sum(seen.values())}")
-        for stack, n in seen.most_common(6):
-            print(f"-- {n} x\n{stack}")
+        if rank0:
+            print(f"synchronising calls in one step: {sum(seen.values())}")
+            for stack, n in seen.most_common(6):
+                print(f"-- {n} x\n{stack}")
     arm.close()
 
 

@@ -7,7 +7,8 @@
 #     wall_clock_breakdown removed);
 #  3. benchmarks/zero_step_profile.py at stage 3 (the isolated step) for the same machine.
 # Trial lines, the arms' CUDA-graph notes and the isolated step print last; reports land in $OUT.
-#   GAP_NPROCS=1,2 GAP_TRIALS=2 GAP_STEPS=8 bash benchmarks/zero3_suite_gap.sh
+# GAP_EXTRA=0 leaves out the profiler-less copy and the isolated step.
+#   GAP_NPROCS=1,2 GAP_TRIALS=2 GAP_STEPS=8 GAP_EXTRA=1 bash benchmarks/zero3_suite_gap.sh
 set -u
 . benchmarks/gpu_setup.sh
 OUT=${OUT:-/tmp/out}
@@ -25,8 +26,9 @@ bench() {
     --trials "${GAP_TRIALS:-2}" --steps "${GAP_STEPS:-8}" --warmup 5 --out "$OUT/reports" 2>&1
 }
 bench 300 suites/zero "${GAP_NPROCS:-1,2}" dslab-zero0,dslab-zero2,dslab-zero3 > "$OUT/suite.log"
-mkdir -p /tmp/zero_noprof
-python3 - <<'PY'
+if [ "${GAP_EXTRA:-1}" = 1 ]; then
+  mkdir -p /tmp/zero_noprof
+  python3 - <<'PY'
 import json
 suite = json.load(open("suites/zero/suite.json"))
 for key in ("flops_profiler", "memory_tracer", "comms_logger", "telemetry", "wall_clock_breakdown"):
@@ -34,9 +36,10 @@ for key in ("flops_profiler", "memory_tracer", "comms_logger", "telemetry", "wal
 suite["name"] = "zero_noprof"
 json.dump(suite, open("/tmp/zero_noprof/suite.json", "w"), indent=1)
 PY
-bench 120 /tmp/zero_noprof 1 dslab-zero3 > "$OUT/suite_noprof.log"
-timeout -k 10 90 python3 benchmarks/zero_step_profile.py --stage 3 --cuda-graphs --warmup 6 --steps 8 \
-  --variants none,all > "$OUT/isolated.log" 2>&1
+  bench 120 /tmp/zero_noprof 1 dslab-zero3 > "$OUT/suite_noprof.log"
+  timeout -k 10 90 python3 benchmarks/zero_step_profile.py --stage 3 --cuda-graphs --warmup 6 --steps 8 \
+    --variants none,all > "$OUT/isolated.log" 2>&1
+fi
 cat "$OUT/checks.txt" 2>/dev/null
 for log in suite suite_noprof; do
   echo "== $log"; grep -E "tokens/s|CUDA graphs|Error|error" "$OUT/$log.log" | grep -v Warning | tail -30

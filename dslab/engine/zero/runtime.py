@@ -41,7 +41,7 @@ from dslab.engine.zero.grads import GradientReduceScatter
 from dslab.engine.zero.nvme_offload import NvmeOptimizerOffload
 from dslab.engine.zero.offload import CpuOptimizerOffload
 from dslab.engine.zero.param_offload import ParamHome, build_param_home
-from dslab.engine.zero.partition import FlatUnit, plan_buckets, plan_module_units
+from dslab.engine.zero.partition import FlatUnit, bucket_resident_units, plan_buckets, plan_module_units
 from dslab.engine.zero.stage3 import ParameterGatherer
 from dslab.engine.zero.stage3_stack import Stage3LayerStack, stack_units
 from dslab.engine.zero_config import ZeroConfig
@@ -162,6 +162,7 @@ class ZeroRuntime:
             planned = plan_module_units(module, named_groups,
                                         config.stage3_param_persistence_threshold,
                                         config.stage3_module_granularity_threshold)
+            planned = bucket_resident_units(planned, module, config.reduce_bucket_size)
             owners = [owner for _, _, owner in planned]
             planned = [(layout, params) for layout, params, _ in planned]
         else:

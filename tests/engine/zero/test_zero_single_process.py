@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 import dslab
 from dslab.engine.config import load_config
@@ -362,3 +363,28 @@ def test_a_group_of_one_reduces_and_gathers_without_collectives(tmp_path, stage)
     assert ops  # the group is there: the gradient norm's all-reduce still goes through it
     for a, b in zip(alone, grouped):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_stage3_buckets_its_resident_units():
+    """Parameters under the persistence threshold go into buckets of at most
+    ``reduce_bucket_size`` elements (one reduce-scatter each a step), not one unit per module;
+    the released units stay one per module, and every parameter is in exactly one unit."""
+    from dslab.engine.zero.partition import bucket_resident_units
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.LayerNorm(64),
+                          nn.Linear(64, 4))
+    named = [list(model.named_parameters())]
+    planned = plan_module_units(model, named, persistence_threshold=300)
+    bucketed = bucket_resident_units(planned, model, bucket_size=200)
+    resident_before = [layout for layout, _, _ in planned if layout.resident]
+    resident_after = [(layout, owner) for layout, _, owner in bucketed if layout.resident]
+    assert len(resident_before) == 3  # the two norms and the last linear (260 elements)
+    # in parameter order: norm 1 (64 + 64) and norm 2's weight, norm 2's bias, the linear's
+    # weight (larger than a bucket: alone), its bias
+    assert [layout.numel for layout, _ in resident_after] == [192, 64, 256, 4]
+    assert all(layout.numel <= 200 or len(layout.names) == 1 for layout, _ in resident_after)
+    assert all(owner is model for _, owner in resident_after)
+    released = [(layout.names, owner) for layout, _, owner in bucketed if not layout.resident]
+    assert released == [(layout.names, owner) for layout, _, owner in planned if not layout.resident]
+    names = [n for layout, _, _ in bucketed for n in layout.names]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
