@@ -1,20 +1,28 @@
 """Data-parallel gradient averaging, bucketed and overlapped with backward.
 
 Parameters are grouped into buckets of at most ``bucket_size`` elements, in reverse registration
-order (roughly the order backward produces their gradients). A post-accumulate-grad hook marks a
-parameter ready; when a bucket is complete its gradients are copied into one flat buffer (one
-concatenation kernel) and averaged by an asynchronous all-reduce through :mod:`dslab.comm` while
-backward goes on (AVG in the collective on nccl; on gloo the buffer is divided by the world size
-first).
+order (roughly the order backward produces their gradients), one open bucket per (dtype, device,
+reduction group): a model whose layers interleave bf16 weight copies and fp32 norms still gets
+full buckets of each. A post-accumulate-grad hook marks a parameter ready; when a bucket is
+complete its gradients are copied into one flat buffer (one concatenation kernel) and averaged by
+an asynchronous all-reduce through :mod:`dslab.comm` while backward goes on (AVG in the
+collective on nccl; on gloo the buffer is divided by the world size first).
 Expert parameters (:mod:`expert_parallel`) are summed over their expert-data-parallel group
 instead and divided by the data-parallel world size; a bucket holds the parameters of one
 reduction group only.
 Buckets are issued strictly in index order so every rank issues the same sequence of collectives.
 :meth:`finish` issues any bucket still open (a parameter that got no gradient contributes zeros),
-waits for the reductions and copies the averages back into ``param.grad``.
+waits for the reductions and makes each ``param.grad`` a view of its slot in the bucket's buffer
+(no copy back). A later backward that accumulates into such a view (``zero_grad(set_to_none=False)``)
+leaves its gradient in place, and packing skips it.
 
 Reduction happens only on the gradient-accumulation boundary; on other micro-steps gradients
 accumulate locally, as with DDP's ``no_sync``.
+
+The tensors given need not be the module's parameters: with bf16 weight copies
+(:mod:`dslab.engine.weight_copies`) the engine passes each copied parameter's bf16 copy, whose
+gradient the optimizer reads, so those gradients are averaged in bf16 (half the bytes of fp32;
+DeepSpeed's bf16 mode reduces its bf16 gradients in bf16 as well).
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ from dslab.engine.expert_parallel import ReductionGroup, reduction_group
 
 def pack_gradients(params: list[nn.Parameter], flat: torch.Tensor, release: bool = False) -> None:
     """The parameters' gradients end to end at the start of ``flat`` (zeros for a parameter with
-    no gradient and after the last one): one concatenation when every gradient is there.
+    no gradient and after the last one): one concatenation when every gradient is there and none
+    lies in ``flat``; a gradient that already is its own slot of ``flat`` is left as it is.
     ``release`` drops each ``.grad`` once copied."""
     grads = [p.grad for p in params]
     numel = sum(p.numel() for p in params)
-    if all(g is not None for g in grads):
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    if all(g is not None and not lo <= g.data_ptr() < hi for g in grads):
         torch.cat([g.reshape(-1) for g in grads], out=flat[:numel])
     else:
         offset = 0
@@ -40,7 +50,7 @@ def pack_gradients(params: list[nn.Parameter], flat: torch.Tensor, release: bool
             view = flat[offset: offset + p.numel()]
             if g is None:
                 view.zero_()
-            else:
+            elif g.data_ptr() != view.data_ptr():
                 view.copy_(g.reshape(-1))
             offset += p.numel()
     if flat.numel() > numel:
@@ -80,20 +90,20 @@ class GradientAllReducer:
         self._next = 0
         self._hooks = []
         trainable = [p for p in params if p.requires_grad]
-        current: list[nn.Parameter] = []
-        current_numel = 0
-        current_key = current_reduction = None
+        # one open bucket per (dtype, device, reduction group), closed when the next tensor of its
+        # key would overflow it; the rest close at the end in the order they were opened
+        open_buckets: dict[tuple, tuple[list[nn.Parameter], ReductionGroup]] = {}
+        open_numel: dict[tuple, int] = {}
         for p in reversed(trainable):
             reduction = reduction_group(p, group)
             key = (p.dtype, p.device, reduction.name)
-            if current and (current_numel + p.numel() > bucket_size or key != current_key):
-                self.buckets.append(_Bucket(current, current_reduction))
-                current, current_numel = [], 0
-            current.append(p)
-            current_numel += p.numel()
-            current_key, current_reduction = key, reduction
-        if current:
-            self.buckets.append(_Bucket(current, current_reduction))
+            if key in open_buckets and open_numel[key] + p.numel() > bucket_size:
+                self.buckets.append(_Bucket(*open_buckets.pop(key)))
+            if key not in open_buckets:
+                open_buckets[key], open_numel[key] = ([], reduction), 0
+            open_buckets[key][0].append(p)
+            open_numel[key] += p.numel()
+        self.buckets.extend(_Bucket(*current) for current in open_buckets.values())
         for index, bucket in enumerate(self.buckets):
             for p in bucket.params:
                 self._bucket_of[id(p)] = index
@@ -144,10 +154,8 @@ class GradientAllReducer:
             offset = 0
             for p in bucket.params:
                 averaged = bucket.buffer[offset: offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = averaged.clone()
-                else:
-                    p.grad.copy_(averaged)
+                if p.grad is None or p.grad.data_ptr() != averaged.data_ptr():
+                    p.grad = averaged
                 offset += p.numel()
         self.active = False
 

@@ -143,7 +143,9 @@ class DslabEngine(nn.Module):
         self.module = _move_to_device(model, self.device, keep_trainable=shard_in_place)
         # Kept out of nn.Module's registry: it is self.module or its compiled wrapper, and must
         # not show up a second time in the engine's modules or state dict.
-        config.cuda_graphs.apply(self.module)
+        config.cuda_graphs.apply(self.module, data_parallel_world=self.seq_dp_world_size,
+                                 zero_stage=config.zero_optimization.stage,
+                                 model_parallel=self.parallel.model_parallel)
         if "activation_checkpointing" in config.model_fields_set:
             config.activation_checkpointing.apply()  # the process's checkpoint settings, as DeepSpeed's
             config.activation_checkpointing.apply_to_model(self.module)
@@ -164,7 +166,7 @@ class DslabEngine(nn.Module):
         self.zero = None
         # bf16 copies of the weights, kept by the optimizer (weight_copies.py); None for autocast alone.
         self.weight_copies = weight_copies.build(
-            config, self.module, device=self.device, world_size=self.seq_dp_world_size,
+            config, self.module, device=self.device,
             optimizer_passed=optimizer is not None, experts=self.expert_layout is not None, log=log,
             model_parallel=self.parallel.model_parallel)
         self.optimizer = self._configure_optimizer(optimizer, params)
@@ -176,9 +178,11 @@ class DslabEngine(nn.Module):
 
         self.grad_reducer = self.zero
         if self.seq_dp_world_size > 1 and self.zero is None:
+            reduced = self._data_parallel_parameters()
+            if self.weight_copies is not None:  # the copies hold the gradients the optimizer reads
+                reduced = self.weight_copies.grad_holders(reduced)
             self.grad_reducer = GradientAllReducer(
-                self._data_parallel_parameters(), config.zero_optimization.reduce_bucket_size,
-                group=self.seq_dp_group)
+                reduced, config.zero_optimization.reduce_bucket_size, group=self.seq_dp_group)
         if self.zero is not None:
             self.zero.norm_groups = self.parallel.norm_groups
             if self.parallel.tp_world_size > 1:

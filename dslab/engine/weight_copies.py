@@ -24,13 +24,21 @@ gradient's 4 for those parameters: the same as DeepSpeed's bf16 mode).
 
 ``bf16.weight_copies``: ``"auto"`` (the default) turns them on where they apply, ``true`` requires
 them (a ValueError names the condition that fails), ``false`` keeps plain autocast. They apply
-with bf16 on, on a CUDA device, with ZeRO stage 0 on one rank, one micro-step per optimizer step
+with bf16 on, on a CUDA device, with ZeRO stage 0, one micro-step per optimizer step
 (accumulating several in bf16 would round where autocast's fp32 ``.grad`` does not), no
 ``compile`` section, no MoE expert parameters, an ``optimizer`` section of type Adam or AdamW
 without amsgrad, and a model that reads some parameter through ``weight()``. ``true`` also
 accepts a CPU device (tests; :class:`~dslab.kernels.optim.fused_adam.FusedAdam` runs its reference
 path there).
 After the parameters change outside a step (a checkpoint load) the engine refreshes the copies.
+
+On several data-parallel ranks, stage 0 averages the copies' bf16 gradients (the tensors the
+optimizer reads) in bf16, half the bytes of autocast's fp32 gradients
+(:class:`~dslab.engine.data_parallel.GradientAllReducer` is given the copies in their parameters'
+place); DeepSpeed's bf16 mode reduces its bf16 gradients in bf16 too. The sum of the ranks'
+gradients is rounded to bf16 once more than a one-rank step's would be, so ``"auto"`` turning the
+copies on at N ranks trades that rounding for the casts and half the all-reduce traffic; ``false``
+keeps fp32 gradients and an fp32 all-reduce.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from dslab.models.weight_cast import use_casts, weights_read_through
 AUTO = "auto"
 
 
-def unmet_condition(config, *, device: torch.device, world_size: int, optimizer_passed: bool,
+def unmet_condition(config, *, device: torch.device, optimizer_passed: bool,
                     experts: bool, explicit: bool, model_parallel: bool = False) -> str | None:
     """Why weight copies cannot run under ``config`` (a :class:`~dslab.engine.config.DslabConfig`),
     or None when they can. ``explicit``: the config asked for them (``true``), which also allows
@@ -59,8 +67,6 @@ def unmet_condition(config, *, device: torch.device, world_size: int, optimizer_
         return f"they run on a CUDA device, not {device.type}"
     if config.zero_optimization.stage != 0:
         return f"'zero_optimization.stage' is {config.zero_optimization.stage}; they run at stage 0"
-    if world_size != 1:
-        return f"the data-parallel world size is {world_size}; they run on one rank"
     if model_parallel:
         return "the model is split over model-parallel ranks (pipeline or tensor parallel); they run on one"
     if config.gradient_accumulation_steps != 1:
@@ -126,7 +132,7 @@ class WeightCopies:
                 c.copy_(p)
 
 
-def build(config, module: nn.Module, *, device: torch.device, world_size: int, optimizer_passed: bool,
+def build(config, module: nn.Module, *, device: torch.device, optimizer_passed: bool,
           experts: bool, log, model_parallel: bool = False) -> WeightCopies | None:
     """The engine's weight copies, or None where ``bf16.weight_copies`` leaves them off (``"auto"``
     and a condition unmet: logged at info level; ``false``). Raises ValueError naming the unmet
@@ -135,7 +141,7 @@ def build(config, module: nn.Module, *, device: torch.device, world_size: int, o
     if setting is False:
         return None
     explicit = setting is True
-    reason = unmet_condition(config, device=device, world_size=world_size, optimizer_passed=optimizer_passed,
+    reason = unmet_condition(config, device=device, optimizer_passed=optimizer_passed,
                              experts=experts, explicit=explicit, model_parallel=model_parallel)
     params = weights_read_through(module) if reason is None else []
     if reason is None and not params:

@@ -387,7 +387,7 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
             state_dict = bert_tp_state_dict(state_dict, tensor_parallel_rank(self.tp_group), self.config.tp_size)
         return self.load_state_dict(state_dict, strict=strict)
 
-    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+    def enable_cuda_graphs(self, enabled: bool = True, segments: int = 1) -> None:
         """As :meth:`CudaGraphLayers.enable_cuda_graphs`. With tensor parallelism the graphs capture
         the layers' all-reduces (:mod:`dslab.models.graphs`); refused with tensor parallelism and
         attention dropout, which switches to the rank's own generator stream
@@ -396,7 +396,7 @@ class BertForPreTraining(CudaGraphLayers, nn.Module):
             raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size} and attention_dropout="
                              f"{self.config.attention_dropout}: tensor-parallel attention dropout switches "
                              "generator states, which a CUDA graph capture cannot; set it to 0 or turn graphs off")
-        super().enable_cuda_graphs(enabled)
+        super().enable_cuda_graphs(enabled, segments)
 
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config: BertConfig, kernels: str = "dslab") -> BertForPreTraining:

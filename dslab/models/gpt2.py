@@ -359,7 +359,7 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
                                             self.config)
         return self.load_state_dict(state_dict, strict=strict)
 
-    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+    def enable_cuda_graphs(self, enabled: bool = True, segments: int = 1) -> None:
         """As :meth:`CudaGraphLayers.enable_cuda_graphs`. With tensor or sequence parallelism the
         graphs capture the layers' collectives (:mod:`dslab.models.graphs`); refused with tensor
         parallelism and dropout, whose attention dropout switches to the rank's own generator
@@ -368,7 +368,7 @@ class GPT2LMHeadModel(CudaGraphLayers, nn.Module):
             raise ValueError(f"'cuda_graphs.enabled' with tp_size={self.config.tp_size} and dropout="
                              f"{self.config.dropout}: tensor-parallel attention dropout switches generator "
                              "states, which a CUDA graph capture cannot; set dropout 0 or turn graphs off")
-        super().enable_cuda_graphs(enabled)
+        super().enable_cuda_graphs(enabled, segments)
 
     @classmethod
     def from_hf_state_dict(cls, state_dict: dict, config: GPT2Config, kernels: str = "dslab",

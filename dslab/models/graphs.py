@@ -309,6 +309,10 @@ class GraphedStack:
         self._captured.clear()
         self._awaiting_backward = False
 
+    def note_eager(self, reason: str) -> None:
+        """Count a call its caller ran eagerly around the stack (``eager_<reason>``)."""
+        self.stats[f"eager_{reason}"] += 1
+
 
 class LayerStackGraphs(GraphedStack):
     """Runs ``layers`` (each called as ``layer(x, key_padding_mask)``) through captured CUDA
@@ -332,19 +336,70 @@ class LayerStackGraphs(GraphedStack):
         return outs[0] if self.side is None else tuple(outs)
 
 
+class SegmentedLayerGraphs:
+    """``layers`` cut into ``segments`` runs of consecutive layers (as equal as the count allows),
+    each replayed through graphs of its own (:class:`LayerStackGraphs`); called as one.
+
+    Why: a data-parallel step reduces each gradient bucket as backward produces it. One graph
+    for the whole stack hands autograd every layer's gradients together when its backward replay
+    ends, so no reduction runs beside the stack's backward. With several segments the last
+    segment's gradients are ready after its own backward replay, and their reductions run beside
+    the replays of the segments before it. Each replay costs the host a few microseconds; each
+    segment's forward activations live in its own memory pool until its backward.
+    """
+
+    def __init__(self, layers: nn.ModuleList, segments: int, max_signatures: int = 2):
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"layers must be an nn.ModuleList, got {type(layers).__name__}")
+        if segments < 1:
+            raise ValueError(f"segments must be >= 1, got {segments}")
+        count = min(segments, len(layers))
+        bounds = [round(i * len(layers) / count) for i in range(count + 1)]
+        self.layers = layers
+        self.segments = [LayerStackGraphs(layers[lo:hi], max_signatures) for lo, hi in zip(bounds, bounds[1:])]
+        self.side = None
+        self._notes: Counter = Counter()
+
+    @property
+    def stats(self) -> Counter:
+        """Captures, replays and eager calls, summed over the segments (a step replays each
+        segment once), with the eager calls counted around the whole stack."""
+        total = Counter(self._notes)
+        for segment in self.segments:
+            total.update(segment.stats)
+        return total
+
+    def note_eager(self, reason: str) -> None:
+        self._notes[f"eager_{reason}"] += 1
+
+    def release(self) -> None:
+        for segment in self.segments:
+            segment.release()
+
+    def __call__(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        for segment in self.segments:
+            x = segment(x, key_padding_mask)
+        return x
+
+
 class CudaGraphLayers:
     """Mixin for a model whose transformer layers are ``self.layers`` (an ``nn.ModuleList`` of
     layers called as ``layer(x, key_padding_mask)``): :meth:`enable_cuda_graphs` switches the
     stack to :class:`LayerStackGraphs`; the model's forward calls :meth:`run_layers`."""
 
-    _layer_graphs: LayerStackGraphs | None = None
+    _layer_graphs: LayerStackGraphs | SegmentedLayerGraphs | None = None
 
-    def enable_cuda_graphs(self, enabled: bool = True) -> None:
+    def enable_cuda_graphs(self, enabled: bool = True, segments: int = 1) -> None:
         """Run the layer stack through captured CUDA graphs in training (see
-        :mod:`dslab.models.graphs`); ``False`` goes back to eager and frees the graphs."""
+        :mod:`dslab.models.graphs`); ``False`` goes back to eager and frees the graphs.
+        ``segments`` > 1 cuts the stack into that many graphed runs of layers
+        (:class:`SegmentedLayerGraphs`), so that gradient reductions overlap its backward."""
         if self._layer_graphs is not None:
             self._layer_graphs.release()
-        self._layer_graphs = LayerStackGraphs(self.layers) if enabled else None
+        self._layer_graphs = None
+        if enabled:
+            self._layer_graphs = (LayerStackGraphs(self.layers) if segments == 1
+                                  else SegmentedLayerGraphs(self.layers, segments))
 
     def release_cuda_graphs(self) -> None:
         """Free the captured graphs (they are captured again on the next graphed call)."""
@@ -362,7 +417,7 @@ class CudaGraphLayers:
             # checkpointed segments recompute in the backward under the forward's random state,
             # which a replayed graph cannot restore: they run eagerly
             if self._layer_graphs is not None:
-                self._layer_graphs.stats["eager_activation_checkpointing"] += 1
+                self._layer_graphs.note_eager("activation_checkpointing")
             return run_checkpointed_stack(self.layers, x, key_padding_mask, every)
         if self._layer_graphs is not None:
             return self._layer_graphs(x, key_padding_mask)

@@ -248,3 +248,17 @@ def test_the_comms_tab_labels_its_columns_with_units_and_draws_each_view():
     data["profilers"]["comms"] = {CASE: {"rank": 0, "ops": [], "per_rank": {"0": []}}}
     page = str(comms_tab.comms_tab(report_from_dict(data), "gpt2_medium", RUN_IDS[0], CASE))
     assert "no timed collectives in this case" in page and "comms-bandwidth" not in page
+
+
+def test_comms_busbw_sizes_each_op_as_the_comms_logger_records_it():
+    script = _busbw_script()
+    for op, factor in (("all_reduce", 2 * 3 / 4), ("all_gather", 3 / 4), ("reduce_scatter", 3 / 4)):
+        output, input = script.buffers(op, 4 * 2**20 + 6, script.torch.bfloat16, 4, device="cpu")
+        # 4 MiB + 6 bytes of bf16 over 4 ranks: rounded down to whole per-rank slices
+        assert script.size_of(op, output, input) == 4 * 2**20
+        if op == "all_reduce":
+            assert output is input
+        else:
+            whole, part = (output, input) if op == "all_gather" else (input, output)
+            assert whole.numel() == 4 * part.numel() == 2 * 2**20
+        assert script.bus_factor(op, 4) == factor

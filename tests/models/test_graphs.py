@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dslab.models import BertForPreTraining, GPT2LMHeadModel, bert_tiny, gpt2_tiny
-from dslab.models.graphs import LayerStackGraphs
+from dslab.models.graphs import LayerStackGraphs, SegmentedLayerGraphs
 
 
 def gpt2_batch(device, batch=3, seq=40, seed=0):
@@ -35,6 +35,30 @@ def test_stack_refuses_a_non_modulelist():
         LayerStackGraphs(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="max_signatures"):
         LayerStackGraphs(torch.nn.ModuleList(), max_signatures=0)
+
+
+def test_segments_cut_the_stack_into_consecutive_runs_and_run_it_as_one():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_tiny(layers=5, dropout=0.0), kernels="torch")
+    reference = GPT2LMHeadModel(gpt2_tiny(layers=5, dropout=0.0), kernels="torch")
+    reference.load_state_dict(model.state_dict())
+    model.enable_cuda_graphs(segments=3)
+    graphs = model._layer_graphs
+    runs = [list(segment.layers) for segment in graphs.segments]
+    assert [len(r) for r in runs] == [2, 1, 2] and sum(runs, []) == list(model.layers)
+    assert len(SegmentedLayerGraphs(model.layers, 9).segments) == 5  # at most one per layer
+    batch = gpt2_batch("cpu")
+    loss, want = model(**batch), reference(**batch)
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    loss.backward(), want.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    # off CUDA each segment ran eagerly and says so: one count per segment
+    assert model.cuda_graph_stats == {"eager_not_cuda": 3}
+    with pytest.raises(ValueError, match="segments"):
+        SegmentedLayerGraphs(model.layers, 0)
+    model.enable_cuda_graphs(False)
+    assert model.cuda_graph_stats == {}
 
 
 # ----------------------------------------------------------------------------------------- GPU --
@@ -80,6 +104,24 @@ def test_graphed_training_matches_eager(kernels, autocast_dtype):
         torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=name)
     stats = graphed.cuda_graph_stats
     assert stats["captures"] == 1 and stats["replays"] == 4, stats
+
+
+@cuda
+def test_segmented_graphs_train_as_one_graph_does():
+    torch.manual_seed(0)
+    cfg = gpt2_tiny(dropout=0.0)
+    whole = GPT2LMHeadModel(cfg, kernels="dslab").cuda()
+    cut = GPT2LMHeadModel(cfg, kernels="dslab").cuda()
+    cut.load_state_dict(whole.state_dict())
+    whole.enable_cuda_graphs()
+    cut.enable_cuda_graphs(segments=2)
+    got = _train(cut, 4, torch.bfloat16)
+    want = _train(whole, 4, torch.bfloat16)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-3, atol=1e-3)
+    for (name, p), q in zip(cut.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3, msg=name)
+    stats = cut.cuda_graph_stats
+    assert stats["captures"] == 2 and stats["replays"] == 8, stats
 
 
 _STREAM_CHECK = """
