@@ -1,7 +1,7 @@
 """Where a data-parallel step's time and memory went, per case and arm, from a run report of
 ``suites/zero`` (or any suite whose arms record the comms logger's gradient overlap):
 
-    python3 benchmarks/zero_profile_summary.py reports/zero/<run-id>[/run.json] [--cases 355m-n2]
+    python3 benchmarks/zero_profile_summary.py reports/zero/<run-id>[/run.json[.gz]] [--cases 355m-n2] [--ops]
 
 Per row: the step's median time and the host's time per step; the step's phases (device clock:
 forward, backward, the wait between backward's end and the optimizer, the optimizer) from rank
@@ -9,12 +9,14 @@ forward, backward, the wait between backward's end and the optimizer, the optimi
 wall-clock breakdown's medians (its "step" phase is the optimizer's);
 the gradient buckets' communication (union of their spans; the part inside backward, the part
 after it), and memory (peak allocated per GPU, what CUDA graph pools hold, model states,
-activations at the forward's end). A short table on stdout, nothing written.
+activations at the forward's end). With ``--ops``, also each collective's mean latency and bus
+bandwidth as the comms logger recorded them in the run. Tables on stdout, nothing written.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -84,18 +86,48 @@ def table(report_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def op_rows(report: dict, cases: set[str] | None = None) -> list[dict]:
+    """The comms logger's per-(op, size) summary of rank 0, per (case, arm): the latency and bus
+    bandwidth the run's records give each collective, to hold against ``benchmarks/comms_busbw.py``."""
+    out = []
+    for key, section in (report.get("profilers", {}).get("comms") or {}).items():
+        case, _, arm = key.partition(" ")
+        if cases and case not in cases:
+            continue
+        for row in section.get("ops") or []:
+            if row.get("busbw_GBps"):
+                out.append({"case": case, "arm": arm, "op": row["op"], "MiB": row["size_bytes"] / 2**20,
+                            "calls": row["count"], "avg ms": row["avg_latency_ms"],
+                            "min ms": row["min_latency_ms"], "busbw GB/s": row["busbw_GBps"]})
+    return out
+
+
+def plain_table(report_rows: list[dict]) -> str:
+    if not report_rows:
+        return "(none)"
+    header = list(report_rows[0])
+    body = [[_fmt(row[k], 2 if isinstance(row[k], float) else 0) for k in header] for row in report_rows]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, *body])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", help="a run's directory or its run.json")
     parser.add_argument("--cases", help="comma-separated cases (default: all)")
+    parser.add_argument("--ops", action="store_true", help="also the comms logger's per-op latency and busbw")
     args = parser.parse_args()
     path = Path(args.run)
     path = path / "run.json" if path.is_dir() else path
     if not path.is_file():
         raise SystemExit(f"no run report at {path}")
-    report = json.loads(path.read_text())
+    report = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
     print("ms per step (device clock, rank 0's profiled step; host: the host's time per step), GiB per GPU")
-    print(table(rows(report, set(args.cases.split(",")) if args.cases else None)))
+    cases = set(args.cases.split(",")) if args.cases else None
+    print(table(rows(report, cases)))
+    if args.ops:
+        print("\nthe comms logger's collectives (rank 0; mean per-call figures over the run's steps)")
+        print(plain_table(op_rows(report, cases)))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ Latency of one call
       NCCL's future is complete at launch, so the callback runs at once on this thread and the
       event fires when the op completes. Only that pool stream waits.
 
+    The latency runs from the later of the start event and the end of the op issued before it on
+    the same NCCL stream (the same process group), so an op that queued behind another is not
+    charged with the other's time (:mod:`dslab.profilers.comms_timing`).
+
     Events are read later: completed ones at ``on_step_end`` (``query()``, non-blocking), the
     rest at ``records()`` / ``log_summary()``, which wait for those end events only.
 
@@ -89,6 +93,7 @@ from dslab.profilers.comms_analysis import (
 )
 from dslab.profilers.comms_format import format_call, format_stragglers, format_summary
 from dslab.profilers.comms_overlap import OVERLAP_DEFINITIONS, BucketSpan, StepMarks
+from dslab.profilers.comms_timing import CudaTiming, stream_key
 
 #: the ops dslab.comm issues
 COMM_OPS = ("all_gather", "all_gather_object", "all_reduce", "all_to_all", "barrier", "broadcast",
@@ -171,13 +176,6 @@ def _caller() -> str:
     return "unknown"
 
 
-class _CudaTiming:
-    __slots__ = ("record", "start", "end", "ref")
-
-    def __init__(self, record, start, ref):
-        self.record, self.start, self.end, self.ref = record, start, None, ref
-
-
 class CommsLogger(Profiler):
     """Logs the collectives issued through :mod:`dslab.comm` (see the module docstring for how
     each figure is measured). Registers itself as an observer and as the provider behind
@@ -198,7 +196,8 @@ class CommsLogger(Profiler):
         self._summary = Summary()
         self._group_seq: dict[tuple[str, str], int] = defaultdict(int)
         self._open: dict[int, object] = {}
-        self._cuda_pending: list[_CudaTiming] = []
+        self._cuda_pending: list[CudaTiming] = []
+        self._last_on_stream: dict[tuple, CudaTiming] = {}  # the newest timing per NCCL stream
         self._host_pending: list = []
         self._refs: dict[int, tuple] = {}
         self._calib_streams: dict[int, torch.cuda.Stream] = {}
@@ -267,7 +266,10 @@ class CommsLogger(Profiler):
             ref = self._reference(device)
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            timing = _CudaTiming(record, start, ref)
+            key = stream_key(call.op, call.group_name or record["group"], device)
+            timing = CudaTiming(record, start, ref, self._last_on_stream.get(key))
+            if key is not None:
+                self._last_on_stream[key] = timing
             self._open[call.seq] = timing
             self._span(call, record, issued, timing)
         else:
@@ -287,9 +289,9 @@ class CommsLogger(Profiler):
         timing = self._open.pop(call.seq, None)
         if timing is None:
             return
-        record = timing.record if isinstance(timing, _CudaTiming) else timing[0]
+        record = timing.record if isinstance(timing, CudaTiming) else timing[0]
         self._keep(record)
-        if isinstance(timing, _CudaTiming):
+        if isinstance(timing, CudaTiming):
             self._end_cuda(timing, call, work)
         elif work is None:
             end = time.perf_counter_ns()
@@ -310,7 +312,7 @@ class CommsLogger(Profiler):
         self._keep(record)
         self._finish(record, None)
 
-    def _end_cuda(self, timing: _CudaTiming, call, work) -> None:
+    def _end_cuda(self, timing: CudaTiming, call, work) -> None:
         if work is None or not call.async_op:
             timing.end = torch.cuda.Event(enable_timing=True)
             timing.end.record()
@@ -406,7 +408,7 @@ class CommsLogger(Profiler):
             if t.end is not None and t.end.query():
                 ref_event, ref_wall = t.ref
                 t.record["arrival_ns"] = ref_wall + int(ref_event.elapsed_time(t.start) * 1e6)
-                self._finish(t.record, t.start.elapsed_time(t.end))
+                self._finish(t.record, t.latency_ms())
             elif wait:
                 self._finish(t.record, None)
             else:

@@ -35,8 +35,9 @@ DEFINITIONS = (
     "reduce 1; n = group size. GB/s = 1e9 bytes/s; the Gbps columns are 8 x GB/s (DeepSpeed's "
     "units). Message sizes print in KB/MB/GB of 1024^k bytes. Averages (latency, tput_avg, "
     "busbw_avg) are means over calls of each call's own figures; nothing accumulates across calls. "
-    "Latency: CUDA events on the issuing stream (start before the op is issued, end once the op "
-    "has completed), host clock for CPU (gloo) ops. Straggler wait: collectives matched across "
+    "Latency: CUDA events on the issuing stream (start before the op is issued, or the end of "
+    "the group's previous collective when the op queued behind it on NCCL's stream; end once the "
+    "op has completed), host clock for CPU (gloo) ops. Straggler wait: collectives matched across "
     "ranks by (group, op, per-group sequence number); the last rank to arrive defines the start; "
     "each rank's wait = last arrival - its own arrival."
 )

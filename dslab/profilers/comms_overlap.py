@@ -16,9 +16,11 @@ Phase marks (:data:`PHASES`)
 Spans of a tagged collective
     ``issue`` is the host clock when the engine issued it. ``start``/``end``: on CUDA the comms
     logger's own events (start on the issuing stream when it reached the op, which NCCL's stream
-    waits for; end when the op completed); on a CPU (gloo) the host clock at the issue and when
-    the work handle's future completed (a blocking call: when it returned). Either way a
-    collective queued behind an earlier one counts its queueing from the issue.
+    waits for, or the end of the group's previous collective when the op queued behind it
+    (:mod:`dslab.profilers.comms_timing`); end when the op completed); on a CPU (gloo) the host
+    clock at the issue and when the work handle's future completed (a blocking call: when it
+    returned), so there a collective queued behind an earlier one counts its queueing from the
+    issue.
 
 The arithmetic is pure (:func:`summarize_overlap`): the dashboard's tests build records by hand.
 """
@@ -39,11 +41,12 @@ OVERLAP_DEFINITIONS = (
     "forward_begin, backward from backward_begin to backward_end (autograd done, before the "
     "engine waits for the reductions), optimizer from optimizer_begin to step_end. Per bucket: "
     "issue_ms = host clock at the issue; start_ms/end_ms = device clock (CUDA events: the issuing "
-    "stream reaching the op, and its completion) or, on gloo, host clock at the issue and at the "
+    "stream reaching the op, or the end of the group's previous collective when it queued behind "
+    "that one, and its completion) or, on gloo, host clock at the issue and at the "
     "completion of the work handle; comm_ms = end - start; overlapped_ms = the part inside "
     "[backward_begin, backward_end]; exposed_ms = the rest (after backward_end: what the "
     "optimizer step waited for). Totals are over the union of the buckets' spans (spans that "
-    "queue behind each other overlap), so they are at most the sums of the rows."
+    "queue behind each other overlap on gloo), so they are at most the sums of the rows."
 )
 
 
@@ -104,7 +107,7 @@ class StepMarks:
             start = end = None
             if span.timing is not None:
                 if span.timing.end is not None and span.timing.end.query():
-                    start = first.elapsed_time(span.timing.start)
+                    start = first.elapsed_time(span.timing.began())
                     end = first.elapsed_time(span.timing.end)
             elif span.end_ns is not None:
                 start, end = (span.start_ns - host0) / 1e6, (span.end_ns - host0) / 1e6

@@ -65,3 +65,24 @@ def test_cuda_timing_never_waits_for_the_device(nccl_group):
         assert summary["count"] == 3 and summary["timed_count"] == 3
     finally:
         logger.close()
+
+
+def test_ops_queued_on_one_nccl_stream_are_each_charged_their_own_time(nccl_group):
+    logger = CommsLogger(CommsLoggerConfig(enabled=True))
+    try:
+        part = torch.ones(256 * 2**20, device="cuda")  # 1 GiB: each gather copies it
+        whole = torch.empty_like(part)
+        comm.all_gather_into_tensor(whole, part)  # warm-up
+        torch.cuda.synchronize()
+        works = [comm.all_gather_into_tensor(whole, part, async_op=True) for _ in range(6)]
+        for work in works:
+            work.wait()
+        torch.cuda.synchronize()
+        records = [r for r in logger.local_records() if r["op"] == "all_gather"][1:]
+        assert len(records) == 6 and all(r["latency_ms"] is not None for r in records)
+        latencies = [r["latency_ms"] for r in records]
+        # Issued together, the six ran one after another on NCCL's stream: timed from their start
+        # events the last would read about 6x the first (dslab/profilers/comms_timing.py).
+        assert max(latencies) < 1.5 * min(latencies), latencies
+    finally:
+        logger.close()
