@@ -93,7 +93,7 @@ from dslab.profilers.comms_analysis import (
 )
 from dslab.profilers.comms_format import format_call, format_stragglers, format_summary
 from dslab.profilers.comms_overlap import OVERLAP_DEFINITIONS, BucketSpan, StepMarks
-from dslab.profilers.comms_timing import CudaTiming, stream_key
+from dslab.profilers.comms_timing import CudaClock, CudaTiming, stream_key
 
 #: the ops dslab.comm issues
 COMM_OPS = ("all_gather", "all_gather_object", "all_reduce", "all_to_all", "barrier", "broadcast",
@@ -199,8 +199,7 @@ class CommsLogger(Profiler):
         self._cuda_pending: list[CudaTiming] = []
         self._last_on_stream: dict[tuple, CudaTiming] = {}  # the newest timing per NCCL stream
         self._host_pending: list = []
-        self._refs: dict[int, tuple] = {}
-        self._calib_streams: dict[int, torch.cuda.Stream] = {}
+        self._clock = CudaClock()  # each device's reference event on the wall clock
         self._cuda_backend: bool | None = None
         self._rank: int | None = None
         self._step: int | None = None
@@ -263,7 +262,7 @@ class CommsLogger(Profiler):
         issued = time.perf_counter_ns()
         if on_cuda:
             device = torch.cuda.current_device()
-            ref = self._reference(device)
+            ref = self._clock.reference(device)
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             key = stream_key(call.op, call.group_name or record["group"], device)
@@ -372,29 +371,6 @@ class CommsLogger(Profiler):
 
     # -------------------------------------------------------------------------- CUDA clocks --
 
-    def _reference(self, device: int):
-        ref = self._refs.get(device)
-        if ref is None:
-            ref = self._refs[device] = self._calibrate(device)
-        return ref
-
-    def _calibrate(self, device: int) -> tuple:
-        """``(event, wall_ns)``: an event on an idle private stream and the wall-clock time it
-        fired, the midpoint of the tightest of three host brackets around it."""
-        stream = self._calib_streams.get(device)
-        if stream is None:
-            stream = self._calib_streams[device] = torch.cuda.Stream(device=device)
-        best = None
-        for _ in range(3):
-            event = torch.cuda.Event(enable_timing=True)
-            before = time.time_ns()
-            event.record(stream)
-            event.synchronize()
-            after = time.time_ns()
-            if best is None or after - before < best[2]:
-                best = (event, (before + after) // 2, after - before)
-        return best[0], best[1]
-
     def _resolve(self, wait: bool) -> None:
         """Read the CUDA events that have completed (all of them with ``wait``: a wait on each
         outstanding end event, nothing else) and, with ``wait``, the outstanding host callbacks."""
@@ -416,8 +392,7 @@ class CommsLogger(Profiler):
         if wait:
             for done in host:
                 done.wait()
-            for device in list(self._refs):
-                self._refs[device] = self._calibrate(device)
+            self._clock.recalibrate()
         with self._lock:
             self._cuda_pending = still + self._cuda_pending
             self._host_pending = [f for f in self._host_pending if not f.done()]

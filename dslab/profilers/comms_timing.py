@@ -1,5 +1,5 @@
 """One CUDA collective's timing for the comms logger: its CUDA events, and the op queued ahead
-of it on the same NCCL stream.
+of it on the same NCCL stream; and the reference that puts those events on the wall clock.
 
 The logger's start event is recorded on the issuing stream when it reaches the op: the moment
 the op could begin as far as the issuer is concerned. NCCL runs a process group's collectives
@@ -17,6 +17,10 @@ stream of their own per peer (send, recv) are not chained.
 """
 
 from __future__ import annotations
+
+import time
+
+import torch
 
 #: ops ProcessGroupNCCL runs on a stream per peer, not on the group's collective stream
 PER_PEER_OPS = frozenset({"send", "recv"})
@@ -63,3 +67,40 @@ class CudaTiming:
     def latency_ms(self) -> float:
         """Milliseconds from :meth:`began` to the end event (which must have fired)."""
         return self.began().elapsed_time(self.end)
+
+
+class CudaClock:
+    """Per CUDA device, a reference ``(event, wall_ns)``: an event recorded on an idle private
+    stream and the wall-clock time it fired, the midpoint of the tightest of three host brackets
+    around it. An event's wall time is ``wall_ns + ref_event.elapsed_time(event)``."""
+
+    def __init__(self):
+        self._refs: dict[int, tuple] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def reference(self, device: int) -> tuple:
+        """Device ``device``'s reference, taken on first use."""
+        ref = self._refs.get(device)
+        if ref is None:
+            ref = self._refs[device] = self._calibrate(device)
+        return ref
+
+    def recalibrate(self) -> None:
+        """Take every device's reference again (the device and host clocks drift apart)."""
+        for device in list(self._refs):
+            self._refs[device] = self._calibrate(device)
+
+    def _calibrate(self, device: int) -> tuple:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        best = None
+        for _ in range(3):
+            event = torch.cuda.Event(enable_timing=True)
+            before = time.time_ns()
+            event.record(stream)
+            event.synchronize()
+            after = time.time_ns()
+            if best is None or after - before < best[2]:
+                best = (event, (before + after) // 2, after - before)
+        return best[0], best[1]
