@@ -182,3 +182,18 @@ def test_malformed_best_plain_is_ignored_with_a_warning():
     assert back.best_plain_ratio("124m") is None
     data["best_plain"] = {"124m": 7}
     assert report_from_dict(data).best_plain_ratio("124m") is None
+
+
+def test_run_ids_sort_by_time_within_one_second_and_keep_their_shape():
+    import datetime
+
+    from dslab.report.store import RUN_ID_PATTERN
+
+    second = datetime.datetime(2026, 11, 29, 21, 53, 14, tzinfo=datetime.timezone.utc)
+    times = [second + datetime.timedelta(microseconds=us) for us in (0, 300, 1_000, 250_000, 999_999)]
+    times.append(second + datetime.timedelta(seconds=1))
+    for _ in range(20):  # the random half never reorders them
+        ids = [new_run_id(t) for t in times]
+        assert all(RUN_ID_PATTERN.match(i) for i in ids), ids
+        assert sorted(ids) == ids, ids
+    assert len({new_run_id(second) for _ in range(200)}) > 150  # unique across hosts and calls
