@@ -47,7 +47,7 @@ from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
 from dslab.engine.profiling import ProfilerHooks, build_profilers
 from dslab.engine.schedulers import build_scheduler
 from dslab.engine.sequence_parallel import SequenceParallelLayout
-from dslab.engine.zero import build_zero
+from dslab.engine.zero import build_zero, param_gather
 from dslab.parallel.partitioned import forget_partition, gather_, is_partitioned
 from dslab.parallel.tensor_parallel import allreduce_sequence_parallel_grads
 from dslab.kernels import dispatch
@@ -149,6 +149,7 @@ class DslabEngine(nn.Module):
         if "activation_checkpointing" in config.model_fields_set:
             config.activation_checkpointing.apply()  # the process's checkpoint settings, as DeepSpeed's
             config.activation_checkpointing.apply_to_model(self.module)
+        param_gather.check_config(config, model_parallel=self.parallel.model_parallel)
         object.__setattr__(self, "_run_module", config.compile.wrap(self.module))
         if self.seq_dp_world_size > 1:
             self._broadcast_parameters(trainable=not shard_in_place)
@@ -324,6 +325,8 @@ class DslabEngine(nn.Module):
         if hooks:
             hooks.begin_micro_step(self.global_steps)
             hooks.call("on_forward_begin")
+        if self.zero is not None:
+            self.zero.before_forward()
         with autocast_context(self.device, self.autocast_dtype), weight_copies.scope(self.weight_copies):
             out = self._run_module(*args, **kwargs)
         if hooks:
@@ -534,6 +537,8 @@ class DslabEngine(nn.Module):
         checkpoint's path. With model parallelism (or a pipeline) every (tensor, pipeline)
         coordinate writes its own files and the layout is recorded
         (:mod:`model_parallel_checkpoint`)."""
+        if self.zero is not None:
+            self.zero.settle()  # deferred parameter gathers (overlap_param_gather) complete first
         if model_parallel_checkpoint.applies(self):
             return model_parallel_checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
         return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)
@@ -547,6 +552,8 @@ class DslabEngine(nn.Module):
         model-parallel checkpoint loads only at the layout it was saved with: any other raises a
         ValueError naming both layouts (:mod:`model_parallel_checkpoint`).
         """
+        if self.zero is not None:
+            self.zero.settle()  # a deferred gather must not land on the loaded parameters
         load = model_parallel_checkpoint.load if model_parallel_checkpoint.applies(self) else checkpointing.load
         loaded = load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_strict)
         if self.weight_copies is not None:
@@ -559,6 +566,8 @@ class DslabEngine(nn.Module):
         as ``save_dir/save_filename`` on rank 0; call it on every rank. Under ZeRO stage 3 it
         gathers the weights only with ``zero_optimization.stage3_gather_16bit_weights_on_model_save``
         and otherwise saves nothing and returns False (DeepSpeed's behaviour)."""
+        if self.zero is not None:
+            self.zero.settle()
         return checkpointing.save_16bit(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def set_measured_peak(self, bf16_matmul_tflops: float) -> None:

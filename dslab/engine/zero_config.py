@@ -22,6 +22,9 @@ step (a larger unit is gathered in pieces through a staging buffer of that size)
 ``reduce_scatter: false`` all-reduces each gradient unit instead of reduce-scattering it (each
 rank keeps its slice). ``contiguous_gradients`` is accepted for DeepSpeed configs and has no
 effect: dslab always packs a unit's gradients into one contiguous buffer for its collective.
+``overlap_param_gather`` (dslab's key, stages 1 and 2, default off) waits for each unit's
+all-gather of updated parameters where the next forward first reads it instead of at the end of
+the step (:mod:`dslab.engine.zero.param_gather`).
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ class ZeroConfig(ConfigSection):
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
+    overlap_param_gather: bool = False
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0)
@@ -196,6 +200,13 @@ class ZeroConfig(ConfigSection):
                 "config key 'zero_optimization.offload_optimizer.device' = "
                 f"{self.offload_optimizer.device!r} needs 'zero_optimization.stage' >= 1: stage 0 "
                 "keeps whole optimizer states on every rank"
+            )
+        if self.overlap_param_gather and (self.stage not in (1, 2) or self.offload_optimizer.device != "none"):
+            raise ValueError(
+                "config key 'zero_optimization.overlap_param_gather' applies to stages 1 and 2 without "
+                f"optimizer offload (stage {self.stage}, offload_optimizer.device "
+                f"{self.offload_optimizer.device!r}): stage 0 gathers nothing, stage 3 gathers in "
+                "its forward already, and an offloaded step publishes its shards chunk by chunk"
             )
         if self.offload_param.device != "none" and self.stage != 3:
             raise ValueError(

@@ -359,6 +359,9 @@ class SegmentedLayerGraphs:
         self.segments = [LayerStackGraphs(layers[lo:hi], max_signatures) for lo, hi in zip(bounds, bounds[1:])]
         self.side = None
         self._notes: Counter = Counter()
+        #: called with a segment's index before it runs (ZeRO's deferred parameter gathers wait
+        #: there for the units that segment reads: dslab/engine/zero/param_gather.py)
+        self.before_segment: Callable[[int], None] | None = None
 
     @property
     def stats(self) -> Counter:
@@ -377,7 +380,9 @@ class SegmentedLayerGraphs:
             segment.release()
 
     def __call__(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        for segment in self.segments:
+        for index, segment in enumerate(self.segments):
+            if self.before_segment is not None:
+                self.before_segment(index)
             x = segment(x, key_padding_mask)
         return x
 

@@ -40,6 +40,7 @@ from dslab.engine.optimizers import fused_kernels_supported
 from dslab.engine.zero.grads import GradientReduceScatter
 from dslab.engine.zero.nvme_offload import NvmeOptimizerOffload
 from dslab.engine.zero.offload import CpuOptimizerOffload
+from dslab.engine.zero.param_gather import DeferredGathers, defers_on
 from dslab.engine.zero.param_offload import ParamHome, build_param_home
 from dslab.engine.zero.partition import FlatUnit, bucket_resident_units, plan_buckets, plan_module_units
 from dslab.engine.zero.stage3 import ParameterGatherer
@@ -233,6 +234,10 @@ class ZeroRuntime:
         if by_layer:
             self.stack = Stage3LayerStack(module.layers, by_layer, self.reducer, group=group)
             module._layer_graphs = self.stack
+        # overlap_param_gather: the post-step gathers are waited where the next forward reads them
+        self.deferred: DeferredGathers | None = None
+        if config.overlap_param_gather and self.world_size > 1 and defers_on(self.comm_device):
+            self.deferred = DeferredGathers(module, self.units)
         # dslab.zero.GatheredParameters reaches the units through each parameter's access
         for unit in self.units:
             access = _UnitAccess(self, unit)
@@ -445,7 +450,25 @@ class ZeroRuntime:
 
     def _publish(self) -> None:
         masters = self.masters if self.offload is not None else [None] * len(self.units)
+        if self.deferred is not None:  # stages 1-2, no offload: waited at their first reader
+            self.deferred.settle()
+            for unit in self.deferred.issue_order(self.units):
+                self.deferred.add(unit, self._publish_unit(unit))
+            return
         self._wait([self._publish_unit(u, m) for u, m in zip(self.units, masters)])
+
+    def before_forward(self) -> None:
+        """The engine's forward begins (``overlap_param_gather``: the deferred gathers of the units
+        read before the layer stack are waited now)."""
+        if self.deferred is not None:
+            self.deferred.before_forward()
+
+    def settle(self) -> None:
+        """Complete any deferred parameter gathers (``overlap_param_gather``): the parameters are
+        whole after it. Checkpoints and state dicts call it; so may a caller that reads the
+        parameters between a step and the next forward."""
+        if self.deferred is not None:
+            self.deferred.settle()
 
     def _wait(self, handles: list) -> None:
         for handle in handles:
@@ -507,6 +530,7 @@ class ZeroRuntime:
         rank), otherwise the module's own."""
         if self.gatherer is not None:
             return self.gatherer.gathered_state_dict()
+        self.settle()
         return self.module.state_dict()
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -522,6 +546,8 @@ class ZeroRuntime:
             self.offload.states_loaded(optimizer)
 
     def remove(self) -> None:
+        if self.deferred is not None:
+            self.deferred.remove()
         self.reducer.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
