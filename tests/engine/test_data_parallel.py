@@ -74,3 +74,16 @@ def test_averaging_op_is_none_without_a_group_and_on_gloo(tmp_path):
         assert comm.averaging_op() is None  # gloo has no AVG: callers divide first
     finally:
         dist.destroy_process_group()
+
+
+def test_pack_gradients_leaves_a_gradient_that_already_is_its_slot():
+    from dslab.engine.data_parallel import pack_gradients
+
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
+    flat = torch.full((8,), float("nan"))
+    flat[:3] = torch.tensor([1.0, 2.0, 3.0])
+    params[0].grad = flat[:3]  # the view a finished reduction left as .grad, accumulated into in place
+    params[1].grad = torch.randn(2, 2)
+    pack_gradients(params, flat)
+    assert params[0].grad.data_ptr() == flat.data_ptr()
+    assert torch.equal(flat, torch.cat([torch.tensor([1.0, 2.0, 3.0]), params[1].grad.reshape(-1), torch.zeros(1)]))
