@@ -8,6 +8,7 @@ Nothing else in dslab calls ``torch.distributed`` collectives directly.
 
 from dslab.comm.collectives import (
     CollectiveCall,
+    IssuerWaitedWork,
     P2POp,
     ReduceOp,
     add_observer,
@@ -41,6 +42,7 @@ from dslab.comm.process import (
 
 __all__ = [
     "CollectiveCall",
+    "IssuerWaitedWork",
     "P2POp",
     "ReduceOp",
     "add_observer",

@@ -185,9 +185,61 @@ def _issue(op: str, tensor: torch.Tensor, group, async_op: bool, fn, ranks: list
     for obs in _observers:
         obs.before(call)
     work = fn()
+    if async_op and work is not None and op not in POINT_TO_POINT and not _has_future(work):
+        work = IssuerWaitedWork(work)
     for obs in _observers:
         obs.after(call, work)
     return work
+
+
+#: ops whose future-less handles (gloo's send and recv) are passed on unwrapped: they stay untimed
+POINT_TO_POINT = frozenset({"send", "recv"})
+
+
+def _has_future(work) -> bool:
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
+
+
+class IssuerWaitedWork:
+    """An async collective's handle whose backend gives it no future (gloo's reduce_scatter), as
+    :func:`_issue` hands it to the observers and the issuer while observers are present.
+
+    gloo's reduce_scatter writes its output inside ``wait()``; a second waiter beside the issuer
+    can write it again after the issuer has moved on (ZeRO's reducer divides the slice it received
+    by the world size), so no observer may wait on the handle itself. Instead
+    :meth:`get_future` is completed when the issuer's ``wait()`` returns (with True) or raises
+    (with False): the op's end as the issuer sees it, which is when its output exists. Anything
+    else is the wrapped handle's."""
+
+    __slots__ = ("work", "_future")
+
+    def __init__(self, work):
+        self.work = work
+        self._future = torch.futures.Future()
+
+    def wait(self, *args, **kwargs):
+        try:
+            result = self.work.wait(*args, **kwargs)
+        except BaseException:
+            if not self._future.done():
+                self._future.set_result(False)
+            raise
+        if not self._future.done():
+            self._future.set_result(True)
+        return result
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 def _call(op: str, tensor: torch.Tensor, group, async_op: bool, ranks: list[int] | None,

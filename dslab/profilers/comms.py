@@ -35,9 +35,11 @@ Latency of one call
     ``debug``, its caller the replay's.
 
     CPU (gloo). Host clock: a blocking op is timed around the call; an async op's completion is
-    stamped by a callback on ``work.get_future()``, or for a reduce-scatter handle without one
-    (gloo's) by a thread that waits on the handle beside its issuer; other future-less handles
-    (gloo's send and recv) stay untimed.
+    stamped by a callback on ``work.get_future()``. gloo's reduce_scatter has no future and writes
+    its output inside its issuer's ``wait()``, where a second waiter would write it again, so the
+    comm layer hands it out as :class:`dslab.comm.IssuerWaitedWork`, whose future completes when
+    the issuer's wait returns: its latency runs to the moment its output exists. gloo's send and
+    recv stay untimed.
 
 Arrival (for straggler analysis)
     Host ops: ``time.time_ns()`` in ``before()``. CUDA ops: when the issuing stream reached the
@@ -328,25 +330,42 @@ class CommsLogger(Profiler):
             self._cuda_pending.append(timing)
 
     def _end_host_async(self, record: dict, start_ns: int, work, span: BucketSpan | None = None) -> None:
-        def stamp(_future):
+        # a handle whose future completes at its issuer's wait (comm.IssuerWaitedWork: gloo's
+        # reduce_scatter) may still be unwaited when the records are read: it is given up on
+        # then (untimed), and its stamp, should the issuer wait later, is dropped
+        issuer_waited = isinstance(work, comm.IssuerWaitedWork)
+        settled = [False]
+
+        def claim() -> bool:
+            with self._lock:
+                if settled[0]:
+                    return False
+                settled[0] = True
+                return True
+
+        def stamp(future):
             end = time.perf_counter_ns()
+            if not claim():
+                return
+            if issuer_waited and future.value() is False:  # the op failed; its issuer's wait() raised
+                self._finish(record, None)
+                return
             if span is not None:
                 span.end_ns = end
             self._finish(record, (end - start_ns) / 1e6)
-        def stamp_or_untimed(future):
-            if future.value() is False:  # the op failed; its issuer's wait() raises
+
+        def give_up() -> None:
+            if claim():
                 self._finish(record, None)
-            else:
-                stamp(future)
+
         try:
-            done = work.get_future().then(stamp)
-        except RuntimeError:
-            if record["op"] not in THREAD_TIMED_OPS:  # a second waiter on gloo's send/recv never returns
-                self._finish(record, None)
-                return
-            done = _completion(work).then(stamp_or_untimed)
+            future = work.get_future()
+        except RuntimeError:  # gloo's send/recv: no future, and a second waiter never returns
+            self._finish(record, None)
+            return
+        done = future.then(stamp)
         with self._lock:
-            self._host_pending.append(done)
+            self._host_pending.append((done, give_up if issuer_waited else None))
 
     def _finish(self, record: dict, latency_ms: float | None) -> None:
         """The call's latency is known: into the record and the running summary."""
@@ -390,12 +409,15 @@ class CommsLogger(Profiler):
             else:
                 still.append(t)
         if wait:
-            for done in host:
-                done.wait()
+            for done, give_up in host:
+                if give_up is None:
+                    done.wait()
+                elif not done.done():  # its issuer has not waited on it yet
+                    give_up()
             self._clock.recalibrate()
         with self._lock:
             self._cuda_pending = still + self._cuda_pending
-            self._host_pending = [f for f in self._host_pending if not f.done()]
+            self._host_pending = [entry for entry in self._host_pending if not entry[0].done()]
 
     # -------------------------------------------------------------------------- engine hooks --
 
@@ -550,30 +572,6 @@ class CommsLogger(Profiler):
         comm.remove_observer(self)
         if getattr(comm, "_summary_provider", None) == self.log_summary:
             comm.set_summary_provider(None)
-
-
-# The ops whose future-less handles (gloo's reduce_scatter) :func:`_completion` may wait on beside
-# their issuer. Not point-to-point ops: gloo's send/recv handles complete once, for one waiter, so a
-# second wait() blocks for good (and so did the pipeline runs that met it).
-THREAD_TIMED_OPS = frozenset({"reduce_scatter"})
-
-
-def _completion(work) -> torch.futures.Future:
-    """A future completed when ``work`` (a handle without ``get_future``: gloo's reduce_scatter)
-    completes, by a daemon thread waiting on it (``Work.wait`` releases the GIL), with True, or
-    False when the op failed. The thread only waits; the issuer still waits on ``work`` itself."""
-    future = torch.futures.Future()
-
-    def wait() -> None:
-        try:
-            work.wait()
-        except RuntimeError:
-            future.set_result(False)
-            return
-        future.set_result(True)
-
-    threading.Thread(target=wait, name="comms-logger-wait", daemon=True).start()
-    return future
 
 
 def _string_keys(value):

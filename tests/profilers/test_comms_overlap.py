@@ -56,7 +56,8 @@ def test_bucket_tag_reaches_observers_and_the_records(one_rank_group, logger):
     assert seen.buckets == [("all_reduce", 3), ("reduce_scatter", 4), ("all_reduce", None)]
     records = logger.local_records()
     assert [r.get("bucket") for r in records] == [3, 4, None]
-    # gloo's reduce_scatter handle has no future: its completion is still stamped
+    # gloo's reduce_scatter handle has no future: its completion is still stamped, at its
+    # issuer's wait
     assert all(r["latency_ms"] is not None for r in records)
 
 
@@ -98,13 +99,15 @@ def _micro_step(logger, step, optimizer=True, bucket_sleep_s=0.0, exposed_sleep_
     time.sleep(bucket_sleep_s)
     logger.after(first, None)
     second = _call(1, async_op=True, op="reduce_scatter")
-    work = _WaitOnlyWork() if wait_only else _FutureWork()
+    # a future-less handle reaches the observers wrapped by the comm layer (comm.IssuerWaitedWork)
+    work = comm.IssuerWaitedWork(_WaitOnlyWork()) if wait_only else _FutureWork()
     logger.before(second)
     logger.after(second, work)
     logger.on_mark("backward_compute_end")
     time.sleep(exposed_sleep_s)
     if wait_only:
-        work.done.set()
+        work.work.done.set()
+        work.wait()  # the issuer's wait: the op's output exists from here
     else:
         work.future.set_result(None)
     logger.on_backward_end()
