@@ -15,8 +15,9 @@ prints its progress lines, which pass through to this terminal.
 
 After each launch its part is merged into the run's ``run.json`` (written atomically), so a
 launch that fails or is interrupted loses none of the launches before it: its arms without a
-result are recorded as ``failed`` with the launch's exit status and the last line it printed, and
-the next process count runs. Ctrl-C stops the launch in flight (its processes get the same
+result, and those it left with fewer trials than asked (an arm's result is written as it starts),
+are recorded as ``failed`` with the launch's exit status and the last line it printed, and the
+next process count runs. Ctrl-C stops the launch in flight (its processes get the same
 interrupt), merges what it wrote, and leaves the report marked incomplete.
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from dslab.bench.common import PART_ENV, RUN_ID_ENV, Progress, part_file
 from dslab.report import Result, RunReport, read_report
+from dslab.report.schema import RESULT_OK
 
 # NVLink multicast (NVLS) stays off in every launch: see the module docstring.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -101,22 +103,37 @@ def merge_part(report: RunReport, part: RunReport) -> None:
 
 
 def record_failed_launch(report: RunReport, cases: list[str], arms: list[str], nprocs: int, status: int,
-                         tail: list[str]) -> None:
-    """Every arm of ``cases`` that the launch left without a result: ``failed``, with the exit
-    status and the last line the launch printed."""
-    last = next((line for line in reversed(tail) if line.strip()), "no output")
-    error = f"the launch of {nprocs} process(es) exited with status {status} before this arm ran: {last.strip()}"
-    have = {(r.case, r.arm) for r in report.results}
+                         tail: list[str], trials: int | None = None) -> None:
+    """The arms of ``cases`` that the failed launch did not finish: ``failed``, with the exit status
+    and the last line the launch printed. An arm without a result did not start; one whose result
+    is still ``ok`` but holds fewer than ``trials`` trials (none, when ``trials`` is not given) died
+    in its trials, and keeps the trials it finished. When every arm had finished, the launch failed
+    on its way out: the report's notes say so, and the arms' results stand."""
+    last = next((line for line in reversed(tail) if line.strip()), "no output").strip()
+    head = f"the launch of {nprocs} process(es) exited with status {status}"
+    unfinished = False
     for case in cases:
         for arm in arms:
-            if (case, arm) not in have:
-                report.results.append(Result(case=case, arm=arm, status="failed", error=error))
+            result = report.result(case, arm)
+            if result is None:
+                report.results.append(Result(case=case, arm=arm, status="failed",
+                                             error=f"{head} before this arm ran: {last}"))
+                unfinished = True
+            elif result.status == RESULT_OK and len(result.trials) < (trials or 1):
+                done = len(result.trials)
+                of = f" of {trials}" if trials else ""
+                result.status = "failed"
+                result.error = f"{head} after {done}{of} trial(s) of this arm: {last}"
+                unfinished = True
+    if not unfinished:
+        report.notes.append(f"{part_name(nprocs)}: {head} after its arms had run their trials: {last}")
 
 
 def run_launches(report: RunReport, suite_file: Path, nprocs: list[int], cases_by_n: dict[int, list[str]],
                  arms: list[str], options: list[str], run_path: Path, gpus: int, progress: Progress,
-                 write) -> None:
-    """One launch per process count (module docstring); ``write()`` rewrites the run's report."""
+                 write, trials: int | None = None) -> None:
+    """One launch per process count (module docstring); ``write()`` rewrites the run's report;
+    ``trials``: each arm's trial count, by which a failed launch's unfinished arms are told."""
     parts = report.config.setdefault("launches", {})
     for n in nprocs:
         if n > max(gpus, 0) and gpus > 0:
@@ -141,5 +158,5 @@ def run_launches(report: RunReport, suite_file: Path, nprocs: list[int], cases_b
                 except ValueError as err:
                     report.notes.append(f"{part_name(n)}: its part could not be read: {err}")
             if status != 0:
-                record_failed_launch(report, cases_by_n[n], arms, n, status, tail)
+                record_failed_launch(report, cases_by_n[n], arms, n, status, tail, trials)
             write()

@@ -209,7 +209,7 @@ def _launch(report: RunReport, plan, suite_file: Path, scale: str, counts: Count
                *(["--pin-kernels", str(Path(pin_kernels).resolve())] if pin_kernels else [])]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     run_launches(report, suite_file, nprocs, cases_by_n, plan.arms, options, context.run_path, gpus, progress,
-                 context.write)
+                 context.write, trials=counts.trials)
 
 
 def _counts(scale_config, trials: int | None, steps: int | None, warmup_steps: int | None) -> Counts:

@@ -127,6 +127,46 @@ write_report(r, {str(out)!r}, "part-n2.json")
                                          "n2": {"nprocs": 2, "exit_status": 0, "part_file": "part-n2.json"}}
 
 
+def test_a_launch_that_dies_in_its_trials_fails_the_arms_it_did_not_finish(tmp_path, monkeypatch):
+    """Rank 0 writes an arm's result as the arm starts: a launch that dies in its trials leaves
+    ``ok`` results with no trials, or fewer than asked; those are failed, their trials kept."""
+    out = tmp_path / "reports"
+    report = RunReport(run_id="20261128T000000Z-abcdef", suite="zero", config={"kind": "data_parallel"})
+    run_path = out / "zero" / report.run_id
+    script = f"""
+import os, sys
+from dslab.report import Result, RunReport, Trial, write_report
+r = RunReport(run_id="{report.run_id}", suite="zero")
+trial = Trial(trial=0, step_times_ms=[2.0], metrics={{"tokens_per_s": 5.0}})
+r.results = [Result(case="c", arm="ddp", trials=[trial, Trial(trial=1, step_times_ms=[2.0], metrics={{"tokens_per_s": 5.0}})]),
+             Result(case="c", arm="fsdp2", trials=[trial]), Result(case="c", arm="dslab-zero1")]
+for result in r.results:
+    result.summarize()
+write_report(r, {str(out)!r}, "part-" + os.environ["DSLAB_BENCH_PART"] + ".json")
+print("Segmentation fault", file=sys.stderr)
+sys.exit(int(os.environ["DSLAB_BENCH_PART"] == "n2") * 139)
+"""
+    command = _fake_launch(tmp_path, script)
+    monkeypatch.setattr(launcher, "launch_command", lambda suite_file, n, options: command)
+    arms = ["ddp", "fsdp2", "dslab-zero1"]
+    launcher.run_launches(report, SUITE / "suite.json", [2], {2: ["c"]}, arms, [], run_path, gpus=0,
+                          progress=Progress(sys.stderr, enabled=False), write=lambda: None, trials=2)
+    done, half, unstarted = (report.result("c", arm) for arm in arms)
+    assert done.status == "ok" and done.error is None and len(done.trials) == 2
+    assert half.status == "failed" and len(half.trials) == 1
+    assert half.error == "the launch of 2 process(es) exited with status 139 after 1 of 2 trial(s) of this arm: " \
+                         "Segmentation fault"
+    assert unstarted.status == "failed" and "after 0 of 2 trial(s)" in unstarted.error
+    assert report.finished_status() == "partial"
+    # every arm finished and the launch then failed (a hang at exit, killed): the results stand
+    report = RunReport(run_id="20261128T000000Z-abcdef", suite="zero", config={"kind": "data_parallel"})
+    launcher.run_launches(report, SUITE / "suite.json", [2], {2: ["c"]}, ["ddp"], [], run_path, gpus=0,
+                          progress=Progress(sys.stderr, enabled=False), write=lambda: None, trials=2)
+    assert report.result("c", "ddp").status == "ok" and report.finished_status() == "complete"
+    assert "n2: the launch of 2 process(es) exited with status 139 after its arms had run their trials: " \
+           "Segmentation fault" in report.notes
+
+
 def test_more_processes_than_gpus_are_skipped_with_the_reason(tmp_path):
     report = RunReport(run_id="20261128T000000Z-abcdef", suite="zero")
     launcher.run_launches(report, SUITE / "suite.json", [8], {8: ["c-n8"]}, ["dslab-zero1"], [], tmp_path,

@@ -161,7 +161,7 @@ def test_a_launching_run_hands_the_pins_to_its_launches_and_merges_their_records
     pin_file.write_text(json.dumps(pinning.record_kernel_choices()))
     seen = {}
 
-    def launches(report, suite_file, nprocs, cases_by_n, arms, options, run_path, gpus, progress, write):
+    def launches(report, suite_file, nprocs, cases_by_n, arms, options, run_path, gpus, progress, write, trials=None):
         """Each launch's processes record their choices in their part, which the launcher merges."""
         seen["options"] = options
         for n in nprocs:
