@@ -6,7 +6,11 @@ here. For each case every arm is built once, then trials run interleaved: trial 
 then trial 1 with the arm order rotated, and so on, so slow drifts of the machine (clocks,
 temperature, neighbours) fall on all arms alike. Each arm's first trial starts with the suite's
 warm-up steps (compilation, autotuning); later trials settle for a step or two (the kind's) before
-they are timed.
+they are timed. The warm-up runs on through the one-off steps of the dslab engine's profilers
+(the flops profiler's counted, module-timed and busy-time steps, the memory tracer's breakdown:
+eager, under hooks) when those come later, so that no timed step is one of them; every arm of the
+case then warms up as long, and all train the same steps (a case that keeps one arm at a time
+extends each engine arm's own warm-up).
 
 A run that cannot start (no suite at the path, an invalid suite file, a scale, arm, case or count
 it does not have) raises :class:`~dslab.bench.common.RunNotStarted` before anything is measured or
@@ -53,6 +57,7 @@ from dslab.bench.protocol import CaseRun, Counts, RunContext, SuiteKind
 from dslab.bench.suite import load_suite
 from dslab.bench.trace_step import write_run_trace
 from dslab.bench.training import TrainingSuite
+from dslab.engine.profiling import ProfilerHooks
 from dslab.report import Result, RunReport, Trial, new_run_id
 from dslab.report.environment import collect_environment
 from dslab.report.store import utc_now
@@ -256,6 +261,12 @@ def run_case(case: CaseRun, context: RunContext) -> None:
             built[name] = arm
     context.write()
 
+    # every arm warms up as long, so that all train the same steps: through the one-off profiled
+    # steps of the dslab engines when those come later than the suite's warm-up
+    first_warmup = max([context.counts.warmup_steps, *(profiled_steps_left(arm) for arm in built.values())])
+    if first_warmup > context.counts.warmup_steps:
+        context.progress.line(f"[{context.report.suite} {case.name}] every arm: {first_warmup} warm-up step(s), "
+                              f"through the dslab engine's one-off profiled steps")
     case.before_trials()
     warmed: set[str] = set()
     for t in range(context.counts.trials):
@@ -266,8 +277,7 @@ def run_case(case: CaseRun, context: RunContext) -> None:
         for name in live[shift:] + live[:shift]:
             # The full warm-up (compilation, autotuning, allocator growth) once per arm; later
             # trials only settle for a step or two after the other arms ran.
-            warmup = context.counts.warmup_steps if name not in warmed else min(context.counts.warmup_steps,
-                                                                                 case.settle_steps)
+            warmup = first_warmup if name not in warmed else min(context.counts.warmup_steps, case.settle_steps)
             if _trial(case, name, built, t, warmup, context):
                 warmed.add(name)
         context.write()
@@ -299,12 +309,27 @@ def _build(case: CaseRun, name: str, context: RunContext):
     return None
 
 
+def profiled_steps_left(arm) -> int:
+    """Steps until the profilers of ``arm``'s dslab engine (none: 0) have run their one-off
+    profiled steps (the flops profiler's counted and timed steps, the memory tracer's breakdown),
+    which run eagerly under hooks: a trial warms up through them, so that no timed step is one."""
+    hooks = getattr(getattr(arm, "engine", None), "profilers", None)
+    if not isinstance(hooks, ProfilerHooks):
+        return 0
+    return hooks.one_off_steps_left(arm.engine.global_steps)
+
+
 def _trial(case: CaseRun, name: str, built: dict, t: int, warmup: int, context: RunContext) -> bool:
-    """Trial ``t`` of arm ``name``; on failure the arm is recorded, closed and dropped from
+    """Trial ``t`` of arm ``name`` (its warm-up extended through its engine's one-off profiled
+    steps: :func:`profiled_steps_left`); on failure the arm is recorded, closed and dropped from
     ``built``. Returns whether the trial ran."""
     report, progress, counts = context.report, context.progress, context.counts
     tag = f"[{report.suite} {case.name}]"
     result = report.result(case.name, name)
+    left = profiled_steps_left(built[name])
+    if left > warmup:
+        progress.line(f"{tag} {name}: {left} warm-up step(s), through its profilers' one-off steps")
+        warmup = left
     error = None
     try:
         step_times, metrics = case.run_trial(name, built[name], warmup, counts.steps, t)

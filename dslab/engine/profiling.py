@@ -88,6 +88,13 @@ class ProfilerHooks:
         for p in self._markers:
             p.on_mark(phase)
 
+    def one_off_steps_left(self, global_steps: int) -> int:
+        """How many steps from global step ``global_steps`` on until every profiler's one-off
+        steps (:meth:`~dslab.profilers.base.Profiler.one_off_steps`) have run: a benchmark warms
+        up through them, so that its timed steps run as the run's steady steps do."""
+        last = max((s for p in self.profilers for s in p.one_off_steps()), default=-1)
+        return max(0, last + 1 - global_steps)
+
     def find(self, section: str) -> Profiler | None:
         return next((p for p in self.profilers if p.section == section), None)
 

@@ -76,6 +76,13 @@ class Profiler:
 
     def on_step_end(self, step: int) -> None: ...
 
+    def one_off_steps(self) -> tuple[int, ...]:
+        """The global steps this profiler instruments once (the flops profiler's counted and
+        timed steps, the memory tracer's breakdown), which run slower than a steady step; not
+        the steps it samples all along. A benchmark warms up through them
+        (:meth:`dslab.engine.profiling.ProfilerHooks.one_off_steps_left`)."""
+        return ()
+
     def records(self) -> dict:
         """What was measured, as JSON-serialisable data for ``report.profilers[section]``."""
         return {}

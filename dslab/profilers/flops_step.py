@@ -179,6 +179,12 @@ class FlopsStepProfiler(Profiler):
                 self.config.every_n_steps, self.config.profile_step + 1, [name for name, _ in model.named_modules()],
                 self.config.module_depth, self.config.top_modules, self._cuda)
 
+    def one_off_steps(self) -> tuple[int, ...]:
+        """The counted step and, with ``device_time``, the module-timed and the busy-time steps
+        after it (the continuous series' later profiles are part of the run, not one-off)."""
+        first = self.config.profile_step
+        return (first, first + 1, first + 2) if self.config.device_time else (first,)
+
     # -- hooks ----------------------------------------------------------------------------------
 
     def on_step_begin(self, step: int) -> None:

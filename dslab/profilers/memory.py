@@ -267,6 +267,10 @@ class MemoryTracer(Profiler):
         self.device = first.device if first is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
 
+    def one_off_steps(self) -> tuple[int, ...]:
+        """``profile_step``: its forward runs under the saved-tensor tracker's hooks."""
+        return (self.profile_step,)
+
     # --- hooks -------------------------------------------------------------------------------
 
     def _mark(self, name: str) -> None:

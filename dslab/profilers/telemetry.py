@@ -59,6 +59,8 @@ THROTTLE_REASONS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
 #: The numeric fields of a sample, summarised as mean and max.
 SAMPLE_FIELDS = ("util_gpu", "util_mem", "sm_clock_mhz", "mem_used_bytes", "power_w", "temp_c")
 
+#: the reasons for no telemetry already logged in this process (:meth:`TelemetrySampler._unavailable`)
+_WARNED: set[str] = set()
 _NVML_CLOCK_SM = 1  # nvmlClockType_t NVML_CLOCK_SM
 _NVML_TEMPERATURE_GPU = 0  # nvmlTemperatureSensors_t NVML_TEMPERATURE_GPU
 
@@ -268,8 +270,12 @@ class TelemetrySampler(Profiler):
     # --- life cycle --------------------------------------------------------------------------
 
     def _unavailable(self, reason: str) -> None:
+        """No samples: ``reason`` goes into the records, and into the log once per process (a
+        benchmark builds an engine per arm and case, each with its own telemetry)."""
         self._reason = reason
-        logger.warning("telemetry: no GPU telemetry recorded: %s", reason)
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            logger.warning("telemetry: no GPU telemetry recorded: %s", reason)
 
     def start(self) -> None:
         """Initialise NVML, pick the visible GPUs and start the thread (once; later calls no-op)."""

@@ -166,7 +166,7 @@ def test_an_arm_out_of_gpu_memory_is_recorded_and_the_run_goes_on(tmp_path, monk
     def step(self):
         if self.name == "sdpa":
             sdpa_steps["n"] += 1
-            if sdpa_steps["n"] == 4:  # trial 1: 1 warm-up + 2 steps; trial 2's first settling step
+            if sdpa_steps["n"] == 10:  # trial 1: 7 warm-up steps (through dslab's profiled steps 3-6) + 2; trial 2's first settling step
                 raise torch.cuda.OutOfMemoryError(OOM_MESSAGE)
         return real_step(self)
 

@@ -1,3 +1,4 @@
+import io
 import json
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def test_ctrl_c_leaves_an_incomplete_report(tmp_path, monkeypatch):
 
     def interrupted(self):
         calls["n"] += 1
-        if calls["n"] == 6:
+        if calls["n"] == 9:  # in trial 2 of case a: trial 1 was 4 warm-up steps and 3 timed
             raise KeyboardInterrupt
         return original(self)
 
@@ -132,6 +133,30 @@ def test_injected_sleep_slows_only_the_dslab_arm(tmp_path, monkeypatch):
     monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MS", "soon")
     with pytest.raises(ValueError, match="DSLAB_INJECT_STEP_SLEEP_MS"):
         run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], trials=1)
+
+
+def test_no_timed_step_of_the_dslab_arm_is_a_profiled_one(tmp_path, monkeypatch):
+    """The flops profiler counts, times and measures busy time on steps 1, 2 and 3 and the memory
+    tracer breaks down step 1 (the suite's profile_step 1): the dslab arm's first trial warms up
+    through step 3 although the suite asks for 1 warm-up step."""
+    from dslab.bench import training
+
+    first_timed = {}
+    original = training.run_trial
+
+    def spy(step, device, warmup, steps, pools=None):
+        arm = step.__self__
+        if isinstance(arm, arms_module.EngineArm):
+            first_timed.setdefault(arm.engine.global_steps + warmup, warmup)
+        return original(step, device, warmup, steps, pools=pools)
+
+    monkeypatch.setattr(training, "run_trial", spy)
+    stream = io.StringIO()
+    report, _ = run_suite(tiny_suite(tmp_path), out=tmp_path / "r", cases=["b"], stream=stream)
+    assert first_timed == {4: 4, 8: 1}  # trial 1 times steps 4-6 after 4 warm-up steps; trial 2 8-10 after 1
+    assert "[gpt2_test b] every arm: 4 warm-up step(s), through the dslab engine's one-off profiled steps" \
+        in stream.getvalue()
+    assert report.profilers["flops"]["b"]["profiled"] and report.result("b", "dslab").status == "ok"
 
 
 @pytest.mark.gpu
@@ -277,9 +302,10 @@ def test_reduce_overhead_arm_is_interleaved_and_parks(tmp_path, monkeypatch):
     report, _ = run_suite(path, out=tmp_path / "r", cases=["b"], trials=2, steps=2)
     ro = report.result("b", "torch-compile-ro")
     assert ro.status == "ok" and len(ro.trials) == 2 and ro.metrics["final_loss"] == ro.metrics["final_loss"]
-    # trial 0: dslab then ro (1 warm-up + 2 steps each); trial 1 rotated: ro settles 1 step, then dslab
-    assert order == ["dslab"] * 3 + ["torch-compile-ro"] * 6 + ["dslab"] * 3
-    assert marks == [4, 5, 6, 7, 8, 9]  # once in each of the ro arm's steps, before its forward
+    # trial 0: dslab then ro, 4 warm-up steps each (through dslab's profiled steps 1-3) + 2; trial 1
+    # rotated: ro settles 1 step, then dslab
+    assert order == ["dslab"] * 6 + ["torch-compile-ro"] * 9 + ["dslab"] * 3
+    assert marks == list(range(7, 16))  # once in each of the ro arm's steps, before its forward
     assert report.best_plain == {"b": "torch-compile-ro"}
     assert report.ratios["b"]["dslab/best_plain"] == report.ratios["b"]["dslab/torch-compile-ro"]
 

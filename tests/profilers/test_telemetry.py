@@ -285,6 +285,11 @@ def test_unsupported_field_is_none_and_noted():
 
 # --- without NVML -----------------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def no_reason_logged_yet(monkeypatch):
+    monkeypatch.setattr(telemetry, "_WARNED", set())
+
+
 def check_unavailable(sampler, caplog, reason_part):
     with caplog.at_level(logging.WARNING, logger="dslab.profilers.telemetry"):
         sampler.attach(model=None)
@@ -315,6 +320,22 @@ def test_no_gpu_visible(monkeypatch, caplog):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     check_unavailable(TelemetrySampler(interval_ms=10, nvml=fake), caplog, "no GPU visible")
     assert fake.shutdown_calls == 1
+
+
+def test_each_reason_is_logged_once_per_process_and_recorded_every_time(caplog):
+    """A benchmark builds an engine, and a sampler, per arm and case: one line per reason."""
+    samplers = [TelemetrySampler(interval_ms=10, nvml=FakeNVML(init_error=FakeNVMLError(error)))
+                for error in ("Driver Not Loaded", "Driver Not Loaded", "Insufficient Permissions")]
+    with caplog.at_level(logging.WARNING, logger="dslab.profilers.telemetry"):
+        for sampler in samplers:
+            sampler.attach(model=None)
+            sampler.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "dslab.profilers.telemetry"]
+    assert logged == ["telemetry: no GPU telemetry recorded: nvmlInit failed: Driver Not Loaded",
+                      "telemetry: no GPU telemetry recorded: nvmlInit failed: Insufficient Permissions"]
+    assert [s.records()["reason"] for s in samplers] == [
+        "nvmlInit failed: Driver Not Loaded", "nvmlInit failed: Driver Not Loaded",
+        "nvmlInit failed: Insufficient Permissions"]
 
 
 def test_records_before_start():
