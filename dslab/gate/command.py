@@ -82,7 +82,8 @@ def parse_threshold(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default=None, help="the suite whose runs are judged (default: the candidate's)")
+    parser.add_argument("--suite", default=None, help="the suite whose runs are judged (default: the candidate's; "
+                                                      "without --candidate, the one suite the reports hold)")
     parser.add_argument("--reports", default="reports", help="reports root (default: reports/)")
     parser.add_argument("--baseline", default=None, metavar="PATH",
                         help="a baseline JSON file, a run (id, suite/id or directory), or rolling:N for the last N "
@@ -138,11 +139,17 @@ def _read_runs(root: str, refs: list[str], suite: str | None) -> list:
 def _candidates(args: argparse.Namespace) -> list:
     if args.candidate:
         return _read_runs(args.reports, args.candidate, args.suite)
-    if args.suite is None:
-        raise ValueError("name the suite (--suite S) or the candidate run(s) (--candidate RUN)")
-    runs = list_runs(args.reports, args.suite)
+    suite = args.suite
+    if suite is None:  # the newest run of the one suite the reports hold
+        suites = sorted({run.parent.name for run in list_runs(args.reports)})
+        if len(suites) != 1:
+            held = f"runs of {', '.join(suites)}" if suites else "no runs"
+            raise ValueError(f"name the suite (--suite S) or the candidate run(s) (--candidate RUN): "
+                             f"{args.reports} holds {held}")
+        suite = suites[0]
+    runs = list_runs(args.reports, suite)
     if not runs:
-        raise FileNotFoundError(f"no runs of suite {args.suite!r} under {args.reports}")
+        raise FileNotFoundError(f"no runs of suite {suite!r} under {args.reports}")
     return [read_report(runs[-1])]
 
 
