@@ -4,7 +4,8 @@ A config is a dict, a path to a JSON file, or a :class:`DslabConfig`. Each compo
 section's model next to its code (``fp16``/``bf16`` in :mod:`precision`, ``optimizer`` in
 :mod:`optimizers`, ``scheduler`` in :mod:`schedulers`, ``csv_monitor``/``tensorboard`` in
 :mod:`monitor`, ``zero_optimization`` in :mod:`zero_config`, ``aio`` in
-:mod:`dslab.io.config`, ``autotuning`` in :mod:`autotuning.config`); this module gathers them,
+:mod:`dslab.io.config`, ``autotuning`` in :mod:`autotuning.config`, ``checkpoint`` in
+:mod:`checkpoint_tags`); this module gathers them,
 derives the batch sizes, and turns every problem into a ``ValueError`` that names the key.
 """
 
@@ -19,6 +20,7 @@ from pydantic import Field
 from dslab.config_base import ConfigSection, closest_key, known_keys, parse_section
 from dslab.engine.activation_checkpointing import ActivationCheckpointingConfig
 from dslab.engine.autotuning.config import AutotuningConfig
+from dslab.engine.checkpoint_tags import CheckpointConfig
 from dslab.engine.compile_config import CompileConfig
 from dslab.engine.cuda_graph_config import CudaGraphConfig
 from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
@@ -36,7 +38,6 @@ from dslab.profilers.telemetry import TelemetryConfig
 # off ({"enabled": false}, false, null) is accepted and ignored; anything else is refused.
 UNSUPPORTED_DEEPSPEED_KEYS = (
     "amp",
-    "checkpoint",
     "comet",
     "communication_data_type",
     "compression_training",
@@ -52,7 +53,6 @@ UNSUPPORTED_DEEPSPEED_KEYS = (
     "sparse_attention",
     "sparse_gradients",
     "wandb",
-    "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer",
 )
 
@@ -78,6 +78,10 @@ class DslabConfig(ConfigSection):
     # None when absent: checkpoints are written with torch.save to a path; NVMe offload then
     # uses the section's defaults
     aio: AioConfig | None = None
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    # DeepSpeed asks for this to run ZeRO with an optimizer it has not tested; dslab's ZeRO steps
+    # any torch.optim optimizer (engine/zero/runtime.py: ZeroRuntime.adopt), so either value runs
+    zero_allow_untested_optimizer: bool = False
     compile: CompileConfig = CompileConfig()
     # read by the tuner (dslab.engine.autotuning), not by the training step
     autotuning: AutotuningConfig = AutotuningConfig()

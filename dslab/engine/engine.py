@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from dslab import comm
 from dslab.engine import checkpointing, expert_parallel, model_parallel_checkpoint, parameters, weight_copies
+from dslab.engine.checkpoint_tags import check_tag
 from dslab.engine.config import DslabConfig
 from dslab.engine.data_parallel import GradientAllReducer
 from dslab.engine.model_parallel import ModelParallelLayout
@@ -539,6 +540,8 @@ class DslabEngine(nn.Module):
         (:mod:`model_parallel_checkpoint`)."""
         if self.zero is not None:
             self.zero.settle()  # deferred parameter gathers (overlap_param_gather) complete first
+        tag = f"global_step{self.global_steps}" if tag is None else tag
+        check_tag(tag, self.config.checkpoint.tag_validation)
         if model_parallel_checkpoint.applies(self):
             return model_parallel_checkpoint.save(self, save_dir, tag, client_state or {}, save_latest)
         return checkpointing.save(self, save_dir, tag, client_state or {}, save_latest)

@@ -282,8 +282,10 @@ class ZeroRuntime:
         """Point an optimizer built on the model's parameters at the masters instead."""
         refuse_lamb(optimizer, self.stage)
         if any(optimizer.state.values()):
-            raise ValueError("the optimizer passed to initialize() has already stepped; ZeRO "
-                             "needs a fresh optimizer to shard its states")
+            raise ValueError(f"the optimizer passed to initialize() ({type(optimizer).__name__}) holds state "
+                             "already: it has stepped, or it builds its state when constructed (as "
+                             "torch.optim.Adagrad does); ZeRO builds the states of its shards itself and "
+                             "needs an optimizer whose state starts empty")
         for group, unit_group in zip(optimizer.param_groups, range(len(self.group_options))):
             group["params"] = [m for u, m in zip(self.units, self.masters)
                                if u.layout.group == unit_group]

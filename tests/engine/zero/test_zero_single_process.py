@@ -134,6 +134,24 @@ def test_optimizer_instance_and_callable_are_sharded(stage, make):
     reference.destroy()
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_that_holds_state_already_is_refused_with_the_reason(stage):
+    """Adagrad builds its state when constructed; ZeRO builds the shards' states itself.
+    ``zero_allow_untested_optimizer`` (DeepSpeed's permission key) changes nothing either way."""
+    cfg = base_config(zero_optimization=_zero(stage), zero_allow_untested_optimizer=True)
+    del cfg["optimizer"]
+    model = TinyNet(dropout=0.0)
+    with pytest.raises(ValueError, match=r"\(Adagrad\) holds state already: it has stepped, or it builds its "
+                                         r"state when constructed"):
+        dslab.initialize(model=model, optimizer=torch.optim.Adagrad(model.parameters()), config=cfg)
+    model = TinyNet(dropout=0.0)
+    engine, opt, _, _ = dslab.initialize(model=model, optimizer=torch.optim.RMSprop(model.parameters(), lr=1e-3),
+                                         config=cfg)
+    _train(engine)
+    assert all(len(opt.state[p]) > 0 for g in opt.param_groups for p in g["params"])  # stepped the shards
+    engine.destroy()
+
+
 def test_stage3_releases_parameters_between_uses():
     cfg = base_config(zero_optimization=_zero(3))
     engine, _, _, _ = dslab.initialize(model=TinyNet(dropout=0.0), config=cfg)
