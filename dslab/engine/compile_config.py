@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dslab.config_base import ConfigSection
 
@@ -18,6 +18,16 @@ class CompileConfig(ConfigSection):
     enabled: bool = False
     backend: str = "inductor"
     kwargs: dict = Field(default_factory=dict)
+    # DeepSpeed's DeepCompile (ZeRO's collectives scheduled inside the compiled graph): off only
+    deepcompile: bool = False
+
+    @field_validator("deepcompile")
+    @classmethod
+    def _no_deepcompile(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("config key 'compile.deepcompile' is a DeepSpeed feature that dslab does not support "
+                             "yet; remove it or set it to false")
+        return value
 
     def wrap(self, module: nn.Module):
         """``module`` itself when off, else its compiled callable (sharing its parameters)."""

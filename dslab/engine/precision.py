@@ -21,7 +21,7 @@ import contextlib
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dslab.config_base import ConfigSection
 
@@ -36,6 +36,17 @@ class FP16Config(ConfigSection):
     hysteresis: int = Field(2, ge=1)
     consecutive_hysteresis: bool = False
     min_loss_scale: float = Field(1.0, gt=0.0)
+    # DeepSpeed casts the forward's floating-point inputs to fp16 with it; dslab runs fp16 under
+    # torch.autocast, which casts per op: accepted false only
+    auto_cast: bool = False
+
+    @field_validator("auto_cast")
+    @classmethod
+    def _no_auto_cast(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("config key 'fp16.auto_cast' is a DeepSpeed feature that dslab does not support: "
+                             "fp16 runs under torch.autocast, which casts at each op; remove it or set it to false")
+        return value
 
 
 class BF16Config(ConfigSection):

@@ -21,7 +21,14 @@ it at stages 1-3 with ``offload_optimizer``).
 step (a larger unit is gathered in pieces through a staging buffer of that size);
 ``reduce_scatter: false`` all-reduces each gradient unit instead of reduce-scattering it (each
 rank keeps its slice). ``contiguous_gradients`` is accepted for DeepSpeed configs and has no
-effect: dslab always packs a unit's gradients into one contiguous buffer for its collective.
+effect: dslab always packs a unit's gradients into one contiguous buffer for its collective. So do
+``allgather_partitions`` (false asks DeepSpeed for broadcasts instead of one all-gather: the same
+parameters), ``round_robin_gradients`` (the order offloaded gradients are copied in) and
+``memory_efficient_linear`` (stage 3 releases a module's weights after use either way).
+``load_from_fp32_weights`` and ``ignore_unused_parameters`` are accepted true (what dslab does:
+masters come back from the checkpoint's fp32 shards; stage 3 trains a model with unused
+parameters), ``elastic_checkpoint`` false and the MiCS keys off; otherwise refused by name. The
+2021 ``cpu_offload: true`` reads as ``offload_optimizer: {"device": "cpu"}``, with a warning.
 ``overlap_param_gather`` (dslab's key, stages 1 and 2, default off) waits for each unit's
 all-gather of updated parameters where the next forward first reads it instead of at the end of
 the step (:mod:`dslab.engine.zero.param_gather`).
@@ -153,6 +160,33 @@ class ZeroConfig(ConfigSection):
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
     zero_hpz_partition_size: int = Field(1, ge=1)
+    # DeepSpeed keys with nothing to choose in dslab (module docstring)
+    allgather_partitions: bool = True
+    round_robin_gradients: bool = False
+    memory_efficient_linear: bool = True
+    load_from_fp32_weights: bool = True
+    ignore_unused_parameters: bool = True
+    elastic_checkpoint: bool = False
+    mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_other_choices(self):
+        refused = {
+            "load_from_fp32_weights": (not self.load_from_fp32_weights, "dslab restores the fp32 masters "
+                                       "from the checkpoint's fp32 shards"),
+            "ignore_unused_parameters": (not self.ignore_unused_parameters, "dslab's stage 3 trains a model "
+                                         "whose forward leaves parameters unused, without a check"),
+            "elastic_checkpoint": (self.elastic_checkpoint, "DeepSpeed's elastic stage 1-2 checkpoints are "
+                                   "not written; dslab's ZeRO checkpoints load at another world size anyway"),
+            "mics_shard_size": (self.mics_shard_size not in (-1, 0), "MiCS is not supported"),
+            "mics_hierarchical_params_gather": (self.mics_hierarchical_params_gather, "MiCS is not supported"),
+        }
+        for key, (on, why) in refused.items():
+            if on:
+                raise ValueError(f"config key 'zero_optimization.{key}' = {getattr(self, key)!r}: {why}; "
+                                 f"remove the key")
+        return self
 
     @model_validator(mode="after")
     def _refuse_zeropp(self):
@@ -186,6 +220,19 @@ class ZeroConfig(ConfigSection):
                 )
                 return {"stage": 1}
             return {"stage": 0}
+        if isinstance(data, dict) and "cpu_offload" in data:
+            data = dict(data)
+            cpu_offload = data.pop("cpu_offload")
+            if cpu_offload is True:
+                if "offload_optimizer" in data:
+                    raise ValueError("config keys 'zero_optimization.cpu_offload' (the 2021 form) and "
+                                     "'zero_optimization.offload_optimizer' are both given; keep offload_optimizer")
+                warnings.warn('"cpu_offload": true is the 2021 form; it is read as "offload_optimizer": '
+                              '{"device": "cpu"}. Write that instead.', DslabDeprecationWarning, stacklevel=2)
+                data["offload_optimizer"] = {"device": "cpu"}
+            elif cpu_offload not in (False, None):
+                raise ValueError(f"config key 'zero_optimization.cpu_offload' must be true or false, "
+                                 f"got {cpu_offload!r}")
         return data
 
     def check_supported(self, optimizer_type: str | None = None) -> None:

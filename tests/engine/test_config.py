@@ -92,6 +92,52 @@ def test_fp16_and_bf16_sections():
     assert load_config({"train_batch_size": 8, "bf16": {"enabled": True}}).bf16.enabled
 
 
+# DeepSpeed's ZeRO-2 example config, as its docs print it
+DEEPSPEED_ZERO2 = {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                   "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True,
+                   "round_robin_gradients": True, "load_from_fp32_weights": True, "elastic_checkpoint": False,
+                   "ignore_unused_parameters": True, "memory_efficient_linear": False, "mics_shard_size": -1,
+                   "mics_hierarchical_params_gather": False}
+
+
+def test_deepspeed_zero_keys_with_nothing_to_choose_load():
+    zero = load_config({"train_batch_size": 8, "zero_optimization": DEEPSPEED_ZERO2}).zero_optimization
+    assert zero.stage == 2 and zero.reduce_bucket_size == 200_000_000 and zero.round_robin_gradients
+    top = {"eigenvalue": {"enabled": False}, "progressive_layer_drop": {"enabled": False},
+           "graph_harvesting": False, "hybrid_engine": {"enabled": False}, "nebula": {"enabled": False},
+           "fp16": {"enabled": True, "auto_cast": False}, "compile": {"enabled": False, "deepcompile": False}}
+    assert load_config({"train_batch_size": 8, **top}).fp16.enabled
+
+
+@pytest.mark.parametrize("section, words", [
+    ({"zero_optimization": {"stage": 2, "load_from_fp32_weights": False}},
+     "'zero_optimization.load_from_fp32_weights' = False: dslab restores the fp32 masters"),
+    ({"zero_optimization": {"stage": 3, "ignore_unused_parameters": False}},
+     "'zero_optimization.ignore_unused_parameters' = False"),
+    ({"zero_optimization": {"stage": 1, "elastic_checkpoint": True}}, "'zero_optimization.elastic_checkpoint' = True"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "'zero_optimization.mics_shard_size' = 8: MiCS"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": "yes"}}, "'zero_optimization.cpu_offload' must be true or false"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+     "'zero_optimization.cpu_offload' \\(the 2021 form\\) and 'zero_optimization.offload_optimizer' are both given"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, "'fp16.auto_cast' is a DeepSpeed feature"),
+    ({"compile": {"deepcompile": True}}, "'compile.deepcompile' is a DeepSpeed feature"),
+    ({"progressive_layer_drop": {"enabled": True}}, "'progressive_layer_drop' is a DeepSpeed feature"),
+])
+def test_deepspeed_keys_dslab_cannot_honour_are_refused_by_name(section, words):
+    with pytest.raises(ValueError, match=words):
+        load_config({"train_batch_size": 8, **section})
+
+
+def test_cpu_offload_true_is_optimizer_offload_with_deprecation():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": True}}).zero_optimization
+    assert zero.offload_optimizer.device == "cpu"
+    assert any(issubclass(w.category, DslabDeprecationWarning) and "cpu_offload" in str(w.message) for w in caught)
+    zero = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": False}}).zero_optimization
+    assert zero.offload_optimizer.device == "none"
+
+
 def test_config_from_json_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
