@@ -57,6 +57,19 @@ def _section_type(annotation: Any) -> Any:
     return annotation
 
 
+def accepted_off(*fields: str, why: str):
+    """A field validator for boolean ``fields`` that a config may carry only as false (a DeepSpeed
+    key dslab does not implement): true raises ``why`` (the key is named by
+    :func:`format_validation_error`). Assign it in the section's class body."""
+
+    def refuse(cls, value):
+        if value:
+            raise ValueError(f"{why}; remove it or set it to false")
+        return value
+
+    return pydantic.field_validator(*fields)(classmethod(refuse))
+
+
 def closest_key(key: str, candidates: list[str]) -> str | None:
     matches = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
     return matches[0] if matches else None

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import field_validator
 
 from dslab import comm
-from dslab.config_base import ConfigSection
+from dslab.config_base import ConfigSection, accepted_off
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,8 @@ class CheckpointConfig(ConfigSection):
         raise ValueError(f"config key 'checkpoint.tag_validation' must be one of "
                          f"{', '.join(TAG_VALIDATION_MODES)} (any case), got {value!r}")
 
-    @field_validator("use_node_local_storage", "load_universal")
-    @classmethod
-    def _off(cls, value: bool, info: ValidationInfo) -> bool:
-        if value:
-            raise ValueError(f"config key 'checkpoint.{info.field_name}' is a DeepSpeed feature that dslab "
-                             "does not support yet; remove it or set it to false")
-        return value
+    _off = accepted_off("use_node_local_storage", "load_universal",
+                        why="a DeepSpeed feature dslab does not support yet")
 
 
 def check_tag(tag: str, mode: str) -> None:

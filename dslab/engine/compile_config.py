@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from dslab.config_base import ConfigSection
+from dslab.config_base import ConfigSection, accepted_off
 
 
 class CompileConfig(ConfigSection):
@@ -20,14 +20,7 @@ class CompileConfig(ConfigSection):
     kwargs: dict = Field(default_factory=dict)
     # DeepSpeed's DeepCompile (ZeRO's collectives scheduled inside the compiled graph): off only
     deepcompile: bool = False
-
-    @field_validator("deepcompile")
-    @classmethod
-    def _no_deepcompile(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("config key 'compile.deepcompile' is a DeepSpeed feature that dslab does not support "
-                             "yet; remove it or set it to false")
-        return value
+    _no_deepcompile = accepted_off("deepcompile", why="a DeepSpeed feature dslab does not support yet")
 
     def wrap(self, module: nn.Module):
         """``module`` itself when off, else its compiled callable (sharing its parameters)."""

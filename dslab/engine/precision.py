@@ -21,9 +21,9 @@ import contextlib
 from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from dslab.config_base import ConfigSection
+from dslab.config_base import ConfigSection, accepted_off
 
 
 class FP16Config(ConfigSection):
@@ -39,14 +39,8 @@ class FP16Config(ConfigSection):
     # DeepSpeed casts the forward's floating-point inputs to fp16 with it; dslab runs fp16 under
     # torch.autocast, which casts per op: accepted false only
     auto_cast: bool = False
-
-    @field_validator("auto_cast")
-    @classmethod
-    def _no_auto_cast(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("config key 'fp16.auto_cast' is a DeepSpeed feature that dslab does not support: "
-                             "fp16 runs under torch.autocast, which casts at each op; remove it or set it to false")
-        return value
+    _no_auto_cast = accepted_off("auto_cast", why="a DeepSpeed feature dslab does not support: fp16 runs under "
+                                              "torch.autocast, which casts at each op")
 
 
 class BF16Config(ConfigSection):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from dslab.config_base import ConfigSection
+from dslab.config_base import ConfigSection, accepted_off
 from dslab.io.buffers import DIRECT_IO_ALIGNMENT
 
 
@@ -52,13 +52,8 @@ class AioConfig(ConfigSection):
                              f"alignment), got {value}")
         return value
 
-    @field_validator("use_gds")
-    @classmethod
-    def _no_gds(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("GPUDirect Storage is not supported by dslab: CUDA tensors go "
-                             "through pinned bounce buffers; set it to false")
-        return value
+    _no_gds = accepted_off("use_gds", why="GPUDirect Storage is not supported by dslab: CUDA tensors go "
+                                          "through pinned bounce buffers")
 
     def handle_kwargs(self) -> dict:
         """The constructor arguments of :class:`~dslab.io.handle.AsyncIOHandle`."""

@@ -26,8 +26,8 @@ def test_the_section_and_zero_allow_untested_optimizer_load():
 
 @pytest.mark.parametrize("section, words", [
     ({"tag_validation": "sometimes"}, "'checkpoint.tag_validation' must be one of Ignore, Warn, Fail"),
-    ({"load_universal": True}, "'checkpoint.load_universal' is a DeepSpeed feature"),
-    ({"use_node_local_storage": True}, "'checkpoint.use_node_local_storage' is a DeepSpeed feature"),
+    ({"load_universal": True}, "'checkpoint.load_universal': a DeepSpeed feature"),
+    ({"use_node_local_storage": True}, "'checkpoint.use_node_local_storage': a DeepSpeed feature"),
     ({"parallel_writes": {}}, "checkpoint.parallel_writes"),
 ])
 def test_bad_checkpoint_sections_name_the_key(section, words):
