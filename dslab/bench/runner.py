@@ -10,7 +10,7 @@ they are timed. The warm-up runs on through the one-off steps of the dslab engin
 (the flops profiler's counted, module-timed and busy-time steps, the memory tracer's breakdown:
 eager, under hooks) when those come later, so that no timed step is one of them; every arm of the
 case then warms up as long, and all train the same steps (a case that keeps one arm at a time
-extends each engine arm's own warm-up).
+extends each engine arm's warm-up and that of every arm after it).
 
 A run that cannot start (no suite at the path, an invalid suite file, a scale, arm, case or count
 it does not have) raises :class:`~dslab.bench.common.RunNotStarted` before anything is measured or
@@ -234,15 +234,19 @@ def run_case(case: CaseRun, context: RunContext) -> None:
     (``one_arm_at_a_time``: a data- or model-parallel case) builds, times, records and closes each arm in
     turn instead."""
     if getattr(case, "one_arm_at_a_time", False):
+        # an engine arm's warm-up runs through its profiled steps (_trial); the arms after it
+        # warm up as long, so that they train the same steps
+        first_warmup = context.counts.warmup_steps
         for name in context.arms:
             arm = _build(case, name, context)
             context.write()
             if arm is None:
                 continue
+            first_warmup = max(first_warmup, profiled_steps_left(arm))
             built = {name: arm}
             case.before_trials()
             for t in range(context.counts.trials):
-                if not _trial(case, name, built, t, context.counts.warmup_steps if t == 0 else
+                if not _trial(case, name, built, t, first_warmup if t == 0 else
                               min(context.counts.warmup_steps, case.settle_steps), context):
                     break
                 context.write()
@@ -264,9 +268,6 @@ def run_case(case: CaseRun, context: RunContext) -> None:
     # every arm warms up as long, so that all train the same steps: through the one-off profiled
     # steps of the dslab engines when those come later than the suite's warm-up
     first_warmup = max([context.counts.warmup_steps, *(profiled_steps_left(arm) for arm in built.values())])
-    if first_warmup > context.counts.warmup_steps:
-        context.progress.line(f"[{context.report.suite} {case.name}] every arm: {first_warmup} warm-up step(s), "
-                              f"through the dslab engine's one-off profiled steps")
     case.before_trials()
     warmed: set[str] = set()
     for t in range(context.counts.trials):
@@ -327,9 +328,10 @@ def _trial(case: CaseRun, name: str, built: dict, t: int, warmup: int, context: 
     tag = f"[{report.suite} {case.name}]"
     result = report.result(case.name, name)
     left = profiled_steps_left(built[name])
-    if left > warmup:
-        progress.line(f"{tag} {name}: {left} warm-up step(s), through its profilers' one-off steps")
+    if left > warmup:  # run_case passes the longer warm-up already; kept for any other caller
         warmup = left
+    if t == 0 and warmup > counts.warmup_steps:
+        progress.line(f"{tag} {name}: {warmup} warm-up step(s), through the dslab engine's one-off profiled steps")
     error = None
     try:
         step_times, metrics = case.run_trial(name, built[name], warmup, counts.steps, t)
