@@ -29,3 +29,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def torchrun():
+    """``torchrun(worker, *args, nprocs=2, timeout=300)``: run the script ``worker`` on ``nprocs``
+    local processes (gloo on a CPU, one thread each) with ``args``; fails the test with the tail of
+    its standard error unless every process exits 0. Returns the finished process."""
+    import subprocess
+    import sys
+
+    def run(worker, *args, nprocs: int = 2, timeout: int = 300):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
+               str(worker), *map(str, args)]
+        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    return run

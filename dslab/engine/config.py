@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+import torch
+from pydantic import Field, field_validator
 
 from dslab.config_base import ConfigSection, closest_key, known_keys, parse_section
 from dslab.engine.activation_checkpointing import ActivationCheckpointingConfig
@@ -25,7 +26,7 @@ from dslab.engine.compile_config import CompileConfig
 from dslab.engine.cuda_graph_config import CudaGraphConfig
 from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
 from dslab.engine.optimizers import OptimizerConfig
-from dslab.engine.precision import BF16Config, FP16Config
+from dslab.engine.precision import BF16Config, DataTypesConfig, FP16Config
 from dslab.engine.schedulers import SchedulerConfig
 from dslab.engine.zero_config import ZeroConfig
 from dslab.io.config import AioConfig
@@ -39,15 +40,12 @@ from dslab.profilers.telemetry import TelemetryConfig
 UNSUPPORTED_DEEPSPEED_KEYS = (
     "amp",
     "comet",
-    "communication_data_type",
     "compression_training",
     "curriculum_learning",
     "data_efficiency",
-    "data_types",
     "dump_state",
     "eigenvalue",
     "elasticity",
-    "gradient_predivide_factor",
     "graph_harvesting",
     "hybrid_engine",
     "memory_breakdown",
@@ -84,6 +82,20 @@ class DslabConfig(ConfigSection):
     # uses the section's defaults
     aio: AioConfig | None = None
     checkpoint: CheckpointConfig = CheckpointConfig()
+    # the dtype data-parallel gradients are reduced in (stages 0-2); None: the gradients' own
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    data_types: DataTypesConfig = DataTypesConfig()
+    # DeepSpeed divides gradients by it before their all-reduce and multiplies after; accepted
+    # as 1.0 (no pre-division), as dslab divides by the world size before a sum or averages in it
+    gradient_predivide_factor: float = 1.0
+
+    @field_validator("gradient_predivide_factor")
+    @classmethod
+    def _no_predivide(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError("a DeepSpeed feature dslab does not support yet (gradients are divided by the "
+                             "world size before a sum, or averaged in the collective); remove it or set it to 1.0")
+        return value
     # DeepSpeed asks for this to run ZeRO with an optimizer it has not tested; dslab's ZeRO steps
     # any torch.optim optimizer (engine/zero/runtime.py: ZeroRuntime.adopt), so either value runs
     zero_allow_untested_optimizer: bool = False
@@ -140,6 +152,12 @@ class DslabConfig(ConfigSection):
         self.train_micro_batch_size_per_gpu = mb
         self.gradient_accumulation_steps = gas
 
+    @property
+    def communication_dtype(self) -> torch.dtype | None:
+        """``communication_data_type`` as a torch dtype (None: reduce in the gradients' dtype)."""
+        names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        return names.get(self.communication_data_type)
+
     def to_dict(self) -> dict:
         """The config as DeepSpeed-style JSON data (only what differs from defaults is kept)."""
         return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
@@ -191,6 +209,11 @@ def load_config(config: dict | str | Path | DslabConfig) -> DslabConfig:
     parsed = parse_section(DslabConfig, data)
     parsed.zero_optimization.check_supported(
         parsed.optimizer.type if parsed.optimizer is not None else None)
+    if parsed.communication_data_type is not None and parsed.zero_optimization.stage == 3:
+        raise ValueError(
+            "config key 'communication_data_type' with 'zero_optimization.stage' = 3 is not supported: stage 3's "
+            "graphed layer stack reduces its gradients inside CUDA graphs, in the gradients' dtype; remove it "
+            "or use stage 0-2")
     if parsed.zero_optimization.stage == 3 and parsed.compile.enabled:
         raise ValueError(
             "config key 'compile.enabled' cannot be combined with 'zero_optimization.stage' = 3: "

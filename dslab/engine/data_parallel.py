@@ -23,6 +23,11 @@ The tensors given need not be the module's parameters: with bf16 weight copies
 (:mod:`dslab.engine.weight_copies`) the engine passes each copied parameter's bf16 copy, whose
 gradient the optimizer reads, so those gradients are averaged in bf16 (half the bytes of fp32;
 DeepSpeed's bf16 mode reduces its bf16 gradients in bf16 as well).
+
+``comm_dtype`` (DeepSpeed's ``communication_data_type``) reduces every bucket in that dtype
+instead: a bucket of another dtype is cast after its division by the world size, reduced, and
+cast back into its buffer (``"fp32"`` averages bf16 gradients without their rounding on the way;
+``"bf16"`` halves an fp32 model's bytes).
 """
 
 from __future__ import annotations
@@ -68,20 +73,24 @@ class _Bucket:
         self.numel = sum(p.numel() for p in params)
         self.ready = 0
         self.buffer: torch.Tensor | None = None
+        self.wire: torch.Tensor | None = None  # the buffer in the communication dtype, when cast
         self.work = None
         self.issued = False
 
     def reset(self) -> None:
         self.ready = 0
         self.work = None
+        self.wire = None
         self.issued = False
 
 
 class GradientAllReducer:
     """Averages gradients across the data-parallel group during backward."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_size: int, group=None):
+    def __init__(self, params: list[nn.Parameter], bucket_size: int, group=None,
+                 comm_dtype: torch.dtype | None = None):
         self.group = group
+        self.comm_dtype = comm_dtype
         self.world_size = comm.get_world_size(group)
         self.average_op = comm.averaging_op(group)
         self.active = False
@@ -139,7 +148,10 @@ class GradientAllReducer:
         reduction = bucket.reduction
         if bucket.average_op is None:
             bucket.buffer.div_(reduction.divisor)
-        bucket.work = comm.all_reduce(bucket.buffer, op=bucket.average_op or comm.ReduceOp.SUM,
+        wire = bucket.buffer
+        if self.comm_dtype is not None and self.comm_dtype != wire.dtype:
+            wire = bucket.wire = wire.to(self.comm_dtype)
+        bucket.work = comm.all_reduce(wire, op=bucket.average_op or comm.ReduceOp.SUM,
                                       group=reduction.group, async_op=True, bucket=index)
         bucket.issued = True
 
@@ -151,6 +163,9 @@ class GradientAllReducer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
+            if bucket.wire is not None:
+                bucket.buffer.copy_(bucket.wire)
+                bucket.wire = None
             offset = 0
             for p in bucket.params:
                 averaged = bucket.buffer[offset: offset + p.numel()].view_as(p)

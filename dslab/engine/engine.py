@@ -44,7 +44,7 @@ from dslab.engine.data_parallel import GradientAllReducer
 from dslab.engine.model_parallel import ModelParallelLayout
 from dslab.engine.monitor import Monitor
 from dslab.engine.optimizers import build_optimizer, fused_kernels_supported
-from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype
+from dslab.engine.precision import LossScaler, autocast_context, autocast_dtype, check_grad_accum_dtype
 from dslab.engine.profiling import ProfilerHooks, build_profilers
 from dslab.engine.schedulers import build_scheduler
 from dslab.engine.sequence_parallel import SequenceParallelLayout
@@ -156,6 +156,7 @@ class DslabEngine(nn.Module):
             self._broadcast_parameters(trainable=not shard_in_place)
 
         self.autocast_dtype = autocast_dtype(config.fp16, config.bf16)
+        check_grad_accum_dtype(config.data_types, self.module.parameters())
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
 
         params = list(model_parameters) if model_parameters is not None else list(self.module.parameters())
@@ -184,7 +185,8 @@ class DslabEngine(nn.Module):
             if self.weight_copies is not None:  # the copies hold the gradients the optimizer reads
                 reduced = self.weight_copies.grad_holders(reduced)
             self.grad_reducer = GradientAllReducer(
-                reduced, config.zero_optimization.reduce_bucket_size, group=self.seq_dp_group)
+                reduced, config.zero_optimization.reduce_bucket_size, group=self.seq_dp_group,
+                comm_dtype=config.communication_dtype)
         if self.zero is not None:
             self.zero.norm_groups = self.parallel.norm_groups
             if self.parallel.tp_world_size > 1:

@@ -53,6 +53,32 @@ class BF16Config(ConfigSection):
     weight_copies: Literal["auto"] | bool = "auto"
 
 
+class DataTypesConfig(ConfigSection):
+    """DeepSpeed's ``data_types`` section: ``grad_accum_dtype``, the dtype gradients accumulate in
+    over micro-steps. dslab accumulates into each trainable parameter's ``.grad``, in the
+    parameter's dtype, so the key is accepted when it names that dtype
+    (:func:`check_grad_accum_dtype`)."""
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+
+
+_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_grad_accum_dtype(data_types: DataTypesConfig, params) -> None:
+    """Refuse ``data_types.grad_accum_dtype`` when a trainable parameter of ``params`` (whose
+    ``.grad`` gradients accumulate in) has another dtype, naming it."""
+    wanted = data_types.grad_accum_dtype
+    if wanted is None:
+        return
+    for p in params:
+        if p.requires_grad and p.dtype != _DTYPE_NAMES[wanted]:
+            raise ValueError(
+                f"config key 'data_types.grad_accum_dtype' is {wanted!r}, but gradients accumulate in the "
+                f"parameters' dtype and a trainable parameter is {str(p.dtype).replace('torch.', '')}; "
+                f"remove the key or make it match the model's parameters")
+
+
 def autocast_dtype(fp16: FP16Config, bf16: BF16Config) -> torch.dtype | None:
     if fp16.enabled and bf16.enabled:
         raise ValueError("config keys 'fp16.enabled' and 'bf16.enabled' are both true; choose one")

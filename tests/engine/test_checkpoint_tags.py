@@ -2,9 +2,6 @@
 refused before anything is written (Fail); the section's keys are validated by name."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,13 +33,9 @@ def test_bad_checkpoint_sections_name_the_key(section, words):
 
 
 @pytest.mark.world_size(2)
-def test_tags_that_differ_across_ranks_warn_or_fail(tmp_path):
+def test_tags_that_differ_across_ranks_warn_or_fail(tmp_path, torchrun):
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "checkpoint_tags_worker.py"), str(tmp_path), str(out)]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(HERE / "checkpoint_tags_worker.py", tmp_path, out, timeout=240)
     result = json.loads(out.read_text())
     # one tag on every rank: no warning, one checkpoint directory
     assert result["same"] == {"warnings": [], "dirs": ["agreed"]}

@@ -54,7 +54,8 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
     if isinstance(optimizer, torch.optim.Optimizer):
         refuse_lamb(optimizer, zero.stage)
         runtime = ZeroRuntime(module, zero, optimizer.param_groups, device=device,
-                              broadcast=broadcast, aio=config.aio, group=group)
+                              broadcast=broadcast, aio=config.aio, group=group,
+                              comm_dtype=config.communication_dtype)
         return runtime, runtime.adopt(optimizer)
     if optimizer is not None and not callable(optimizer):
         raise ValueError(
@@ -64,7 +65,7 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
             f"ZeRO stage {zero.stage} ('zero_optimization.stage') shards an optimizer's states: "
             "pass an optimizer to initialize() or add an 'optimizer' section to the config")
     runtime = ZeroRuntime(module, zero, params, device=device, broadcast=broadcast,
-                          aio=config.aio, group=group)
+                          aio=config.aio, group=group, comm_dtype=config.communication_dtype)
     if callable(optimizer):
         built = optimizer(runtime.optimizer_param_groups())
         if not isinstance(built, torch.optim.Optimizer):

@@ -45,8 +45,11 @@ class GradientReduceScatter:
     def __init__(self, units: list[FlatUnit], reduce_every_backward: bool, max_in_flight: int,
                  on_issued: Callable[[FlatUnit], None] | None = None,
                  deliver: Callable[[FlatUnit, torch.Tensor], None] | None = None, group=None,
-                 reduce_scatter: bool = True):
+                 reduce_scatter: bool = True, comm_dtype: torch.dtype | None = None):
         self.units = units
+        # ``communication_data_type``: packed gradients are cast to it (after the division by
+        # the group's size), reduced, and the shard cast back to the unit's dtype
+        self.comm_dtype = comm_dtype
         self.reduce_scatter = reduce_scatter
         self.issue_order: list[FlatUnit] = list(units)
         self.reduce_every_backward = reduce_every_backward
@@ -132,16 +135,19 @@ class GradientReduceScatter:
         if unit.grad_divisor > 1 and average_op is None:
             flat.div_(unit.grad_divisor)
         op = average_op or comm.ReduceOp.SUM
+        wire = flat
+        if unit.world_size > 1 and self.comm_dtype is not None and self.comm_dtype != flat.dtype:
+            wire = flat.to(self.comm_dtype)
         if unit.world_size == 1:  # a group of one: the packed gradients are the reduced shard
             shard, work = flat, None
         elif self.reduce_scatter:
-            shard = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            work = comm.reduce_scatter_tensor(shard, flat, op=op, group=unit.group, async_op=True,
+            shard = torch.empty(unit.shard_numel, dtype=wire.dtype, device=unit.device)
+            work = comm.reduce_scatter_tensor(shard, wire, op=op, group=unit.group, async_op=True,
                                               bucket=unit.index)
         else:  # ``reduce_scatter: false``: every rank receives the whole average, keeps its shard
             lo = unit.rank * unit.shard_numel
-            shard = flat[lo: lo + unit.shard_numel]
-            work = comm.all_reduce(flat, op=op, group=unit.group, async_op=True, bucket=unit.index)
+            shard = wire[lo: lo + unit.shard_numel]
+            work = comm.all_reduce(wire, op=op, group=unit.group, async_op=True, bucket=unit.index)
         if self.on_issued is not None:
             self.on_issued(unit)
         self._in_flight.append((unit, flat, shard, work))
@@ -157,6 +163,8 @@ class GradientReduceScatter:
         self._in_flight_numel -= flat.numel()
         if work is not None:
             work.wait()
+        if shard.dtype != unit.dtype:  # reduced in the communication dtype
+            shard = shard.to(unit.dtype)
         if self.deliver is not None:
             self.deliver(unit, shard)
         elif unit.grad_shard is None:
