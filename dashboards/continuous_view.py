@@ -5,10 +5,14 @@ device-time profile every N steps (``flops_profiler.every_n_steps``; the records
 Three parts: MFU over the steps (the whole model's counted flops over the median unprofiled step
 after each profile, against the measured and the datasheet peak; achieved TFLOP/s where the
 report has no peak, as on a CPU), the forward + backward device time of the top modules over the
-steps, and a table with one row per profile. A module's time is that of the kernels it ran in the
-profiled step, which runs eagerly (module hooks keep a CUDA-graphed stack from replaying); a
-profile keeps the slowest ``top_modules`` modules of each depth, so a module missing from a
-profile was not among them there (its line has a gap).
+steps, and a table with one row per profile. A module's time is that of the profiled step, which
+runs eagerly (module hooks keep a CUDA-graphed stack from replaying): the kernels it ran (timer
+``kernels``, every profile of ``continuous_timer: "kernels"`` and the first of any run) or the
+stream's time between its marks (timer ``events``, kernels and the gaps between them), with
+whether the host had queued the whole step before the device began it (``host ahead``: when not,
+the marks may include time the device waited for the host). A profile keeps the slowest
+``top_modules`` modules of each depth, so a module missing from a profile was not among them
+there (its line has a gap).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ TEMPLATE = "plotly_white"
 MARGIN = {"l": 70, "r": 20, "t": 50, "b": 50}
 MAX_MODULE_LINES = 12
 PEAKS = (("mfu_measured", "MFU, measured peak"), ("mfu_datasheet", "MFU, datasheet peak"))
-NOTE = ("Each point is one profile: the kernels of one step attributed to modules (torch.profiler and module "
-        "hooks for that step only; the step runs eagerly). MFU and TFLOP/s divide the flops counted at "
+NOTE = ("Each point is one profile of one step, which runs eagerly with module hooks: timer 'kernels' attributes "
+        "the kernels' own durations to modules (torch.profiler); timer 'events' reads the stream's time between "
+        "marks at each module's forward and backward (the kernels and the gaps between them), true when the host "
+        "was ahead of the device for the whole step ('host ahead'). MFU and TFLOP/s divide the flops counted at "
         "profile_step by the median of the unprofiled steps after the profile. Modules: the slowest of each "
         "depth in each profile, forward + backward device ms; a gap means the module was not among them.")
 
@@ -36,8 +42,9 @@ def has_series(data) -> bool:
 
 
 def model_rows(series: pd.DataFrame) -> list[dict]:
-    """One row per profile: step, step ms, TFLOP/s, MFU (%) against each peak, busy ms, and the
-    error of a profile whose timing failed; in step order."""
+    """One row per profile: step, step ms, TFLOP/s, MFU (%) against each peak, busy ms, the timer
+    and whether the host was ahead (events on a GPU), and the error of a profile whose timing
+    failed; in step order."""
     model = series[series["name"].isna()].sort_values("step", kind="stable")
     rows = []
     for r in frames.records(model):
@@ -45,7 +52,9 @@ def model_rows(series: pd.DataFrame) -> list[dict]:
                      "mfu_measured_pct": None if r["mfu_measured"] is None else 100 * r["mfu_measured"],
                      "mfu_datasheet_pct": None if r["mfu_datasheet"] is None else 100 * r["mfu_datasheet"],
                      "device_ms": None if r["forward_ms"] is None else r["forward_ms"] + (r["backward_ms"] or 0.0),
-                     "busy_ms": r["busy_ms"], "error": r["error"]})
+                     "busy_ms": r["busy_ms"], "timer": r["timer"],
+                     "host_ahead": None if r["host_lead"] is None else ("yes" if r["host_lead"] else "no"),
+                     "error": r["error"]})
     return rows
 
 
@@ -111,6 +120,7 @@ def section(report: RunReport, case: str, data) -> list:
                                                  ("mfu_measured_pct", "MFU % (measured)"),
                                                  ("mfu_datasheet_pct", "MFU % (datasheet)"),
                                                  ("device_ms", "fwd+bwd device ms"), ("busy_ms", "busy ms"),
+                                                 ("timer", "timer"), ("host_ahead", "host ahead"),
                                                  ("error", "error")]),
                 html.P(NOTE, className="note")]
 

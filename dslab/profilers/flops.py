@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Literal
 
 import pydantic
 import torch
@@ -64,6 +65,10 @@ class FlopsProfilerConfig(ConfigSection):
     ``every_n_steps`` (dslab's own key, a positive int; None: off) times the modules again every N
     steps after that first device-timed step, at steps ``profile_step + 1 + k * N``, and keeps each
     profile in the records (:mod:`dslab.profilers.flops_continuous`); it needs ``device_time``.
+    ``continuous_timer`` (dslab's own key) says how those later profiles time the modules:
+    ``"events"`` (the default) by stream marks from module and gradient hooks
+    (:mod:`dslab.profilers.event_time`, cheap enough to leave on), ``"kernels"`` by every kernel's
+    duration under ``torch.profiler``, as the first device-timed step (exact, ~2.7x a plain step).
     """
 
     enabled: bool = False
@@ -74,6 +79,7 @@ class FlopsProfilerConfig(ConfigSection):
     output_file: str | None = None
     device_time: bool = True
     every_n_steps: int | None = None
+    continuous_timer: Literal["events", "kernels"] = "events"
 
     @pydantic.field_validator("every_n_steps", mode="before")
     @classmethod

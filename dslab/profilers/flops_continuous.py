@@ -9,27 +9,34 @@ steps ``profile_step + 1 + k * N``: with ``profile_step`` 1 and N 3, a run of st
 profiled at steps 2, 5 and 8. Neither DeepSpeed's ``flops_profiler`` nor dslab's has an
 ``end_profile_step``: the profiles go on until the run ends.
 
-A profiled step runs as the first device-timed step does (:class:`dslab.profilers.device_time.
-ModuleDeviceTimer`): forward hooks on every module and ``torch.profiler`` for that step, one
-device synchronisation at its begin and one at its end, the hooks removed when it ends. Under the
-hooks a CUDA-graphed layer stack runs eagerly for that step; every other step replays its graphs
-and runs with no hook, no dispatch mode and no synchronisation. What an unprofiled step may do:
-record one CUDA event (host clock on a CPU) at its begin, on the few steps that time a profile's
-window, and advance the latest profile's attribution by a few milliseconds of host time, on the
-steps right after it (below).
+A later profile's step is timed by :class:`dslab.profilers.event_time.EventModuleTimer` (the
+default, ``continuous_timer: "events"``): forward hooks on the modules down to ``module_depth``
+and gradient hooks for their backward record CUDA events on the stream, with no synchronisation;
+the events are read on a later step, once the device has passed them. With ``"kernels"`` it runs
+as the first device-timed step does (:class:`dslab.profilers.device_time.ModuleDeviceTimer`: hooks
+on every module and ``torch.profiler``, one synchronisation at its begin and one at its end). Either
+way the hooks are removed when the step ends; under them a CUDA-graphed layer stack runs eagerly
+for that step, and every other step replays its graphs and runs with no hook, no dispatch mode
+and no synchronisation. What an unprofiled step may do: record one CUDA event (host clock on a
+CPU) at its begin, on the few steps that time a profile's window, and advance the latest
+profile's attribution by a few milliseconds of host time (or poll its events), on the steps right
+after it (below).
 
 What one profile holds (compact, so that a long run's records stay small)::
 
     {"step", "forward_ms", "backward_ms", "optimizer_ms", "busy_ms", "span_ms",   # the profiled step
+     "timer", "host_lead",
      "step_ms", "window_steps", "achieved_tflops", "mfu": {"measured", "datasheet"},
      "modules": [{"name", "depth", "forward_ms", "backward_ms"}, ...]}
 
-The device times are those of the profiled step's kernels (an eager step on a CUDA-graphed
-model). ``step_ms`` is the median time of the first :data:`WINDOW_STEPS` unprofiled steps after it
+The device times are those of the profiled step (an eager step on a CUDA-graphed model): its
+kernels' with ``timer`` "kernels", the stream's time between marks with "events" (``busy_ms`` None:
+marks cannot tell busy from idle; ``host_lead`` whether the host had queued the whole step before
+the device began it, None on a CPU). ``step_ms`` is the median time of the first :data:`WINDOW_STEPS` unprofiled steps after it
 that carry none of its attribution work (below; fewer when the next profile comes first, None when
 there are none, as with N = 1), from a CUDA
-event at each step's begin, read once the next profile has synchronised or when the records are
-asked for; ``achieved_tflops`` and ``mfu`` divide the flops counted at ``profile_step`` (the same
+event at each step's begin, read once the device has passed them (at the next profile or when the
+records are asked for); ``achieved_tflops`` and ``mfu`` divide the flops counted at ``profile_step`` (the same
 every step for a fixed batch shape) by it. ``modules`` holds the model (name ``""``, depth 0) and
 the ``top_modules`` modules of most forward + backward device time at each depth up to
 ``module_depth`` (every depth with -1); a container that is never called (``nn.ModuleList``) has
@@ -37,21 +44,24 @@ the sum of its submodules, as in the single profile. A profile whose timing fail
 ``error`` and no device times.
 
 What it costs (GPT-2 124M, batch 16 x 1024, bf16, CUDA graphs, one H200, torch 2.11,
-``benchmarks/continuous_profiling.py``): a graphed step takes ~32 ms. The profiled step runs
-eagerly with every op traced (~7,000 records; the host needs 60-80 ms for it) and the profiler's
-stop flushes the records (20-30 ms): ~110-120 ms in all, about 3.5x a plain step, which at
-N = 100 made the run 2.8% slower (every profiler on against every profiler off). Keeping the
-cost under 1% takes N >= 300 on that model; a model whose eager step is relatively cheaper pays
-less. The Python pass that attributes the records to modules (~70 ms of host time) is not paid in
-one piece: it advances by about :data:`WORK_PER_STEP_MS` (one piece of a few milliseconds past it
-at most) at the begin of each following step (:meth:`ContinuousProfiles.add_later`), while the
-device runs the work the host queued before, so a device-bound run does not wait for it; done on
-the profiled step it made that step 4.7x a plain one. It is finished at once when the next
-profile comes first, when the records are asked for, and at :meth:`ContinuousProfiles.wait`. Not
-a thread: a second Python thread takes the interpreter lock from the training thread at each of
-its op calls (torch releases the lock inside every op), which stalls a host that is not ahead
-(measured: 4.1% at N = 100). The first profile, which the single profile shares, is attributed
-right away.
+``benchmarks/continuous_profiling.py``, every profiler on against every profiler off, 5 interleaved
+trials of 100 steps): a graphed step takes ~32.4 ms. With the events timer a profiled step took
+33.1 ms (1.02x a plain step, the host's lead over the device absorbing the eager launches and
+hooks), and the run's overhead was -0.02% at N = 100 and 0.03% at N = 20, inside the trials'
+noise. Its module times are the stream's time between marks, kernels and the gaps between them:
+4-9% above the kernel durations for the model and the layers, 20-40% above for modules of
+~20 us (a mark costs the stream a few microseconds). With the kernels timer the profiled step
+runs eagerly with every op traced (~7,000 records; the host needs 60-80 ms for it) and the
+profiler's stop flushes the records (20-30 ms): 102.8 ms (3.2x), 2.3% at N = 100. Its Python pass
+that attributes the records to modules (~70 ms of host time) is not paid in one piece: it advances
+by about :data:`WORK_PER_STEP_MS` (one piece of a few milliseconds past it at most) at the begin
+of each following step (:meth:`ContinuousProfiles.add_later`), while the device runs the work the
+host queued before, so a device-bound run does not wait for it; done on the profiled step it made
+that step 4.7x a plain one. It is finished at once when the next profile comes first, when the
+records are asked for, and at :meth:`ContinuousProfiles.wait`. Not a thread: a second Python
+thread takes the interpreter lock from the training thread at each of its op calls (torch releases
+the lock inside every op), which stalls a host that is not ahead (measured: 4.1% at N = 100). The
+first profile, which the single profile shares, is attributed right away.
 
 How many are kept: at most :data:`MAX_PROFILES` + 1. When one more arrives, every second profile is
 dropped (the first and the latest kept) and from then on profiles are taken every 2N steps (then
@@ -66,7 +76,9 @@ import statistics
 import time
 from collections.abc import Generator
 
-import torch
+
+from dslab.profilers import timers
+from dslab.profilers.event_time import WAITING
 
 WINDOW_STEPS = 4
 MAX_PROFILES = 256
@@ -148,11 +160,7 @@ class ContinuousProfiles:
             self._advance(WORK_PER_STEP_MS / 1e3)
 
     def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return timers.mark(self.cuda)
 
     def _window_times_ms(self) -> list[float]:
         pairs = [(a, b) for (s, a, clean), (t, b, _) in zip(self._window, self._window[1:]) if clean and t == s + 1]
@@ -192,6 +200,7 @@ class ContinuousProfiles:
         root = timed["modules"].get("", {})
         profile.update(forward_ms=root.get("forward_ms", 0.0), backward_ms=root.get("backward_ms", 0.0),
                        optimizer_ms=timed["optimizer_ms"], busy_ms=timed["busy_ms"], span_ms=timed["span_ms"],
+                       timer=timed.get("method", "kernels"), host_lead=timed.get("host_lead"),
                        modules=compact_modules(timed, self.names, self.module_depth, self.top_modules))
 
     def add(self, step: int, timed: dict | None, counted: dict, error: str | None = None) -> None:
@@ -213,13 +222,18 @@ class ContinuousProfiles:
 
     def _advance(self, budget_s: float | None) -> None:
         """Run the pending work, one piece at least, until ``budget_s`` seconds have passed
-        (None: to its end)."""
+        (None: to its end). Work that yields :data:`WAITING` (marks the device has not passed yet)
+        is left for a later step, or polled until done when there is no budget."""
         profile, work = self._pending
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         try:
-            next(work)
-            while deadline is None or time.perf_counter() < deadline:
-                next(work)
+            while True:
+                if next(work) is WAITING:
+                    if deadline is not None:
+                        return
+                    time.sleep(1e-4)
+                elif deadline is not None and time.perf_counter() >= deadline:
+                    return
         except StopIteration as done:
             self._pending = None
             self._fill(profile, done.value)
@@ -242,8 +256,12 @@ class ContinuousProfiles:
             "max_profiles": MAX_PROFILES,
             "window_steps": WINDOW_STEPS,
             "taken": self.taken,
-            "method": ("each profile: the kernels of one step attributed to modules (torch.profiler, module "
-                       "hooks for that step only); step_ms: median of the unprofiled steps after it, "
+            "method": ("each profile: one step with module hooks for that step only; its 'timer' says how the "
+                       "modules were timed: 'kernels' (the first profile, and every one with continuous_timer "
+                       "'kernels'): the kernels' durations attributed to modules through torch.profiler; 'events': "
+                       "the stream's time between CUDA events at each module's forward and backward (kernels and "
+                       "the gaps between them; 'host_lead' false: they may include time the device waited for the "
+                       "host); step_ms: median of the unprofiled steps after it, "
                        + ("CUDA events at each step's begin" if self.cuda else "host clock at each step's begin")),
             "profiles": [dict(p) for p in self.profiles],
         }

@@ -16,8 +16,11 @@ be measured truthfully.
    event at the begin of each (no synchronisation), read at :meth:`FlopsStepProfiler.records`; the whole model's achieved
    TFLOP/s and MFU are its counted flops over their median step time. A benchmark that timed the
    run itself replaces this figure with its own (``steady_state.source`` says whose it is).
-5. With ``every_n_steps`` N, steps ``profile_step + 1 + k * N`` (k >= 1) are timed by device activity
-   as step 2 is, and every device-timed step, the first included, becomes one profile of the
+5. With ``every_n_steps`` N, steps ``profile_step + 1 + k * N`` (k >= 1) are timed again: by stream
+   marks from module and gradient hooks (``continuous_timer`` "events", the default:
+   :class:`dslab.profilers.event_time.EventModuleTimer`, no synchronisation, read a few steps
+   later) or by device activity as step 2 is ("kernels"), and every timed step, the first included,
+   becomes one profile of the
    records' ``continuous`` series (:mod:`dslab.profilers.flops_continuous`). Such a step takes the
    place of step 3's busy-time measurement when they fall together (N = 1), and is left out of the
    steady-state step times.
@@ -33,17 +36,16 @@ prints it. The records name the file as ``text_file`` (None when the text goes t
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
-import torch
 import torch.nn as nn
 
 from dslab.comm import get_rank
 from dslab.config_base import parse_section
-from dslab.profilers import flops_output
+from dslab.profilers import flops_output, timers
 from dslab.profilers.base import Profiler
 from dslab.profilers.device_time import ModuleDeviceTimer
+from dslab.profilers.event_time import EventModuleTimer
 from dslab.profilers.flops_continuous import ContinuousProfiles
 from dslab.profilers.flops import FlopsProfiler, FlopsProfilerConfig
 
@@ -209,8 +211,12 @@ class FlopsStepProfiler(Profiler):
         if self.continuous is not None:
             self.continuous.on_step_begin(step, clean=not (timed or busy))
         if timed:
+            first = self._timing_step is None
             self._timing_step = step
-            self._timer = ModuleDeviceTimer(self.model)
+            if first or cfg.continuous_timer == "kernels":
+                self._timer = ModuleDeviceTimer(self.model)
+            else:  # a later profile of the continuous series, by stream marks
+                self._timer = EventModuleTimer(self.model, max_depth=cfg.module_depth)
             self._timer.start()
         elif busy:
             self._busy_timer = ModuleDeviceTimer(self.model, hooks=False)
@@ -239,11 +245,15 @@ class FlopsStepProfiler(Profiler):
         elif self._timer is not None and self._timing_step != self.config.profile_step + 1:
             timer, self._timer = self._timer, None  # a profile of the continuous series
             try:
-                profile = timer.stop_profiling()
+                if isinstance(timer, EventModuleTimer):
+                    timer.stop()
+                    work = timer.attribution_steps()
+                else:
+                    work = timer.attribution_steps(timer.stop_profiling())
             except Exception as err:
                 self.continuous.add(self._timing_step, None, self._records, error=f"{type(err).__name__}: {err}")
             else:
-                self.continuous.add_later(self._timing_step, timer.attribution_steps(profile), self._records)
+                self.continuous.add_later(self._timing_step, work, self._records)
         elif self._timer is not None:  # the first device-timed step: the single profile's
             timer, self._timer = self._timer, None
             try:
@@ -276,11 +286,7 @@ class FlopsStepProfiler(Profiler):
     # -- results --------------------------------------------------------------------------------
 
     def _mark(self):
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return timers.mark(self._cuda)
 
     def steady_step_times_ms(self) -> list[float]:
         """The steady-state step times so far: from the begin of one global step to the begin of

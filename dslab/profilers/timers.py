@@ -16,6 +16,20 @@ import torch
 from dslab.profilers.base import Profiler
 
 
+def mark(cuda: bool):
+    """A time mark: a CUDA event recorded on the current stream, or the host clock on a CPU."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def elapsed_ms(cuda: bool, start, end) -> float:
+    """Milliseconds between two :func:`mark` results (the end event must have completed)."""
+    return start.elapsed_time(end) if cuda else (end - start) * 1e3
+
+
 class PhaseTimers:
     """Named intervals (forward, backward, step, ...) measured without stalling the device."""
 

@@ -565,16 +565,18 @@ def read_exported(out_dir: str | Path, fmt: str = "csv") -> dict[str, pd.DataFra
 
 
 COLUMNS["flops_series"] = _spec("run_id case step:int step_ms:float window_steps:int achieved_tflops:float "
-                                "mfu_measured:float mfu_datasheet:float busy_ms:float name depth:int "
-                                "forward_ms:float backward_ms:float error")
+                                "mfu_measured:float mfu_datasheet:float busy_ms:float timer host_lead:bool "
+                                "name depth:int forward_ms:float backward_ms:float error")
 
 
 def flops_series(reports, *, case: str | None = None, strict: bool = False) -> pd.DataFrame:
     """The continuous profile over the run (``flops[case]["continuous"]["profiles"]``, written
     with ``flops_profiler.every_n_steps``), one row per kept module of each profile, the model's
     own row first (name missing, depth 0): run_id, case, step, then the profile's step_ms,
-    window_steps, achieved_tflops, mfu_measured, mfu_datasheet and busy_ms on each of its rows,
-    and the module's name, depth, forward_ms, backward_ms (device time of the profiled step). A
+    window_steps, achieved_tflops, mfu_measured, mfu_datasheet, busy_ms, timer ("kernels" or
+    "events") and host_lead (whether an events profile's host queued the whole step ahead of the
+    device) on each of its rows, and the module's name, depth, forward_ms, backward_ms (device
+    time of the profiled step). A
     profile whose timing failed is one row with its ``error``. Not in :data:`FRAMES`: a report
     without the series would export no file for it."""
     rows = []
@@ -584,7 +586,7 @@ def flops_series(reports, *, case: str | None = None, strict: bool = False) -> p
             for p in _objects(series.get("profiles"), "flops.continuous.profiles", strict):
                 mfu = _dict(p.get("mfu"), "flops.continuous.profiles.mfu", strict)
                 base = {**{k: p.get(k) for k in ("step", "step_ms", "window_steps", "achieved_tflops", "busy_ms",
-                                                 "error")},
+                                                 "timer", "host_lead", "error")},
                         "run_id": r.run_id, "case": c, "mfu_measured": mfu.get("measured"),
                         "mfu_datasheet": mfu.get("datasheet")}
                 modules = _objects(p.get("modules"), "flops.continuous.profiles.modules", strict)

@@ -33,6 +33,16 @@ def test_mfu_over_the_run_is_drawn(browser, continuous_server):
         "return g && g.querySelector('.main-svg') && g.querySelector('.js-plotly-plot')._fullData.length == 2"))
     text = browser.find_element(By.ID, "page").text
     assert "Over the run (a profile every 100 steps)" in text and "could not be drawn" not in text
+    wait.until(lambda d: d.execute_script(
+        "return document.querySelectorAll('#flops-continuous .ag-cell[col-id=\"host_ahead\"]').length == 5"))
+    cells = browser.execute_script(
+        "const q = c => Array.from(document.querySelectorAll('#flops-continuous .ag-cell[col-id=\"' + c + '\"]'));"
+        "const byRow = c => q(c).sort((a, b) => a.closest('.ag-row').getAttribute('row-index')"
+        " - b.closest('.ag-row').getAttribute('row-index')).map(e => e.innerText);"
+        "return [byRow('timer'), byRow('host_ahead'),"
+        " document.querySelector('#flops-continuous .ag-header-cell[col-id=\"host_ahead\"]').innerText]")
+    assert cells[0] == ["kernels", "events", "events", "events", ""]
+    assert cells[1] == ["", "yes", "yes", "no", ""] and cells[2] == "host ahead"
     drawn = browser.execute_script(
         "const g = document.getElementById('flops-continuous-mfu').querySelector('.js-plotly-plot');"
         "return [g._fullData.map(t => [t.name, Array.from(t.x), Array.from(t.y)]), g._fullLayout.yaxis.title.text]")

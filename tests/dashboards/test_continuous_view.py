@@ -39,7 +39,7 @@ def _profile(i: int) -> dict:
     return {"step": STEPS[i], "forward_ms": 30.0 + i, "backward_ms": 60.0 + 2 * i, "optimizer_ms": 5.0,
             "busy_ms": 95.0 + 3 * i, "span_ms": 99.0 + 3 * i, "step_ms": step_ms, "window_steps": 4,
             "achieved_tflops": 300.0 + i, "mfu": {"measured": MFU_MEASURED[i], "datasheet": MFU_DATASHEET[i]},
-            "modules": modules}
+            "modules": modules, "timer": "kernels" if i == 0 else "events", "host_lead": None if i == 0 else i != 3}
 
 
 def continuous_series() -> dict:
@@ -76,6 +76,8 @@ def test_rows_per_profile_in_step_order():
     assert [r["mfu_measured_pct"] for r in rows[:4]] == pytest.approx([100 * m for m in MFU_MEASURED])
     assert rows[1]["device_ms"] == pytest.approx(31.0 + 62.0) and rows[1]["step_ms"] == 101.0
     assert rows[4]["error"] == "RuntimeError: no CUPTI" and rows[4]["mfu_measured_pct"] is None
+    assert [r["timer"] for r in rows] == ["kernels", "events", "events", "events", None]
+    assert [r["host_ahead"] for r in rows] == [None, "yes", "yes", "no", None]
 
 
 def test_mfu_figure_draws_each_peak_over_the_steps():

@@ -63,11 +63,12 @@ def test_every_n_steps_needs_device_time():
             BASE, flops_profiler={"enabled": True, "every_n_steps": 3, "device_time": False}))
 
 
-def test_engine_profiles_every_n_steps_after_the_first_timed_step(monkeypatch):
-    """profile_step 1, every_n_steps 3, steps 0..9: step 1 counted, steps 2, 5 and 8 device-timed
-    (2 is the first profile, then every 3), step 3 under the profiler without hooks; every other
-    step runs with no hook, no dispatch mode and no profiler. The attribution of profiles 5 and 8
-    is done at the begin of steps 6 and 9 (no budget)."""
+@pytest.mark.parametrize("timer", ["events", "kernels"])
+def test_engine_profiles_every_n_steps_after_the_first_timed_step(monkeypatch, timer):
+    """profile_step 1, every_n_steps 3, steps 0..9: step 1 counted, steps 2, 5 and 8 timed (2 is
+    the first profile, by kernels, then every 3 by the configured timer), step 3 under the profiler
+    without hooks; every other step runs with no hook, no dispatch mode and no profiler. The
+    attribution of profiles 5 and 8 is done at the begin of steps 6 and 9 (no budget)."""
     monkeypatch.setattr(flops_continuous, "WORK_PER_STEP_MS", 1e6)
     seen = {}
 
@@ -75,25 +76,32 @@ def test_engine_profiles_every_n_steps_after_the_first_timed_step(monkeypatch):
         seen[step] = (_hooked(model), torch._C._autograd._profiler_enabled(), torch._C._len_torch_dispatch_stack())
 
     _, records = _train({"enabled": True, "profile_step": 1, "every_n_steps": 3, "module_depth": 2,
-                         "top_modules": 2}, 10, observe)
+                         "top_modules": 2, "continuous_timer": timer}, 10, observe)
     assert {s for s, (hooks, _, _) in seen.items() if hooks} == {1, 2, 5, 8}
-    assert {s for s, (_, profiler, _) in seen.items() if profiler} == {2, 3, 5, 8}
+    assert {s for s, (_, profiler, _) in seen.items() if profiler} == ({2, 3, 5, 8} if timer == "kernels" else {2, 3})
     assert {s for s, (_, _, modes) in seen.items() if modes} == {1}
     series = records["continuous"]
     assert (series["every_n_steps"], series["interval_steps"], series["taken"]) == (3, 3, 3)
     profiles = series["profiles"]
     assert [p["step"] for p in profiles] == [2, 5, 8]
+    assert [p["timer"] for p in profiles] == ["kernels", timer, timer]
+    assert all(p["host_lead"] is None for p in profiles)  # a CPU: no device to lead
     # the first profile's device times are the single profile's
     root = next(m for m in records["modules"] if m["name"] == "")
     assert profiles[0]["forward_ms"] == root["forward_device_ms"] == profiles[0]["modules"][0]["forward_ms"]
     for p in profiles:
-        assert p["forward_ms"] > 0 and p["backward_ms"] > 0 and p["busy_ms"] > 0
+        assert p["forward_ms"] > 0 and p["backward_ms"] > 0 and p["span_ms"] > 0
+        assert (p["busy_ms"] > 0) if p["timer"] == "kernels" else p["busy_ms"] is None
+        # the events' root spans the forward, backward and optimizer inside the step's span
+        assert p["forward_ms"] + p["backward_ms"] + p["optimizer_ms"] <= p["span_ms"]
         names = [m["name"] for m in p["modules"]]
         assert names[0] == "" and "layers" in names
         for depth in (1, 2):
             kept = [m for m in p["modules"] if m["depth"] == depth]
             assert len(kept) == 2 and all(m["forward_ms"] > 0 for m in kept)
         assert max(m["depth"] for m in p["modules"]) == 2
+        layers = next(m for m in p["modules"] if m["name"] == "layers")
+        assert 0 < layers["forward_ms"] <= p["forward_ms"] and 0 < layers["backward_ms"] <= p["backward_ms"]
     # windows: after 2, step 3 ran under the profiler and 5 is the next profile (one step, 4 -> 5);
     # after 5, step 6 carried its attribution (7 -> 8); after 8, the run ends before 9 -> 10
     assert [p["window_steps"] for p in profiles] == [1, 1, 0]
@@ -207,17 +215,24 @@ def test_attribution_advances_step_by_step_and_records_finish_it(monkeypatch):
 
 
 def test_a_failed_attribution_is_recorded_and_training_goes_on(monkeypatch):
-    from dslab.profilers import device_time
+    from dslab.profilers import device_time, event_time
 
     def broken(*args, **kwargs):
         raise ValueError("no activity records")
 
     monkeypatch.setattr(device_time, "attribute", broken)
-    losses, records = _train({"enabled": True, "profile_step": 1, "every_n_steps": 3}, 7)
+    losses, records = _train({"enabled": True, "profile_step": 1, "every_n_steps": 3, "continuous_timer": "kernels"}, 7)
     profiles = records["continuous"]["profiles"]
     assert [(p["step"], p["error"]) for p in profiles] == [(2, "ValueError: no activity records"),
                                                             (5, "ValueError: no activity records")]
     assert all("modules" not in p for p in profiles) and profiles[0]["window_steps"] == 1
+    assert len(losses) == 7
+
+    monkeypatch.setattr(event_time.EventModuleTimer, "figures", broken)
+    losses, records = _train({"enabled": True, "profile_step": 1, "every_n_steps": 3}, 7)
+    profiles = records["continuous"]["profiles"]
+    assert [(p["step"], p.get("error")) for p in profiles] == [(2, "ValueError: no activity records"),
+                                                                (5, "ValueError: no activity records")]
     assert len(losses) == 7
 
 
@@ -267,3 +282,9 @@ def test_benchmark_runs_on_a_tiny_size(tmp_path):
     assert result["profiled_steps_timed"] == 2 and result["profiled_over_plain"] > 0
     assert [p["step"] for p in result["continuous"]["profiles"]] == [3, 5, 7]  # warm-up 0..3, trials 4..7
     assert result["arms"]["profilers on"]["config"]["flops_profiler"]["every_n_steps"] == 2
+    assert result["timer"] == "events"
+    assert [p["timer"] for p in result["continuous"]["profiles"]] == ["kernels", "events", "events"]
+    agree = result["against_first"]
+    assert agree["later_profiles"] == 2 and [r["step"] for r in agree["profiles"]] == [5, 7]
+    assert agree["model_forward"] > 0 and agree["model_backward"] > 0 and agree["host_led"] == 0
+    assert any(line.startswith("later profiles (events) against the first") for line in lines)
