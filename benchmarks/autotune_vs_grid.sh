@@ -9,7 +9,9 @@
 #   grid   gridsearch over every experiment (prune_dominated_stages false, no early stopping)
 # Each search's wall time is its own (profilers.autotuning.wall_time_s: launches, warm-ups and
 # profiled steps included). The table prints last: the best config and its tokens/s in each, the
-# tuned search's best over the grid's best, and its wall time over the grid's.
+# tuned search's best over the grid's best, and its wall time over the grid's. SEARCHES="tuned" or
+# "grid" runs one of them (a large model's two searches may not fit one device call); the table
+# reads whatever reports are under $OUT/autotune/MODEL.
 set -u
 . benchmarks/gpu_setup.sh
 OUT=${OUT:-/tmp/out}
@@ -21,7 +23,7 @@ mkdir -p "$OUT/autotune"
 work="$OUT/autotune/$MODEL"
 mkdir -p "$work"
 mbs_json=$(python3 -c "import sys, json; print(json.dumps([int(x) for x in sys.argv[1:]]))" $MBS)
-for search in tuned grid; do
+for search in ${SEARCHES:-tuned grid}; do
   python3 - "$work/$search.json" "$search" "$mbs_json" <<'EOF'
 import json, sys
 path, search, mbs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -185,6 +185,19 @@ def test_model_info_only_counts_parameters(tmp_path, monkeypatch):
                                  "world_size": 1, "model_info_only": True}
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_window_counts_whole_parameters_at_every_stage(tmp_path, monkeypatch, stage):
+    """A stage 3 unit is released (its parameters empty) when the window ends: the experiment
+    still reports the whole model, which the memory model sizes every stage's model states by."""
+    exp_dir = _experiment_dir(tmp_path, start_profile_step=1, end_profile_step=2)
+    monkeypatch.setenv(experiment.ENV_VAR, str(exp_dir))
+    engine = _engine(dict(TRAIN_CONFIG, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}))
+    _train_until_exit(engine, max_steps=5)
+    if stage == 3:
+        assert sum(p.numel() for p in engine.module.parameters()) < 1000  # released between uses
+    assert _metrics(exp_dir)["num_params"] == sum(p.numel() for p in TinyTransformer().parameters())
+
+
 def test_window_times_steps_and_counts_flops(tmp_path, monkeypatch):
     """Profiled steps 2..4: each step's time holds the host pause between steps; throughput and
     latency are the window's; the flops are one optimizer step's, as torch's counter counts them."""
