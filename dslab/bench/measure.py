@@ -13,6 +13,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from dslab.profilers import peaks as allocator_peaks
 from dslab.profilers.flops_causal import causal_aware_formulas
 
 
@@ -117,7 +118,7 @@ def run_trial(step, device: torch.device, warmup: int, steps: int,
     sync(device)
     cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+        allocator_peaks.reset_peak(device)  # the trial's peak over every step, whatever the memory tracer resets
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         host = []
@@ -129,7 +130,7 @@ def run_trial(step, device: torch.device, warmup: int, steps: int,
             e.record()
         torch.cuda.synchronize(device)
         times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = allocator_peaks.peak_allocated(device)
         if pools is not None:
             usage = graph_pools(device)
             pools |= set(usage) - before

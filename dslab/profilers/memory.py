@@ -6,7 +6,9 @@ step began (``reset_peak_memory_stats`` at step begin, ``max_memory_allocated`` 
 when a kernel is enqueued, so reading them needs no device synchronisation. With gradient
 accumulation the micro-steps of one optimizer step share one entry. The reset is process-wide:
 while the tracer is on, ``torch.cuda.max_memory_allocated()`` means "since this step began", and
-the run's peak is ``records()["peak"]``. At most ``MAX_STEP_ENTRIES`` step entries are kept,
+the run's peak is ``records()["peak"]``; the reset keeps the peak so far for
+:mod:`dslab.profilers.peaks`, whose readers (a benchmark trial, an autotuning experiment) get the
+peak over every step since their own reset. At most ``MAX_STEP_ENTRIES`` step entries are kept,
 thinned evenly as telemetry's samples are (:class:`dslab.profilers.telemetry.BoundedSeries`);
 ``records()["peak"]`` covers every step.
 
@@ -62,6 +64,7 @@ import torch.nn as nn
 from pydantic import Field
 
 from dslab.config_base import ConfigSection
+from dslab.profilers import peaks
 from dslab.profilers.base import Profiler
 from dslab.profilers.model_states import (  # noqa: F401  (optimizer_states_per_param: re-exported)
     model_state_bytes,
@@ -283,7 +286,7 @@ class MemoryTracer(Profiler):
         if self.cuda and (self._current is None or self._current["step"] != step):
             if self._current is not None:
                 self._steps.offer(self._current)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            peaks.reset_step_peak(self.device)  # the step's peak, the trial's kept (peaks.py)
             self._current = {"step": step, "peak_allocated": 0, "peak_reserved": 0}
         self._profiling = step == self.profile_step and self.model is not None
         first_time = self._snapshot_path is None and self._snapshot_note is None

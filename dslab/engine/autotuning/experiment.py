@@ -48,6 +48,7 @@ from dslab import comm
 from dslab.config_base import ConfigSection, parse_section
 from dslab.engine.autotuning.config import EARLY_STOP_MARGIN
 from dslab.parallel.partitioned import full_numel
+from dslab.profilers import peaks
 from dslab.profilers.flops import FlopsProfiler
 from dslab.report.store import atomic_write_text
 
@@ -284,7 +285,7 @@ class ExperimentRecorder:
         else:  # the host marks are the window's ends
             window_s = self._marks[-1] - self._marks[0]
         step_times = self._step_times_s()
-        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else -1
+        peak = peaks.peak_allocated(self.device) if self.cuda else -1  # the whole run's, across tracer resets
         agreed = self._agreed([float(peak), window_s, *step_times])
         peak, window_s, step_times = int(agreed[0]), agreed[1], agreed[2:]
         if self._engine_flops is not None:
