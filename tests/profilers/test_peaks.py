@@ -92,5 +92,5 @@ def test_run_trial_peak_spans_the_tracer_steps():
     trial = run_trial(step, device, 0, 4)
     steps = {s["step"]: s["peak_allocated"] for s in tracer.records()["steps"]}
     tracer.close()
-    assert steps[0] - steps[3] >= 0.9 * spike  # the tracer still sees each step's own peak
+    assert steps[0] >= spike > 2 * steps[3]  # the tracer still sees each step's own peak
     assert trial["peak_memory_bytes"] >= steps[0] >= spike
