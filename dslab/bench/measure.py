@@ -185,3 +185,33 @@ def trial_metrics(trial: dict, samples: int, tokens: int, flops: int | None, pea
         if datasheet_bf16_tflops:
             metrics["mfu_datasheet"] = tflops / datasheet_bf16_tflops
     return metrics
+
+
+class TimedWindow:
+    """The optimizer steps after ``from_step`` of a training loop, timed on the host clock with
+    the device synchronised at both ends (the examples' ``--timed_from``): call :meth:`mark` at
+    the top of every micro-step with the engine's global step, and :meth:`line` after the loop."""
+
+    def __init__(self, device: torch.device, from_step: int | None):
+        self.device = device
+        self.from_step = from_step
+        self.start: tuple[float, int] | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def mark(self, global_steps: int) -> None:
+        """The first micro-step seen at ``from_step`` opens the window (the top of that window)."""
+        if self.start is None and global_steps == self.from_step:
+            self._sync()
+            self.start = (time.perf_counter(), global_steps)
+
+    def line(self, global_steps: int, tokens_per_step: int) -> str | None:
+        """``timed: <tokens/s> tokens/s over steps a..b``, None when the window never opened."""
+        self._sync()
+        if self.start is None:
+            return None
+        seconds = time.perf_counter() - self.start[0]
+        steps = global_steps - self.start[1]
+        return f"timed: {steps * tokens_per_step / seconds:.1f} tokens/s over steps {self.start[1] + 1}..{global_steps}"

@@ -1,0 +1,96 @@
+"""The pieces of benchmarks/autotune_vs_deepspeed.sh that run without a GPU or DeepSpeed: the
+examples' timed window (``--timed_from``), the DeepSpeed example's config reading (a path or the
+base64 text DeepSpeed's autotuner passes), and the comparison table over both tuners' files."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_gpt2_times_whole_windows(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 1000}
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    run = subprocess.run([sys.executable, "examples/train_gpt2.py", "--model", "gpt2_tiny", "--seq", "32", "--steps",
+                          "6", "--timed_from", "2", "--deepspeed_config", str(tmp_path / "cfg.json")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    match = re.search(r"^timed: ([0-9.]+) tokens/s over steps 3\.\.6$", run.stdout, re.MULTILINE)
+    assert match and float(match.group(1)) > 0, run.stdout
+    bad = subprocess.run([sys.executable, "examples/train_gpt2.py", "--model", "gpt2_tiny", "--steps", "6",
+                          "--timed_from", "6", "--deepspeed_config", str(tmp_path / "cfg.json")],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--timed_from must be in [0, --steps)" in bad.stderr
+
+
+def test_the_deepspeed_example_reads_a_path_or_base64(tmp_path):
+    example = _load(REPO / "examples" / "train_gpt2_deepspeed.py", "train_gpt2_deepspeed_example")
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    assert example.read_config(str(path)) == config
+    encoded = base64.urlsafe_b64encode(json.dumps(config).encode()).decode()
+    assert len(encoded) > 64 and example.read_config(encoded) == config
+    long = base64.urlsafe_b64encode(json.dumps({"pad": "x" * 400}).encode()).decode()  # longer than a file name
+    assert example.read_config(long) == {"pad": "x" * 400}
+    with pytest.raises(SystemExit, match="neither a file nor base64 JSON"):
+        example.read_config("no-such-config.json")
+
+
+def _work(tmp_path: Path, dslab_tokens: float | None = 52000.0) -> Path:
+    work = tmp_path / "gpt2_355m"
+    for tuner, config, wall in (("dslab", {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 0}},
+                                 "95.0"),
+                                ("deepspeed", {"train_micro_batch_size_per_gpu": 24, "gradient_accumulation_steps": 1,
+                                               "zero_optimization": {"stage": 1}}, "380.0")):
+        (work / f"results_{tuner}").mkdir(parents=True)
+        (work / f"results_{tuner}" / "ds_config_optimal.json").write_text(json.dumps(config))
+        (work / f"wall_{tuner}.txt").write_text(wall + "\n")
+    (work / "timed_deepspeed.log").write_text("step 10 loss 7.1\ntimed: 40000.0 tokens/s over steps 6..25\n")
+    if dslab_tokens is not None:
+        (work / "timed_dslab.log").write_text(f"timed: {dslab_tokens} tokens/s over steps 6..25\n")
+    (work / "results_deepspeed" / "summary.txt").write_text("| z1 | ... |\n\nTuning completed in 0:06:20. "
+                                                             "Total number of experiments: 11.")
+    report = work / "reports_dslab" / "autotune" / "20261130T000000Z-aaaaaa"
+    report.mkdir(parents=True)
+    experiments = [{"status": s} for s in ("ok", "ok", "pruned", "early_stopped", "pruned")]
+    report.joinpath("run.json").write_text(json.dumps({"profilers": {"autotuning": {"experiments": experiments}}}))
+    return work
+
+
+def test_the_comparison_table(tmp_path, capsys):
+    compare = _load(REPO / "benchmarks" / "autotune_compare.py", "autotune_compare")
+    out = tmp_path / "result.json"
+    result = compare.main([str(_work(tmp_path)), "--json", str(out)])
+    rows = result["rows"]
+    assert rows["dslab"] == {"chosen": "z0 mbs16 gas1", "experiments": 3, "wall_s": 95.0, "tokens_per_s": 52000.0}
+    assert rows["deepspeed"] == {"chosen": "z1 mbs24 gas1", "experiments": 11, "wall_s": 380.0, "tokens_per_s": 40000.0}
+    assert result["tokens_ratio"] == pytest.approx(1.3) and result["search_time_ratio"] == pytest.approx(0.25)
+    text = capsys.readouterr().out
+    assert "dslab's choice / DeepSpeed's choice, tokens/s: 1.300" in text and "52,000" in text
+    assert json.loads(out.read_text())["rows"]["deepspeed"]["experiments"] == 11
+
+
+def test_a_missing_timed_run_is_a_dash_and_a_note(tmp_path, capsys):
+    compare = _load(REPO / "benchmarks" / "autotune_compare.py", "autotune_compare")
+    result = compare.main([str(_work(tmp_path / "a", dslab_tokens=None))])
+    assert result["rows"]["dslab"]["tokens_per_s"] is None and "tokens_ratio" not in result
+    assert any("dslab: the chosen config's timed run printed no tokens/s" in n for n in result["notes"])
+    assert "note: dslab" in capsys.readouterr().out
