@@ -110,6 +110,13 @@ _LAYOUT_QUERIES = frozenset({
 })
 
 
+def whole_numel(p: torch.Tensor) -> int:
+    """A parameter's whole element count: ``ds_numel`` where ZeRO stage 3 (dslab's or DeepSpeed's)
+    or ``dslab.zero.Init`` left it holding a shard or nothing, else its own."""
+    numel = getattr(p, "ds_numel", None)
+    return numel if isinstance(numel, int) else p.numel()
+
+
 def _in_backward() -> bool:
     """True while the autograd engine executes a graph task on this thread (backward, or the
     recomputation that activation checkpointing runs inside it)."""
@@ -149,7 +156,7 @@ class _ModuleStats:
         self.name = name
         self.type = type(module).__name__
         self.depth = depth
-        self.params = sum(p.numel() for p in module.parameters())
+        self.params = sum(whole_numel(p) for p in module.parameters())
         self.children: list[_ModuleStats] = []  # the nearest hooked submodules
         self.reset()
 
@@ -435,7 +442,7 @@ class FlopsProfiler:
 
     def get_total_params(self, as_string: bool = False):
         """Parameters of the model, each counted once (tied weights too)."""
-        params = sum(p.numel() for p in self.model.parameters())
+        params = sum(whole_numel(p) for p in self.model.parameters())
         return flops_output.number_to_string(params, "") if as_string else params
 
     def get_total_duration(self, as_string: bool = False):

@@ -47,9 +47,8 @@ from pydantic import Field
 from dslab import comm
 from dslab.config_base import ConfigSection, parse_section
 from dslab.engine.autotuning.config import EARLY_STOP_MARGIN
-from dslab.parallel.partitioned import full_numel
 from dslab.profilers import peaks
-from dslab.profilers.flops import FlopsProfiler
+from dslab.profilers.flops import FlopsProfiler, whole_numel
 from dslab.report.store import atomic_write_text
 
 ENV_VAR = "DSLAB_AUTOTUNING_EXPERIMENT"
@@ -109,24 +108,13 @@ def attach_from_env(engine) -> ExperimentRecorder | None:
     return recorder
 
 
-def model_info(module: torch.nn.Module, units=()) -> dict:
+def model_info(module: torch.nn.Module) -> dict:
     """``{"num_params", "trainable_params"}`` of ``module`` on this rank, each parameter once and
-    whole: a parameter built partitioned (``dslab.zero.Init``) counts its ``ds_numel``, and one
-    of the engine's ZeRO ``units`` (whose stage 3 release leaves it empty between uses) its size
-    in the unit's layout."""
-    sizes = {id(p): size for unit in units for p, size in zip(unit.params, unit.layout.sizes)}
+    whole (``ds_numel`` where ZeRO stage 3 or ``dslab.zero.Init`` left a parameter a shard or empty:
+    :func:`dslab.profilers.flops.whole_numel`)."""
     params = list(module.parameters())
-
-    def numel(p):
-        return sizes.get(id(p), full_numel(p))
-
-    return {"num_params": sum(numel(p) for p in params),
-            "trainable_params": sum(numel(p) for p in params if p.requires_grad)}
-
-
-def engine_model_info(engine) -> dict:
-    """:func:`model_info` of an engine's module, through its ZeRO units when it has them."""
-    return model_info(engine.module, getattr(getattr(engine, "zero", None), "units", None) or ())
+    return {"num_params": sum(whole_numel(p) for p in params),
+            "trainable_params": sum(whole_numel(p) for p in params if p.requires_grad)}
 
 
 def metric_value(metric: str, step_s: float, samples_per_step: int, flops_per_step: int | None) -> float | None:
@@ -188,7 +176,7 @@ class ExperimentRecorder:
     def start(self) -> None:
         """Right after ``initialize``: the model info (and exit) or what begins at step 0."""
         if self.spec.model_info_only:
-            info = engine_model_info(self.engine)
+            info = model_info(self.engine.module)
             self._write({**info, "world_size": self.engine.world_size, "model_info_only": True})
             raise SystemExit(0)
         self._at_step_end(0)
@@ -300,7 +288,7 @@ class ExperimentRecorder:
             "profiled_steps": profiled,
             "early_stopped": early_stopped,
             "peak_memory_bytes": peak if peak >= 0 else None,
-            "num_params": engine_model_info(self.engine)["num_params"],
+            "num_params": model_info(self.engine.module)["num_params"],
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "world_size": self.engine.world_size,

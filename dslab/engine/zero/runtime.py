@@ -184,6 +184,11 @@ class ZeroRuntime:
             self.units.append(FlatUnit(i, layout, params, reduction.size, reduction.rank, device,
                                        sync, group=reduction.group,
                                        grad_divisor=reduction.divisor))
+        if self.stage == 3:  # DeepSpeed's names for the whole size of a parameter stage 3 empties
+            for unit in self.units:
+                for p, shape in zip(unit.params, unit.layout.shapes):
+                    p.ds_shape = tuple(shape)
+                    p.ds_numel = math.prod(shape)
         aio = aio if aio is not None else AioConfig()
         self.gatherer = None
         # parameter offload (stage 3): the released shards' home off the GPU (param_offload.py)
