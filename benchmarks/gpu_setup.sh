@@ -9,7 +9,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 # DeepSpeed for the peer arms of suites/zero: its sdist builds offline without its ops (FusedAdam
 # is compiled on first use, for the H200's sm_90). It imports hjson, py-cpuinfo, msgpack and einops
-# and builds with ninja: carry their wheels in .whl/ beside pydantic's.
+# and builds with ninja: carry their wheels in .whl/ beside pydantic's (and tabulate's for its
+# autotuner, benchmarks/autotune_vs_deepspeed.sh).
 if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import deepspeed" 2>/dev/null; then
   DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
     .whl/deepspeed-*.tar.gz >/tmp/deepspeed_install.log 2>&1 \
