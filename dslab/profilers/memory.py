@@ -23,7 +23,9 @@ On ``profile_step`` (the engine's ``global_steps``; its first micro-step):
   storage is charged once, to the first module that saved it (``nn.Linear`` saves its input,
   ``nn.ReLU`` its output: a Linear after a ReLU saves the same storage again and is charged
   nothing for it; ``shared_bytes`` shows it). Storages of parameters and buffers are model state,
-  not activations, and are left out (a saved transposed weight is a view of the parameter). A
+  not activations, and are left out (a saved transposed weight is a view of the parameter), as
+  is any saved parameter or view of one (ZeRO stage 3 gathers a parameter into a buffer made
+  during the forward, whose storage the tracer could not know beforehand). A
   storage is counted only if a tensor saved with it is still alive when forward ends. Tensors
   saved inside activation checkpointing go to its own hooks and are not seen, which is right:
   they are not held. Tensors saved outside every module of the model (a loss computed by the
@@ -164,6 +166,8 @@ class SavedTensorTracker:
         if not isinstance(t, torch.Tensor):
             return t
         saved = t.detach()
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return saved  # a parameter (at ZeRO stage 3 gathered into a buffer made after start())
         key, nbytes = storage_key(t)
         if key in self._model_storages:
             return saved
