@@ -12,6 +12,7 @@ derives the batch sizes, and turns every problem into a ``ValueError`` that name
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,7 +52,6 @@ UNSUPPORTED_DEEPSPEED_KEYS = (
     "memory_breakdown",
     "nebula",
     "pipeline",
-    "prescale_gradients",
     "progressive_layer_drop",
     "sparse_attention",
     "sparse_gradients",
@@ -85,16 +85,18 @@ class DslabConfig(ConfigSection):
     # the dtype data-parallel gradients are reduced in (stages 0-2); None: the gradients' own
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     data_types: DataTypesConfig = DataTypesConfig()
-    # DeepSpeed divides gradients by it before their all-reduce and multiplies after; accepted
-    # as 1.0 (no pre-division), as dslab divides by the world size before a sum or averages in it
+    # DeepSpeed's: divide data-parallel gradients by the group's size before their sum
+    # (prescale_gradients), or by gradient_predivide_factor before it and by size / factor after
+    # (engine/data_parallel.py: GradientScaling); by default the collective averages
+    prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
 
     @field_validator("gradient_predivide_factor")
     @classmethod
-    def _no_predivide(cls, value: float) -> float:
-        if value != 1.0:
-            raise ValueError("a DeepSpeed feature dslab does not support yet (gradients are divided by the "
-                             "world size before a sum, or averaged in the collective); remove it or set it to 1.0")
+    def _positive_predivide(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"must be a positive number (gradients are divided by it before their "
+                             f"all-reduce), got {value}")
         return value
     # DeepSpeed asks for this to run ZeRO with an optimizer it has not tested; dslab's ZeRO steps
     # any torch.optim optimizer (engine/zero/runtime.py: ZeroRuntime.adopt), so either value runs
@@ -151,6 +153,13 @@ class DslabConfig(ConfigSection):
         self.train_batch_size = tb
         self.train_micro_batch_size_per_gpu = mb
         self.gradient_accumulation_steps = gas
+
+    @property
+    def gradient_scaling(self):
+        """``prescale_gradients`` and ``gradient_predivide_factor`` for the gradient reducers."""
+        from dslab.engine.data_parallel import GradientScaling
+
+        return GradientScaling(self.prescale_gradients, self.gradient_predivide_factor)
 
     @property
     def communication_dtype(self) -> torch.dtype | None:

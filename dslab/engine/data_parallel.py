@@ -28,15 +28,46 @@ DeepSpeed's bf16 mode reduces its bf16 gradients in bf16 as well).
 instead: a bucket of another dtype is cast after its division by the world size, reduced, and
 cast back into its buffer (``"fp32"`` averages bf16 gradients without their rounding on the way;
 ``"bf16"`` halves an fp32 model's bytes).
+
+``scaling`` (:class:`GradientScaling`, DeepSpeed's ``prescale_gradients`` and
+``gradient_predivide_factor``) says where the division by the group's size happens. By default
+the collective averages (AVG on nccl; on gloo the sum of buffers divided first). With
+``prescale_gradients`` every bucket is divided by the group's size and then summed, as DeepSpeed's
+prescale does; with a ``gradient_predivide_factor`` f it is divided by f, summed, and multiplied
+by f / size after the collective, as DeepSpeed's default path does (f the size: the prescale).
+The same average either way, rounded at different points: fp16 gradients of a large group can
+overflow in a sum that was not divided first.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from dslab import comm
 from dslab.engine.expert_parallel import ReductionGroup, reduction_group
+
+
+@dataclass(frozen=True)
+class GradientScaling:
+    """DeepSpeed's ``prescale_gradients`` and ``gradient_predivide_factor`` (module docstring)."""
+
+    prescale: bool = False
+    predivide: float = 1.0
+
+    def plan(self, divisor: int, average_op) -> tuple[object, float | None, float | None]:
+        """``(op, divide_before, multiply_after)`` for a reduction over ``divisor`` ranks whose
+        collective can average with ``average_op`` (None: it cannot); None: no such scaling."""
+        if self.prescale:
+            return comm.ReduceOp.SUM, (divisor if divisor > 1 else None), None
+        if self.predivide != 1.0:
+            after = self.predivide / divisor
+            return comm.ReduceOp.SUM, self.predivide, (None if after == 1.0 else after)
+        if average_op is not None:
+            return average_op, None, None
+        return comm.ReduceOp.SUM, (divisor if divisor > 1 else None), None
 
 
 def pack_gradients(params: list[nn.Parameter], flat: torch.Tensor, release: bool = False) -> None:
@@ -74,6 +105,7 @@ class _Bucket:
         self.ready = 0
         self.buffer: torch.Tensor | None = None
         self.wire: torch.Tensor | None = None  # the buffer in the communication dtype, when cast
+        self.multiply_after: float | None = None
         self.work = None
         self.issued = False
 
@@ -88,9 +120,10 @@ class GradientAllReducer:
     """Averages gradients across the data-parallel group during backward."""
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int, group=None,
-                 comm_dtype: torch.dtype | None = None):
+                 comm_dtype: torch.dtype | None = None, scaling: GradientScaling | None = None):
         self.group = group
         self.comm_dtype = comm_dtype
+        self.scaling = scaling or GradientScaling()
         self.world_size = comm.get_world_size(group)
         self.average_op = comm.averaging_op(group)
         self.active = False
@@ -146,13 +179,13 @@ class GradientAllReducer:
             bucket.buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
         pack_gradients(bucket.params, bucket.buffer)
         reduction = bucket.reduction
-        if bucket.average_op is None:
-            bucket.buffer.div_(reduction.divisor)
+        op, before, bucket.multiply_after = self.scaling.plan(reduction.divisor, bucket.average_op)
+        if before is not None:
+            bucket.buffer.div_(before)
         wire = bucket.buffer
         if self.comm_dtype is not None and self.comm_dtype != wire.dtype:
             wire = bucket.wire = wire.to(self.comm_dtype)
-        bucket.work = comm.all_reduce(wire, op=bucket.average_op or comm.ReduceOp.SUM,
-                                      group=reduction.group, async_op=True, bucket=index)
+        bucket.work = comm.all_reduce(wire, op=op, group=reduction.group, async_op=True, bucket=index)
         bucket.issued = True
 
     def finish(self) -> None:
@@ -166,6 +199,9 @@ class GradientAllReducer:
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
                 bucket.wire = None
+            if bucket.multiply_after is not None:
+                bucket.buffer.mul_(bucket.multiply_after)
+                bucket.multiply_after = None
             offset = 0
             for p in bucket.params:
                 averaged = bucket.buffer[offset: offset + p.numel()].view_as(p)

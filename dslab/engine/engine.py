@@ -186,7 +186,7 @@ class DslabEngine(nn.Module):
                 reduced = self.weight_copies.grad_holders(reduced)
             self.grad_reducer = GradientAllReducer(
                 reduced, config.zero_optimization.reduce_bucket_size, group=self.seq_dp_group,
-                comm_dtype=config.communication_dtype)
+                comm_dtype=config.communication_dtype, scaling=config.gradient_scaling)
         if self.zero is not None:
             self.zero.norm_groups = self.parallel.norm_groups
             if self.parallel.tp_world_size > 1:

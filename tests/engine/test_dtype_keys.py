@@ -1,5 +1,5 @@
-"""DeepSpeed's ``data_types.grad_accum_dtype`` and ``gradient_predivide_factor``: accepted where
-they name what dslab does, refused by name otherwise."""
+"""DeepSpeed's ``data_types.grad_accum_dtype``: accepted where it names what dslab does, refused by
+name otherwise (``gradient_predivide_factor`` and ``prescale_gradients``: test_gradient_scaling.py)."""
 
 import pytest
 import torch
@@ -36,9 +36,3 @@ def test_grad_accum_dtype_other_than_the_parameters_is_refused_naming_both():
         dslab.initialize(model=_model(torch.bfloat16), config={**BASE, "data_types": {"grad_accum_dtype": "fp32"}})
     with pytest.raises(ValueError, match="data_types.grad_accum_dtype"):
         load_config({**BASE, "data_types": {"grad_accum_dtype": "int8"}})
-
-
-def test_gradient_predivide_factor_loads_as_one_only():
-    assert load_config({**BASE, "gradient_predivide_factor": 1.0}).gradient_predivide_factor == 1.0
-    with pytest.raises(ValueError, match="'gradient_predivide_factor': a DeepSpeed feature .* set it to 1.0"):
-        load_config({**BASE, "gradient_predivide_factor": 2.0})

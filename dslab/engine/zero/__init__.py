@@ -55,7 +55,8 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
         refuse_lamb(optimizer, zero.stage)
         runtime = ZeroRuntime(module, zero, optimizer.param_groups, device=device,
                               broadcast=broadcast, aio=config.aio, group=group,
-                              comm_dtype=config.communication_dtype)
+                              comm_dtype=config.communication_dtype,
+                              scaling=config.gradient_scaling)
         return runtime, runtime.adopt(optimizer)
     if optimizer is not None and not callable(optimizer):
         raise ValueError(
@@ -65,7 +66,8 @@ def build_zero(module: nn.Module, config, optimizer, params: list, build_from_co
             f"ZeRO stage {zero.stage} ('zero_optimization.stage') shards an optimizer's states: "
             "pass an optimizer to initialize() or add an 'optimizer' section to the config")
     runtime = ZeroRuntime(module, zero, params, device=device, broadcast=broadcast,
-                          aio=config.aio, group=group, comm_dtype=config.communication_dtype)
+                          aio=config.aio, group=group, comm_dtype=config.communication_dtype,
+                          scaling=config.gradient_scaling)
     if callable(optimizer):
         built = optimizer(runtime.optimizer_param_groups())
         if not isinstance(built, torch.optim.Optimizer):

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from dslab import comm
-from dslab.engine.data_parallel import pack_gradients
+from dslab.engine.data_parallel import GradientScaling, pack_gradients
 from dslab.engine.zero.partition import FlatUnit
 
 
@@ -45,8 +45,11 @@ class GradientReduceScatter:
     def __init__(self, units: list[FlatUnit], reduce_every_backward: bool, max_in_flight: int,
                  on_issued: Callable[[FlatUnit], None] | None = None,
                  deliver: Callable[[FlatUnit, torch.Tensor], None] | None = None, group=None,
-                 reduce_scatter: bool = True, comm_dtype: torch.dtype | None = None):
+                 reduce_scatter: bool = True, comm_dtype: torch.dtype | None = None,
+                 scaling: GradientScaling | None = None):
         self.units = units
+        # DeepSpeed's prescale_gradients / gradient_predivide_factor (data_parallel.py)
+        self.scaling = scaling or GradientScaling()
         # ``communication_data_type``: packed gradients are cast to it (after the division by
         # the group's size), reduced, and the shard cast back to the unit's dtype
         self.comm_dtype = comm_dtype
@@ -131,10 +134,9 @@ class GradientReduceScatter:
     def _issue(self, unit: FlatUnit) -> None:
         flat = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
         pack_gradients(unit.params, flat, release=True)
-        average_op = self._averaging_op(unit)
-        if unit.grad_divisor > 1 and average_op is None:
-            flat.div_(unit.grad_divisor)
-        op = average_op or comm.ReduceOp.SUM
+        op, before, after = self.scaling.plan(unit.grad_divisor, self._averaging_op(unit))
+        if before is not None:
+            flat.div_(before)
         wire = flat
         if unit.world_size > 1 and self.comm_dtype is not None and self.comm_dtype != flat.dtype:
             wire = flat.to(self.comm_dtype)
@@ -150,7 +152,7 @@ class GradientReduceScatter:
             work = comm.all_reduce(wire, op=op, group=unit.group, async_op=True, bucket=unit.index)
         if self.on_issued is not None:
             self.on_issued(unit)
-        self._in_flight.append((unit, flat, shard, work))
+        self._in_flight.append((unit, flat, shard, work, after))
         self._in_flight_numel += unit.padded
         # Without overlap (max_in_flight < 0) every reduction completes at once; with it, the
         # newest stays in flight while backward goes on.
@@ -159,12 +161,14 @@ class GradientReduceScatter:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        unit, flat, shard, work = self._in_flight.popleft()
+        unit, flat, shard, work, after = self._in_flight.popleft()
         self._in_flight_numel -= flat.numel()
         if work is not None:
             work.wait()
         if shard.dtype != unit.dtype:  # reduced in the communication dtype
             shard = shard.to(unit.dtype)
+        if after is not None:
+            shard.mul_(after)
         if self.deliver is not None:
             self.deliver(unit, shard)
         elif unit.grad_shard is None:

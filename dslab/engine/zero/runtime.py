@@ -148,7 +148,7 @@ class ZeroRuntime:
 
     def __init__(self, module: nn.Module, config: ZeroConfig, param_groups, group=None,
                  device: torch.device | None = None, broadcast: bool = False, aio=None,
-                 comm_dtype: torch.dtype | None = None):
+                 comm_dtype: torch.dtype | None = None, scaling=None):
         self.module = module
         self.config = config
         self.stage = config.stage
@@ -232,7 +232,7 @@ class ZeroRuntime:
             self.units, reduce_every_backward=self.stage >= 2, max_in_flight=max_in_flight,
             on_issued=self.gatherer.release if self.gatherer is not None else None,
             deliver=self.offload.receive if self.offload is not None else None, group=group,
-            reduce_scatter=config.reduce_scatter, comm_dtype=comm_dtype)
+            reduce_scatter=config.reduce_scatter, comm_dtype=comm_dtype, scaling=scaling)
         self.comm_device = self.units[0].device if self.units else (device or torch.device("cpu"))
         # stage 3 over a model's CUDA-graphed layer stack: the stack gathers and reduces its own
         # layers inside its graphs (stage3_stack.py)
