@@ -1,10 +1,13 @@
-"""GPT-2 decode with tensor parallelism: ``dslab.init_inference`` at tp_size 1 and at tp_size =
+"""Decode with tensor parallelism: ``dslab.init_inference`` at tp_size 1 and at tp_size =
 WORLD_SIZE on the same random model, per-token time and whether the greedy tokens agree.
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 benchmarks/inference_tp.py \\
-        [--preset gpt2_774m] [--batches 1,32] [--prompt 32] [--new 128] [--trials 3]
+        [--preset gpt2_774m | llama3_8b] [--batches 1,32] [--prompt 32] [--new 128] [--trials 3]
 
-Every rank builds transformers' ``GPT2LMHeadModel`` of the preset from one seed (bf16) and injects
+Every rank builds transformers' ``GPT2LMHeadModel`` (a ``gpt2*`` preset of
+:mod:`dslab.models.gpt2`) or ``LlamaForCausalLM`` (a ``llama*`` preset of :mod:`dslab.models.llama`:
+``llama3_8b`` is Llama-3-8B's shape, 16 GB in bf16, grouped-query attention whose 8 KV heads
+tp_size 2, 4 and 8 divide) of the preset from one seed (bf16) and injects
 it twice: alone (tp_size 1) and sliced over all ranks (each rank holds its share of the heads and
 MLP columns; two all_reduces per layer through ``dslab.comm``); both run the per-token step from
 CUDA graphs (the sliced step's graph holds its NCCL all_reduces), and ``--eager`` adds the sliced
@@ -23,7 +26,7 @@ import statistics
 import torch
 
 from dslab import comm
-from dslab.bench.inference import build_hf_gpt2, make_prompts
+from dslab.bench.inference import HF_BUILDERS, make_prompts
 from dslab.inference import TokenClock, init_inference
 
 
@@ -47,7 +50,9 @@ def first_difference(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> int |
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2_774m", help="a dslab.models.gpt2 preset whose heads the world size divides (GPT-2 1.5B has 25 heads: tp_size 5 only)")
+    parser.add_argument("--preset", default="gpt2_774m",
+                        help="a dslab.models.gpt2 or dslab.models.llama preset whose heads the world size divides "
+                             "(GPT-2 1.5B has 25 heads: tp_size 5 only; llama3_8b: 32 heads, 8 KV heads)")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
@@ -57,14 +62,16 @@ def main() -> None:
     args = parser.parse_args()
     comm.init_distributed()
     world, rank = comm.get_world_size(), comm.get_rank()
-    if not torch.cuda.is_available():
-        raise SystemExit("inference_tp.py times CUDA devices; none is visible")
-    device = torch.device("cuda", torch.cuda.current_device())
-    model = build_hf_gpt2(args.preset, {}, args.seed, torch.bfloat16, device)
+    cuda = torch.cuda.is_available()
+    # on a CPU (gloo ranks, fp32) it checks the pipeline, not speed
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    family = "llama" if args.preset.startswith("llama") else "gpt2"
+    model = HF_BUILDERS[family](args.preset, {}, args.seed, dtype, device)
     max_out = args.prompt + args.new
-    alone = init_inference(model, dtype=torch.bfloat16, max_out_tokens=max_out)
-    sliced = init_inference(model, dtype=torch.bfloat16, max_out_tokens=max_out, tensor_parallel={"tp_size": world})
-    eager = init_inference(model, dtype=torch.bfloat16, max_out_tokens=max_out, tensor_parallel={"tp_size": world},
+    alone = init_inference(model, dtype=dtype, max_out_tokens=max_out)
+    sliced = init_inference(model, dtype=dtype, max_out_tokens=max_out, tensor_parallel={"tp_size": world})
+    eager = init_inference(model, dtype=dtype, max_out_tokens=max_out, tensor_parallel={"tp_size": world},
                            enable_cuda_graph=False) if args.eager else None
     del model
     rows = []
@@ -78,7 +85,8 @@ def main() -> None:
         te = per_token_ms(eager, prompts, args.new, args.trials)[0] if eager is not None else float("nan")
         rows.append((batch, t1, tn, te, first_difference(tokens1, tokens_n, args.prompt)))
     if rank == 0:
-        print(f"\n{args.preset} on {world} x {torch.cuda.get_device_name(device)}, bf16, prompt {args.prompt} "
+        where = torch.cuda.get_device_name(device) if cuda else "CPU (gloo; checks the pipeline, not speed)"
+        print(f"\n{args.preset} on {world} x {where}, {str(dtype).replace('torch.', '')}, prompt {args.prompt} "
               f"+ {args.new} new tokens, median of {args.trials} generations")
         print(f"graphs: tp1 {alone.cuda_graph_stats}, tp{world} {sliced.cuda_graph_stats}; notes {sliced.notes}")
         print(f"{'batch':>5} {'tp1 ms/token':>13} {f'tp{world} ms/token':>13} {'tp1/tp' + str(world):>9} "
@@ -89,7 +97,8 @@ def main() -> None:
     for engine in (alone, sliced, eager):  # graphs holding NCCL work go before the communicator does
         if engine is not None:
             engine.release_cuda_graphs()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     comm.barrier()
     torch.distributed.destroy_process_group()
 
