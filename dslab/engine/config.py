@@ -27,6 +27,7 @@ from dslab.engine.compile_config import CompileConfig
 from dslab.engine.cuda_graph_config import CudaGraphConfig
 from dslab.engine.monitor import CSVMonitorConfig, TensorBoardConfig
 from dslab.engine.optimizers import OptimizerConfig
+from dslab.engine.pipeline_config import PipelineConfig
 from dslab.engine.precision import BF16Config, DataTypesConfig, FP16Config
 from dslab.engine.schedulers import SchedulerConfig
 from dslab.engine.zero_config import ZeroConfig
@@ -51,7 +52,6 @@ UNSUPPORTED_DEEPSPEED_KEYS = (
     "hybrid_engine",
     "memory_breakdown",
     "nebula",
-    "pipeline",
     "progressive_layer_drop",
     "sparse_attention",
     "sparse_gradients",
@@ -82,6 +82,8 @@ class DslabConfig(ConfigSection):
     # uses the section's defaults
     aio: AioConfig | None = None
     checkpoint: CheckpointConfig = CheckpointConfig()
+    # DeepSpeed's pipeline engine keys, read by the pipeline engine (engine/pipeline_config.py)
+    pipeline: PipelineConfig = PipelineConfig()
     # the dtype data-parallel gradients are reduced in (stages 0-2); None: the gradients' own
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     data_types: DataTypesConfig = DataTypesConfig()
@@ -95,8 +97,7 @@ class DslabConfig(ConfigSection):
     @classmethod
     def _positive_predivide(cls, value: float) -> float:
         if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"must be a positive number (gradients are divided by it before their "
-                             f"all-reduce), got {value}")
+            raise ValueError("must be a positive number (gradients are divided by it before their all-reduce)")
         return value
     # DeepSpeed asks for this to run ZeRO with an optimizer it has not tested; dslab's ZeRO steps
     # any torch.optim optimizer (engine/zero/runtime.py: ZeroRuntime.adopt), so either value runs

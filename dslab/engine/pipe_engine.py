@@ -119,6 +119,7 @@ class PipelineEngine(DslabEngine):
                              "(gradients accumulate over the micro-batches of a batch)")
         if config.compile.enabled:
             raise ValueError("config key 'compile.enabled' with a PipelineModule is not supported")
+        config.pipeline.apply(model)  # DeepSpeed's pipeline section: stages, checkpoint interval
         self.num_stages = grid.get_pipe_parallel_world_size()
         self.stage_id = grid.get_stage_id()
         self.grid = grid

@@ -61,8 +61,8 @@ def test_bad_value_names_key():
 
 
 def test_unsupported_deepspeed_section_is_explicit():
-    with pytest.raises(ValueError, match="'pipeline' is a DeepSpeed feature that dslab does not support"):
-        load_config({"train_batch_size": 8, "pipeline": {"stages": 2}})
+    with pytest.raises(ValueError, match="'sparse_attention' is a DeepSpeed feature that dslab does not support"):
+        load_config({"train_batch_size": 8, "sparse_attention": {"mode": "fixed"}})
     # switched off: accepted
     load_config({"train_batch_size": 8, "flops_profiler": {"enabled": False}, "wandb": {"enabled": False}})
 

@@ -94,3 +94,40 @@ def test_a_short_data_iterator_is_an_error_not_a_hang():
     with pytest.raises(ValueError, match="data_iter gave 1 of the batch's 2 micro-batches"):
         engine.train_batch(iter([(ids, ids)]))
     assert engine.global_steps == 0
+
+
+def test_deepspeeds_pipeline_section_loads_with_its_defaults_and_checks_stages():
+    from dslab.engine.config import load_config
+
+    section = load_config(config()).pipeline
+    assert (section.stages, section.partition, section.seed_layers, section.activation_checkpoint_interval,
+            section.pipe_partitioned, section.grad_partitioned) == ("auto", "best", False, 0, True, True)
+    for bad in (0, True, "some"):
+        with pytest.raises(ValueError, match="pipeline.stages"):
+            load_config(config(pipeline={"stages": bad}))
+    with pytest.raises(ValueError, match="pipeline.activation_checkpoint_interval"):
+        load_config(config(pipeline={"activation_checkpoint_interval": -1}))
+    cfg = gpt2_tiny(dropout=0.0, layers=2, vocab_size=64, n_positions=16)
+    with pytest.raises(ValueError, match="'pipeline.stages' is 2, but the PipelineModule has 1 stages"):
+        dslab.initialize(model=gpt2_pipeline_module(cfg, "torch", num_stages=1), config=config(pipeline={"stages": 2}))
+    # a model that is not a PipelineModule ignores the section, as DeepSpeed's engine does
+    engine, *_ = dslab.initialize(model=GPT2LMHeadModel(cfg, "torch"),
+                                  config=config(pipeline={"stages": 4, "pipe_partitioned": False}))
+    engine.destroy()
+
+
+def test_the_sections_checkpoint_interval_checkpoints_and_trains_as_without():
+    cfg = gpt2_tiny(dropout=0.0, layers=2, vocab_size=64, n_positions=16)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    losses = {}
+    for interval in (0, 1):
+        torch.manual_seed(0)
+        module = gpt2_pipeline_module(cfg, "torch", num_stages=1)
+        engine, *_ = dslab.initialize(model=module, config=config(
+            pipeline={"stages": 1, "activation_checkpoint_interval": interval, "partition": "parameters",
+                      "seed_layers": True, "use_reentrant": False}))
+        assert module.activation_checkpoint_interval == interval
+        assert (module.activation_checkpoint_func is not None) == bool(interval)
+        data = iter([(ids, ids)] * 6)
+        losses[interval] = [float(engine.train_batch(data)) for _ in range(3)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
