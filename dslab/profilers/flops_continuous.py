@@ -35,8 +35,8 @@ marks cannot tell busy from idle; ``host_lead`` whether the host had queued the 
 the device began it, None on a CPU). ``step_ms`` is the median time of the first :data:`WINDOW_STEPS` unprofiled steps after it
 that carry none of its attribution work (below; fewer when the next profile comes first, None when
 there are none, as with N = 1), from a CUDA
-event at each step's begin, read once the device has passed them (at the next profile or when the
-records are asked for); ``achieved_tflops`` and ``mfu`` divide the flops counted at ``profile_step`` (the same
+event at each step's begin, read at a later step's begin once the device has passed them (no step
+waits for them; the records read what is left, waiting if they must); ``achieved_tflops`` and ``mfu`` divide the flops counted at ``profile_step`` (the same
 every step for a fixed batch shape) by it. ``modules`` holds the model (name ``""``, depth 0) and
 the ``top_modules`` modules of most forward + backward device time at each depth up to
 ``module_depth`` (every depth with -1); a container that is never called (``nn.ModuleList``) has
@@ -57,8 +57,9 @@ that attributes the records to modules (~70 ms of host time) is not paid in one 
 by about :data:`WORK_PER_STEP_MS` (one piece of a few milliseconds past it at most) at the begin
 of each following step (:meth:`ContinuousProfiles.add_later`), while the device runs the work the
 host queued before, so a device-bound run does not wait for it; done on the profiled step it made
-that step 4.7x a plain one. It is finished at once when the next profile comes first, when the
-records are asked for, and at :meth:`ContinuousProfiles.wait`. Not a thread: a second Python
+that step 4.7x a plain one. Several profiles' work may be pending (oldest first) when the next
+profile comes before one is done; it is finished at once when the records are asked for and at
+:meth:`ContinuousProfiles.wait`. Not a thread: a second Python
 thread takes the interpreter lock from the training thread at each of its op calls (torch releases
 the lock inside every op), which stalls a host that is not ahead (measured: 4.1% at N = 100). The
 first profile, which the single profile shares, is attributed right away.
@@ -143,14 +144,15 @@ class ContinuousProfiles:
         self.taken = 0
         self._window: list[tuple[int, object, bool]] = []  # (step, mark at its begin, unprofiled)
         self._window_open = False
-        self._pending: tuple[dict, Generator] | None = None  # a profile and the work that fills it
+        self._pending: list[tuple[dict, Generator]] = []  # profiles and the work that fills them, oldest first
+        self._unfilled: list[tuple[dict, list, dict]] = []  # closed windows whose marks may be unread
 
     def on_step_begin(self, step: int, clean: bool) -> None:
         """Mark the begin of ``step`` while the latest profile's window is open (``clean``: the
         step runs unprofiled), then advance the pending attribution by about
         :data:`WORK_PER_STEP_MS`. A step that is profiled or carries attribution work is not
         counted in the window."""
-        work = self._pending is not None and step != self.next_step
+        work = bool(self._pending) and step != self.next_step
         if self._window_open:
             counted = sum(1 for _, _, unprofiled in self._window if unprofiled)
             self._window.append((step, self._mark(), clean and not work))
@@ -158,32 +160,45 @@ class ContinuousProfiles:
                 self._window_open = False
         if work:
             self._advance(WORK_PER_STEP_MS / 1e3)
+        if self._unfilled:
+            self._fill_windows(block=False)
 
     def _mark(self):
         return timers.mark(self.cuda)
 
-    def _window_times_ms(self) -> list[float]:
-        pairs = [(a, b) for (s, a, clean), (t, b, _) in zip(self._window, self._window[1:]) if clean and t == s + 1]
+    def _window_times_ms(self, window: list, block: bool = True) -> list[float] | None:
+        """The clean steps' times of ``window``; None when ``block`` is False and the device has
+        not yet passed its last mark (a CPU's marks are always read)."""
+        pairs = [(a, b) for (s, a, clean), (t, b, _) in zip(window, window[1:]) if clean and t == s + 1]
         if self.cuda:
             if pairs:
+                if not block and not pairs[-1][1].query():
+                    return None
                 pairs[-1][1].synchronize()
             return [a.elapsed_time(b) for a, b in pairs]
         return [(b - a) * 1e3 for a, b in pairs]
 
-    def _fill_window(self, counted: dict) -> None:
-        """Write the window's step time, TFLOP/s and MFU into the latest profile."""
-        if not self.profiles:
-            return
-        times = self._window_times_ms()
+    def _fill_window(self, profile: dict, window: list, counted: dict, block: bool = True) -> bool:
+        """Write ``window``'s step time, TFLOP/s and MFU into ``profile``; False (nothing written)
+        when ``block`` is False and its marks are not all passed yet."""
+        times = self._window_times_ms(window, block)
+        if times is None:
+            return False
         step_ms = statistics.median(times) if times else None
         tflops, mfu = rates(counted["total_flops"], counted.get("peaks") or {}, step_ms)
-        self.profiles[-1].update(step_ms=step_ms, window_steps=len(times), achieved_tflops=tflops, mfu=mfu)
+        profile.update(step_ms=step_ms, window_steps=len(times), achieved_tflops=tflops, mfu=mfu)
+        return True
+
+    def _fill_windows(self, block: bool) -> None:
+        """Fill the closed windows whose marks the device has passed (all of them with ``block``)."""
+        self._unfilled = [item for item in self._unfilled if not self._fill_window(*item, block=block)]
 
     def _begin(self, step: int, counted: dict) -> dict:
-        """The new profile of ``step`` in the series (its device times to come), after the
-        previous profile's window was read (the timer synchronised: its marks are done)."""
-        self.wait()
-        self._fill_window(counted)
+        """The new profile of ``step`` in the series (its device times to come). The previous
+        profile's window closes here; it is read on a later step once the device has passed its
+        marks, so that beginning a profile never waits for the device."""
+        if self.profiles:
+            self._unfilled.append((self.profiles[-1], self._window, counted))
         self.taken += 1
         profile = {"step": step, "step_ms": None, "window_steps": 0, "achieved_tflops": None,
                    "mfu": {"measured": None, "datasheet": None}}
@@ -218,38 +233,43 @@ class ContinuousProfiles:
         :meth:`dslab.profilers.device_time.ModuleDeviceTimer.attribution_steps`), advanced at the
         begin of the next steps (module docstring); an error it raises becomes the profile's
         ``error``."""
-        self._pending = (self._begin(step, counted), work)
+        self._pending.append((self._begin(step, counted), work))
 
     def _advance(self, budget_s: float | None) -> None:
-        """Run the pending work, one piece at least, until ``budget_s`` seconds have passed
-        (None: to its end). Work that yields :data:`WAITING` (marks the device has not passed yet)
-        is left for a later step, or polled until done when there is no budget."""
-        profile, work = self._pending
+        """Run the pending work, oldest first, one piece at least, until ``budget_s`` seconds have
+        passed (None: to its end). Work that yields :data:`WAITING` (marks the device has not
+        passed yet) is left for a later step, or polled until done when there is no budget."""
         deadline = None if budget_s is None else time.perf_counter() + budget_s
-        try:
-            while True:
-                if next(work) is WAITING:
-                    if deadline is not None:
+        while self._pending:
+            profile, work = self._pending[0]
+            try:
+                while True:
+                    if next(work) is WAITING:
+                        if deadline is not None:
+                            return
+                        time.sleep(1e-4)
+                    elif deadline is not None and time.perf_counter() >= deadline:
                         return
-                    time.sleep(1e-4)
-                elif deadline is not None and time.perf_counter() >= deadline:
-                    return
-        except StopIteration as done:
-            self._pending = None
-            self._fill(profile, done.value)
-        except Exception as err:  # the profile must not stop training; the records say why
-            self._pending = None
-            profile["error"] = f"{type(err).__name__}: {err}"
+            except StopIteration as done:
+                self._pending.pop(0)
+                self._fill(profile, done.value)
+            except Exception as err:  # the profile must not stop training; the records say why
+                self._pending.pop(0)
+                profile["error"] = f"{type(err).__name__}: {err}"
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
 
     def wait(self) -> None:
         """Finish the pending attribution now."""
-        if self._pending is not None:
+        if self._pending:
             self._advance(None)
 
     def records(self, counted: dict) -> dict:
         """The series for the report (its window figures as far as they are measured)."""
         self.wait()
-        self._fill_window(counted)
+        self._fill_windows(block=True)
+        if self.profiles:  # the latest profile's window, as far as it goes
+            self._fill_window(self.profiles[-1], self._window, counted)
         return {
             "every_n_steps": self.every_n_steps,
             "interval_steps": self.interval,

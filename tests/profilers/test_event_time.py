@@ -98,6 +98,7 @@ def test_modules_read_their_forward_and_backward_sleeps():
 def test_a_recompute_is_backward_time_and_micro_steps_add_up():
     torch.manual_seed(0)
     model = Model(recompute=True)
+    _step(model, EventModuleTimer(model))  # the checkpoint's first call pays one-time costs
     figures = _step(model, EventModuleTimer(model), micro_steps=2)
     modules = figures["modules"]
     # each block's forward ran twice per micro-step (once more inside the backward), counted once
@@ -161,3 +162,58 @@ def test_the_series_leaves_waiting_work_to_later_steps_and_polls_it_when_asked(m
     profile = series.records(counted)["profiles"][0]
     assert len(polls) == 5 and profile["timer"] == "events" and profile["host_lead"] is True
     assert profile["busy_ms"] is None and profile["forward_ms"] == 1.0
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at a step, passed by the device when ``Device.at`` is past it."""
+
+    def __init__(self, device, step):
+        self.device, self.step = device, step
+
+    def query(self):
+        return self.device.at > self.step
+
+    def synchronize(self):
+        self.device.synchronized.append(self.step)
+        self.device.at = max(self.device.at, self.step + 1)
+
+    def elapsed_time(self, other):
+        return 10.0 * (other.step - self.step)
+
+
+class Device:
+    def __init__(self):
+        self.at, self.step, self.synchronized = 0, 0, []
+
+
+def test_beginning_a_profile_never_waits_for_the_previous_window(monkeypatch):
+    """On CUDA the window of the previous profile is read once the device has passed its marks,
+    at a later step's begin, not when the next profile begins (which would take the host's lead
+    away); the records read whatever is left, waiting if they must."""
+    from dslab.profilers import timers
+
+    device = Device()
+    monkeypatch.setattr(timers, "mark", lambda cuda: FakeEvent(device, device.step))
+    series = ContinuousProfiles(every_n_steps=3, first_step=1, names=[""], module_depth=0, top_modules=1, cuda=True)
+    counted = {"total_flops": 10**12, "peaks": {"measured_tflops": 100.0}}
+    timed = {"modules": {"": {"forward_ms": 1.0, "backward_ms": 2.0}}, "optimizer_ms": 0.1, "busy_ms": None,
+             "span_ms": 4.0, "method": "events", "host_lead": True}
+    for step in range(1, 8):
+        device.step = step
+        profiled = step == series.next_step
+        series.on_step_begin(step, clean=not profiled)
+        if profiled:
+            series.add(step, timed, counted)
+    # profiles at 1, 4 and 7; the host is far ahead: the device has passed no mark
+    assert [p["step"] for p in series.profiles] == [1, 4, 7]
+    assert device.synchronized == [] and all(p["step_ms"] is None for p in series.profiles)
+    device.at = 4  # past the marks of steps 2 and 3: profile 1's window (2 -> 3, 3 -> 4)... not yet 4's mark
+    series.on_step_begin(8, clean=True)
+    assert series.profiles[0]["step_ms"] is None and device.synchronized == []
+    device.at = 5
+    series.on_step_begin(9, clean=True)
+    assert series.profiles[0]["step_ms"] == 10.0 and series.profiles[0]["window_steps"] == 2
+    assert device.synchronized == [4] and series.profiles[1]["step_ms"] is None  # 4's window ends at 7
+    records = series.records(counted)
+    assert [p["window_steps"] for p in records["profiles"]] == [2, 2, 1]  # the last: 8 -> 9 so far
+    assert records["profiles"][0]["achieved_tflops"] == pytest.approx(100.0)
