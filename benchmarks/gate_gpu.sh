@@ -3,10 +3,14 @@
 #   detect    benchmarks/gate_detection.py on suites/gpt2 case 124m: A/A gate runs and gate runs
 #             against a 2% injected step slowdown, threshold 2%, <= 15 pairs (SESSIONS x REPEATS each)
 #   autotune  benchmarks/autotune_vs_grid.sh gpt2_355m: the tuned search against the full grid
-#   kernels   the kernel benchmarks (KERNEL_SELECT, a pytest -k expression) once unpinned as the baseline,
-#             then KREPEATS times: an A/A run replaying the baseline's kernel choices and a run with
-#             every dslab kernel slowed 3% on the device (--kernel-inject-slowdown), each gated at 3%
-#             (dslab gate --pytest-benchmark; needs pytest-benchmark's wheel in .whl/)
+#   kernels   the kernel benchmarks (KERNEL_SELECT, a pytest -k expression; KERNEL_ROUNDS rounds, 15,
+#             after KERNEL_WARMUP_S seconds of untimed calls, 1.5; rounds of at least KERNEL_ROUND_MS, 0: off)
+#             once unpinned as the baseline, then KREPEATS times: an A/A run replaying the baseline's
+#             kernel choices and a run with every dslab kernel slowed 3% on the device
+#             (--kernel-inject-slowdown, measured where applied), each gated at 3% with the run-to-run
+#             noise KERNEL_RUN_NOISE (0.3%) (dslab gate --pytest-benchmark; needs pytest-benchmark's
+#             wheel in .whl/). Files land in $OUT/kernels.tgz; benchmarks/kernel_gate_summary.py
+#             prints the per-benchmark table at noise 0 and KERNEL_RUN_NOISE.
 # Several parts in one call run in order: bash benchmarks/gate_gpu.sh detect autotune
 # Results and logs land in $OUT; each part's table prints last.
 set -u
@@ -25,23 +29,31 @@ for part in "$@"; do
       bash benchmarks/autotune_vs_grid.sh "${MODEL:-gpt2_355m}" ;;
     kernels)
       select=${KERNEL_SELECT:-"layer_norm or cross_entropy"}
+      kdir="$OUT/kernels"; mkdir -p "$kdir"
       bench() {  # name, extra options
         local name=$1; shift
         timeout "${KERNEL_RUN_S:-240}" python3 -m pytest benchmarks/kernels -m gpu -q -p no:cacheprovider -k "$select" \
-          --benchmark-json="$OUT/$name.json" --benchmark-save-data "$@" > "$OUT/$name.log" 2>&1
+          --kernel-rounds "${KERNEL_ROUNDS:-15}" --kernel-warmup-s "${KERNEL_WARMUP_S:-1.5}" \
+          --kernel-round-ms "${KERNEL_ROUND_MS:-0}" --benchmark-json="$kdir/$name.json" --benchmark-save-data "$@" \
+          > "$kdir/$name.log" 2>&1
         echo "$name: pytest exit $?"
       }
       bench kernels_base
       for i in $(seq 1 "${KREPEATS:-3}"); do
         for kind in aa slow; do
-          extra=(--kernel-pins "$OUT/kernels_base.json")
+          extra=(--kernel-pins "$kdir/kernels_base.json")
           [ "$kind" = slow ] && extra+=(--kernel-inject-slowdown "${KERNEL_SLOWDOWN:-0.03}")
           bench "kernels_${kind}_$i" "${extra[@]}"
-          python3 -m dslab.cli gate --pytest-benchmark "$OUT/kernels_base.json" "$OUT/kernels_${kind}_$i.json" \
-            --threshold 3% > "$OUT/kernels_gate_${kind}_$i.txt" 2>&1
-          echo "kernels $kind run $i: gate exit $? ($(grep -c -i regression "$OUT/kernels_gate_${kind}_$i.txt") lines naming a regression)"
+          python3 -m dslab.cli gate --pytest-benchmark "$kdir/kernels_base.json" "$kdir/kernels_${kind}_$i.json" \
+            --threshold 3% --run-noise "${KERNEL_RUN_NOISE:-0.3%}" --format json > "$kdir/kernels_gate_${kind}_$i.json" 2>&1
+          echo "kernels $kind run $i: gate exit $?"
         done
-      done ;;
+      done
+      # the lent machine returns a handful of files: one archive, and the table
+      tar czf "$OUT/kernels.tgz" -C "$OUT" kernels && rm -rf "$kdir"
+      rm -rf /tmp/kernels_summary && mkdir -p /tmp/kernels_summary && tar xzf "$OUT/kernels.tgz" -C /tmp/kernels_summary
+      python3 benchmarks/kernel_gate_summary.py /tmp/kernels_summary/kernels --threshold 3% \
+        --run-noise 0 "${KERNEL_RUN_NOISE:-0.3%}" | tee "$OUT/kernels_gate_table.md" ;;
     *) echo "gate_gpu.sh: unknown part '$part' (detect, autotune, kernels)" >&2; exit 2 ;;
   esac
 done

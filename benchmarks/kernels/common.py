@@ -12,6 +12,7 @@ them, and both time device work with :class:`EventTimer`:
 from __future__ import annotations
 
 import importlib
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -140,34 +141,104 @@ class EventTimer:
         return self._seconds
 
 
-def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: EventTimer | None = None,
-           spin: Callable[[int], object] | None = None,
-           cycles_for_ms: Callable[[float], int] | None = None) -> Callable[[], None]:
-    """``fn`` followed by a device-side spin of ``fraction`` of its median time: a deliberate,
-    known slowdown for checking the kernel gate (``--kernel-inject-slowdown``). The median comes
-    from ``calls`` event-timed calls of ``fn``; the spin is ``torch.cuda._sleep`` of the cycles
-    :func:`dslab.bench.arms.device_spin_cycles` calibrates for that many milliseconds, queued on
-    the same stream with no synchronisation, so each timed call grows by that much device time.
-    ``timer``, ``spin`` and ``cycles_for_ms`` replace the CUDA pieces (the CPU tests' stand-ins).
-    The returned callable's ``injected_ms`` is the spin's length."""
-    if fraction <= 0:
-        return fn
+def warm_for(fn: Callable[[], object], seconds: float, timer: EventTimer | None = None, batch: int = 8) -> int:
+    """Call ``fn`` until at least ``seconds`` of its device time (CUDA events, :class:`EventTimer`)
+    have passed, in batches of ``batch`` calls between reads; the number of calls. Sustained load
+    takes a GPU near its power limit through a clock transient about a second in; the kernel
+    benchmarks' ``--kernel-warmup-s`` runs this before timing so that the rounds see the steady
+    state. ``timer`` replaces the CUDA events (the CPU tests' stand-in)."""
+    if seconds <= 0:
+        return 0
+    timer = timer or EventTimer()
+    timer.reserve(batch)
+    timed = timer.timed(fn)
+    calls, spent_ms = 0, 0.0
+    while spent_ms < seconds * 1e3:
+        for _ in range(batch):
+            timed()
+        calls += batch
+        spent_ms += sum(timer.collect_ms())
+    return calls
+
+
+def iterations_for(fn: Callable[[], object], round_ms: float, least: int, calls: int = 5,
+                   timer: EventTimer | None = None) -> int:
+    """Calls per round so that a round spans at least ``round_ms`` of device time: ``round_ms``
+    over the median of ``calls`` event-timed calls of ``fn``, and never fewer than ``least``. A
+    kernel near the GPU's power limit runs at a clock the power controller moves by several percent
+    over about a second; rounds that long each average that swing, where 70 ms rounds sample it.
+    ``timer`` replaces the CUDA events (the CPU tests' stand-in)."""
+    if round_ms <= 0:
+        return least
     timer = timer or EventTimer()
     timer.reserve(calls)
     timed = timer.timed(fn)
     for _ in range(calls):
         timed()
-    injected_ms = fraction * statistics.median(timer.collect_ms())
+    call_ms = statistics.median(timer.collect_ms())
+    return max(least, math.ceil(round_ms / call_ms)) if call_ms > 0 else least
+
+
+def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: EventTimer | None = None,
+           spin: Callable[[int], object] | None = None,
+           cycles_for_ms: Callable[[float], int] | None = None, settle: int = 4,
+           tolerance: float = 0.1) -> Callable[[], None]:
+    """``fn`` followed by a device-side spin that makes each call ``fraction`` slower: a deliberate,
+    known slowdown for checking the kernel gate (``--kernel-inject-slowdown``). The spin is
+    ``torch.cuda._sleep``, queued on the same stream with no synchronisation, so each timed call
+    grows by device time.
+
+    A spin's cycles are first set from the median of ``calls`` event-timed calls of ``fn`` and the
+    cycle rate :func:`dslab.bench.arms.device_spin_cycles` measures on an idle device. That rate
+    does not hold under load, and near the power limit a spin is partly paid back: the GPU runs
+    cooler through it and the next matmuls run at a higher clock (on an H200 a 3% spin after each
+    fused linear cross-entropy, measured in alternation with plain calls, slowed back-to-back calls
+    by 1.2%). So the slowdown is then measured as the benchmark runs it: a block of ``calls``
+    plain calls, then a block of ``calls`` slowed calls, each block's median, and the cycles scaled
+    by the wanted over the measured slowdown, up to ``settle`` times, until the measured one is
+    within ``tolerance`` (relative) of ``fraction``. Blocks as long as the benchmark's rounds (the
+    caller's ``calls``) reach the same steady state the rounds do. The returned callable's
+    ``injected_fraction`` is the last measured slowdown and ``injected_ms`` the spin's length at
+    the first calibration's rate.
+    ``timer``, ``spin`` and ``cycles_for_ms`` replace the CUDA pieces (the CPU tests' stand-ins).
+    """
+    if fraction <= 0:
+        return fn
+    timer = timer or EventTimer()
+    timer.reserve(2 * calls)
+    timed = timer.timed(fn)
+    for _ in range(calls):
+        timed()
+    base_ms = statistics.median(timer.collect_ms())
+    injected_ms = fraction * base_ms
     if cycles_for_ms is None:
         from dslab.bench.arms import device_spin_cycles as cycles_for_ms
     cycles = cycles_for_ms(injected_ms)
     spin = spin or torch.cuda._sleep
+    state = {"cycles": cycles}
 
     def call() -> None:
         fn()
-        spin(cycles)
+        spin(state["cycles"])
+
+    measured = None
+    timed_call = timer.timed(call)
+    for attempt in range(max(1, settle)):
+        for _ in range(calls):
+            timed()
+        plain = statistics.median(timer.collect_ms())
+        for _ in range(calls):
+            timed_call()
+        slow = statistics.median(timer.collect_ms())
+        measured = slow / plain - 1.0
+        if abs(measured - fraction) <= tolerance * fraction or attempt == max(1, settle) - 1:
+            break
+        scale = fraction / measured if measured > 0 else 2.0
+        state["cycles"] = max(1, int(round(state["cycles"] * min(max(scale, 0.25), 4.0))))
 
     call.injected_ms = injected_ms
+    call.injected_fraction = measured
+    call.spin_cycles = state["cycles"]
     return call
 
 

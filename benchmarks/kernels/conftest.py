@@ -6,6 +6,16 @@ Options (each has a default, so that the folder also runs when its conftest is n
     --kernel-rounds N          timed rounds per benchmark (default 30): the samples the gate compares
     --kernel-iterations N      calls per round (default 10); a round's value is their mean
     --kernel-warmup-rounds N   untimed rounds first (default 3): Triton's autotuning and compilation
+    --kernel-warmup-s S        and untimed calls for at least S seconds of device time before them
+                               (default 0): a matmul-bound case near the GPU's power limit runs a
+                               clock transient about a second into sustained load (on an H200 the
+                               fused linear cross-entropy's rounds went 6.8 -> 8.4 -> 6.8 ms);
+                               warming past it keeps the transient out of the timed rounds
+    --kernel-round-ms MS       make each round at least MS of device time (default 0: exactly
+                               --kernel-iterations calls): the calls per round become MS over the
+                               case's median call, at least --kernel-iterations; near the power
+                               limit the clock swings by several percent over about a second, and
+                               rounds of a second average the swing that 70 ms rounds sample
     --kernel-pins FILE         replay the kernel choices recorded in FILE before anything runs: a
                                pytest-benchmark JSON of these benchmarks, or a kernel-choices JSON
     --kernel-inject-slowdown F each dslab arm followed by a device-side spin of F times its median
@@ -67,6 +77,8 @@ class Timing:
     rounds: int
     iterations: int
     warmup_rounds: int
+    warmup_s: float = 0.0
+    round_ms: float = 0.0
 
 
 class CaseRef(NamedTuple):
@@ -90,6 +102,13 @@ def pytest_addoption(parser):
         default = getattr(DEFAULT_TIMING, name)
         group.addoption(f"--kernel-{name.replace('_', '-')}", type=int, default=default,
                         help=f"{text} (default {default})")
+    group.addoption("--kernel-round-ms", type=float, default=0.0, metavar="MS",
+                    help="make each timed round at least this much device time: more calls per round for a short "
+                         "case, so that rounds average the clock's swing near the power limit (default 0: exactly "
+                         "--kernel-iterations calls)")
+    group.addoption("--kernel-warmup-s", type=float, default=0.0, metavar="SECONDS",
+                    help="untimed calls for at least this much device time before each benchmark's warm-up "
+                         "rounds: past the clock transient of sustained load near the power limit (default 0)")
     group.addoption("--kernel-inject-slowdown", type=float, default=0.0, metavar="FRACTION",
                     help="slow every dslab arm by this fraction of its median call time with a device-side spin "
                          "(common.slowed), to check the kernel gate; recorded in machine_info (default 0: off)")
@@ -177,7 +196,13 @@ def timing(pytestconfig) -> Timing:
         least = 0 if name == "warmup_rounds" else 1
         if value < least:
             raise ValueError(f"--kernel-{name.replace('_', '-')} must be at least {least}, got {value}")
-    return Timing(**values)
+    warmup_s = pytestconfig.getoption("kernel_warmup_s", 0.0) or 0.0
+    if not 0.0 <= warmup_s <= 600.0:
+        raise ValueError(f"--kernel-warmup-s must lie in [0, 600] seconds, got {warmup_s}")
+    round_ms = pytestconfig.getoption("kernel_round_ms", 0.0) or 0.0
+    if not 0.0 <= round_ms <= 60_000.0:
+        raise ValueError(f"--kernel-round-ms must lie in [0, 60000] ms, got {round_ms}")
+    return Timing(**values, warmup_s=warmup_s, round_ms=round_ms)
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import EventTimer, graph_replay, slowed
+from common import EventTimer, graph_replay, iterations_for, slowed, warm_for
 
 DEVICE_CLOCK = EventTimer()
 
@@ -73,11 +73,16 @@ def test_kernel(benchmark, case_ref, arm, case_store, timing, timing_mode, devic
             benchmark.extra_info["timing"] = "graph"
         else:
             benchmark.extra_info["timing"] = f"eager: the case could not be captured ({failures[-1]})"
+    if timing.warmup_s:
+        benchmark.extra_info["warmup_calls"] = warm_for(fn, timing.warmup_s)
+    iterations = iterations_for(fn, timing.round_ms, timing.iterations)
     if arm == "dslab" and inject_slowdown:
-        fn = slowed(fn, inject_slowdown)  # a deliberate slowdown (--kernel-inject-slowdown)
-        benchmark.extra_info["injected_ms"] = fn.injected_ms
-    DEVICE_CLOCK.reserve(timing.iterations)
-    benchmark.pedantic(DEVICE_CLOCK.timed(fn), rounds=timing.rounds, iterations=timing.iterations,
+        # a deliberate slowdown (--kernel-inject-slowdown), calibrated over blocks as long as a round
+        fn = slowed(fn, inject_slowdown, calls=max(20, iterations))
+        benchmark.extra_info.update(injected_ms=fn.injected_ms, injected_fraction=fn.injected_fraction)
+    benchmark.extra_info["iterations"] = iterations
+    DEVICE_CLOCK.reserve(iterations)
+    benchmark.pedantic(DEVICE_CLOCK.timed(fn), rounds=timing.rounds, iterations=iterations,
                        warmup_rounds=timing.warmup_rounds)
     if benchmark.stats is None:  # --benchmark-disable: the call ran once, untimed
         return

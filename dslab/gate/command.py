@@ -61,24 +61,33 @@ DEFAULT_THRESHOLD = {False: 0.05, True: 0.03}
 DEFAULT_ALPHA = {False: 0.01, True: 0.05}
 # The options only --ab takes, and the classic options it refuses.
 AB_ONLY = ("case", "scale", "baseline_tree", "max_trials", "min_trials", "out", "candidate_env", "no_pin_kernels")
-NOT_WITH_AB = ("baseline", "candidate", "update_baseline", "pytest_benchmark")
+NOT_WITH_AB = ("baseline", "candidate", "update_baseline", "pytest_benchmark", "run_noise")
 AB_MIN_TRIALS, AB_MAX_TRIALS = 5, 15
 
 
-def parse_threshold(text: str) -> float:
-    """``"5%"`` -> 0.05, ``"0.05"`` -> 0.05; a bare number >= 1 is refused as ambiguous."""
+def _parse_fraction(text: str, option: str, example: str, zero_ok: bool) -> float:
     value = str(text).strip()
     try:
         number = float(value[:-1]) / 100.0 if value.endswith("%") else float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--threshold must be a percentage like 5% or a fraction like 0.05, "
-                                         f"got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{option} must be a percentage like {example}% or a fraction like "
+                                         f"{float(example) / 100:g}, got {text!r}") from None
     if not value.endswith("%") and number >= 1.0:
-        raise argparse.ArgumentTypeError(f"--threshold {text!r} is ambiguous: write {value}% or "
+        raise argparse.ArgumentTypeError(f"{option} {text!r} is ambiguous: write {value}% or "
                                          f"{number / 100:g}")
-    if not 0.0 < number < 1.0:
-        raise argparse.ArgumentTypeError(f"--threshold must lie between 0% and 100%, got {text!r}")
+    if not (0.0 <= number if zero_ok else 0.0 < number) or not number < 1.0:
+        raise argparse.ArgumentTypeError(f"{option} must lie between 0% and 100%, got {text!r}")
     return number
+
+
+def parse_threshold(text: str) -> float:
+    """``"5%"`` -> 0.05, ``"0.05"`` -> 0.05; a bare number >= 1 is refused as ambiguous."""
+    return _parse_fraction(text, "--threshold", "5", zero_ok=False)
+
+
+def parse_run_noise(text: str) -> float:
+    """``--run-noise``: ``"0.3%"`` -> 0.003, as :func:`parse_threshold` reads, 0 allowed."""
+    return _parse_fraction(text, "--run-noise", "0.3", zero_ok=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=None,
                         help="significance level of the rank test (default: 0.01); with --ab, the bound on the "
                              "chance of calling an unchanged candidate a regression (default: 0.05)")
+    parser.add_argument("--run-noise", type=parse_run_noise, default=None, metavar="PCT",
+                        help="the relative spread of a run's median between two processes of unchanged code, which "
+                             "the trials of one process cannot show (pytest-benchmark rounds are one process): "
+                             "widens the interval by it (default: 0%%; measure it from A/A runs, e.g. 0.3%% for "
+                             "benchmarks/kernels on an H200)")
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     parser.add_argument("--update-baseline", nargs="+", default=None, metavar="RUN",
                         help="write the baseline of RUN's fingerprint from RUN (several runs are pooled) and exit")
@@ -301,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_ab(args)
     try:
         settings = GateSettings(threshold=DEFAULT_THRESHOLD[False] if args.threshold is None else args.threshold,
-                                alpha=DEFAULT_ALPHA[False] if args.alpha is None else args.alpha)
+                                alpha=DEFAULT_ALPHA[False] if args.alpha is None else args.alpha,
+                                run_noise=getattr(args, "run_noise", None) or 0.0)
     except ValueError as err:
         print(f"dslab gate: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_JUDGE

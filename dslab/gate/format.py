@@ -43,8 +43,8 @@ def _subject(row: Row) -> str:
 def _settings_line(report: GateReport) -> str:
     s = report.settings
     return (f"threshold {s.threshold:.1%}".replace(".0%", "%") + f", alpha {s.alpha:g}, "
-            f"{s.level:.0%} bootstrap CI of the median ratio ({s.resamples} resamples), "
-            f"two-sided Mann-Whitney U")
+            f"{s.level:.0%} bootstrap CI of the median ratio ({s.resamples} resamples"
+            + (f", run-to-run noise {s.run_noise:.2%}" if s.run_noise else "") + "), two-sided Mann-Whitney U")
 
 
 def _cells(row: Row) -> list[str]:

@@ -54,6 +54,7 @@ def bootstrap_ratio_ci(
     confidence: float = 0.95,
     resamples: int = 4000,
     seed: int = 0,
+    run_noise: float = 0.0,
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of ``median(candidate) / median(baseline)``.
 
@@ -61,11 +62,20 @@ def bootstrap_ratio_ci(
     (independently: the two runs are independent samples) and takes the ratio of the medians;
     the interval is the ``(1 - confidence) / 2`` and ``(1 + confidence) / 2`` quantiles of the
     replicates. Vectorised: two index arrays of shape ``(resamples, m)`` and ``(resamples, n)``.
+
+    ``run_noise`` (a relative standard deviation, 0.003 = 0.3%) is the spread of a whole run's
+    median from one process to the next that the trials of one process cannot show: when a side's
+    trials are rounds of one process (pytest-benchmark), resampling them bounds only that process's
+    median. Each replicate is then multiplied by ``exp(e_c - e_b)``, one draw each of
+    ``N(0, run_noise^2)`` for the candidate's and the baseline's process, so the interval also
+    covers the offset two unchanged processes show.
     """
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     if resamples < 100:
         raise ValueError(f"resamples must be >= 100, got {resamples}")
+    if not 0.0 <= run_noise < 1.0 or not math.isfinite(run_noise):
+        raise ValueError(f"run_noise must lie in [0, 1) (0.003 = 0.3%), got {run_noise}")
     base = as_sample(baseline, "baseline")
     cand = as_sample(candidate, "candidate")
     if np.any(base <= 0):
@@ -74,6 +84,9 @@ def bootstrap_ratio_ci(
     base_medians = _row_medians(base[rng.integers(0, base.size, size=(resamples, base.size))])
     cand_medians = _row_medians(cand[rng.integers(0, cand.size, size=(resamples, cand.size))])
     ratios = cand_medians / base_medians
+    if run_noise > 0.0:
+        offsets = rng.normal(0.0, run_noise, size=(2, resamples))
+        ratios = ratios * np.exp(offsets[0] - offsets[1])
     tail = (1.0 - confidence) / 2.0
     low, high = np.quantile(ratios, [tail, 1.0 - tail])
     return float(low), float(high)

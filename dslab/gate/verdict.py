@@ -3,7 +3,8 @@
 The rule, for one metric with trials ``b`` (baseline, m of them) and ``c`` (candidate, n):
 
 * ``ratio = median(c) / median(b)``; the percentile-bootstrap interval ``[low, high]`` of that
-  ratio at level ``1 - alpha`` (99% by default; :attr:`GateSettings.confidence` overrides it);
+  ratio at level ``1 - alpha`` (99% by default; :attr:`GateSettings.confidence` overrides it),
+  widened by :attr:`GateSettings.run_noise` when the trials of a side come from one process;
   ``p``, the two-sided Mann-Whitney p-value.
 * **regression** iff all of: the interval lies entirely on the bad side of 1 (``high < 1`` for a
   metric where higher is better, ``low > 1`` where lower is better), ``p < alpha`` (default 0.01),
@@ -55,13 +56,17 @@ class GateSettings:
     """``threshold``: the smallest relative change that matters (0.05 = 5%); ``alpha``: the rank
     test's significance level; ``confidence``: the bootstrap interval's level (None: ``1 - alpha``,
     so that the interval and the test are equally strict); ``resamples`` and
-    ``seed``: the bootstrap's size and its numpy Generator seed (fixed, so verdicts repeat)."""
+    ``seed``: the bootstrap's size and its numpy Generator seed (fixed, so verdicts repeat);
+    ``run_noise``: the relative spread of a run's median from one process to another that its own
+    trials cannot show (0: none; see :func:`dslab.gate.stats.bootstrap_ratio_ci`), widening the
+    interval."""
 
     threshold: float = 0.05
     alpha: float = 0.01
     confidence: float | None = None
     resamples: int = 4000
     seed: int = 0
+    run_noise: float = 0.0
 
     @property
     def level(self) -> float:
@@ -77,6 +82,8 @@ class GateSettings:
             raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
         if self.resamples < 100:
             raise ValueError(f"resamples must be >= 100, got {self.resamples}")
+        if not 0.0 <= self.run_noise < 0.5:
+            raise ValueError(f"run noise must lie in [0, 0.5) (0.003 = 0.3%), got {self.run_noise}")
 
 
 @dataclass
@@ -152,7 +159,8 @@ def compare_samples(baseline, candidate, direction: str, settings: GateSettings 
         return out
     test = mann_whitney(cand, base)
     out.p_value, out.test = test.p_value, test.method
-    out.ci_low, out.ci_high = bootstrap_ratio_ci(base, cand, settings.level, settings.resamples, settings.seed)
+    out.ci_low, out.ci_high = bootstrap_ratio_ci(base, cand, settings.level, settings.resamples, settings.seed,
+                                                 settings.run_noise)
     interval = f"{settings.level:.0%} CI {_pct(out.ci_low)} to {_pct(out.ci_high)}"
     summary = f"median {_pct(out.ratio)} ({interval}), p={out.p_value:.2g}"
     low, high, limit = out.ci_low, out.ci_high, settings.threshold

@@ -4,7 +4,9 @@ a GPU. The benchmarks themselves need one (``pytest benchmarks/kernels -m gpu``)
 
 import importlib.util
 import inspect
+import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -95,26 +97,113 @@ def test_event_timer_collects_each_call_in_order():
     assert timer() == pytest.approx(2.25e-3)
 
 
-def test_slowed_adds_the_fraction_of_the_median_as_device_time():
+def _slowed_on_a_simulated_device(spin_cycles_per_ms: float, fraction: float = 0.03, settle: int = 4):
+    """``common.slowed`` over a stand-in kernel of 2 ms (one call in five 9 ms, which medians
+    ignore) on a device whose spin runs at ``spin_cycles_per_ms``, while the idle calibration
+    claims 1000 cycles per ms."""
     stream = SimulatedStream()
     timer = common.EventTimer(event_type=stream.event)
-    sizes = iter([2.0, 2.0, 9.0, 2.0, 1.9] * 10)  # one slow call among them: the median ignores it
+    sizes = itertools.cycle([2.0, 2.0, 9.0, 2.0, 2.0])
     spun = []
 
     def spin(cycles):
         spun.append(cycles)
-        stream.kernel(cycles / 1000.0)  # a stand-in device at 1000 cycles per ms
+        stream.kernel(cycles / spin_cycles_per_ms)
 
-    fn = common.slowed(lambda: stream.kernel(next(sizes)), 0.03, calls=5, timer=timer, spin=spin,
-                       cycles_for_ms=lambda ms: round(ms * 1000))
+    fn = common.slowed(lambda: stream.kernel(next(sizes)), fraction, calls=5, timer=timer, spin=spin,
+                       cycles_for_ms=lambda ms: round(ms * 1000), settle=settle)
+    return stream, fn, spun
+
+
+def test_slowed_adds_the_fraction_of_the_median_as_device_time():
+    stream, fn, spun = _slowed_on_a_simulated_device(spin_cycles_per_ms=1000.0)
     assert fn.injected_ms == pytest.approx(0.06)
+    assert fn.injected_fraction == pytest.approx(0.03)
+    assert fn.spin_cycles == 60
+    check = common.EventTimer(event_type=stream.event)
+    timed = check.timed(fn)
+    spun.clear()
+    for _ in range(5):
+        timed()
+    assert sorted(check.collect_ms()) == pytest.approx([2.06, 2.06, 2.06, 2.06, 9.06])
+    assert spun == [60] * 5
+    assert common.slowed(print, 0.0) is print  # off: the callable itself
+
+
+def test_slowed_corrects_a_spin_rate_that_differs_under_load():
+    # the idle calibration says 1000 cycles a millisecond; under load the spin runs at 2000, so its
+    # first cycles add 1.5%, not 3%: measured where it is applied, the cycles are doubled
+    stream, fn, spun = _slowed_on_a_simulated_device(spin_cycles_per_ms=2000.0)
+    assert fn.injected_fraction == pytest.approx(0.03, rel=0.1)
+    assert fn.spin_cycles == 120
     check = common.EventTimer(event_type=stream.event)
     timed = check.timed(fn)
     for _ in range(5):
         timed()
-    assert check.collect_ms() == pytest.approx([2.06, 2.06, 9.06, 2.06, 1.96])
-    assert spun == [60] * 5
-    assert common.slowed(print, 0.0) is print  # off: the callable itself
+    assert statistics.median(check.collect_ms()) == pytest.approx(2.06)
+    # with no settling round the first, uncorrected slowdown is what it reports
+    _, raw, _ = _slowed_on_a_simulated_device(spin_cycles_per_ms=2000.0, settle=1)
+    assert raw.injected_fraction == pytest.approx(0.015)
+    assert raw.spin_cycles == 60
+
+
+class PowerLimitedDevice:
+    """A kernel near the power limit: it runs faster the larger the share of recent device time
+    spent idle in spins (an average over the last few calls), as an H200 pays a spin back at a
+    higher clock."""
+
+    def __init__(self, stream: SimulatedStream, call_ms=2.0, payback=0.6, memory=0.8):
+        self.stream, self.call_ms, self.payback, self.memory = stream, call_ms, payback, memory
+        self.idle_share, self.spun_ms = 0.0, 0.0
+
+    def kernel(self):
+        ms = self.call_ms * (1.0 - self.payback * self.idle_share)
+        self.stream.kernel(ms)
+        share = self.spun_ms / (self.spun_ms + ms)
+        self.idle_share = self.memory * self.idle_share + (1.0 - self.memory) * share
+        self.spun_ms = 0.0
+
+    def spin(self, cycles):
+        ms = cycles / 1000.0
+        self.spun_ms += ms
+        self.stream.kernel(ms)
+
+
+def test_slowed_reaches_the_fraction_in_back_to_back_calls_on_a_power_limited_kernel():
+    stream = SimulatedStream()
+    device = PowerLimitedDevice(stream)
+    timer = common.EventTimer(event_type=stream.event)
+    fn = common.slowed(device.kernel, 0.03, calls=40, timer=timer, spin=device.spin,
+                       cycles_for_ms=lambda ms: round(ms * 1000), settle=6, tolerance=0.05)
+    check = common.EventTimer(event_type=stream.event)
+    plain, slow = check.timed(device.kernel), check.timed(fn)
+    for _ in range(60):
+        plain()
+    plain_ms = statistics.median(check.collect_ms()[20:])
+    for _ in range(60):
+        slow()
+    slow_ms = statistics.median(check.collect_ms()[20:])
+    assert slow_ms / plain_ms - 1.0 == pytest.approx(0.03, rel=0.1)
+    assert fn.injected_fraction == pytest.approx(0.03, rel=0.1)
+    assert fn.spin_cycles > 70  # the first calibration's 60 cycles are partly paid back
+
+
+def test_warm_for_runs_until_that_much_device_time_has_passed():
+    stream = SimulatedStream()
+    timer = common.EventTimer(event_type=stream.event)
+    calls = common.warm_for(lambda: stream.kernel(7.0), 0.1, timer=timer, batch=4)
+    assert calls == 16 and stream.now_ms == pytest.approx(112.0)  # 15 calls reach 100 ms; batches of 4
+    assert common.warm_for(lambda: stream.kernel(1.0), 0.0, timer=timer) == 0
+    assert stream.now_ms == pytest.approx(112.0)
+
+
+def test_iterations_for_makes_each_round_span_the_asked_device_time():
+    stream = SimulatedStream()
+    timer = common.EventTimer(event_type=stream.event)
+    sizes = itertools.cycle([7.0, 7.0, 30.0, 7.0, 6.0])  # median 7 ms
+    assert common.iterations_for(lambda: stream.kernel(next(sizes)), 1000.0, least=10, timer=timer) == 143
+    assert common.iterations_for(lambda: stream.kernel(50.0), 100.0, least=10, timer=timer) == 10  # at least
+    assert common.iterations_for(lambda: stream.kernel(50.0), 0.0, least=4, timer=timer) == 4  # off
 
 
 BENCH_FILE = f"""

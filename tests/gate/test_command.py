@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from dslab.gate.command import add_arguments, parse_threshold, run
+from dslab.gate.command import add_arguments, parse_run_noise, parse_threshold, run
 from dslab.report import Result, RunReport, Trial, write_report
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -156,11 +156,12 @@ def test_threshold_parsing():
             parse_threshold(bad)
 
 
-def bench_file(path, scale=1.0, save_data=True, cpu="AMD EPYC 9654", seed=0, extra_machine_info=None, timing=None):
+def bench_file(path, scale=1.0, save_data=True, cpu="AMD EPYC 9654", seed=0, extra_machine_info=None, timing=None,
+               cv=0.02):
     rng = np.random.default_rng(seed)
     benchmarks = []
     for name in ("test_layer_norm", "test_softmax"):
-        times = list(1e-4 * scale * np.exp(rng.normal(0, 0.02, 40)))
+        times = list(1e-4 * scale * np.exp(rng.normal(0, cv, 40)))
         stats = {"min": min(times), "median": float(np.median(times)), "rounds": len(times)}
         if save_data:
             stats["data"] = times
@@ -190,6 +191,29 @@ def test_pytest_benchmark_gating(tmp_path, capsys):
     assert code == 2 and "machine_info.cpu.brand_raw" in out.out
     code, out = gate(capsys, "--pytest-benchmark", base, str(tmp_path / "absent.json"))
     assert code == 2 and "absent.json" in out.out
+
+
+def test_run_noise_widens_the_interval_of_one_process_rounds(tmp_path, capsys):
+    """Rounds that scatter by 0.05% bound one process's median tightly: a 2.9% slower candidate
+    passes a 3% gate as "within the threshold" unless the run-to-run noise is allowed for."""
+    base = bench_file(tmp_path / "base.json", seed=1, cv=0.0005)
+    cand = bench_file(tmp_path / "cand.json", seed=2, cv=0.0005, scale=1.029)
+    code, out = gate(capsys, "--pytest-benchmark", base, cand, "--threshold", "3%")
+    assert code == 0 and "the whole CI lies within the 3% threshold" in out.out, out.out
+    code, out = gate(capsys, "--pytest-benchmark", base, cand, "--threshold", "3%", "--run-noise", "0.3%",
+                     "--format", "json")
+    report = json.loads(out.out)
+    assert code == 1 and report["settings"]["run_noise"] == pytest.approx(0.003)
+    assert all(row["verdict"] == "regression" and row["ci_high"] > 1.03 for row in report["rows"])
+    code, out = gate(capsys, "--pytest-benchmark", base, bench_file(tmp_path / "same.json", seed=3, cv=0.0005),
+                     "--threshold", "3%", "--run-noise", "0.3%")
+    assert code == 0 and "run-to-run noise 0.30%" in out.out
+    assert parse_run_noise("0") == 0.0 and parse_run_noise("0.3%") == pytest.approx(0.003)
+    for bad in ("-1%", "x", "2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--run-noise"):
+            parse_run_noise(bad)
+    code, out = gate(capsys, "--ab", "--suite", "gpt2", "--case", "124m", "--run-noise", "0.3%")
+    assert code == 2 and "--run-noise" in out.err and "not with --ab" in out.err
 
 
 def test_pytest_benchmark_gating_judges_only_benchmarks_timed_alike(tmp_path, capsys):

@@ -130,11 +130,30 @@ def test_bootstrap_interval_covers_the_true_ratio():
     assert covered / 200 >= 0.85  # percentile bootstrap of medians at n=15 under-covers a little
 
 
+def test_bootstrap_run_noise_covers_the_offset_between_processes():
+    # each side's trials are rounds of one process whose median is shifted by 0.3%: the plain
+    # interval bounds only the process medians, the widened one covers the true ratio
+    rng = np.random.default_rng(21)
+    plain = widened = 0
+    for _ in range(200):
+        base = np.exp(rng.normal(0, 0.003) + rng.normal(0, 0.0005, 15))
+        cand = np.exp(rng.normal(0, 0.003) + rng.normal(0, 0.0005, 15))
+        low, high = bootstrap_ratio_ci(base, cand, confidence=0.95, resamples=1000, seed=1)
+        plain += low <= 1.0 <= high
+        low, high = bootstrap_ratio_ci(base, cand, confidence=0.95, resamples=1000, seed=1, run_noise=0.003)
+        widened += low <= 1.0 <= high
+    assert plain / 200 < 0.5
+    assert widened / 200 >= 0.9
+    assert bootstrap_ratio_ci([5.0] * 6, [5.0] * 6, run_noise=0.0) == (1.0, 1.0)
+
+
 def test_bootstrap_rejects_bad_settings():
     with pytest.raises(ValueError, match="confidence"):
         bootstrap_ratio_ci([1.0, 2.0], [1.0, 2.0], confidence=1.0)
     with pytest.raises(ValueError, match="resamples"):
         bootstrap_ratio_ci([1.0, 2.0], [1.0, 2.0], resamples=10)
+    with pytest.raises(ValueError, match="run_noise"):
+        bootstrap_ratio_ci([1.0, 2.0], [1.0, 2.0], run_noise=-0.1)
 
 
 def test_rank_z_is_the_standardised_u():

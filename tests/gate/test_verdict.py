@@ -63,6 +63,34 @@ def test_step_time_direction_catches_the_same_drop_and_stays_quiet_on_a_a():
     assert regression_rate(0.0, "lower", seed=4, draws=500) <= 0.01
 
 
+def one_process_rounds(rng, n, slowdown=0.0, run_sd=0.0025, round_cv=0.0005):
+    """n rounds of one pytest-benchmark process timing a kernel: the rounds scatter by
+    ``round_cv`` around a median that the process itself shifts by ``N(0, run_sd)`` (what 4 A/A
+    processes of the H200 kernel benchmarks showed: 0.02-0.48% per benchmark, 0.23% pooled)."""
+    offset = rng.normal(0.0, run_sd)
+    return 1e-3 * (1.0 + slowdown) * np.exp(offset + rng.normal(0.0, round_cv, n))
+
+
+def kernel_gate_rate(slowdown, run_noise, seed, draws=400, n=15):
+    rng = np.random.default_rng(seed)
+    settings = GateSettings(threshold=0.03, run_noise=run_noise, resamples=1000)
+    hits = 0
+    for _ in range(draws):
+        base, cand = one_process_rounds(rng, n), one_process_rounds(rng, n, slowdown)
+        hits += compare_samples(base, cand, "lower", settings).verdict == REGRESSION
+    return hits / draws
+
+
+def test_run_noise_lets_a_kernel_gate_at_3_percent_catch_3_percent():
+    # rounds of one process bound that process's median only: without the run-to-run noise the
+    # interval is a tenth of the processes' spread, and a real 3% slowdown that one pair of
+    # processes reads as 2.9% passes as "clear but within the threshold" about half the time
+    assert kernel_gate_rate(0.03, run_noise=0.0, seed=11) < 0.7
+    assert kernel_gate_rate(0.03, run_noise=0.003, seed=12) >= 0.95
+    assert kernel_gate_rate(0.0, run_noise=0.003, seed=13) <= 0.05
+    assert kernel_gate_rate(0.01, run_noise=0.003, seed=14) <= 0.05  # 1% is not a 3% regression
+
+
 def test_too_few_trials_cannot_judge_and_says_how_many():
     assert trials_needed(0.01) == 5 and smallest_p(5, 5) < 0.01 <= smallest_p(4, 4)
     result = compare_samples([100, 101, 99, 100], [80, 81, 79, 80], "higher")
@@ -104,6 +132,8 @@ def test_settings_are_checked():
         GateSettings(threshold=5)
     with pytest.raises(ValueError, match="alpha"):
         GateSettings(alpha=0)
+    with pytest.raises(ValueError, match="run noise"):
+        GateSettings(run_noise=-0.01)
     with pytest.raises(ValueError, match="direction"):
         compare_samples([1.0], [1.0], "up")
     assert GateSettings().level == pytest.approx(0.99)
