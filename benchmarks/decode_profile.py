@@ -2,7 +2,7 @@
 (:mod:`dslab.inference.fused_decode`) and op by op, timed and profiled kernel by kernel.
 
     python3 benchmarks/decode_profile.py [--presets gpt2_124m,gpt2_1558m] [--batches 1,32]
-        [--dtypes bf16,int8] [--replays 100] [--trials 5] [--top 8]
+        [--dtypes bf16,int8] [--replays 100] [--trials 5] [--top 8] [--dependent-launch]
 
 For each preset x batch x dtype it injects one random transformers model (GPT-2 for ``gpt2_*``
 presets, Llama for ``llama*``; bf16, the suite's seed), prefills a 32-token prompt and captures the
@@ -16,6 +16,9 @@ fastest choice these rows show; a model without a fused step has the op-by-op va
   (max |difference| over max |logit|) and whether their greedy tokens agree;
 - kernels: ``torch.profiler`` over 20 replays of each graph (CUPTI reports the kernels inside a
   graph): launches per step and the ``--top`` kernels by device time per step;
+- ``--dependent-launch``: a third variant, the fused step captured with programmatic dependent
+  launch (:func:`dslab.kernels.dispatch.dependent_launch`), timed in the same interleave; its
+  logits must equal the fused step's bit for bit (same kernels, same order of arithmetic);
 - the weights-read floor: the weight bytes at the measured device-to-device copy bandwidth
   (``Tensor.copy_`` of 1 GiB, bytes read + written per second: what the memory system moves), about
   the best a batch-1 step can do.
@@ -41,6 +44,7 @@ from inference_kernels_bench import copy_bandwidth_gbs  # noqa: E402
 from dslab.bench.inference import build_hf_gpt2, build_hf_llama, make_prompts  # noqa: E402
 from dslab.inference import init_inference  # noqa: E402
 from dslab.inference.decode import DecodeRunner  # noqa: E402
+from dslab.kernels.dispatch import dependent_launch, dependent_launches  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
 PROMPT = 32
@@ -49,8 +53,9 @@ PROMPT = 32
 class Variant:
     """One engine's slot at a batch, its step captured with the step fused or not."""
 
-    def __init__(self, engine, prompts, fused: bool):
+    def __init__(self, engine, prompts, fused: bool, name: str | None = None):
         self.engine, self.fused = engine, fused
+        self.name = name or ("fused" if fused else "op by op")
         self.runner = DecodeRunner(engine.module, engine.max_seq, True)  # its own slot and graph
         fusable = hasattr(engine.module, "fused_decode")
         if fusable:
@@ -113,6 +118,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--dependent-launch", action="store_true",
+                        help="also time the fused step captured with programmatic dependent launch")
     args = parser.parse_args()
     device = torch.device("cuda")
     read_gbs = copy_bandwidth_gbs()
@@ -130,6 +137,14 @@ def main() -> None:
                 plain = Variant(engine, prompts, False)
                 fused = Variant(engine, prompts, True) if fusable else plain
                 variants = (fused, plain) if fusable else (plain,)
+                dependent = None
+                if fusable and args.dependent_launch:
+                    with dependent_launches(True):
+                        if not dependent_launch(device):
+                            raise SystemExit("--dependent-launch: this GPU or Triton has no programmatic dependent "
+                                             "launch (compute capability 9.0 and tl.extra.cuda.gdc_wait)")
+                        dependent = Variant(engine, prompts, True, name="fused, dependent launch")
+                    variants = (fused, dependent, plain)
                 for variant in variants:
                     variant.reset()
                 a, b = fused.steps(8), plain.steps(8)
@@ -137,35 +152,46 @@ def main() -> None:
                 diff = max((x - y).abs().max().item() for x, y in zip(a, b)) / scale
                 first = (a[0] - b[0]).abs().max().item() / b[0].abs().max().item()
                 same = all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b))
-                times = {True: [], False: []}
+                if dependent is not None:
+                    fused.reset()
+                    dependent.reset()
+                    c, d = fused.steps(8), dependent.steps(8)
+                    dependent_equal = all(torch.equal(x, y) for x, y in zip(c, d))
+                times = {variant.name: [] for variant in variants}
                 for _ in range(args.trials):
                     for variant in variants:
-                        times[variant.fused].append(variant.time_ms(args.replays))
-                t_plain = statistics.median(times[False])
-                t_fused = statistics.median(times[True]) if fusable else float("nan")
+                        times[variant.name].append(variant.time_ms(args.replays))
+                t_plain = statistics.median(times[plain.name])
+                t_fused = statistics.median(times["fused"]) if fusable else float("nan")
+                t_dependent = statistics.median(times[dependent.name]) if dependent is not None else float("nan")
                 label = f"{preset} b{batch} {dtype_name}"
                 print(f"\n== {label}: fused {t_fused:.4f} ms/step, op by op {t_plain:.4f} "
-                      f"(trials {', '.join(f'{t:.4f}' for t in times[True])} | "
-                      f"{', '.join(f'{t:.4f}' for t in times[False])}); logits rel diff {diff:.2e} over 8 steps (each "
-                      f"variant feeding back its own tokens), {first:.2e} at the first step; "
-                      f"greedy same {same}", flush=True)
+                      f"(trials {' | '.join(', '.join(f'{t:.4f}' for t in ts) for ts in times.values())}); "
+                      f"logits rel diff {diff:.2e} over 8 steps (each variant feeding back its own tokens), "
+                      f"{first:.2e} at the first step; greedy same {same}", flush=True)
+                if dependent is not None:
+                    print(f"  fused with dependent launch: {t_dependent:.4f} ms/step ({t_fused / t_dependent:.3f}x "
+                          f"the fused step); logits over 8 steps equal to the fused step's bit for bit: "
+                          f"{dependent_equal}", flush=True)
                 for variant in variants:
                     kernels = variant.kernels()
                     launches = sum(c for c, _ in kernels.values())
                     busy = sum(us for _, us in kernels.values())
-                    print(f"  {'fused' if variant.fused else 'op by op'}: {launches:.0f} kernels/step, "
+                    print(f"  {variant.name}: {launches:.0f} kernels/step, "
                           f"{busy:.1f} us kernel time/step")
                     for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]:
                         print(f"    {us:8.1f} us {count:5.0f}x  {name[:110]}")
                 floor = weight_bytes / read_gbs / 1e6
-                rows.append((label, t_fused, t_plain, floor, diff, same))
+                rows.append((label, t_fused, t_plain, floor, diff, same, t_dependent))
                 engine.release_cuda_graphs()
             del engine
         del model
         torch.cuda.empty_cache()
-    print(f"\n{'case':<24} {'fused ms':>9} {'op-by-op':>9} {'speedup':>8} {'floor ms':>9} {'rel diff':>9} greedy")
-    for label, tf, tp, floor, diff, same in rows:
-        print(f"{label:<24} {tf:>9.4f} {tp:>9.4f} {tp / tf:>8.2f} {floor:>9.4f} {diff:>9.1e} {same}")
+    print(f"\n{'case':<24} {'fused ms':>9} {'op-by-op':>9} {'speedup':>8} {'floor ms':>9} {'rel diff':>9} greedy"
+          f"{' dependent ms' if args.dependent_launch else ''}")
+    for label, tf, tp, floor, diff, same, td in rows:
+        print(f"{label:<24} {tf:>9.4f} {tp:>9.4f} {tp / tf:>8.2f} {floor:>9.4f} {diff:>9.1e} {str(same):<6}"
+              + (f" {td:>12.4f}" if args.dependent_launch else ""))
 
 
 if __name__ == "__main__":

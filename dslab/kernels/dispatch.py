@@ -98,6 +98,61 @@ def planned_backend(device: torch.device | str | None = None) -> str:
     return "triton" if triton_available() and (is_cuda or interpreting()) else "unavailable"
 
 
+DEPENDENT_LAUNCH_ENV = "DSLAB_DEPENDENT_LAUNCH"
+_dependent_override: bool | None = None
+_dependent_supported: dict[int, bool] = {}
+
+
+def set_dependent_launch(enabled: bool | None) -> None:
+    """Turn programmatic dependent launch of the decode kernels on or off for the whole process
+    (None goes back to ``DSLAB_DEPENDENT_LAUNCH``)."""
+    global _dependent_override
+    _dependent_override = enabled
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled: bool):
+    """Programmatic dependent launch of the decode kernels on (or off) inside the block; a CUDA
+    graph captured inside keeps it."""
+    global _dependent_override
+    previous, _dependent_override = _dependent_override, bool(enabled)
+    try:
+        yield
+    finally:
+        _dependent_override = previous
+
+
+def _dependent_launch_wanted() -> bool:
+    if _dependent_override is not None:
+        return _dependent_override
+    value = os.environ.get(DEPENDENT_LAUNCH_ENV, "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{DEPENDENT_LAUNCH_ENV}={value!r}: give 1 (on) or 0 (off)")
+    return value == "1"
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether the decode kernels (:mod:`dslab.kernels.decode`) on ``device`` launch with
+    programmatic dependent launch: asked for (``DSLAB_DEPENDENT_LAUNCH=1``,
+    :func:`set_dependent_launch` or :func:`dependent_launches`; off by default), on a CUDA device of
+    compute capability 9.0 or later (Hopper), with a Triton that has grid dependency control
+    (``tl.extra.cuda.gdc_wait``), and not under the interpreter. Such a launch may start while the
+    kernel before it on the stream still runs: each kernel then waits (``gdc_wait``) before it
+    touches anything an earlier kernel writes, and may read what none writes (its weights) first."""
+    if not _dependent_launch_wanted() or interpreting() or torch.device(device).type != "cuda":
+        return False
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _dependent_supported:
+        try:
+            from triton.language.extra import cuda as triton_cuda
+            has_gdc = hasattr(triton_cuda, "gdc_wait") and hasattr(triton_cuda, "gdc_launch_dependents")
+        except ImportError:
+            has_gdc = False
+        _dependent_supported[index] = has_gdc and torch.cuda.get_device_capability(index)[0] >= 9
+    return _dependent_supported[index]
+
+
 def use_custom_op() -> bool:
     """True when a Triton op should go through its registered ``torch.library`` custom op rather
     than the leaner eager ``autograd.Function``: while ``torch.compile`` traces, and while a

@@ -17,6 +17,10 @@ are split over ``splits`` programs per (b, h) (flash-decoding, Dao et al. 2023):
 
 With one split the first kernel normalises and writes ``out`` itself (one launch).
 
+Under programmatic dependent launch (:func:`dslab.kernels.dispatch.dependent_launch`) both kernels
+wait for the kernel before them (``gdc_wait``) before their first access, then let the next one
+launch: what they save is the launch latency between kernels, not any overlap of their own reads.
+
 Grouped-query attention (caches ``[B, H_kv, S_max, D]`` with ``H_kv`` dividing ``H``): row
 ``b * H + h`` of the grid reads kv head ``h // KV_GROUP``, ``KV_GROUP = H // H_kv`` a constexpr,
 so the cache is read in place (the group's programs, adjacent in the grid, share its rows through
@@ -36,7 +40,7 @@ import triton.language as tl
 
 from dslab.kernels._grid import device_guard
 from dslab.kernels._triton_compat import cast_rounding
-from dslab.kernels.dispatch import interpreting
+from dslab.kernels.dispatch import dependent_launch, interpreting
 
 LOG2_E = 1.4426950408889634
 #: Upper bound on the splits of one (b, h): the combine kernel holds them all in one block.
@@ -53,8 +57,11 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, heads, s_max, chunk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    KV_GROUP: tl.constexpr,
+    KV_GROUP: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    if USE_GDC:  # a programmatic dependent launch: wait for the kernel before it before any access
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // heads
@@ -105,7 +112,11 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     M_PART, L_PART, ACC_PART, OUT, heads, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
@@ -185,6 +196,7 @@ def decode_attention(
     else:
         m_part = l_part = acc_part = out  # not read or written with one split
     num_warps = 4 if head_dim * block_n >= 4096 else 2
+    dependent = dict(launch_pdl=True, USE_GDC=True) if dependent_launch(q.device) else {}
     with device_guard(q):
         _decode_split_kernel[(batch * heads, splits)](
             q, k_cache, v_cache, valid_start, valid_end, out, m_part, l_part, acc_part,
@@ -192,12 +204,12 @@ def decode_attention(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
             heads, s_max, chunk, scale * LOG2_E,
             HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits, BF16_BY_HAND=bf16_by_hand,
-            KV_GROUP=heads // k_cache.shape[1], num_warps=num_warps,
+            KV_GROUP=heads // k_cache.shape[1], num_warps=num_warps, **dependent,
         )
         if splits > 1:
             _decode_combine_kernel[(batch * heads,)](
                 m_part, l_part, acc_part, out, heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
-                BF16_BY_HAND=bf16_by_hand, num_warps=1 if head_dim <= 32 else 2,
+                BF16_BY_HAND=bf16_by_hand, num_warps=1 if head_dim <= 32 else 2, **dependent,
             )
     return out

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 from dslab.kernels.activation.swiglu import swiglu_reference
 from dslab.kernels.attention.rope import apply_rope_reference
-from dslab.kernels.dispatch import interpreting, use_triton
+from dslab.kernels.dispatch import dependent_launch, interpreting, use_triton
 from dslab.kernels.norm.rms_norm import rms_norm_reference
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -303,7 +303,8 @@ def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_ro
         STATS_BLOCK=32 if interpreting() else min(1 << (k - 1).bit_length(), 4096 // block_m),
     )
     with device_guard(x):
-        kernels.launch(block_m, interpreting(), -(-m // block_m), n, k, programs, args, meta)
+        kernels.launch(block_m, interpreting(), -(-m // block_m), n, k, programs, args, meta,
+                       dependent_launch(x.device))
     return (y, a_out) if return_sum else y
 
 

@@ -35,6 +35,14 @@ split in whole blocks; each split stores an fp32 partial of its tile (indexed by
 the split that finishes last (a per-tile counter, reset by that split) adds the partials in split
 order and runs the epilogue: one launch, deterministic.
 
+Programmatic dependent launch (``USE_GDC``, :func:`dslab.kernels.dispatch.dependent_launch`, off by
+default): the launch may start while the kernel before it still runs. A program then requests its
+first weight tile (no kernel of a step writes weights), waits for that kernel (``gdc_wait``, which
+also means every kernel before it has finished) before its first read of activations, caches,
+split-K partials or counters and before any store, and lets the next kernel launch
+(``gdc_launch_dependents``). A decode step's chain of weight-streaming launches then overlaps each
+launch's latency and first weight reads with the previous kernel's tail.
+
 Block sizes are fixed by shape (:func:`block_config`, :func:`pair_block_n`); under the interpreter
 one small configuration, so that CPU tests take several K and N blocks and split K.
 """
@@ -185,6 +193,7 @@ def _decode_linear_kernel(
     SPLIT_K: tl.constexpr, STATS_BLOCK: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PAIRED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -200,6 +209,24 @@ def _decode_linear_kernel(
         w_rows = cols
     w_ptrs = W + w_rows.to(tl.int64)[:, None] * K
     w_ptrs_2 = W + (w_rows + span).to(tl.int64)[:, None] * K
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    # The first K block's weight tile is requested before anything else: its latency overlaps the
+    # row statistics' (at decode's widths K fits one block, and this is the whole stream) and, with
+    # programmatic dependent launch, the tail of the kernel before this one, since no kernel of the
+    # step writes weights.
+    ks = k_begin + tl.arange(0, BLOCK_K)
+    w_mask = col_mask[:, None] & (ks < k_end)[None, :]
+    w_first = tl.load(w_ptrs + ks[None, :], mask=w_mask, other=0)
+    w_first_2 = w_first
+    if PAIRED:
+        w_first_2 = tl.load(w_ptrs_2 + ks[None, :], mask=w_mask, other=0)
+    if USE_GDC:
+        # launched dependent on the kernel before it: wait for that kernel (and so every earlier
+        # one) before reading activations, caches or counters or writing anything, then let the
+        # next kernel start its own weight reads
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_X_ROWS:
         x_base = tl.load(X_ROWS + rows, mask=row_mask, other=0).to(tl.int64) * stride_x
     else:
@@ -214,16 +241,6 @@ def _decode_linear_kernel(
         else:
             r_base = rows.to(tl.int64) * stride_r
 
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
-    # The first K block's weight tile is requested before the row statistics are computed, so its
-    # latency overlaps theirs (at decode's widths K fits one block, and this is the whole stream).
-    ks = k_begin + tl.arange(0, BLOCK_K)
-    w_mask = col_mask[:, None] & (ks < k_end)[None, :]
-    w_first = tl.load(w_ptrs + ks[None, :], mask=w_mask, other=0)
-    w_first_2 = w_first
-    if PAIRED:
-        w_first_2 = tl.load(w_ptrs_2 + ks[None, :], mask=w_mask, other=0)
     if BLOCK_M == 1:  # elementwise products summed once after the loop: no reduction per K block
         acc_2d = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_2d_2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # the pairs' second rows (PAIRED only)
@@ -378,16 +395,19 @@ def forced_config(config: tuple[int, int, int, int] | None):
 
 
 def launch(block_m: int, interpret: bool, grid_m: int, n: int, k: int, programs_wanted: int, args: tuple,
-           meta: dict) -> None:
+           meta: dict, dependent: bool = False) -> None:
     """Launch the kernel over ``n`` weight rows: :func:`block_config`'s blocks on the GPU (or the
     forced ones), the interpreter's small fixed blocks on CPU; a paired launch's programs own
-    :func:`pair_block_n` pairs."""
+    :func:`pair_block_n` pairs. ``dependent``: a programmatic dependent launch
+    (:func:`dslab.kernels.dispatch.dependent_launch`; never under the interpreter)."""
     paired = meta["PAIRED"]
     if interpret:
         block_n, block_k, launch_options = INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K, {}
     else:
         block_n, block_k, warps, stages = _forced or block_config(block_m, n, k, meta["INT8"], meta["HAS_NORM"])
         launch_options = dict(num_warps=warps, num_stages=stages)
+        if dependent:
+            launch_options.update(launch_pdl=True, USE_GDC=True)
     columns = tiles_n(n, block_n, block_m, paired)
     split_k, k_per_split = plan_split_k(columns * grid_m, k, block_k, programs_wanted)
     _decode_linear_kernel[(columns, grid_m, split_k)](
