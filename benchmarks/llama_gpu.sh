@@ -4,8 +4,11 @@
 #             attention and decode attention, the model and its injection)
 #   kernels   benchmarks/kernels/run.py --ops llama_ops,attention (RMSNorm, SwiGLU, rope against PyTorch)
 #   train1b   dslab bench suites/llama --cases 1b (dslab, torch, torch-compile, torch-compile-ro, hf, liger)
-#   train3b   dslab bench suites/llama --cases 3b
+#   train3b   dslab bench suites/llama --cases 3b (ARMS, e.g. dslab,torch-compile,liger: the host holds
+#             fewer parked 3B arms than the suite has)
 #   infer     dslab bench suites/llama_inference (batch 1, 8, 32 decode; a 512-token prefill)
+#   decode    the dependent-launch GPU test, then benchmarks/decode_profile.py --dependent-launch on
+#             Llama-3.2-1B's shape at batch 1 and 8 (fused, fused with dependent launch, op by op)
 # Several parts in one call run in order: bash benchmarks/llama_gpu.sh tests train1b
 # Reports and logs land in $OUT; each part's table prints last.
 set -u
@@ -27,13 +30,22 @@ for part in "$@"; do
       tail -12 "$OUT/kernels.log" ;;
     train1b|train3b)
       case_name=${part#train}
+      arms=()
+      [ -n "${ARMS:-}" ] && arms=(--arms "$ARMS")
       timeout "${TRAIN_S:-540}" python3 -m dslab.cli bench suites/llama --cases "$case_name" --trials "$TRIALS" \
-        --out "$OUT/reports" > "$OUT/$part.log" 2>&1
+        ${arms[@]+"${arms[@]}"} --out "$OUT/reports" > "$OUT/$part.log" 2>&1
       grep -vE "^\[llama" "$OUT/$part.log" | tail -22 ;;
     infer)
       timeout "${INFER_S:-540}" python3 -m dslab.cli bench suites/llama_inference --trials "$TRIALS" \
         --out "$OUT/reports" > "$OUT/infer.log" 2>&1
       grep -vE "^\[llama" "$OUT/infer.log" | tail -40 ;;
-    *) echo "llama_gpu.sh: unknown part '$part' (tests, kernels, train1b, train3b, infer)" >&2; exit 2 ;;
+    decode)
+      timeout "${DECODE_TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/inference/test_dependent_launch_gpu.py > "$OUT/decode_tests.log" 2>&1
+      tail -5 "$OUT/decode_tests.log"
+      timeout "${DECODE_S:-300}" python3 benchmarks/decode_profile.py --presets llama3_1b --batches 1,8 --trials 5 \
+        --dependent-launch > "$OUT/decode_profile.log" 2>&1
+      grep -E "^==|dependent launch:|kernels/step" "$OUT/decode_profile.log"; tail -4 "$OUT/decode_profile.log" ;;
+    *) echo "llama_gpu.sh: unknown part '$part' (tests, kernels, train1b, train3b, infer, decode)" >&2; exit 2 ;;
   esac
 done
