@@ -72,7 +72,7 @@ def main() -> None:
     copy = copy_bandwidth_gbs()
     h, m = args.hidden, args.rows
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; hidden {h}, rows {m}, bf16", flush=True)
-    configs = kernels.SWEEP_ROW if m == 1 else kernels.SWEEP_DOT
+    configs = kernels.sweep(kernels.row_block(m))
     results = []
     for name, (n, k), prologue in (("qkv", (3 * h, h), True), ("attn out", (h, h), False),
                                    ("mlp up", (4 * h, h), True), ("mlp down", (h, 4 * h), False)):

@@ -8,7 +8,9 @@
 #             fewer parked 3B arms than the suite has)
 #   infer     dslab bench suites/llama_inference (batch 1, 8, 32 decode; a 512-token prefill)
 #   decode    the dependent-launch GPU test, then benchmarks/decode_profile.py --dependent-launch on
-#             Llama-3.2-1B's shape at batch 1 and 8 (fused, fused with dependent launch, op by op)
+#             Llama-3.2-1B's shape at batch 1 and 8 (fused, fused with dependent launch, op by op;
+#             at batch 8 the fused step runs decode_linear's small-row path), and decode_linear_bench.py's
+#             sweep of that path's configurations at 8 rows, hidden 2048
 # Several parts in one call run in order: bash benchmarks/llama_gpu.sh tests train1b
 # Reports and logs land in $OUT; each part's table prints last.
 set -u
@@ -45,7 +47,10 @@ for part in "$@"; do
       tail -5 "$OUT/decode_tests.log"
       timeout "${DECODE_S:-300}" python3 benchmarks/decode_profile.py --presets llama3_1b --batches 1,8 --trials 5 \
         --dependent-launch > "$OUT/decode_profile.log" 2>&1
-      grep -E "^==|dependent launch:|kernels/step" "$OUT/decode_profile.log"; tail -4 "$OUT/decode_profile.log" ;;
+      grep -E "^==|dependent launch:|kernels/step" "$OUT/decode_profile.log"; tail -4 "$OUT/decode_profile.log"
+      timeout "${SWEEP_S:-150}" python3 benchmarks/decode_linear_bench.py --hidden 2048 --rows 8 \
+        > "$OUT/decode_linear_rows8.log" 2>&1
+      tail -12 "$OUT/decode_linear_rows8.log" ;;
     *) echo "llama_gpu.sh: unknown part '$part' (tests, kernels, train1b, train3b, infer, decode)" >&2; exit 2 ;;
   esac
 done

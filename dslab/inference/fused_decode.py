@@ -31,8 +31,11 @@ to the activations' dtype first: within bf16 rounding of the op-by-op step (test
 By default only batch 1 runs fused (``fused_decode_rows = 1``): there the step is a chain of
 weight-streaming GEMVs whose launches and small ops dominate, and fusing them is 1.15-1.4x faster
 on an H200 (``benchmarks/decode_profile.py``). From a few rows on, cuBLAS's tensor-core GEMMs beat
-the kernel's tile (GPT-2 1.5B at batch 32: 4.20 ms fused against 3.45 op by op), so larger buckets
-run op by op; the kernel itself takes up to 64 rows (the tests run the fused step at batch 3).
+the kernel's tensor-core tile (GPT-2 1.5B at batch 32: 4.20 ms fused against 3.45 op by op; Llama-3.2-1B
+at batch 8: 1.91 against 1.34), so larger buckets run op by op; the kernel itself takes up to 64
+rows (the tests run the fused step at batch 3). Up to 8 rows the kernel now multiplies on CUDA
+cores instead (:mod:`dslab.kernels.decode.decode_linear_triton`'s small-row path), which those
+batch-8 figures predate; ``benchmarks/decode_profile.py --batches 8`` times it.
 """
 
 from __future__ import annotations

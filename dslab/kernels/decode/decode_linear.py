@@ -267,7 +267,7 @@ def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_ro
     if activation == "swiglu":
         span = n // 2
     paired = span > 0
-    block_m = 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
+    block_m = kernels.row_block(m)
     programs = _programs_wanted(x.device)
     partial_size = kernels.partial_elements(m, n, k, block_m, programs, interpreting(), weight.dtype == torch.int8,
                                             paired)

@@ -1,7 +1,8 @@
 """decode_linear's Triton kernel (TRITON_INTERPRET=1 on a CPU) against its PyTorch reference on
 fresh random inputs at small odd shapes: every prologue (gathered rows, residual add, layer norm),
 both weight kinds (the activations' dtype, int8 with per-channel scales), both epilogues (store,
-QKV scatter into a KV cache), the batch-1 path and the tensor-core path (5 rows: one 16-row tile).
+QKV scatter into a KV cache), the batch-1 path, the small-row path (3 or 5 rows: CUDA-core
+products of 4 or 8 rows) and the tensor-core path (11 rows: one 16-row tile).
 fp32 agrees within 1e-5; bf16 within 2 units of its rounding (the kernel sums in another order)."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _both(**kwargs):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh"])
 def test_norm_residual_bias_activation(rows, dtype, activation):
@@ -50,7 +51,7 @@ def test_norm_residual_bias_activation(rows, dtype, activation):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 11])
 def test_plain_linear_and_int8(rows):
     g = torch.Generator().manual_seed(3 + rows)
     x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
@@ -69,7 +70,7 @@ def test_plain_linear_and_int8(rows):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 11])
 def test_gathered_rows_are_embedding_lookups(rows):
     """x = table[x_rows], residual = positions[residual_rows - offset]: GPT-2's embeddings."""
     g = torch.Generator().manual_seed(11)
@@ -87,10 +88,10 @@ def test_gathered_rows_are_embedding_lookups(rows):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qkv_scatter_writes_q_and_the_cache_at_each_rows_position(rows, dtype):
-    heads, head_dim, batch, max_seq = 3, 8, 4, 12
+    heads, head_dim, batch, max_seq = 3, 8, max(4, rows), 12
     hidden = heads * head_dim
     g = torch.Generator().manual_seed(5 + rows)
     x = torch.randn(rows, hidden, generator=g).to(dtype)
@@ -154,7 +155,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_statistics_from_a_single_k_block(rows, dtype):
     """K = 29 fits one of the interpreter's K blocks: the layer norm's statistics come from the

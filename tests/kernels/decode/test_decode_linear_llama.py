@@ -5,8 +5,9 @@ caches of the key/value heads), with weights in the activations' dtype and int8.
 
 The reference is first held to plain PyTorch written out here (RMSNorm, silu(gate) * up, the
 rotate-half formula, indexing into the caches); then the Triton kernel (TRITON_INTERPRET=1 on a
-CPU) to the reference on fresh random inputs at small odd shapes, on the batch-1 path and the
-tensor-core path (5 rows: one 16-row tile), with K split across programs where the column tiles
+CPU) to the reference on fresh random inputs at small odd shapes, on the batch-1 path, the
+small-row path (5 rows: CUDA-core products of 8 rows) and the tensor-core path (11 rows: one
+16-row tile), with K split across programs where the column tiles
 are few. fp32 agrees within 1e-5. In bf16 both round differently (the kernel applies bias, SwiGLU
 and rope to its fp32 accumulator and rounds once, the reference rounds after each op): both are
 measured against the reference computed in fp32 from the same inputs, and the kernel's error may
@@ -30,7 +31,7 @@ K = 70  # three K blocks of the interpreter's 32, the last ragged
 EPS = 1e-5
 # Grouped-query attention: 4 query heads over 2 key/value heads of 12 (6 rotary pairs a head, so
 # the interpreter's 8-pair column tiles straddle heads and the q/k/v boundaries).
-HEADS, KV_HEADS, HEAD_DIM, BATCH, MAX_SEQ = 4, 2, 12, 6, 11
+HEADS, KV_HEADS, HEAD_DIM, BATCH, MAX_SEQ = 4, 2, 12, 11, 13  # 11 rows: the tensor-core path
 QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 
 
@@ -133,7 +134,7 @@ def test_reference_rotary_gqa_kv_is_rotate_half_and_a_scatter():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [K, 29])
 def test_rms_norm_prologue(rows, dtype, k):
@@ -152,7 +153,7 @@ def test_rms_norm_prologue(rows, dtype, k):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("dtype,kind", [(torch.float32, "dtype"), (torch.bfloat16, "dtype"),
                                         (torch.bfloat16, "int8"), (torch.float32, "int8")])
 def test_swiglu_epilogue(rows, dtype, kind):
@@ -199,7 +200,7 @@ def _run_rotary(call, write_pos, rope, dtype, backend):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("dtype,kind", [(torch.float32, "dtype"), (torch.bfloat16, "dtype"),
                                         (torch.bfloat16, "int8")])
 def test_rotary_gqa_kv_epilogue(rows, dtype, kind):
