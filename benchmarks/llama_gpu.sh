@@ -7,7 +7,7 @@
 #   train3b   dslab bench suites/llama --cases 3b (ARMS, e.g. dslab,torch-compile,liger: the host holds
 #             fewer parked 3B arms than the suite has)
 #   infer     dslab bench suites/llama_inference (batch 1, 8, 32 decode; a 512-token prefill)
-#   decode    the dependent-launch GPU test, then benchmarks/decode_profile.py --dependent-launch on
+#   decode    the decode GPU tests (dependent launch, graphs, fused steps at 1 and 3 rows), then benchmarks/decode_profile.py --dependent-launch on
 #             Llama-3.2-1B's shape at batch 1 and 8 (fused, fused with dependent launch, op by op;
 #             at batch 8 the fused step runs decode_linear's small-row path), and decode_linear_bench.py's
 #             sweep of that path's configurations at 8 rows, hidden 2048
@@ -43,7 +43,8 @@ for part in "$@"; do
       grep -vE "^\[llama" "$OUT/infer.log" | tail -40 ;;
     decode)
       timeout "${DECODE_TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/inference/test_dependent_launch_gpu.py > "$OUT/decode_tests.log" 2>&1
+        tests/inference/test_dependent_launch_gpu.py tests/inference/test_decode_gpu.py tests/kernels/decode \
+        > "$OUT/decode_tests.log" 2>&1
       tail -5 "$OUT/decode_tests.log"
       timeout "${DECODE_S:-300}" python3 benchmarks/decode_profile.py --presets llama3_1b --batches 1,8 --trials 5 \
         --dependent-launch > "$OUT/decode_profile.log" 2>&1
