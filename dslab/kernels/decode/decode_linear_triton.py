@@ -360,17 +360,22 @@ def plan_split_k(tiles: int, k: int, block_k: int, programs_wanted: int) -> tupl
     return triton.cdiv(k, k_per_split), k_per_split
 
 
-def block_config(block_m: int, n: int, k: int, int8: bool, has_norm: bool = False) -> tuple[int, int, int, int]:
+def block_config(block_m: int, n: int, k: int, int8: bool, has_norm: bool = False,
+                 paired: bool = False) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for a launch, fixed by shape (no autotuning:
     at 3-10 us a call, the tuner's timings rank configurations by noise; a CUDA-graph-timed sweep,
     ``benchmarks/decode_linear_bench.py``, chose these on an H200). Batch 1: a K block of a whole
     row up to 2048 elements loaded at once, 2 output rows a program (4 where N >= 4096); int8
     weights: 4 x 1024 tiles, three in flight, or a whole row with a norm in front (its statistics
-    then come from the one tile); 2 to 8 rows: ``32 / BLOCK_M`` output rows by 256 (untuned: the sweep's
-    ``SWEEP_FMA`` has the alternatives); more rows: 32 x 128 tensor-core tiles. ``BLOCK_N`` counts weight
+    then come from the one tile); 2 to 8 rows: ``32 / BLOCK_M`` output rows by 256 (no spills; not
+    timed against ``SWEEP_FMA``'s alternatives); more rows: 32 x 128 tensor-core tiles (32 x 64 on 8
+    warps for a paired launch). ``BLOCK_N`` counts weight
     rows: a paired launch (:func:`pair_block_n`) gives each program half as many pairs."""
     if block_m >= 16:
-        return 32, 128, 4, 3
+        # a paired launch holds two weight tiles and two accumulators: at 32 x 128 with 4 warps it
+        # spills (224 bytes a thread at 16 rows, 2 KB at 32, in ptxas for sm_90); 32 x 64 with 8
+        # warps spills nothing up to 64 rows (tests/kernels/decode/test_decode_linear_registers.py)
+        return (32, 64, 8, 3) if paired else (32, 128, 4, 3)
     if block_m > 1:  # [BLOCK_M, BLOCK_N, BLOCK_K] accumulators of 8 x 4 x 256: 64 fp32 a thread
         return max(2, 32 // block_m), 256, 4, 3
     if int8 and not has_norm:
@@ -399,7 +404,8 @@ def partial_elements(m: int, n: int, k: int, block_m: int, programs_wanted: int,
     """fp32 elements of split-K partials the widest split of the launch's configuration (or of a
     swept one, :func:`forced_config`) needs."""
     blocks = [(INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K)] if interpret else \
-        [block_config(block_m, n, k, int8, True)[:2], block_config(block_m, n, k, int8)[:2]] + [c[:2] for c in sweep(block_m)]
+        [block_config(block_m, n, k, int8, True, paired)[:2], block_config(block_m, n, k, int8, False, paired)[:2]] + \
+        [c[:2] for c in sweep(block_m)]
     widest = max(plan_split_k(tiles_n(n, bn, block_m, paired) * triton.cdiv(m, block_m), k, bk, programs_wanted)[0]
                  for bn, bk in blocks)
     return widest * m * n if widest > 1 else 0
@@ -444,7 +450,8 @@ def launch(block_m: int, interpret: bool, grid_m: int, n: int, k: int, programs_
     if interpret:
         block_n, block_k, launch_options = INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K, {}
     else:
-        block_n, block_k, warps, stages = _forced or block_config(block_m, n, k, meta["INT8"], meta["HAS_NORM"])
+        block_n, block_k, warps, stages = _forced or block_config(block_m, n, k, meta["INT8"], meta["HAS_NORM"],
+                                                                  paired)
         launch_options = dict(num_warps=warps, num_stages=stages)
         if dependent:
             launch_options.update(launch_pdl=True, USE_GDC=True)
