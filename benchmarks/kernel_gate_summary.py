@@ -7,14 +7,16 @@ given threshold and run-to-run noise levels (each level one column pair).
 OUT_DIR holds ``kernels_base.json``, ``kernels_aa_<i>.json`` and ``kernels_slow_<i>.json``. For each
 benchmark: A/A runs flagged (false alarms), slowed runs caught (only the dslab arm is slowed, so
 a torch row's "caught" is also a false alarm), the measured injected slowdown (the slowed files'
-``extra_info.injected_fraction``), and the change the gate read (median over runs). Exit 1 when
-the folder holds no usable files.
+``extra_info.injected_fraction``), and the change the gate read (median over runs); above the
+table, the run-to-run noise of the unchanged processes (:func:`run_noise`). Exit 1 when the
+folder holds no usable files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -72,6 +74,33 @@ def summarize(folder: Path, threshold: float, noises: list[float]) -> tuple[list
     return header, rows
 
 
+def run_noise(folder: Path) -> tuple[float, int, str, float] | None:
+    """The spread of a benchmark's median between processes of unchanged code: the pooled standard
+    deviation of the log medians of ``kernels_base.json`` and every ``kernels_aa_<i>.json``, per
+    benchmark, pooled over benchmarks; how many processes; and the benchmark with the largest
+    spread, with its own (one unsteady benchmark can carry the pooled figure). What ``dslab gate
+    --run-noise`` wants; None with fewer than two processes."""
+    paths = [folder / "kernels_base.json", *sorted(folder.glob("kernels_aa_*.json"))]
+    medians: dict[str, list[float]] = {}
+    for path in paths:
+        if not path.is_file():
+            continue
+        for bench in json.loads(path.read_text())["benchmarks"]:
+            median = (bench.get("stats") or {}).get("median")
+            if median:
+                medians.setdefault(bench.get("fullname") or bench["name"], []).append(math.log(median))
+    squares, degrees, widest = 0.0, 0, ("", 0.0)
+    for name, values in medians.items():
+        if len(values) > 1:
+            mean = statistics.fmean(values)
+            squares += sum((v - mean) ** 2 for v in values)
+            degrees += len(values) - 1
+            widest = max(widest, (name, statistics.stdev(values)), key=lambda pair: pair[1])
+    if not degrees:
+        return None
+    return math.sqrt(squares / degrees), max(len(v) for v in medians.values()), _short(widest[0]), widest[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
@@ -83,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"kernel_gate_summary: {err}", file=sys.stderr)
         return 1
+    noise = run_noise(args.folder)
+    if noise is not None:
+        print(f"run-to-run noise: {noise[0]:.2%} (pooled SD of the log medians of {noise[1]} unchanged processes: "
+              f"the baseline and the A/A runs; dslab gate --run-noise wants about this); widest: {noise[2]} "
+              f"{noise[3]:.2%}")
     print(f"threshold {args.threshold:.1%}; rows: " + str(len(rows)))
     print("| " + " | ".join(header) + " |")
     print("| " + " | ".join("---" for _ in header) + " |")

@@ -49,6 +49,10 @@ def test_summary_counts_false_alarms_and_catches(tmp_path, capsys):
     assert dslab["A/A flagged (noise 0.30%)"] == "0 of 3"
     assert torch_["slowed caught (noise 0.30%)"] == "0 of 3"  # only the dslab arm was slowed
     assert dslab["slowed change"].startswith("+2.") or dslab["slowed change"].startswith("+3.")
+    noise, processes, widest, spread = summary.run_noise(tmp_path)
+    assert widest in ("ln-dslab", "ln-torch") and spread >= noise * 0.7
+    assert processes == 4 and 0.0005 < noise < 0.006  # each process shifts its medians by 0.2%
     assert summary.main([str(tmp_path)]) == 0
-    assert "| ln-dslab |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| ln-dslab |" in out and f"run-to-run noise: {noise:.2%}" in out
     assert summary.main([str(tmp_path / "absent")]) == 1
