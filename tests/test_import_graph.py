@@ -111,11 +111,11 @@ def test_every_import_keeps_to_design_md_layer_order():
 
 
 def test_kernel_modules_sit_in_their_family_folders():
-    """``dslab/kernels/`` holds the shared dispatch, grid, launch and kernel-pinning modules; every op
-    is in a family."""
+    """``dslab/kernels/`` holds the shared dispatch, grid, launch, kernel-pinning and register-audit
+    modules; every op is in a family."""
     top = sorted(p.name for p in (ROOT / "dslab" / "kernels").glob("*.py"))
     assert top == ["__init__.py", "_autotuners.py", "_grid.py", "_launch.py", "_triton_compat.py", "dispatch.py",
-                   "pinning.py"]
+                   "pinning.py", "register_audit.py"]
     import dslab.kernels as kernels
 
     families = sorted(p.name for p in (ROOT / "dslab" / "kernels").iterdir() if (p / "__init__.py").is_file())

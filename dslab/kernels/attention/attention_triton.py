@@ -310,10 +310,12 @@ def _dropout_mask_kernel(OUT, SEED, seq_q, seq_k, dropout_p, BLOCK_M: tl.constex
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried per head dim; on an H100 (bench_attention's four
 # shapes, benchmarks/kernels/attention_sweep.py) (64, 64, 4, 3) won at every shape and head dim.
+# At head dim 128 three of those four spill registers on an H200 (benchmarks/register_audit.py:
+# 36-456 bytes a thread); (64, 64, 8, 3), the same tile on 8 warps, spills nothing.
 _FWD_TILES = {
     32: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4)],
     64: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (128, 64, 4, 3)],
-    128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3)],
+    128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 8, 3)],
 }
 # The interpreter gets one small config: several key blocks and a diagonal at test sizes.
 _FWD_INTERPRET_TILE = (32, 16, 4, 1)

@@ -178,29 +178,31 @@ def _attention_bwd_kernel(
 
 
 # Tiles per head dim, picked from the H100 sweep (benchmarks/kernels/attention_sweep.py; every
-# winner there used 4 warps). DQ_ONLY launches: (BLOCK_M2, BLOCK_N2, num_warps, num_stages).
+# winner there used 4 warps). At head dim 128 every one of those spills registers on an H200
+# (benchmarks/register_audit.py: 280 bytes to 5 KB a thread), so each plan's list there ends with an
+# 8-warp tile that spills nothing. DQ_ONLY launches: (BLOCK_M2, BLOCK_N2, num_warps, num_stages).
 _DQ_TILES = {
     32: [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2)],
     64: [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2)],
-    128: [(64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
+    128: [(64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 8, 3)],
 }
 # DKDV_ONLY launches: (BLOCK_M1, BLOCK_N1, num_warps, num_stages).
 _DKDV_TILES = {
     32: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
     64: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
-    128: [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3)],
+    128: [(64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 3), (32, 64, 8, 3)],
 }
 # BOTH launches: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages).
 _BOTH_TILES = {
     32: [(32, 128, 64, 64, 4, 3), (32, 64, 64, 64, 4, 3), (64, 64, 64, 32, 4, 3)],
     64: [(32, 128, 64, 64, 4, 3), (32, 64, 64, 64, 4, 3), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 3)],
-    128: [(64, 64, 64, 32, 4, 2), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 2)],
+    128: [(64, 64, 64, 32, 4, 2), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 2), (32, 32, 64, 32, 8, 3)],
 }
 # ATOMIC launches: (BLOCK_M1, BLOCK_N1, num_warps, num_stages).
 _ATOMIC_TILES = {
     32: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
     64: [(32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
-    128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2)],
+    128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (32, 32, 8, 3)],
 }
 # FUSED launches: (BLOCK_M1, num_warps, num_stages); BLOCK_N1 covers seq_k.
 _FUSED_TILES = {

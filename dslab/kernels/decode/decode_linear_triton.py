@@ -440,24 +440,32 @@ def forced_config(config: tuple[int, int, int, int] | None):
         _forced = previous
 
 
-def launch(block_m: int, interpret: bool, grid_m: int, n: int, k: int, programs_wanted: int, args: tuple,
-           meta: dict, dependent: bool = False) -> None:
-    """Launch the kernel over ``n`` weight rows: :func:`block_config`'s blocks on the GPU (or the
-    forced ones), the interpreter's small fixed blocks on CPU; a paired launch's programs own
-    :func:`pair_block_n` pairs. ``dependent``: a programmatic dependent launch
-    (:func:`dslab.kernels.dispatch.dependent_launch`; never under the interpreter)."""
-    paired = meta["PAIRED"]
+def plan(block_m: int, interpret: bool, grid_m: int, n: int, k: int, programs_wanted: int, int8: bool,
+         has_norm: bool, paired: bool) -> dict:
+    """A launch's shape: ``grid``, the block constexprs (``BLOCK_M``, ``BLOCK_N`` in pairs for a
+    paired launch, ``BLOCK_K``, ``SPLIT_K``, ``SINGLE_BLOCK``), ``k_per_split`` and the launch
+    options (``num_warps``, ``num_stages``; none under the interpreter): :func:`block_config`'s
+    blocks on the GPU (or the forced ones), the interpreter's small fixed blocks on CPU."""
     if interpret:
-        block_n, block_k, launch_options = INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K, {}
+        block_n, block_k, options = INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K, {}
     else:
-        block_n, block_k, warps, stages = _forced or block_config(block_m, n, k, meta["INT8"], meta["HAS_NORM"],
-                                                                  paired)
-        launch_options = dict(num_warps=warps, num_stages=stages)
-        if dependent:
-            launch_options.update(launch_pdl=True, USE_GDC=True)
+        block_n, block_k, warps, stages = _forced or block_config(block_m, n, k, int8, has_norm, paired)
+        options = dict(num_warps=warps, num_stages=stages)
     columns = tiles_n(n, block_n, block_m, paired)
     split_k, k_per_split = plan_split_k(columns * grid_m, k, block_k, programs_wanted)
-    _decode_linear_kernel[(columns, grid_m, split_k)](
-        *args, k_per_split=k_per_split, BLOCK_M=block_m,
-        BLOCK_N=pair_block_n(block_n, block_m) if paired else block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        SINGLE_BLOCK=split_k == 1 and k <= block_k, **launch_options, **meta)
+    return dict(grid=(columns, grid_m, split_k), k_per_split=k_per_split, options=options,
+                constexprs=dict(BLOCK_M=block_m, BLOCK_N=pair_block_n(block_n, block_m) if paired else block_n,
+                                BLOCK_K=block_k, SPLIT_K=split_k, SINGLE_BLOCK=split_k == 1 and k <= block_k))
+
+
+def launch(block_m: int, interpret: bool, grid_m: int, n: int, k: int, programs_wanted: int, args: tuple,
+           meta: dict, dependent: bool = False) -> None:
+    """Launch the kernel over ``n`` weight rows as :func:`plan` lays it out; a paired launch's
+    programs own :func:`pair_block_n` pairs. ``dependent``: a programmatic dependent launch
+    (:func:`dslab.kernels.dispatch.dependent_launch`; never under the interpreter)."""
+    shape = plan(block_m, interpret, grid_m, n, k, programs_wanted, meta["INT8"], meta["HAS_NORM"], meta["PAIRED"])
+    options = dict(shape["options"])
+    if dependent and not interpret:
+        options.update(launch_pdl=True, USE_GDC=True)
+    _decode_linear_kernel[shape["grid"]](*args, k_per_split=shape["k_per_split"], **shape["constexprs"], **options,
+                                         **meta)

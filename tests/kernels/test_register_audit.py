@@ -1,0 +1,75 @@
+"""dslab.kernels.register_audit on this CPU (Triton's CUDA backend and ptxas, no GPU), and what it
+guards: ptxas's report is parsed; decode_linear's launch configurations for Llama-3.2-1B's
+projections spill no registers on an H200 (sm_90) at 1, 8 and 16 rows and with int8 weights (a
+paired launch of 16 rows on 32 x 128 tiles with 4 warps spilled 224 bytes a thread); every
+attention launch plan's candidates at head dim 128 (Llama-3B/8B's, where the 4-warp tiles spill)
+include an 8-warp configuration that spills nothing, which the autotuner can pick. The kernels compile in a child process: the
+tests' conftest runs Triton under its interpreter, whose functions do not compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dslab.kernels.register_audit import parse_ptxas_log
+
+REPO = Path(__file__).resolve().parents[2]
+
+AUDIT = textwrap.dedent('''
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import register_audit as audit
+    from dslab.kernels.attention import attention_triton_bwd as bwd
+
+    rows = [row for row in audit.decode_rows()
+            if row[0].startswith("decode_linear llama3_1b") and " x64 " not in row[0]]
+    # at head dim 128, each plan's 8-warp candidates (the ones chosen to spill nothing)
+    rows += [row for row in audit.attention_fwd_rows() + audit.attention_bwd_rows()
+             if " d128 " in row[0] and " w8 " in row[0] and " fused " not in row[0] and " dropout " not in row[0]]
+    out = {}
+    for label, run in rows:
+        report = run()
+        out[label] = [report.registers, report.spill_bytes]
+    print(json.dumps(out))
+''')
+
+
+def test_parse_ptxas_log():
+    log = ("ptxas info    : Function properties for k\\n    0 bytes stack frame, 16 bytes spill stores, "
+           "24 bytes spill loads\\nptxas info    : Used 255 registers, used 1 barriers, 8 bytes smem\\n")
+    report = parse_ptxas_log(log, 4096)
+    assert (report.registers, report.spill_bytes, report.shared_bytes, report.dynamic_shared_bytes) == (255, 40, 8, 4096)
+    with pytest.raises(ValueError, match="no register count"):
+        parse_ptxas_log("ptxas fatal: nothing")
+
+
+@pytest.fixture(scope="module")
+def audited() -> dict[str, list[int]]:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", AUDIT, str(REPO / "benchmarks")], capture_output=True, text=True,
+                          env=env, timeout=900, cwd=REPO)
+    if proc.returncode != 0:
+        if "No module named 'triton.backends.nvidia" in proc.stderr:
+            pytest.skip("Triton's CUDA backend is not installed")
+        raise AssertionError(proc.stderr[-4000:])
+    return json.loads(proc.stdout)
+
+
+def test_decode_linear_launches_spill_nothing(audited):
+    decode = {label: figures for label, figures in audited.items() if label.startswith("decode_linear")}
+    assert len(decode) == 14  # 4 projections at 1, 8 and 16 rows, 2 with int8 at 1 row
+    assert {label: figures for label, figures in decode.items() if figures[1]} == {}
+
+
+@pytest.mark.parametrize("plan", ["attention fwd", "attention bwd dq", "attention bwd dkdv", "attention bwd both",
+                                  "attention bwd atomic"])
+def test_every_attention_plan_at_head_dim_128_has_a_candidate_that_spills_nothing(audited, plan):
+    candidates = {label: figures for label, figures in audited.items() if label.startswith(plan + " ")}
+    assert candidates
+    assert any(spills == 0 for _, spills in candidates.values()), candidates
