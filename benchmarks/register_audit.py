@@ -2,7 +2,7 @@
 GPU would run, compiled for an H200 (sm_90) on any machine: no GPU needed
 (:mod:`dslab.kernels.register_audit`: Triton's CUDA backend and its ptxas).
 
-    python3 benchmarks/register_audit.py [--only decode|attention_fwd|attention_bwd] [--spills-only]
+    python3 benchmarks/register_audit.py [--only decode|attention_fwd|attention_bwd|layer_norm] [--spills-only]
 
 - ``decode``: decode_linear's launches (:func:`dslab.kernels.decode.decode_linear_triton.plan`, an
   H200's 132 SMs) for Llama-3.2-1B's and GPT-2 1.5B's projections at 1, 8, 16 and 64 rows, and int8
@@ -10,7 +10,10 @@ GPU would run, compiled for an H200 (sm_90) on any machine: no GPU needed
 - ``attention_fwd``: every autotune candidate of the attention forward per head dim, causal and
   with dropout;
 - ``attention_bwd``: every candidate of each backward launch plan (dQ only, dK/dV only, both in
-  one launch, dK/dV with atomic dQ, and fused at its widest key block) per head dim, causal.
+  one launch, dK/dV with atomic dQ, and fused at its widest key block) per head dim, causal;
+- ``layer_norm``: the LayerNorm forward and backward (with the residual's gradient) at the row
+  widths of GPT-2 124M to a 13B model and the widest the kernels take (8192), whose shared memory
+  must fit an SM's 227 KB (rows of 5120 once asked for 288 KB and did not compile on an H200).
 
 A row marked ``SPILLS`` moves registers through local memory: the autotuner times it anyway (and
 may keep it when every other candidate is slower), a fixed configuration runs it always. Runs
@@ -116,7 +119,29 @@ def attention_bwd_rows() -> list[tuple[str, object]]:
     return rows
 
 
-SECTIONS = {"decode": decode_rows, "attention_fwd": attention_fwd_rows, "attention_bwd": attention_bwd_rows}
+def layer_norm_rows() -> list[tuple[str, object]]:
+    from dslab.kernels.norm import layer_norm_triton as ln
+
+    types = {name: BF16 for name in ("X", "R", "W", "B", "Y", "H", "XB", "DY", "Hin", "DH", "DX", "DXD")}
+    types.update(Mean="*fp32", Rstd="*fp32", Partials="*fp32", SEED="*i64", eps="fp32", threshold="i32", scale="fp32")
+    rows = []
+    for n in (768, 1024, 1600, 2048, 4096, 5120, 8192):
+        block_m, block_n, warps = ln._forward_config(n)
+        meta = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_XBIAS=False, APPLY_DROPOUT=False,
+                    BLOCK_M=block_m, BLOCK_N=block_n)
+        rows.append((f"layer_norm fwd N={n} {block_m}x{block_n} w{warps}",
+                     lambda meta=meta, w=warps: assemble(ln._layer_norm_fwd_kernel, types, meta, w, 1)))
+        block_m, block_n, warps, stages = ln._backward_config(n)
+        meta = dict(HAS_DH=True, HAS_WEIGHT=True, COMPUTE_DW=True, COMPUTE_DB=True, APPLY_DROPOUT=False,
+                    COMPUTE_DXB=False, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages)
+        # launched without num_stages (Triton's default, 3); STAGES pipelines the row loop
+        rows.append((f"layer_norm bwd N={n} {block_m}x{block_n} w{warps} stages {stages}",
+                     lambda meta=meta, w=warps: assemble(ln._layer_norm_bwd_kernel, types, meta, w, 3)))
+    return rows
+
+
+SECTIONS = {"decode": decode_rows, "attention_fwd": attention_fwd_rows, "attention_bwd": attention_bwd_rows,
+            "layer_norm": layer_norm_rows}
 
 
 def main(argv: list[str] | None = None) -> int:

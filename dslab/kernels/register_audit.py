@@ -10,6 +10,10 @@ shared memory than an SM has, shows here before any device time is spent on it.
     report = assemble(kernel, {"X": "*bf16", "eps": "fp32"}, {"BLOCK": 128}, num_warps=4, num_stages=3)
     report.registers, report.spill_bytes, report.shared_bytes
 
+The figures are this machine's Triton's: another Triton version (a lent GPU machine's may be
+older) can allocate registers and pipeline loads differently, so a spill found here is a strong
+hint about the GPU, and its timing is the proof.
+
 Arguments not named in ``types`` are ``i32`` (sizes and strides); pointers are taken as 16-byte
 aligned, as Triton specialises aligned tensors. Under ``TRITON_INTERPRET=1`` ``triton.jit`` makes
 interpreted functions, which do not compile: run it in a process without the interpreter
