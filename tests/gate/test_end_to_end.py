@@ -8,7 +8,7 @@ import pytest
 from dslab import cli
 from dslab.bench.runner import run_suite
 
-THRESHOLD = "50%"
+THRESHOLD = "70%"
 
 
 def _suite(tmp_path):
@@ -34,15 +34,16 @@ def test_gate_passes_a_rerun_and_fails_an_injected_slowdown(tmp_path, monkeypatc
     capsys.readouterr()
 
     rerun, _ = run_suite(suite, out=reports)
-    # A wide threshold: this CPU is shared and its speed wanders (a CI run saw an unchanged rerun's
-    # median 20% slower, its 99% interval reaching -42%); the statistics themselves are validated on
-    # synthetic noise in test_verdict.py. The injected slowdown below takes ~75% off.
+    # A wide threshold: this CPU is shared and its speed wanders (CI runs saw an unchanged rerun's
+    # median 20% and 45% slower, the latter's 99% interval reaching -52%); the statistics themselves
+    # are validated on synthetic noise in test_verdict.py. This test checks the plumbing (reports,
+    # baseline, gate, exit codes): the injected slowdown below takes ~90% off.
     code = cli.main(["gate", "--suite", "gate_e2e", "--reports", str(reports), "--candidate", rerun.run_id,
                      "--threshold", THRESHOLD])
     assert code == 0, capsys.readouterr().out
 
     step_ms = baseline.result("small", "dslab").metrics["step_time_ms"]
-    monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MS", f"{max(3 * step_ms, 60):.0f}")
+    monkeypatch.setenv("DSLAB_INJECT_STEP_SLEEP_MS", f"{max(9 * step_ms, 100):.0f}")
     slowed, _ = run_suite(suite, out=reports)
     capsys.readouterr()
     code = cli.main(["gate", "--suite", "gate_e2e", "--reports", str(reports), "--candidate", slowed.run_id,
