@@ -104,6 +104,7 @@ def main() -> None:
     except ValueError as err:
         result["indivisible_world"] = str(err)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears its sockets down while another still sends on them
     dist.destroy_process_group()
 
 

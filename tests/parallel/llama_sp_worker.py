@@ -87,6 +87,7 @@ def main() -> None:
     except ValueError as err:
         result["indivisible_seq"] = str(err)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears its sockets down while another still sends on them
     dist.destroy_process_group()
 
 
