@@ -9,8 +9,8 @@
 #   infer     dslab bench suites/llama_inference (batch 1, 8, 32 decode; a 512-token prefill)
 #   decode    the decode GPU tests (dependent launch, graphs, fused steps at 1 and 3 rows), then benchmarks/decode_profile.py --dependent-launch on
 #             Llama-3.2-1B's shape at batch 1 and 8 (fused, fused with dependent launch, op by op;
-#             at batch 8 the fused step runs decode_linear's small-row path), and decode_linear_bench.py's
-#             sweep of that path's configurations at 8 rows, hidden 2048
+#             at batch 8 the fused step runs decode_linear's 16-row tensor-core tiles), and
+#             decode_linear_bench.py's sweep of those tiles' configurations at 8 rows, hidden 2048
 # Several parts in one call run in order: bash benchmarks/llama_gpu.sh tests train1b
 # Reports and logs land in $OUT; each part's table prints last.
 set -u

@@ -33,9 +33,9 @@ weight-streaming GEMVs whose launches and small ops dominate, and fusing them is
 on an H200 (``benchmarks/decode_profile.py``). From a few rows on, cuBLAS's tensor-core GEMMs beat
 the kernel's tensor-core tile (GPT-2 1.5B at batch 32: 4.20 ms fused against 3.45 op by op; Llama-3.2-1B
 at batch 8: 1.91 against 1.34), so larger buckets run op by op; the kernel itself takes up to 64
-rows (the tests run the fused step at batch 3). Up to 8 rows the kernel now multiplies on CUDA
-cores instead (:mod:`dslab.kernels.decode.decode_linear_triton`'s small-row path), which those
-batch-8 figures predate; ``benchmarks/decode_profile.py --batches 8`` times it.
+rows (the tests run the fused step at batch 3). At 8 rows the tile's bare GEMMs are within 1.0-1.2x
+of cuBLAS's; what the fused step loses is its norm prologues, whose row statistics every column
+program recomputes (QKV with add and RMSNorm 25 us against 11 bare, on an H200).
 """
 
 from __future__ import annotations

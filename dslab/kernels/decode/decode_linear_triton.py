@@ -15,11 +15,11 @@ prologue, per K block of its rows
 main loop
     the ``[BLOCK_N, BLOCK_K]`` weight tile, contiguous along K, is loaded once and multiplied into
     an fp32 accumulator: ``tl.dot`` when ``BLOCK_M >= 16``, a broadcast multiply and row sum when
-    ``BLOCK_M == 1`` (batch 1, where a tensor-core tile would be 15/16 padding), and for 2 to 8
-    rows (``BLOCK_M`` 2, 4 or 8) the ``[BLOCK_M, BLOCK_N, BLOCK_K]`` products accumulated on CUDA
-    cores and summed once after the loop, as at batch 1: a tensor-core tile of 16 would be half
-    padding or more, and at decode's rows the weight stream, not the multiply-adds, bounds the
-    launch. int8 weights
+    ``BLOCK_M == 1`` (batch 1, where a tensor-core tile would be 15/16 padding). From 2 rows on
+    the rows are padded to a tensor-core tile of 16: on an H200 at 8 rows and Llama-3.2-1B's
+    widths that tile streams the weights at 1.0-1.2x cuBLAS's time, where products of 8 rows
+    accumulated on CUDA cores (``[8, BLOCK_N, BLOCK_K]``, summed after the loop) took 1.6-3.0x
+    (``benchmarks/decode_linear_bench.py --rows 8``). int8 weights
     convert exactly to fp32 (``|q| <= 127``) and their per-output-channel scale multiplies the
     accumulator once after the loop. A paired launch (``PAIRED``: SwiGLU, rotary QKV) gives each
     output column two weight rows, ``first(c) = (c // span) * 2 span + c % span`` and
@@ -69,11 +69,6 @@ SWEEP_ROW = [
     (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3),
     (4, 1024, 4, 3), (16, 256, 8, 4), (4, 2048, 4, 1), (8, 2048, 8, 1), (2, 2048, 4, 1), (8, 1024, 4, 2),
 ]
-#: The same for the small-row path (BLOCK_M 2, 4 or 8: CUDA-core multiply-adds, no tensor cores).
-SWEEP_FMA = [(4, 256, 4, 3), (8, 256, 4, 3), (2, 512, 4, 3), (4, 512, 8, 3), (8, 128, 4, 4), (16, 128, 4, 3),
-             (4, 256, 8, 2), (2, 1024, 8, 2)]
-#: Rows up to which a launch takes the small-row path (more take tensor-core tiles of 16 or more).
-FMA_MAX_ROWS = 8
 #: The same for the tensor-core path (BLOCK_M >= 16).
 SWEEP_DOT = [(32, 128, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (16, 256, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3),
                (16, 512, 4, 2), (32, 512, 4, 2), (16, 128, 4, 4), (32, 64, 4, 4)]
@@ -167,14 +162,10 @@ def _prologue(a, ks, k_end, rows, row_mask, pid_n, X, x_base, R, r_base, A_OUT, 
 def _multiply(acc, w, h, INT8: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr,
               PRECISION: tl.constexpr):
     """``h`` ``[BLOCK_M, BLOCK_K]`` times the weight tile ``w`` ``[BLOCK_N, BLOCK_K]`` into ``acc``
-    (``[BLOCK_N, BLOCK_K]`` elementwise at batch 1, ``[BLOCK_M, BLOCK_N, BLOCK_K]`` for 2 to 8
-    rows, else ``[BLOCK_M, BLOCK_N]``)."""
+    (``[BLOCK_N, BLOCK_K]`` elementwise at batch 1, else ``[BLOCK_M, BLOCK_N]``)."""
     if BLOCK_M == 1:
         wf = _int8_to_fp32(w) if INT8 else w.to(tl.float32)
         acc += wf * h.to(tl.float32)
-    elif BLOCK_M < 16:  # a few rows: each weight element multiplies every row on CUDA cores
-        wf = _int8_to_fp32(w) if INT8 else w.to(tl.float32)
-        acc += h.to(tl.float32)[:, None, :] * wf[None, :, :]
     else:
         if INT8:
             w = w.to(tl.float32) if DOT_FP32 else w.to(h.dtype)
@@ -187,12 +178,9 @@ def _multiply(acc, w, h, INT8: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl
 
 @triton.jit
 def _store_partial(tile_partial, w_rows, acc, out_mask, BLOCK_M: tl.constexpr):
-    """One split's fp32 partial sums of its tile (``acc`` summed over its K block first on the
-    batch-1 and small-row paths)."""
+    """One split's fp32 partial sums of its tile (``acc`` summed over its K block first at batch 1)."""
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
-    elif BLOCK_M < 16:
-        acc = tl.sum(acc, axis=2)
     tl.store(tile_partial + w_rows[None, :], acc, mask=out_mask)
 
 
@@ -260,9 +248,6 @@ def _decode_linear_kernel(
     if BLOCK_M == 1:  # elementwise products summed once after the loop: no reduction per K block
         acc_2d = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_2d_2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # the pairs' second rows (PAIRED only)
-    elif BLOCK_M < 16:  # the same for a few rows: every row's products, summed after the loop
-        acc_2d = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_2d_2 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc_2d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_2d_2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -340,10 +325,6 @@ def _decode_linear_kernel(
             acc = tl.sum(acc_2d, axis=1)[None, :]
             if PAIRED:
                 acc_2 = tl.sum(acc_2d_2, axis=1)[None, :]
-        elif BLOCK_M < 16:
-            acc = tl.sum(acc_2d, axis=2)
-            if PAIRED:
-                acc_2 = tl.sum(acc_2d_2, axis=2)
         finish(acc, acc_2, rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BIAS, Y, Q_OUT, K_CACHE,
                V_CACHE, WRITE_POS, COS, SIN, span, stride_y, stride_q, stride_kb, stride_kh, stride_ks,
                stride_vb, stride_vh, stride_vs, stride_cos, head_dim, q_width, kv_width, INT8, HAS_BIAS, ACT,
@@ -367,17 +348,14 @@ def block_config(block_m: int, n: int, k: int, int8: bool, has_norm: bool = Fals
     ``benchmarks/decode_linear_bench.py``, chose these on an H200). Batch 1: a K block of a whole
     row up to 2048 elements loaded at once, 2 output rows a program (4 where N >= 4096); int8
     weights: 4 x 1024 tiles, three in flight, or a whole row with a norm in front (its statistics
-    then come from the one tile); 2 to 8 rows: ``32 / BLOCK_M`` output rows by 256 (no spills; not
-    timed against ``SWEEP_FMA``'s alternatives); more rows: 32 x 128 tensor-core tiles (32 x 64 on 8
-    warps for a paired launch). ``BLOCK_N`` counts weight
-    rows: a paired launch (:func:`pair_block_n`) gives each program half as many pairs."""
+    then come from the one tile); more rows: 32 x 128 tensor-core tiles (32 x 64 on 8 warps for a
+    paired launch). ``BLOCK_N`` counts weight rows: a paired launch (:func:`pair_block_n`) gives
+    each program half as many pairs."""
     if block_m >= 16:
         # a paired launch holds two weight tiles and two accumulators: at 32 x 128 with 4 warps it
         # spills (224 bytes a thread at 16 rows, 2 KB at 32, in ptxas for sm_90); 32 x 64 with 8
         # warps spills nothing up to 64 rows (tests/kernels/decode/test_decode_linear_registers.py)
         return (32, 64, 8, 3) if paired else (32, 128, 4, 3)
-    if block_m > 1:  # [BLOCK_M, BLOCK_N, BLOCK_K] accumulators of 8 x 4 x 256: 64 fp32 a thread
-        return max(2, 32 // block_m), 256, 4, 3
     if int8 and not has_norm:
         return 4, min(1024, triton.next_power_of_2(k)), 4, 3
     if int8:
@@ -412,17 +390,14 @@ def partial_elements(m: int, n: int, k: int, block_m: int, programs_wanted: int,
 
 
 def row_block(m: int) -> int:
-    """``BLOCK_M`` for ``m`` rows: 1 (the batch-1 path), the next power of two up to
-    :data:`FMA_MAX_ROWS` (the small-row path), else tensor-core tiles of at least 16 rows."""
-    if m == 1:
-        return 1
-    block = 1 << (m - 1).bit_length()
-    return block if m <= FMA_MAX_ROWS else max(16, block)
+    """``BLOCK_M`` for ``m`` rows: 1 (the batch-1 path), else the next power of two of at least 16
+    (tensor-core tiles)."""
+    return 1 if m == 1 else max(16, 1 << (m - 1).bit_length())
 
 
 def sweep(block_m: int) -> list[tuple[int, int, int, int]]:
     """The configurations ``benchmarks/decode_linear_bench.py`` sweeps for a ``block_m``."""
-    return SWEEP_ROW if block_m == 1 else SWEEP_FMA if block_m < 16 else SWEEP_DOT
+    return SWEEP_ROW if block_m == 1 else SWEEP_DOT
 
 
 _forced: tuple | None = None

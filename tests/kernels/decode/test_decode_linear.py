@@ -1,8 +1,8 @@
 """decode_linear's Triton kernel (TRITON_INTERPRET=1 on a CPU) against its PyTorch reference on
 fresh random inputs at small odd shapes: every prologue (gathered rows, residual add, layer norm),
 both weight kinds (the activations' dtype, int8 with per-channel scales), both epilogues (store,
-QKV scatter into a KV cache), the batch-1 path, the small-row path (3 or 5 rows: CUDA-core
-products of 4 or 8 rows) and the tensor-core path (11 rows: one 16-row tile).
+QKV scatter into a KV cache), the batch-1 path and the tensor-core path (3, 5 or 11 rows: one
+16-row tile).
 fp32 agrees within 1e-5; bf16 within 2 units of its rounding (the kernel sums in another order)."""
 
 from __future__ import annotations

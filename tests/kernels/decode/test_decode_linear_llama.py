@@ -5,9 +5,8 @@ caches of the key/value heads), with weights in the activations' dtype and int8.
 
 The reference is first held to plain PyTorch written out here (RMSNorm, silu(gate) * up, the
 rotate-half formula, indexing into the caches); then the Triton kernel (TRITON_INTERPRET=1 on a
-CPU) to the reference on fresh random inputs at small odd shapes, on the batch-1 path, the
-small-row path (5 rows: CUDA-core products of 8 rows) and the tensor-core path (11 rows: one
-16-row tile), with K split across programs where the column tiles
+CPU) to the reference on fresh random inputs at small odd shapes, on the batch-1 path and the
+tensor-core path (5 or 11 rows: one 16-row tile), with K split across programs where the column tiles
 are few. fp32 agrees within 1e-5. In bf16 both round differently (the kernel applies bias, SwiGLU
 and rope to its fp32 accumulator and rounds once, the reference rounds after each op): both are
 measured against the reference computed in fp32 from the same inputs, and the kernel's error may

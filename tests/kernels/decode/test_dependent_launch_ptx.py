@@ -67,9 +67,6 @@ CASES = {
                             SINGLE_BLOCK=False, BLOCK_K=1024)],
     # the gate/up projection's: two weight rows per output column, SwiGLU of the pair
     "linear-swiglu-pair": ["linear", "_decode_linear_kernel", dict(LINEAR, ACT=3, PAIRED=True)],
-    # 8 rows: the small-row path's products on CUDA cores, K in several blocks
-    "linear-rows-8": ["linear", "_decode_linear_kernel",
-                      dict(LINEAR, BLOCK_M=8, BLOCK_N=4, BLOCK_K=256, SINGLE_BLOCK=False, STATS_BLOCK=512)],
     "attention-split": ["attention", "_decode_split_kernel",
                         dict(HEAD_DIM=64, BLOCK_N=64, SPLITS=4, BF16_BY_HAND=False, KV_GROUP=4)],
     "attention-combine": ["attention", "_decode_combine_kernel",
@@ -109,7 +106,7 @@ def bf16_elements_loaded(lines: list[str]) -> int:
     return total
 
 
-@pytest.mark.parametrize("case", ["linear-norm", "linear-split-k", "linear-swiglu-pair", "linear-rows-8"])
+@pytest.mark.parametrize("case", ["linear-norm", "linear-split-k", "linear-swiglu-pair"])
 def test_decode_linear_reads_weights_then_waits_before_anything_else(compiled, case):
     plain, text = compiled[case]
     assert "griddepcontrol.wait" in text and "griddepcontrol.launch_dependents" in text
