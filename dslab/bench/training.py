@@ -135,6 +135,7 @@ class TrainingCase:
         # host memory the parked arms' states take, and what the host has for them (None: unknown)
         self.host_available = host_available_bytes() if self.parking else None
         self.host_parked = 0
+        self.resident: tuple[str, object] | None = None  # the one arm left on the GPU (parking only)
         if self.parking:
             report.notes.append(f"{self.name}: the arms do not all fit on the GPU at once; each waits in host "
                                 f"memory between its trials (moved back and settled before it is timed)")
@@ -176,23 +177,33 @@ class TrainingCase:
             options = {"world_size": context.world.size}
         if self.parking:
             self._reserve_host_memory(name)
+            self._make_room()
         arm = build_arm(name, self.workload, context.device, self.suite.precision, self.engine, **options)
         if self.parking:
-            arm.park()
+            self.resident = (name, arm)
         return arm
 
+    def _make_room(self) -> None:
+        """Park the arm left on the GPU, if any: arms are parked only when another needs the GPU, so
+        at most all but one wait in host memory at a time."""
+        if self.resident is not None:
+            _, arm = self.resident
+            self.resident = None
+            arm.park()
+
     def _reserve_host_memory(self, name: str) -> None:
-        """Count arm ``name``'s parked state against the host memory that was available when the
-        case began; :class:`ArmSkipped` when it would not fit beside the arms parked already (the
-        kernel would kill the whole run part-way through instead)."""
+        """Count the arms built before ``name`` against the host memory that was available when the
+        case began: they wait there, parked, while ``name`` is built and timed (and while any one of
+        them runs, the others and ``name`` do: as many arms, since every arm's state is the same
+        size). :class:`ArmSkipped` when they would not fit (the kernel would kill the whole run
+        part-way through instead)."""
         need = resident_state_bytes(self.workload)
-        if self.host_available is not None and self.host_parked + need > HOST_PARKING_SHARE * self.host_available:
+        if self.host_available is not None and self.host_parked > HOST_PARKING_SHARE * self.host_available:
             gib = 2**30
             raise ArmSkipped(
-                f"parking it between trials needs {need / gib:.1f} GiB of host memory beside the "
-                f"{self.host_parked / gib:.1f} GiB the arms before it take, more than "
-                f"{HOST_PARKING_SHARE:.0%} of the {self.host_available / gib:.1f} GiB this host had available; "
-                f"run fewer arms (--arms)")
+                f"the {self.host_parked / gib:.1f} GiB of host memory the arms before it take parked "
+                f"({need / gib:.1f} GiB each) while it runs are more than {HOST_PARKING_SHARE:.0%} of the "
+                f"{self.host_available / gib:.1f} GiB this host had available; run fewer arms (--arms)")
         self.host_parked += need
 
     def before_trials(self) -> None:
@@ -202,15 +213,17 @@ class TrainingCase:
         context = self.context
         measured, error = None, None
         try:  # every rank gathers below, whatever happened here
-            if self.parking:
+            if self.parking and (self.resident is None or self.resident[0] != name):
+                self._make_room()
                 arm.unpark()
+                self.resident = (name, arm)
             measured = run_trial(arm.step, context.device, warmup, steps, pools=self.graph_pools.setdefault(name, set()))
-            if self.parking:
-                arm.park()
         except Exception as err:
             error = error_text(err, f"trial {trial + 1}")
         measured, error = gather_trial(measured, error, context.world)
         if error is not None:
+            if self.resident is not None and self.resident[0] == name:
+                self.resident = None  # the runner closes a failed arm; none is left to park
             raise TrialFailed(error)
         peaks = context.report.peaks
         samples, tokens = self.step_work(name, arm)

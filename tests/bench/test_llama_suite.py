@@ -134,23 +134,67 @@ def test_liger_arm_is_refused_for_other_families(tmp_path):
         load_suite(tmp_path)
 
 
-def test_arms_that_would_not_fit_in_host_memory_parked_are_skipped_by_name(tmp_path, monkeypatch):
-    """When idle arms wait in host memory, an arm whose parked state would not fit beside the ones
-    before it is skipped with the sizes, instead of the kernel killing the run part-way (3B's six
-    arms need 231 GB parked; the H200 host has 128 GiB)."""
+@pytest.mark.parametrize("room,skipped", [(1.5, {"hf"}), (2.5, set())])
+def test_arms_that_would_not_fit_in_host_memory_parked_are_skipped_by_name(tmp_path, monkeypatch, room, skipped):
+    """When idle arms wait in host memory, an arm is skipped with the sizes when the arms before it
+    would not fit there parked, instead of the kernel killing the run part-way (3B's six arms need
+    231 GB parked; the H200 host has 128 GiB). One arm stays on the GPU, so three arms need room
+    for two parked states, not three."""
     from dslab.bench import training
 
     suite, _ = load_suite(SUITE)
     need = training.resident_state_bytes(workloads_for(suite, "tiny")[0])
     monkeypatch.setattr(training, "_needs_parking", lambda *args: True)
-    monkeypatch.setattr(training, "host_available_bytes", lambda: int(2.5 * need / training.HOST_PARKING_SHARE))
-    report, path = run_suite(SUITE, scale="tiny", arms=["dslab", "torch", "hf"], trials=1, steps=1, warmup_steps=0,
+    monkeypatch.setattr(training, "host_available_bytes", lambda: int(room * need / training.HOST_PARKING_SHARE))
+    report, path = run_suite(SUITE, scale="tiny", arms=["dslab", "torch", "hf"], trials=2, steps=1, warmup_steps=0,
                              out=tmp_path / "reports", stream=io.StringIO())
     by_arm = {r.arm: r for r in read_report(path).results}
-    assert by_arm["dslab"].status == "ok" and by_arm["torch"].status == "ok"  # parked and unparked around trials
-    assert by_arm["hf"].status == "skipped"
-    assert "GiB of host memory" in by_arm["hf"].error and "--arms" in by_arm["hf"].error
+    for arm in ("dslab", "torch", "hf"):
+        if arm in skipped:
+            assert by_arm[arm].status == "skipped"
+            assert "GiB of host memory" in by_arm[arm].error and "--arms" in by_arm[arm].error
+        else:  # parked and unparked around its trials, in both trials
+            assert by_arm[arm].status == "ok" and len(by_arm[arm].trials) == 2, by_arm[arm].error
     assert "each waits in host memory" in " ".join(read_report(path).notes)
+
+
+def test_parking_keeps_one_arm_on_the_device(monkeypatch):
+    """Arms are parked only when another needs the device: building or timing an arm parks the
+    one left resident, and a trial of the resident arm moves nothing."""
+    from dslab.bench import training
+
+    events = []
+
+    class Arm:
+        def __init__(self, name):
+            self.name = name
+
+        def park(self):
+            events.append(("park", self.name))
+
+        def unpark(self):
+            events.append(("unpark", self.name))
+
+        def step(self):
+            return None
+
+    case = training.TrainingCase.__new__(training.TrainingCase)
+    case.parking, case.resident = True, None
+    monkeypatch.setattr(training, "run_trial", lambda *args, **kwargs: None)
+    monkeypatch.setattr(training, "gather_trial", lambda measured, error, world: (measured, "stop here"))
+    case.context = type("Context", (), {"world": None})()
+    case.graph_pools = {}
+    a, b = Arm("a"), Arm("b")
+    case.resident = ("a", a)
+    case._make_room()  # building b
+    case.resident = ("b", b)
+    with pytest.raises(training.TrialFailed):
+        case.run_trial("b", b, 0, 1, 0)  # b is resident: nothing moves (the trial then fails)
+    assert case.resident is None  # a failed arm is closed by the runner, never parked later
+    case.resident = ("b", b)
+    with pytest.raises(training.TrialFailed):
+        case.run_trial("a", a, 0, 1, 0)
+    assert events == [("park", "a"), ("park", "b"), ("unpark", "a")]
 
 
 def test_host_available_bytes_reads_meminfo():
