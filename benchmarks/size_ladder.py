@@ -3,7 +3,8 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
 
     python benchmarks/size_ladder.py [--configs stage3,offload,deepspeed-offload]
         [--sizes 1.3b,2.7b,6.7b,13b,13b-48l] [--micro-batch 8] [--seq 1024] [--accum 4]
-        [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json]
+        [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json] [--ratio 0.5]
+        [--accumulate-on gpu|cpu]
     python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
 
 For each config, the sizes run in order, each in a process of its own (a failed size leaves
@@ -25,6 +26,8 @@ Configs:
 - ``offload-split``: ``offload`` with ``offload_optimizer.ratio`` ``--ratio`` (default 0.5):
   that fraction of the shards steps on the CPU with its parameters in host memory, the rest
   stays on the GPU (host memory, not the GPU, is what bounds ``offload`` on one H200).
+  ``--accumulate-on cpu`` sets the dslab offload configs' ``offload_optimizer.accumulate_on``:
+  later micro-steps' gradient shards are added on the CPU, not copied back to the GPU for it.
 - ``offload-opt``: stage 3 with ``offload_optimizer`` on the CPU only.
 - ``offload-nvme``: ZeRO-Infinity on disk: ``offload_optimizer`` and ``offload_param`` on NVMe
   (``--nvme-path``, a fresh directory per size, removed after it): masters, Adam states and
@@ -78,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--accumulate-on", choices=("gpu", "cpu"), default="gpu",
+                        help="offload_optimizer.accumulate_on of the dslab offload configs: where a "
+                             "micro-step's gradient shard is added to the window's sum")
     parser.add_argument("--max-in-cpu", type=int, default=None,
                         help="offload-nvme's offload_param.max_in_cpu (default: DeepSpeed's, 1e9 elements)")
     parser.add_argument("--nvme-path", default=None,
@@ -128,6 +134,8 @@ def engine_config(config: str, args) -> dict:
             zero[key] = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
         if args.max_in_cpu is not None:
             zero["offload_param"]["max_in_cpu"] = args.max_in_cpu
+    if config in ("offload", "offload-split", "offload-opt", "offload-nvme"):
+        zero["offload_optimizer"]["accumulate_on"] = args.accumulate_on
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.accum,
@@ -233,7 +241,7 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
     cmd = [sys.executable, __file__, "--child", f"{config}:{size}", "--json", str(out),
            "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
            "--accum", str(args.accum), "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--ratio", str(args.ratio)]
+           "--ratio", str(args.ratio), "--accumulate-on", args.accumulate_on]
     nvme = None
     if config == "offload-nvme":  # a fresh directory per size, removed after it
         nvme = Path(tempfile.mkdtemp(prefix=f"ladder-{size}-", dir=args.nvme_path))

@@ -68,12 +68,21 @@ class OffloadOptimizerConfig(ConfigSection):
     ``ratio`` (DeepSpeed's ZeRO-Offload++ key) is the fraction of the shards, by elements, that
     the offload steps on the CPU; the other units keep their masters, gradients and optimizer
     states on the GPU and step there, ahead of the CPU chunks (1.0, the default, offloads all).
-    With ``offload_param`` only the CPU-stepped units' parameters leave the GPU."""
+    With ``offload_param`` only the CPU-stepped units' parameters leave the GPU.
+
+    ``accumulate_on`` (dslab's key; DeepSpeed has none): where a micro-step's gradient shard is
+    added to the window's sum in CPU memory under gradient accumulation. ``"gpu"`` (the default)
+    copies the sum to the GPU, adds there and copies it back; ``"cpu"`` copies the shard to one of
+    ``staging_buffers`` pinned buffers and adds it on the CPU in a worker thread, so that nothing
+    but parameters crosses PCIe towards the GPU (parameter offload's fetches use that direction)
+    and the GPU never holds more than that many shards waiting for their copies."""
 
     device: str = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
     ratio: float = Field(1.0, gt=0.0, le=1.0)
+    accumulate_on: str = "gpu"
+    staging_buffers: int = Field(4, ge=1)
     buffer_count: int = Field(4, ge=2)
     pipeline_read: bool = True
     pipeline_write: bool = True
@@ -83,6 +92,13 @@ class OffloadOptimizerConfig(ConfigSection):
     def _known_device(cls, value: str) -> str:
         if value not in ("cpu", "nvme", "none"):
             raise ValueError(f"offload_optimizer.device must be 'cpu', 'nvme' or 'none', got {value!r}")
+        return value
+
+    @field_validator("accumulate_on")
+    @classmethod
+    def _known_accumulation(cls, value: str) -> str:
+        if value not in ("gpu", "cpu"):
+            raise ValueError(f"offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got {value!r}")
         return value
 
     @model_validator(mode="after")

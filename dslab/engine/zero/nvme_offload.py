@@ -91,8 +91,9 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
     def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int,
                  nvme_path: str, aio: AioConfig, buffer_count: int, rank: int,
                  pipeline_read: bool = True, pipeline_write: bool = True, home=None,
-                 on_device: set[int] = frozenset()):
-        super().__init__(units, pin_memory, chunk_numel, home=home, on_device=on_device)
+                 on_device: set[int] = frozenset(), accumulate_on: str = "gpu", staging_buffers: int = 4):
+        super().__init__(units, pin_memory, chunk_numel, home=home, on_device=on_device,
+                         accumulate_on=accumulate_on, staging_buffers=staging_buffers)
         root = Path(nvme_path)
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -292,4 +293,7 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
         try:
             self._drain()
         finally:
-            self._cleanup()
+            try:
+                super().close()
+            finally:
+                self._cleanup()

@@ -21,6 +21,13 @@ synchronously on the CPU):
    backward the squared norm of the unit's final gradient is taken on the GPU, before it leaves.
    The GPU shard is then dropped (the allocator keeps the memory until the side stream has read
    it: ``record_stream``), so no gradient partition stays on the GPU.
+   With ``accumulate_on="cpu"`` (``offload_optimizer.accumulate_on``) a later micro-step's shard
+   is copied to one of a few pinned staging buffers instead and added to ``grads[i]`` on the CPU
+   by a worker thread, in arrival order: nothing crosses PCIe towards the GPU, where parameter
+   offload's fetches need that direction (13B with half its units offloaded on one H200 moved
+   51 GB of parameters and 26 GB of gradients for accumulation to the GPU per micro-step), and
+   the shards waiting for a copy are bounded by the staging buffers (a receive with none free
+   waits for the oldest add), so they cannot pile up on the GPU while the copies lag behind.
 2. Step: wait for the copies; the squared norms (one GPU tensor, all-reduced by the runtime) give
    the clipping norm and the fp16 overflow verdict (a non-finite norm), without reading the CPU
    gradients.
@@ -35,14 +42,17 @@ synchronously on the CPU):
    memory bandwidth, which the copies back draw on too.
 
 Traffic per unit and window of ``G`` micro-steps: over PCIe ``4·S·(2G - 1)`` bytes to the host
-side and ``4·S·(G - 1)`` back for accumulation, then ``4·S`` for the new shard; on the host one
-pass over the gradients (the scale) plus the optimizer's own (Adam: read master, gradient and two
-moments, write master and moments).
+side and ``4·S·(G - 1)`` back for accumulation (with ``accumulate_on="cpu"``: ``4·S·G`` to the
+host, nothing back, and ``G - 1`` additions on the host), then ``4·S`` for the new shard; on the
+host one pass over the gradients (the scale) plus the optimizer's own (Adam: read master,
+gradient and two moments, write master and moments).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -55,8 +65,11 @@ class CpuOptimizerOffload:
     """The CPU side of ZeRO-Offload for ``units`` (module docstring)."""
 
     def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int, home=None,
-                 on_device: set[int] = frozenset()):
+                 on_device: set[int] = frozenset(), accumulate_on: str = "gpu", staging_buffers: int = 4):
+        if accumulate_on not in ("gpu", "cpu"):
+            raise ValueError(f"offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got {accumulate_on!r}")
         self.units = units
+        self.accumulate_on = accumulate_on
         self.cuda = any(u.device.type == "cuda" for u in units)
         # parameter offload (param_offload.py): an offloaded unit's master is its home copy
         self.home = home
@@ -89,6 +102,13 @@ class CpuOptimizerOffload:
         if self.cuda:
             device = next(u.device for u in units if u.device.type == "cuda")
             self._copy_stream = torch.cuda.Stream(device=device)
+        # accumulate_on="cpu": staging buffers (made at the first addition), the worker that adds
+        # them into grads, and the additions in flight, oldest first
+        self._staging_count = staging_buffers
+        self._staging_free: list[torch.Tensor] = []
+        self._staging_made = 0
+        self._adds: collections.deque[Future] = collections.deque()
+        self._worker: ThreadPoolExecutor | None = None
 
     # -- gradients in -------------------------------------------------------------------------
 
@@ -107,6 +127,9 @@ class CpuOptimizerOffload:
                 unit.grad_shard = shard.clone() if shard._base is not None else shard
             else:
                 unit.grad_shard.add_(shard)
+            return
+        if accumulate and self.accumulate_on == "cpu":
+            self._add_on_host(i, shard)
             return
         if not shard.is_cuda:
             total = self.grads[i].add_(shard) if accumulate else self.grads[i].copy_(shard)
@@ -127,9 +150,62 @@ class CpuOptimizerOffload:
         shard.record_stream(stream)
         self._copied[i] = event
 
+    def _add_on_host(self, i: int, shard: torch.Tensor) -> None:
+        """``accumulate_on="cpu"``: copy ``shard`` into a staging buffer (on the side stream from
+        the GPU) and have the worker add it to ``grads[i]`` once it has landed; its squared norm
+        is taken there on the window's last backward."""
+        staging = self._take_staging(shard.numel())
+        view = staging[:shard.numel()]
+        event = None
+        if shard.is_cuda:
+            stream = self._copy_stream
+            stream.wait_stream(torch.cuda.current_stream(shard.device))
+            with torch.cuda.stream(stream):
+                view.copy_(shard, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            shard.record_stream(stream)
+        else:
+            view.copy_(shard)
+        self._squares[i] = None
+        last = self.last_backward
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dslab-grad-add")
+        # the window's first copy into grads[i] was issued on the same stream before: done
+        # once this one's event is
+        self._adds.append(self._worker.submit(self._add_staged, i, staging, view, event, last))
+
+    def _add_staged(self, i: int, staging: torch.Tensor, view: torch.Tensor, event, last: bool) -> torch.Tensor:
+        if event is not None:
+            event.synchronize()
+        self.grads[i].add_(view)
+        if last:
+            self._squares[i] = _square_norm(self.grads[i])
+        return staging
+
+    def _take_staging(self, numel: int) -> torch.Tensor:
+        """A free staging buffer of at least ``numel`` elements: a new one while fewer than
+        ``staging_buffers`` exist, else the oldest addition's once it is done."""
+        while not self._staging_free:
+            if self._staging_made < self._staging_count:
+                largest = max(u.shard_numel for u, device in zip(self.units, self.on_device) if not device)
+                dtype = next(u.dtype for u, device in zip(self.units, self.on_device) if not device)
+                self._staging_free.append(torch.empty(largest, dtype=dtype, pin_memory=self.cuda))
+                self._staging_made += 1
+            else:
+                self._staging_free.append(self._adds.popleft().result())
+        return self._staging_free.pop()
+
+    def _finish_adds(self) -> None:
+        """Wait for every addition in flight (and raise the first that failed)."""
+        while self._adds:
+            self._staging_free.append(self._adds.popleft().result())
+
     def gradients(self) -> list[torch.Tensor]:
-        """Every unit's CPU gradient for this window, complete: waits for the copies; a unit
-        that received nothing (a step without a reducing backward) holds zeros."""
+        """Every unit's CPU gradient for this window, complete: waits for the copies and the
+        host additions; a unit that received nothing (a step without a reducing backward) holds
+        zeros."""
+        self._finish_adds()
         for i, event in enumerate(self._copied):
             if event is not None:
                 event.synchronize()
@@ -218,6 +294,7 @@ class CpuOptimizerOffload:
 
     def zero_grad(self) -> None:
         """Start a new accumulation window: the next received shard overwrites ``grads``."""
+        self._finish_adds()  # no addition of the last window may land in the new one
         self._filled = [False] * len(self.units)
         self._squares = [None] * len(self.units)
 
@@ -236,7 +313,14 @@ class CpuOptimizerOffload:
         memory."""
 
     def close(self) -> None:
-        """Release what the offload holds outside the process's memory (nothing here)."""
+        """Finish the host additions in flight and stop their worker (nothing else of the offload
+        lives outside the process's memory)."""
+        if self._worker is not None:
+            try:
+                self._finish_adds()
+            finally:
+                self._worker.shutdown(wait=True)
+                self._worker = None
 
 
 def _square_norm(t: torch.Tensor) -> torch.Tensor:

@@ -215,14 +215,16 @@ class ZeroRuntime:
         if offload.device == "cpu":
             self.offload = CpuOptimizerOffload(
                 self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
-                home=self.param_home, on_device=on_device)
+                home=self.param_home, on_device=on_device, accumulate_on=offload.accumulate_on,
+                staging_buffers=offload.staging_buffers)
         elif offload.device == "nvme":
             self.offload = NvmeOptimizerOffload(
                 self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
                 nvme_path=offload.nvme_path, aio=aio,
                 buffer_count=offload.buffer_count, rank=comm.get_rank(),
                 pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write,
-                home=self.param_home, on_device=on_device)
+                home=self.param_home, on_device=on_device, accumulate_on=offload.accumulate_on,
+                staging_buffers=offload.staging_buffers)
         if self.offload is not None:
             self.masters: list[nn.Parameter] = self.offload.masters
         else:

@@ -44,15 +44,18 @@ def reference():
     return _losses({"stage3_param_persistence_threshold": 0})[0]
 
 
-@pytest.mark.parametrize("offload", ["cpu", "nvme", "cpu-ratio"])
+@pytest.mark.parametrize("offload", ["cpu", "nvme", "cpu-ratio", "cpu-ratio-host-add"])
 def test_offloaded_parameters_train_like_device_resident_ones(reference, offload, tmp_path):
     """``cpu-ratio``: half the units step on the GPU (fused AdamW over CUDA and CPU masters at
-    once) and keep their parameters there."""
+    once) and keep their parameters there; ``host-add``: the second micro-step's gradient shards
+    copied from the GPU into two pinned staging buffers and added on the CPU."""
     device = offload.split("-")[0]
     zero = {"stage3_param_persistence_threshold": 0,
             "offload_param": {"device": device, "pin_memory": True, "nvme_path": str(tmp_path)}}
-    if offload.endswith("ratio"):
+    if "ratio" in offload:
         zero["offload_optimizer"] = {"device": "cpu", "ratio": 0.5}
+    if offload.endswith("host-add"):
+        zero["offload_optimizer"].update(accumulate_on="cpu", staging_buffers=2)
     losses, stats = _losses(zero)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
     assert stats["fetches"] > 0 and stats["h2d_bytes"] > 0 and stats["copy_stall_ms"] >= 0

@@ -21,7 +21,7 @@ def ladder(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     # deepspeed is not installed here: its first size fails and its ladder stops there
     cmd = [sys.executable, str(REPO / "benchmarks" / "size_ladder.py"), "--tiny",
-           "--configs", "stage3,offload-split,deepspeed-stage3", "--json", str(out)]
+           "--configs", "stage3,offload-split,deepspeed-stage3", "--accumulate-on", "cpu", "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout, json.loads(out.read_text())["rows"]
@@ -57,3 +57,12 @@ def test_model_flops_is_megatrons_count():
     expected = 72 * 1024 * 24 * 2048**2 * (1 + 1024 / (6 * 2048) + 50257 / (12 * 24 * 2048))
     assert flops == pytest.approx(expected)
     assert size_ladder.parameter_count(24, 2048, 1024) == pytest.approx(1.31e9, rel=0.01)
+
+
+@pytest.mark.parametrize("config", ["offload", "offload-split", "offload-opt", "offload-nvme"])
+def test_accumulate_on_reaches_every_dslab_offload_config(config, tmp_path):
+    args = size_ladder.parse_args(["--accumulate-on", "cpu", "--nvme-path", str(tmp_path)])
+    zero = size_ladder.engine_config(config, args)["zero_optimization"]
+    assert zero["offload_optimizer"]["accumulate_on"] == "cpu"
+    assert "accumulate_on" not in size_ladder.engine_config(
+        "deepspeed-offload", args)["zero_optimization"]["offload_optimizer"]  # not DeepSpeed's key

@@ -76,7 +76,7 @@ def test_every_stage_ends_where_stage0_ends(two_ranks, scenario):
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("name", ["cpu", "cpu_reuse_chunks", "nvme", "nvme_both", "cpu_ratio",
-                                  "nvme_ratio", "nvme_cached"])
+                                  "cpu_host_add_ratio", "nvme_ratio", "nvme_cached"])
 def test_stage3_with_parameter_offload_ends_where_stage0_ends(two_ranks, name, tied):
     """offload_param on the CPU or in files (with the optimizer offloaded to the CPU or NVMe):
     the losses of every step and the final parameters are stage 0's; the shards live off the

@@ -66,6 +66,12 @@ def test_bad_offload_configs_are_refused():
                 "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}}))
     with pytest.raises(ValueError, match="offload_param.device must be 'cpu', 'nvme' or 'none'"):
         load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": "gpu"}}))
+    with pytest.raises(ValueError, match="offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got 'host'"):
+        load_config(base_config(zero_optimization={
+            "stage": 2, "offload_optimizer": {"device": "cpu", "accumulate_on": "host"}}))
+    with pytest.raises(ValueError, match="staging_buffers"):
+        load_config(base_config(zero_optimization={
+            "stage": 2, "offload_optimizer": {"device": "cpu", "accumulate_on": "cpu", "staging_buffers": 0}}))
     # a DeepSpeed ZeRO-3 config with parameter offload switched off loads
     config = load_config(base_config(zero_optimization={
         "stage": 3, "offload_param": {"device": "none", "pin_memory": True},
@@ -406,3 +412,40 @@ def test_stage3_buckets_its_resident_units():
     assert released == [(layout.names, owner) for layout, _, owner in planned if not layout.resident]
     names = [n for layout, _, _ in bucketed for n in layout.names]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("staging", [1, 3])
+def test_host_accumulation_sums_every_micro_step_in_order(staging):
+    """offload_optimizer.accumulate_on = "cpu": the first shard of a window is copied, later ones
+    added on the CPU by the worker through ``staging`` buffers (one: every shard waits for the
+    addition before it); the sums, and the squared norms taken on the window's last backward,
+    are the plain sums' on fresh random shards; a new window starts from the next shard."""
+    from dslab.engine.zero.offload import CpuOptimizerOffload
+    from dslab.engine.zero.partition import FlatUnit, UnitLayout
+
+    g = torch.Generator().manual_seed(11 + staging)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (37, 5, 64, 19)]
+    units = [FlatUnit(i, UnitLayout((f"p{i}",), (tuple(p.shape),), 0, False), [p], world_size=1, rank=0)
+             for i, p in enumerate(params)]
+    offload = CpuOptimizerOffload(units, pin_memory=False, chunk_numel=50, accumulate_on="cpu",
+                                  staging_buffers=staging)
+    try:
+        for window in range(2):
+            offload.zero_grad()
+            micro_steps = 4
+            expected = [torch.zeros(u.shard_numel) for u in units]
+            for step in range(micro_steps):
+                offload.begin(last_backward=step == micro_steps - 1)
+                for i, unit in enumerate(units):
+                    shard = torch.randn(unit.shard_numel, generator=g)
+                    expected[i] += shard
+                    offload.receive(unit, shard)
+            grads = offload.gradients()
+            for i in range(len(units)):
+                torch.testing.assert_close(grads[i], expected[i], rtol=1e-6, atol=1e-6, msg=f"window {window} unit {i}")
+            want = sum(float(e.double().square().sum()) for e in expected)
+            assert offload.squared_norm(torch.device("cpu")).item() == pytest.approx(want, rel=1e-5)
+        assert offload._staging_made == staging
+    finally:
+        offload.close()
+    assert offload._worker is None

@@ -137,6 +137,12 @@ SCENARIOS = {
     # and the unscaling come from the gradient norms.
     "offload_accum_clip": {"gradient_accumulation_steps": 3, "gradient_clipping": 0.05,
                            "zero": {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 40}},
+    # the same with the micro-steps' shards added on the CPU by a worker thread through one
+    # staging buffer (every later shard waits for the addition before it)
+    "offload_accum_on_cpu": {"gradient_accumulation_steps": 3, "gradient_clipping": 0.05,
+                             "zero": {"offload_optimizer": {"device": "cpu", "accumulate_on": "cpu",
+                                                            "staging_buffers": 1},
+                                      "sub_group_size": 40}},
     # partial offload: about half of the shard elements step on the CPU, the rest where they are
     "offload_ratio": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
                       "zero": {"offload_optimizer": {"device": "cpu", "ratio": 0.5},
@@ -277,6 +283,9 @@ def param_offload_runs(nvme_root: Path) -> dict:
                         "sub_group_size": 40},
         "cpu_ratio": {"offload_param": {"device": "cpu"},
                       "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+        "cpu_host_add_ratio": {"offload_param": {"device": "cpu"},
+                               "offload_optimizer": {"device": "cpu", "ratio": 0.5, "accumulate_on": "cpu",
+                                                     "staging_buffers": 2}},
         "nvme_ratio": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
                                          "max_in_cpu": 0},
                        "offload_optimizer": {"device": "nvme", "ratio": 0.6,
