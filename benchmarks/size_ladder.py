@@ -40,7 +40,9 @@ Per size: step time (median of ``--steps``), tokens/s, model TFLOP/s by Megatron
 counted), MFU against the bf16 matmul peak measured in the same process
 (:func:`dslab.bench.measure.measure_peaks`), peak GPU memory allocated, the process's peak host
 RSS, and for dslab with parameter offload the bytes fetched per step and how long the device
-stood waiting for them (:mod:`dslab.engine.zero.param_offload`). The table prints last.
+stood waiting for them (:mod:`dslab.engine.zero.param_offload`), and with optimizer offload the
+gradient bytes copied to the host and back to the GPU per step and how long the host waited for
+its additions (``accumulate_on: cpu``; :mod:`dslab.engine.zero.offload`). The table prints last.
 """
 
 from __future__ import annotations
@@ -194,11 +196,15 @@ def run_child(config: str, size: str, args) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         home = getattr(getattr(engine, "zero", None), "param_home", None)
+        offload = getattr(getattr(engine, "zero", None), "offload", None)
+        grads_before = None
         before = home.stats() if home is not None else None
         for step in range(args.warmup + args.steps):
             phase = f"step {step}"
             if step == args.warmup and home is not None:
                 before = home.stats()
+            if step == args.warmup and offload is not None:
+                grads_before = offload.stats()
             start = time.perf_counter()
             total = 0.0
             for ids in batches:
@@ -227,6 +233,9 @@ def run_child(config: str, size: str, args) -> dict:
             after = home.stats()
             row["param_offload_per_step"] = {
                 k: (after[k] - before[k]) / args.steps for k in after if k != "device"}
+        if grads_before is not None:
+            after = offload.stats()
+            row["grad_offload_per_step"] = {k: (after[k] - grads_before[k]) / args.steps for k in after}
     except torch.OutOfMemoryError as err:
         row.update(status="oom", where=phase, error=str(err).splitlines()[0][:300])
     row["peak_host_rss_bytes"] = _peak_rss_bytes()
@@ -274,8 +283,9 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
 
 def fmt_table(rows: list[dict]) -> str:
     lines = ["| config | size | params | status | step s | tokens/s | TFLOP/s | MFU | peak GPU GiB "
-             "| peak host GiB | fetched GB/step | disk read/write GB/step | device wait ms/step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| peak host GiB | fetched GB/step | disk read/write GB/step | device wait ms/step "
+             "| gradients out/back GB/step | host adds wait s/step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         def num(key, scale=1.0, digits=1):
             value = r.get(key)
@@ -285,13 +295,17 @@ def fmt_table(rows: list[dict]) -> str:
         waited = f"{offload['copy_stall_ms']:.0f}" if offload else ""
         disk = (f"{offload['disk_read_bytes'] / 1e9:.1f} / {offload['disk_write_bytes'] / 1e9:.1f}"
                 if offload.get("disk_read_bytes") else "")
+        grads = r.get("grad_offload_per_step") or {}
+        traffic = (f"{grads['grad_d2h_bytes'] / 1e9:.1f} / {grads['grad_h2d_bytes'] / 1e9:.1f}"
+                   if grads.get("grad_d2h_bytes") else "")
+        adds = f"{grads['staging_wait_s'] + grads['adds_wait_s']:.2f}" if grads.get("host_adds") else ""
         status = r["status"] + (f" ({r['where']})" if r.get("where") else "")
         params = f"{r['params'] / 1e9:.2f}B" if r.get("params") else ""
         lines.append(
             f"| {r['config']} | {r['size']} | {params} | {status} | {num('step_s', digits=2)} "
             f"| {num('tokens_per_s', digits=0)} | {num('model_tflops')} | {num('mfu', 0.01)}{'%' if 'mfu' in r else ''} "
             f"| {num('peak_gpu_bytes', 2**30)} | {num('peak_host_rss_bytes', 2**30)} | {fetched} "
-            f"| {disk} | {waited} |")
+            f"| {disk} | {waited} | {traffic} | {adds} |")
     return "\n".join(lines)
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -109,6 +110,9 @@ class CpuOptimizerOffload:
         self._staging_made = 0
         self._adds: collections.deque[Future] = collections.deque()
         self._worker: ThreadPoolExecutor | None = None
+        # gradient traffic since the start (:meth:`stats`)
+        self.totals = {"grad_d2h_bytes": 0, "grad_h2d_bytes": 0, "host_adds": 0, "staging_wait_s": 0.0,
+                       "adds_wait_s": 0.0}
 
     # -- gradients in -------------------------------------------------------------------------
 
@@ -135,6 +139,10 @@ class CpuOptimizerOffload:
             total = self.grads[i].add_(shard) if accumulate else self.grads[i].copy_(shard)
             self._squares[i] = _square_norm(total) if self.last_backward else None
             return
+        nbytes = shard.numel() * shard.element_size()
+        self.totals["grad_d2h_bytes"] += nbytes
+        if accumulate:
+            self.totals["grad_h2d_bytes"] += nbytes
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(shard.device))
         with torch.cuda.stream(stream):
@@ -157,7 +165,9 @@ class CpuOptimizerOffload:
         staging = self._take_staging(shard.numel())
         view = staging[:shard.numel()]
         event = None
+        self.totals["host_adds"] += 1
         if shard.is_cuda:
+            self.totals["grad_d2h_bytes"] += shard.numel() * shard.element_size()
             stream = self._copy_stream
             stream.wait_stream(torch.cuda.current_stream(shard.device))
             with torch.cuda.stream(stream):
@@ -193,13 +203,25 @@ class CpuOptimizerOffload:
                 self._staging_free.append(torch.empty(largest, dtype=dtype, pin_memory=self.cuda))
                 self._staging_made += 1
             else:
+                start = time.perf_counter()
                 self._staging_free.append(self._adds.popleft().result())
+                self.totals["staging_wait_s"] += time.perf_counter() - start
         return self._staging_free.pop()
 
     def _finish_adds(self) -> None:
         """Wait for every addition in flight (and raise the first that failed)."""
+        start = time.perf_counter()
         while self._adds:
             self._staging_free.append(self._adds.popleft().result())
+        self.totals["adds_wait_s"] += time.perf_counter() - start
+
+    def stats(self) -> dict:
+        """Gradient traffic since the start: bytes of gradient shards copied to the host
+        (``grad_d2h_bytes``) and of sums copied back to the GPU for accumulation
+        (``grad_h2d_bytes``), additions made on the host (``host_adds``), and the host's waits
+        for them: for a free staging buffer during backward (``staging_wait_s``) and for the
+        last ones before a step or a new window (``adds_wait_s``)."""
+        return dict(self.totals)
 
     def gradients(self) -> list[torch.Tensor]:
         """Every unit's CPU gradient for this window, complete: waits for the copies and the

@@ -35,6 +35,8 @@ def _losses(zero, partitioned=False):
         losses.append(float(loss))
     home = engine.zero.param_home
     stats = home.stats() if home is not None else None
+    if stats is not None and engine.zero.offload is not None:
+        stats.update(engine.zero.offload.stats())
     engine.destroy()
     return losses, stats
 
@@ -61,6 +63,11 @@ def test_offloaded_parameters_train_like_device_resident_ones(reference, offload
     assert stats["fetches"] > 0 and stats["h2d_bytes"] > 0 and stats["copy_stall_ms"] >= 0
     if offload == "nvme":
         assert stats["disk_read_bytes"] >= stats["h2d_bytes"]
+    assert stats["grad_d2h_bytes"] > 0
+    if offload.endswith("host-add"):  # the second micro-step's shards added on the host: none went back
+        assert stats["grad_h2d_bytes"] == 0 and stats["host_adds"] > 0
+    else:
+        assert stats["grad_h2d_bytes"] > 0 and stats["host_adds"] == 0
 
 
 def test_a_model_built_partitioned_on_the_gpu_trains_like_a_plain_one(reference):

@@ -49,6 +49,10 @@ def test_rows_hold_the_measurements(ladder):
         assert row["model_tflops"] == pytest.approx(flops / row["step_s"] / 1e12)
     offloaded = [r for r in rows if r["config"] == "offload-split"]
     assert all(r["param_offload_per_step"]["fetches"] > 0 for r in offloaded)
+    # --accumulate-on cpu: the second micro-step's shards are added on the host, none go back
+    assert all(r["grad_offload_per_step"]["host_adds"] > 0 and r["grad_offload_per_step"]["grad_h2d_bytes"] == 0
+               for r in offloaded)
+    assert "gradients out/back GB/step" in ladder[0]
 
 
 def test_model_flops_is_megatrons_count():

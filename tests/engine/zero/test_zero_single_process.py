@@ -446,6 +446,9 @@ def test_host_accumulation_sums_every_micro_step_in_order(staging):
             want = sum(float(e.double().square().sum()) for e in expected)
             assert offload.squared_norm(torch.device("cpu")).item() == pytest.approx(want, rel=1e-5)
         assert offload._staging_made == staging
+        stats = offload.stats()
+        assert stats["host_adds"] == 2 * 3 * len(units)  # every micro-step after a window's first
+        assert stats["grad_d2h_bytes"] == stats["grad_h2d_bytes"] == 0  # CPU shards: nothing crossed PCIe
     finally:
         offload.close()
     assert offload._worker is None
