@@ -4,7 +4,7 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
     python benchmarks/size_ladder.py [--configs stage3,offload,deepspeed-offload]
         [--sizes 1.3b,2.7b,6.7b,13b,13b-48l] [--micro-batch 8] [--seq 1024] [--accum 4]
         [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json] [--ratio 0.5]
-        [--accumulate-on gpu|cpu]
+        [--accumulate-on gpu|cpu] [--prefetch ELEMENTS]
     python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
 
 For each config, the sizes run in order, each in a process of its own (a failed size leaves
@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--prefetch", type=int, default=None,
+                        help="zero_optimization.stage3_prefetch_bucket_size (elements gathered ahead of use; "
+                             "default: the engine's, DeepSpeed's 5e7), for every config")
     parser.add_argument("--accumulate-on", choices=("gpu", "cpu"), default="gpu",
                         help="offload_optimizer.accumulate_on of the dslab offload configs: where a "
                              "micro-step's gradient shard is added to the window's sum")
@@ -125,6 +128,8 @@ def parameter_count(layers: int, hidden: int, seq: int) -> int:
 
 def engine_config(config: str, args) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 100_000}
+    if args.prefetch is not None:
+        zero["stage3_prefetch_bucket_size"] = args.prefetch
     if config in ("offload", "offload-split", "offload-opt", "deepspeed-offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if config == "offload-split":
@@ -251,6 +256,8 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
            "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
            "--accum", str(args.accum), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--ratio", str(args.ratio), "--accumulate-on", args.accumulate_on]
+    if args.prefetch is not None:
+        cmd += ["--prefetch", str(args.prefetch)]
     nvme = None
     if config == "offload-nvme":  # a fresh directory per size, removed after it
         nvme = Path(tempfile.mkdtemp(prefix=f"ladder-{size}-", dir=args.nvme_path))

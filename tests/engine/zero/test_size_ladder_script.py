@@ -70,3 +70,7 @@ def test_accumulate_on_reaches_every_dslab_offload_config(config, tmp_path):
     assert zero["offload_optimizer"]["accumulate_on"] == "cpu"
     assert "accumulate_on" not in size_ladder.engine_config(
         "deepspeed-offload", args)["zero_optimization"]["offload_optimizer"]  # not DeepSpeed's key
+    assert "stage3_prefetch_bucket_size" not in zero  # the engine's default unless asked
+    prefetched = size_ladder.parse_args(["--prefetch", "400000000"])
+    for name in (config, "deepspeed-offload"):
+        assert size_ladder.engine_config(name, prefetched)["zero_optimization"]["stage3_prefetch_bucket_size"] == 4e8
