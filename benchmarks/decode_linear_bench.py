@@ -5,7 +5,8 @@
 For each projection of a GPT-2 layer of width ``--hidden`` (QKV, attention out, MLP up, MLP down)
 at ``--rows`` rows, bf16: ``F.linear`` with its bias (cuBLAS), ``decode_linear`` as the engine runs
 it (its fixed block sizes; the QKV and MLP-up rows with their residual add and layer norm in front, as in the
-fused step), and ``decode_linear`` without a prologue under each of the kernel's configurations.
+fused step: from 2 rows in a kernel of their own, and also timed in every program's prologue), and
+``decode_linear`` without a prologue under each of the kernel's configurations.
 Timing as in ``inference_kernels_bench.py``: calls cycling over enough weight copies to exceed four
 L2 caches, captured in one CUDA graph, median replay. GB/s counts the weight bytes only; the
 percentage divides by the device-to-device copy bandwidth (bytes read + written per second).
@@ -14,6 +15,7 @@ percentage divides by the device-to-device copy bandwidth (bytes read + written 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -31,6 +33,8 @@ import triton.language as tl  # noqa: E402
 from dslab.kernels.decode import decode_linear_triton as kernels  # noqa: E402
 from dslab.kernels.decode.decode_linear import decode_linear  # noqa: E402
 from dslab.kernels.quant.int8_linear import quantize_int8  # noqa: E402
+
+linear_module = importlib.import_module("dslab.kernels.decode.decode_linear")  # the package attribute is the function
 
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the bare GEMV below.
 BARE_CONFIGS = [(4, 1024, 4, 1), (4, 1024, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (2, 2048, 4, 1),
@@ -96,12 +100,19 @@ def main() -> None:
         err = (ops[0]().float() - want).abs().max().item()
         us = graph_time_us([lambda w=w: F.linear(x, w, bias) for w in weights], args.inner, args.reps)
         results.append((name, f"{n}x{k}", "cuBLAS F.linear (bf16)", us, 2 * n * k / us / 1e3))
-        rows = [("decode_linear", [lambda op=op: op() for op in ops])]
+        rows = [("decode_linear", [lambda op=op: op() for op in ops], None)]
         if prologue:
-            rows.append(("decode_linear, add+LN", [lambda op=op: op(residual=r, norm=norm, return_sum=True)
-                                                   for op in ops]))
-        for label, calls in rows:
-            us = graph_time_us(calls, args.inner, args.reps)
+            with_norm = [lambda op=op: op(residual=r, norm=norm, return_sum=True) for op in ops]
+            rows.append(("decode_linear, add+LN", with_norm, None))
+            if m >= linear_module.PROLOGUE_KERNEL_MIN_ROWS:  # the norm in every program instead
+                rows.append(("add+LN in the linear", with_norm, linear_module.MAX_ROWS + 1))
+        for label, calls, min_rows in rows:
+            default = linear_module.PROLOGUE_KERNEL_MIN_ROWS
+            linear_module.PROLOGUE_KERNEL_MIN_ROWS = min_rows or default
+            try:
+                us = graph_time_us(calls, args.inner, args.reps)
+            finally:
+                linear_module.PROLOGUE_KERNEL_MIN_ROWS = default
             results.append((name, f"{n}x{k}", label, us, weight_bytes / us / 1e3))
         for config in configs:
             with kernels.forced_config(config):

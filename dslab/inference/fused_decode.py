@@ -34,8 +34,10 @@ on an H200 (``benchmarks/decode_profile.py``). From a few rows on, cuBLAS's tens
 the kernel's tensor-core tile (GPT-2 1.5B at batch 32: 4.20 ms fused against 3.45 op by op; Llama-3.2-1B
 at batch 8: 1.91 against 1.34), so larger buckets run op by op; the kernel itself takes up to 64
 rows (the tests run the fused step at batch 3). At 8 rows the tile's bare GEMMs are within 1.0-1.2x
-of cuBLAS's; what the fused step loses is its norm prologues, whose row statistics every column
-program recomputes (QKV with add and RMSNorm 25 us against 11 bare, on an H200).
+of cuBLAS's; what the fused step lost there was its norm prologues, whose row statistics every
+column program recomputed (QKV with add and LayerNorm 25 us against 11 bare, on an H200). From 2
+rows the norm now runs in a kernel of its own in front of the linear
+(:mod:`dslab.kernels.decode.decode_prologue_triton`); the batch-8 figures above predate that.
 """
 
 from __future__ import annotations

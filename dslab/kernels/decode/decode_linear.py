@@ -14,7 +14,10 @@ about eleven (RMSNorm, QKV GEMM, rope, two cache scatters, attention's two, outp
 gate/up GEMM, SwiGLU, down GEMM). With this op, either layout launches five: ``decode_linear`` for QKV
 (the residual add and norm in front, rope and the cache writes behind), attention, the output
 projection, the MLP's first GEMM (add, norm, bias, GELU or SwiGLU), its second.
-:mod:`dslab.kernels.decode.decode_linear_triton` says how the kernel does it.
+:mod:`dslab.kernels.decode.decode_linear_triton` says how the kernel does it. From
+:data:`PROLOGUE_KERNEL_MIN_ROWS` rows a launch with a norm first runs the add and the norm in a
+kernel of its own (:mod:`dslab.kernels.decode.decode_prologue_triton`), then the linear on its
+output: one launch more, instead of every program's pass over the rows.
 
 Arguments (``M`` rows, ``K`` inputs, ``N`` outputs; activations bf16, fp16 or fp32):
 
@@ -73,6 +76,9 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "swiglu")
 #: The kernel's row tiles: 1 (batch 1) or a tensor-core tile of up to this many rows.
 MAX_ROWS = 64
+#: Rows from which a launch with a norm computes the norm in a kernel of its own first
+#: (:mod:`dslab.kernels.decode.decode_prologue_triton`), not in every program's prologue.
+PROLOGUE_KERNEL_MIN_ROWS = 2
 
 
 def _rows(table: torch.Tensor, rows: torch.Tensor | None, offset: torch.Tensor | None) -> torch.Tensor:
@@ -236,6 +242,28 @@ def _triton_module():
     return decode_linear_triton
 
 
+def _prologue_kernel(x, x_rows, residual, residual_rows, residual_row_offset, norm, rms_norm, a_out, k, dummy):
+    """``h = norm(x (+ residual))`` of every row by :mod:`.decode_prologue_triton` (``a_out``
+    receives the sum when given); the rows of ``h`` are the linear's input."""
+    from dslab.kernels.decode import decode_prologue_triton
+
+    m = x_rows.shape[0] if x_rows is not None else x.shape[0]
+    h = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if norm is not None:
+        norm_weight, norm_bias, eps = norm
+    else:
+        (norm_weight, eps), norm_bias = rms_norm, None
+    or_dummy = (lambda t: dummy if t is None else t)
+    args = (x, or_dummy(x_rows), or_dummy(residual), or_dummy(residual_rows), or_dummy(residual_row_offset),
+            or_dummy(a_out), h, norm_weight, or_dummy(norm_bias), k, x.stride(0),
+            residual.stride(0) if residual is not None else 0, k, k, float(eps))
+    meta = dict(HAS_X_ROWS=x_rows is not None, HAS_R=residual is not None, HAS_R_ROWS=residual_rows is not None,
+                HAS_R_OFFSET=residual_row_offset is not None, WRITE_A=a_out is not None, RMS_NORM=rms_norm is not None,
+                BF16_BY_HAND=interpreting() and x.dtype == torch.bfloat16)
+    decode_prologue_triton.launch(interpreting(), m, k, args, meta)
+    return h
+
+
 def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_row_offset, norm, rms_norm, activation,
             return_sum, kv, m, n, k):
     from dslab.kernels._grid import device_guard
@@ -248,6 +276,12 @@ def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_ro
     weight = weight.contiguous()
     a_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if return_sum else None
     dummy = weight
+    if (norm is not None or rms_norm is not None) and m >= PROLOGUE_KERNEL_MIN_ROWS:
+        x = _prologue_kernel(x, x_rows, residual, residual_rows, residual_row_offset, norm, rms_norm, a_out, k, dummy)
+        x_rows = residual = residual_rows = residual_row_offset = norm = rms_norm = None
+        write_a = False
+    else:
+        write_a = return_sum
     cos = sin = None
     span = 0  # a paired launch's distance between a pair's two weight rows
     if kv is not None:
@@ -294,7 +328,7 @@ def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_ro
     )
     meta = dict(
         HAS_X_ROWS=x_rows is not None, HAS_R=residual is not None, HAS_R_ROWS=residual_rows is not None,
-        HAS_R_OFFSET=residual_row_offset is not None, WRITE_A=return_sum,
+        HAS_R_OFFSET=residual_row_offset is not None, WRITE_A=write_a,
         HAS_NORM=norm is not None or rms_norm is not None, RMS_NORM=rms_norm is not None,
         INT8=weight.dtype == torch.int8, HAS_BIAS=bias is not None,
         ACT=kernels.ACTIVATION_CODES[activation], KV_SCATTER=kv is not None, ROPE=cos is not None, PAIRED=paired,

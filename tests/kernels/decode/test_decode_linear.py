@@ -37,7 +37,7 @@ def _both(**kwargs):
 @pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh"])
-def test_norm_residual_bias_activation(rows, dtype, activation):
+def test_norm_residual_bias_activation(rows, dtype, activation, prologue):
     g = torch.Generator().manual_seed(rows * 7 + len(str(activation)))
     x = torch.randn(rows, K, generator=g).to(dtype)
     residual = torch.randn(rows, K, generator=g).to(dtype)
@@ -46,6 +46,7 @@ def test_norm_residual_bias_activation(rows, dtype, activation):
     norm = (1 + 0.1 * torch.randn(K, generator=g).to(dtype), torch.randn(K, generator=g).to(dtype), 1e-5)
     (y, a), (y_ref, a_ref) = _both(x=x, weight=weight, bias=bias, residual=residual, norm=norm,
                                    activation=activation, return_sum=True)
+    prologue.check(rows)
     assert torch.equal(a, a_ref)  # the residual stream is exactly the rounded sum
     torch.testing.assert_close(y.float(), y_ref.float(), **_tolerance(dtype))
 
@@ -71,7 +72,7 @@ def test_plain_linear_and_int8(rows):
 
 @needs_interpreter
 @pytest.mark.parametrize("rows", [1, 5, 11])
-def test_gathered_rows_are_embedding_lookups(rows):
+def test_gathered_rows_are_embedding_lookups(rows, prologue):
     """x = table[x_rows], residual = positions[residual_rows - offset]: GPT-2's embeddings."""
     g = torch.Generator().manual_seed(11)
     table, positions = torch.randn(30, K, generator=g), torch.randn(20, K, generator=g)
@@ -82,6 +83,7 @@ def test_gathered_rows_are_embedding_lookups(rows):
     norm = (torch.ones(K), torch.zeros(K), 1e-5)
     (y, a), (y_ref, a_ref) = _both(x=table, weight=weight, x_rows=tokens, residual=positions, residual_rows=write_pos,
                                    residual_row_offset=start, norm=norm, return_sum=True)
+    prologue.check(rows)
     torch.testing.assert_close(a, table[tokens] + positions[write_pos - start])
     torch.testing.assert_close(a, a_ref)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)

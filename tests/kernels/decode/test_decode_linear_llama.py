@@ -136,7 +136,7 @@ def test_reference_rotary_gqa_kv_is_rotate_half_and_a_scatter():
 @pytest.mark.parametrize("rows", [1, 5, 11])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [K, 29])
-def test_rms_norm_prologue(rows, dtype, k):
+def test_rms_norm_prologue(rows, dtype, k, prologue):
     """K = 70 takes the statistics pass over K blocks; K = 29 fits one block (its statistics from
     the tile in registers). The residual stream is exactly the rounded sum."""
     g = torch.Generator().manual_seed(rows + k + len(str(dtype)))
@@ -146,6 +146,7 @@ def test_rms_norm_prologue(rows, dtype, k):
                 **_weight(n, k, g, dtype, "dtype"))
     with kernel_backend("triton"):
         y, a = decode_linear(**call)
+    prologue.check(rows)
     y_ref, a_ref = decode_linear_reference(**call)
     assert torch.equal(a, a_ref)
     _assert_matches(y, y_ref, decode_linear_reference(**_in_fp32(call))[0], dtype)
