@@ -11,6 +11,9 @@ Per unit (:mod:`.partition`) this rank keeps in CPU memory:
   block the host;
 - the optimizer's states, created by the optimizer next to the masters.
 
+Pinned buffers are page-locked at their own size (:mod:`.pinned`), not taken from torch's pinned
+cache, which rounds each up to a power of two.
+
 How one optimizer step flows, and what overlaps what (on CUDA; without it the same steps run
 synchronously on the CPU):
 
@@ -60,6 +63,7 @@ import torch
 import torch.nn as nn
 
 from dslab.engine.zero.partition import FlatUnit
+from dslab.engine.zero.pinned import HostBuffers
 
 
 class CpuOptimizerOffload:
@@ -77,6 +81,8 @@ class CpuOptimizerOffload:
         # partial offload (offload_optimizer.ratio): these units step where they live
         self.on_device = [u.index in on_device for u in units]
         pin_masters = pin_memory and self.cuda
+        # masters, gradient buffers and staging buffers, page-locked at their size (pinned.py)
+        self.host_buffers = HostBuffers("offload_optimizer")
         self.masters: list[nn.Parameter] = []
         self.grads: list[torch.Tensor | None] = []
         for unit, device in zip(units, self.on_device):
@@ -87,10 +93,10 @@ class CpuOptimizerOffload:
             if home is not None and home.holds(unit):
                 master = home.master(unit)
             else:
-                master = torch.empty(unit.shard_numel, dtype=unit.dtype, pin_memory=pin_masters)
+                master = self.host_buffers.empty(unit.shard_numel, unit.dtype, pin_masters)
                 master.copy_(unit.shard)
             self.masters.append(nn.Parameter(master))
-            self.grads.append(torch.zeros(unit.shard_numel, dtype=unit.dtype, pin_memory=self.cuda))
+            self.grads.append(self.host_buffers.zeros(unit.shard_numel, unit.dtype, self.cuda))
         self.device_units = [u for u, device in zip(units, self.on_device) if device]
         self.chunks = plan_chunks([u for u, device in zip(units, self.on_device) if not device],
                                   chunk_numel)
@@ -200,7 +206,7 @@ class CpuOptimizerOffload:
             if self._staging_made < self._staging_count:
                 largest = max(u.shard_numel for u, device in zip(self.units, self.on_device) if not device)
                 dtype = next(u.dtype for u, device in zip(self.units, self.on_device) if not device)
-                self._staging_free.append(torch.empty(largest, dtype=dtype, pin_memory=self.cuda))
+                self._staging_free.append(self.host_buffers.empty(largest, dtype, self.cuda))
                 self._staging_made += 1
             else:
                 start = time.perf_counter()
@@ -335,14 +341,16 @@ class CpuOptimizerOffload:
         memory."""
 
     def close(self) -> None:
-        """Finish the host additions in flight and stop their worker (nothing else of the offload
-        lives outside the process's memory)."""
-        if self._worker is not None:
-            try:
-                self._finish_adds()
-            finally:
-                self._worker.shutdown(wait=True)
-                self._worker = None
+        """Finish the host additions in flight, stop their worker and undo the page locks."""
+        try:
+            if self._worker is not None:
+                try:
+                    self._finish_adds()
+                finally:
+                    self._worker.shutdown(wait=True)
+                    self._worker = None
+        finally:
+            self.host_buffers.close()
 
 
 def _square_norm(t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ and gathers the full unit before its module's forward and backward (:mod:`.stage
 parameter offload the shard's home is not the GPU:
 
 - ``device: cpu`` (:class:`CpuParamHome`): ``unit.shard`` is a CPU tensor, pinned with
-  ``pin_memory`` on CUDA. It is also the optimizer's master for the unit (the CPU optimizer
+  ``pin_memory`` on CUDA (page-locked at its own size, :mod:`.pinned`). It is also the optimizer's master for the unit (the CPU optimizer
   offload steps it in place, :mod:`.offload`), so host memory holds each shard once.
 - ``device: nvme`` (:class:`NvmeParamHome`): the units that fit, in order, in ``max_in_cpu``
   shard elements (DeepSpeed's key and default, 1e9) stay in (pinned) CPU memory as with ``cpu``; every
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from dslab.engine.zero.partition import FlatUnit
+from dslab.engine.zero.pinned import HostBuffers
 from dslab.io import events
 from dslab.io.buffers import DIRECT_IO_ALIGNMENT
 from dslab.io.handle import AsyncIOHandle
@@ -87,6 +88,8 @@ class ParamHome(abc.ABC):
         self._stalls: list[tuple] = []
         self.totals = {"fetches": 0, "h2d_bytes": 0, "disk_read_bytes": 0,
                        "disk_write_bytes": 0, "disk_wait_s": 0.0, "copy_stall_ms": 0.0}
+        # the shards kept in host memory, page-locked at their size (pinned.py)
+        self.host_buffers = HostBuffers("offload_param")
 
     def holds(self, unit: FlatUnit) -> bool:
         return unit.index in self._held
@@ -152,7 +155,8 @@ class ParamHome(abc.ABC):
             unit.shard.copy_(values)
 
     def close(self) -> None:
-        """Release what the home holds outside the process (files)."""
+        """Release what the home holds outside the process (files, page locks)."""
+        self.host_buffers.close()
 
 
 class CpuParamHome(ParamHome):
@@ -164,7 +168,7 @@ class CpuParamHome(ParamHome):
         super().__init__(units, device)
         pin = pin_memory and self.cuda
         for unit in self.units:
-            host = torch.empty(unit.shard_numel, dtype=unit.dtype, pin_memory=pin)
+            host = self.host_buffers.empty(unit.shard_numel, unit.dtype, pin)
             host.copy_(unit.shard)
             unit.shard = host
 
@@ -206,7 +210,7 @@ class NvmeParamHome(ParamHome):
         cached = 0
         for unit in self.units:
             if cached + unit.shard_numel <= max_in_cpu:
-                host = torch.empty(unit.shard_numel, dtype=unit.dtype, pin_memory=pin_memory and self.cuda)
+                host = self.host_buffers.empty(unit.shard_numel, unit.dtype, pin_memory and self.cuda)
                 host.copy_(unit.shard)
                 unit.shard = host
                 cached += unit.shard_numel
@@ -358,7 +362,10 @@ class NvmeParamHome(ParamHome):
         self._write_file(unit, values.detach().to("cpu"))
 
     def close(self) -> None:
-        self._cleanup()
+        try:
+            super().close()
+        finally:
+            self._cleanup()
 
 
 def _round_up(nbytes: int) -> int:
