@@ -295,6 +295,12 @@ def param_offload_runs(nvme_root: Path) -> dict:
                       "offload_optimizer": {"device": "nvme",
                                             "nvme_path": str(nvme_root / "states")},
                       "sub_group_size": 40},
+        # the same with the micro-steps' gradient shards added on the host
+        "nvme_both_host_add": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
+                                                 "buffer_count": 3, "max_in_cpu": 0},
+                               "offload_optimizer": {"device": "nvme", "accumulate_on": "cpu",
+                                                     "nvme_path": str(nvme_root / "states")},
+                               "sub_group_size": 40},
     }
 
 
