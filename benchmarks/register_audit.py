@@ -37,7 +37,14 @@ BF16 = "*bf16"
 
 
 def decode_rows() -> list[tuple[str, object]]:
+    """decode_linear's launches as the engine makes them (from ``PROLOGUE_KERNEL_MIN_ROWS`` rows
+    without the norm, which its own kernel runs first), and that prologue kernel."""
+    import importlib
+
     from dslab.kernels.decode import decode_linear_triton as kernels
+    from dslab.kernels.decode import decode_prologue_triton as prologue
+
+    linear = importlib.import_module("dslab.kernels.decode.decode_linear")  # the package attribute is the function
 
     types = {name: BF16 for name in ("X", "R", "A_OUT", "NORM_W", "NORM_B", "W", "BIAS", "Y", "Q_OUT", "K_CACHE",
                                      "V_CACHE")}
@@ -58,9 +65,11 @@ def decode_rows() -> list[tuple[str, object]]:
                     continue
                 paired = act == 3 or rope
                 block_m = kernels.row_block(m)
-                shape = kernels.plan(block_m, False, -(-m // block_m), n, k, 2 * SMS, int8, norm, paired)
-                meta = dict(HAS_X_ROWS=False, HAS_R=norm, HAS_R_ROWS=False, HAS_R_OFFSET=False, WRITE_A=norm,
-                            HAS_NORM=norm, RMS_NORM=norm and model.startswith("llama"), INT8=int8, HAS_BIAS=not rope,
+                in_linear = norm and m < linear.PROLOGUE_KERNEL_MIN_ROWS
+                shape = kernels.plan(block_m, False, -(-m // block_m), n, k, 2 * SMS, int8, in_linear, paired)
+                meta = dict(HAS_X_ROWS=False, HAS_R=in_linear, HAS_R_ROWS=False, HAS_R_OFFSET=False, WRITE_A=in_linear,
+                            HAS_NORM=in_linear, RMS_NORM=in_linear and model.startswith("llama"), INT8=int8,
+                            HAS_BIAS=not rope,
                             ACT=act, KV_SCATTER=rope or (name == "qkv"), ROPE=rope, PAIRED=paired, DOT_FP32=False,
                             PRECISION="tf32", BF16_BY_HAND=False,
                             STATS_BLOCK=min(1 << (k - 1).bit_length(), 4096 // block_m), **shape["constexprs"])
@@ -70,6 +79,15 @@ def decode_rows() -> list[tuple[str, object]]:
                          f"w{shape['options']['num_warps']} s{shape['options']['num_stages']}")
                 rows.append((label, lambda kinds=kinds, meta=meta, options=shape["options"]: assemble(
                     kernels._decode_linear_kernel, kinds, meta, **options)))
+    prologue_types = dict({name: BF16 for name in ("X", "R", "A_OUT", "H_OUT", "NORM_W", "NORM_B")},
+                          eps="fp32", **{name: "*i32" for name in ("X_ROWS", "R_ROWS", "R_OFFSET")})
+    for model, k, rms in (("llama3_1b", 2048, True), ("gpt2_1558m", 1600, False), ("llama3_8b", 4096, True)):
+        block_k, options = prologue.plan(False, k)
+        meta = dict(HAS_X_ROWS=False, HAS_R=True, HAS_R_ROWS=False, HAS_R_OFFSET=False, WRITE_A=True, RMS_NORM=rms,
+                    BF16_BY_HAND=False, BLOCK_K=block_k)
+        rows.append((f"decode_prologue {model} {'rms' if rms else 'layer'} norm {block_k} w{options['num_warps']}",
+                     lambda meta=meta, options=options: assemble(prologue._decode_prologue_kernel, prologue_types,
+                                                                 meta, **options)))
     return rows
 
 

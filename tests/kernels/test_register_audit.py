@@ -4,7 +4,8 @@ projections spill no registers on an H200 (sm_90) at 1, 8 and 16 rows and with i
 paired launch of 16 rows on 32 x 128 tiles with 4 warps spilled 224 bytes a thread); every
 attention launch plan's candidate list at head dim 128 (Llama-3B/8B's, where the 4-warp tiles
 spill) ends with an 8-warp configuration that spills nothing, which the autotuner can pick. The kernels compile in a child process: the
-tests' conftest runs Triton under its interpreter, whose functions do not compile."""
+tests' conftest runs Triton under its interpreter, whose functions do not compile. The norm
+kernel that runs in front of decode_linear from 2 rows spills nothing either."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ AUDIT = textwrap.dedent('''
 
     rows = [row for row in audit.decode_rows()
             if row[0].startswith("decode_linear llama3_1b") and " x64 " not in row[0]]
+    prologue = [row for row in audit.decode_rows() if row[0].startswith("decode_prologue")]
     # at head dim 128, the candidate each plan's list ends with (the one chosen to spill nothing)
     from dslab.kernels.attention import attention_triton as fwd
     last = {"attention fwd d128 causal": "{}x{} w{} s{}".format(*fwd._FWD_TILES[128][-1]),
@@ -39,6 +41,8 @@ AUDIT = textwrap.dedent('''
     wanted = {f"{plan} {tile}" for plan, tile in last.items()}
     rows += [row for row in audit.attention_fwd_rows() + audit.attention_bwd_rows() if row[0] in wanted]
     assert len(rows) == 14 + len(wanted), [row[0] for row in rows]
+    assert len(prologue) == 3, [row[0] for row in prologue]
+    rows += prologue
     out = {}
     for label, run in rows:
         report = run()
@@ -72,6 +76,13 @@ def test_decode_linear_launches_spill_nothing(audited):
     decode = {label: figures for label, figures in audited.items() if label.startswith("decode_linear")}
     assert len(decode) == 14  # 4 projections at 1, 8 and 16 rows, 2 with int8 at 1 row
     assert {label: figures for label, figures in decode.items() if figures[1]} == {}
+
+
+def test_the_decode_prologue_kernel_spills_nothing(audited):
+    """The norm kernel in front of decode_linear from 2 rows, at Llama-1B's, GPT-2 1.5B's and
+    Llama-8B's widths (8 warps spilled 8 bytes at 4096 with RMSNorm)."""
+    prologue = {label: figures for label, figures in audited.items() if label.startswith("decode_prologue")}
+    assert len(prologue) == 3 and {label: f for label, f in prologue.items() if f[1]} == {}
 
 
 @pytest.mark.parametrize("plan", ["attention fwd", "attention bwd dq", "attention bwd dkdv", "attention bwd both",

@@ -60,8 +60,18 @@ def _decode_prologue_kernel(
         tl.store(H_OUT + h_base + ks[None, :], h, mask=(ks < K)[None, :])
 
 
+def plan(interpret: bool, k: int) -> tuple[int, dict]:
+    """``(BLOCK_K, launch options)`` for rows of width ``k``: the whole row up to
+    :data:`MAX_BLOCK_K`, on 4 warps up to 2048 elements and 16 above (the RMSNorm variant at 4096
+    spills 8 bytes a thread on 8 warps in ptxas for sm_90, none on 16:
+    ``benchmarks/register_audit.py --only decode``); the interpreter's small block."""
+    if interpret:
+        return INTERPRETER_BLOCK_K, {}
+    block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
+    return block_k, dict(num_warps=4 if block_k <= 2048 else 16, num_stages=1)
+
+
 def launch(interpret: bool, m: int, k: int, args: tuple, meta: dict) -> None:
     """One program per row over ``m`` rows of width ``k``."""
-    block_k = INTERPRETER_BLOCK_K if interpret else min(MAX_BLOCK_K, triton.next_power_of_2(k))
-    options = {} if interpret else dict(num_warps=4 if block_k <= 2048 else 8, num_stages=1)
+    block_k, options = plan(interpret, k)
     _decode_prologue_kernel[(m,)](*args, **meta, BLOCK_K=block_k, **options)
