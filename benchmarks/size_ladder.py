@@ -4,7 +4,7 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
     python benchmarks/size_ladder.py [--configs stage3,offload,deepspeed-offload]
         [--sizes 1.3b,2.7b,6.7b,13b,13b-48l] [--micro-batch 8] [--seq 1024] [--accum 4]
         [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json] [--ratio 0.5]
-        [--accumulate-on gpu|cpu] [--prefetch ELEMENTS]
+        [--accumulate-on gpu|cpu] [--prefetch ELEMENTS] [--fetch-dtype bf16]
     python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
 
 For each config, the sizes run in order, each in a process of its own (a failed size leaves
@@ -28,6 +28,8 @@ Configs:
   stays on the GPU (host memory, not the GPU, is what bounds ``offload`` on one H200).
   ``--accumulate-on cpu`` sets the dslab offload configs' ``offload_optimizer.accumulate_on``:
   later micro-steps' gradient shards are added on the CPU, not copied back to the GPU for it.
+  ``--fetch-dtype bf16`` sets ``offload_param.fetch_dtype`` of ``offload`` and ``offload-split``:
+  the shards cross PCIe as bf16 copies, widened on the GPU.
 - ``offload-opt``: stage 3 with ``offload_optimizer`` on the CPU only.
 - ``offload-nvme``: ZeRO-Infinity on disk: ``offload_optimizer`` and ``offload_param`` on NVMe
   (``--nvme-path``, a fresh directory per size, removed after it): masters, Adam states and
@@ -86,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prefetch", type=int, default=None,
                         help="zero_optimization.stage3_prefetch_bucket_size (elements gathered ahead of use; "
                              "default: the engine's, DeepSpeed's 5e7), for every config")
+    parser.add_argument("--fetch-dtype", choices=("bf16", "fp16"), default=None,
+                        help="offload_param.fetch_dtype of the dslab CPU offload configs: fetch copies of the "
+                             "shards in this dtype (half the bytes over PCIe)")
     parser.add_argument("--accumulate-on", choices=("gpu", "cpu"), default="gpu",
                         help="offload_optimizer.accumulate_on of the dslab offload configs: where a "
                              "micro-step's gradient shard is added to the window's sum")
@@ -136,6 +141,8 @@ def engine_config(config: str, args) -> dict:
         zero["offload_optimizer"]["ratio"] = args.ratio
     if config in ("offload", "offload-split", "deepspeed-offload"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if config in ("offload", "offload-split") and args.fetch_dtype is not None:
+        zero["offload_param"]["fetch_dtype"] = args.fetch_dtype
     if config == "offload-nvme":
         for key in ("offload_optimizer", "offload_param"):
             zero[key] = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
@@ -258,6 +265,8 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
            "--ratio", str(args.ratio), "--accumulate-on", args.accumulate_on]
     if args.prefetch is not None:
         cmd += ["--prefetch", str(args.prefetch)]
+    if args.fetch_dtype is not None:
+        cmd += ["--fetch-dtype", args.fetch_dtype]
     nvme = None
     if config == "offload-nvme":  # a fresh directory per size, removed after it
         nvme = Path(tempfile.mkdtemp(prefix=f"ladder-{size}-", dir=args.nvme_path))

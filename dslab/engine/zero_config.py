@@ -125,7 +125,15 @@ class OffloadParamConfig(ConfigSection):
     that many shard elements stay in (pinned) CPU memory instead of files; 0 puts every shard in
     its file (each fetch reads it).
     Parameter offload needs ``offload_optimizer`` (cpu or nvme): the optimizer updates the
-    offloaded shards where they live."""
+    offloaded shards where they live.
+
+    ``fetch_dtype`` (dslab's key; ``device: cpu`` only): ``"bf16"`` or ``"fp16"`` keeps a copy of
+    each offloaded shard in that dtype beside its fp32 master, refreshed whenever the master
+    changes (the optimizer step, a checkpoint load), and fetches that copy, half the bytes over
+    PCIe, widened to the parameter's dtype on the GPU. The parameters then hold the master's
+    values rounded to that dtype, which is what autocast computes the model's matmuls from anyway;
+    ops that read fp32 weights directly (an embedding lookup) see the rounding. Off (``None``,
+    the default): the master itself is fetched."""
 
     device: str = "none"
     nvme_path: str | None = None
@@ -133,6 +141,7 @@ class OffloadParamConfig(ConfigSection):
     buffer_count: int = Field(5, ge=1)
     buffer_size: int = Field(100_000_000, ge=1)
     max_in_cpu: int = Field(1_000_000_000, ge=0)
+    fetch_dtype: str | None = None
 
     @field_validator("device")
     @classmethod
@@ -141,12 +150,23 @@ class OffloadParamConfig(ConfigSection):
             raise ValueError(f"offload_param.device must be 'cpu', 'nvme' or 'none', got {value!r}")
         return value
 
+    @field_validator("fetch_dtype")
+    @classmethod
+    def _known_fetch_dtype(cls, value: str | None) -> str | None:
+        if value is not None and value not in ("bf16", "fp16"):
+            raise ValueError(f"offload_param.fetch_dtype must be 'bf16', 'fp16' or null, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _nvme_needs_a_path(self):
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("config key 'zero_optimization.offload_param.nvme_path' is required "
                              "with offload_param.device 'nvme': the directory (on the NVMe "
                              "drive) that holds the parameter shards")
+        if self.fetch_dtype is not None and self.device != "cpu":
+            raise ValueError(f"config key 'zero_optimization.offload_param.fetch_dtype' = {self.fetch_dtype!r} "
+                             f"needs offload_param.device 'cpu' (got {self.device!r}): the copies it fetches "
+                             f"are kept in CPU memory")
         return self
 
 

@@ -24,6 +24,11 @@ asynchronous file read through :mod:`dslab.io` for NVMe, into a pinned buffer fr
 over the unit's group after the copy. Resident units (under
 ``stage3_param_persistence_threshold``) stay on the GPU, as without offload.
 
+With ``offload_param.fetch_dtype`` (``cpu`` only) the home also keeps each shard in that dtype
+(bf16 or fp16), refreshed whenever the master changes (:meth:`ParamHome.refresh`, called as the
+optimizer publishes a unit, and by :meth:`ParamHome.write`), and a fetch copies that: half an fp32
+shard's bytes over PCIe, widened to the unit's dtype on the device's side stream.
+
 What the fetches cost is counted per step (:meth:`stats`): bytes copied to the device, bytes
 read from disk, the time the host waited for file reads, and the time the device stream stood
 waiting for a copy to land (measured with CUDA events around each wait: the part of the copy
@@ -116,6 +121,24 @@ class ParamHome(abc.ABC):
             event.record(self.stream)
         return event
 
+    def _copy_widened(self, source: torch.Tensor, dest: torch.Tensor):
+        """Copy ``source`` (host, a narrower dtype) into ``dest``: its bytes over the bus, then
+        widened on the device (on the side stream on CUDA)."""
+        if not self.cuda:
+            self.totals["fetches"] += 1
+            self.totals["h2d_bytes"] += source.numel() * source.element_size()
+            dest.copy_(source)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            staged = torch.empty(source.shape, dtype=source.dtype, device=dest.device)
+        event = self._copy(source, staged)
+        with torch.cuda.stream(self.stream):
+            dest.copy_(staged)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
     def _wait_on(self, event) -> None:
         """The current stream waits for ``event``; the wait is timed between two events."""
         stream = torch.cuda.current_stream(self.device)
@@ -145,6 +168,10 @@ class ParamHome(abc.ABC):
         """The masters of ``units`` hold their values inside the block (written home after)."""
         yield
 
+    def refresh(self, unit: FlatUnit) -> None:
+        """``unit``'s master has changed (the optimizer stepped it): what the home derives from it
+        follows (nothing here)."""
+
     def read(self, unit: FlatUnit) -> torch.Tensor:
         """A CPU copy of ``unit``'s shard."""
         return unit.shard.detach().clone()
@@ -160,20 +187,49 @@ class ParamHome(abc.ABC):
 
 
 class CpuParamHome(ParamHome):
-    """``offload_param.device: cpu``: each released unit's shard in (pinned) CPU memory."""
+    """``offload_param.device: cpu``: each released unit's shard in (pinned) CPU memory; with
+    ``fetch_dtype`` also a copy of it in that dtype, which is what a fetch copies (widened to the
+    unit's dtype on the device)."""
 
     kind = "cpu"
 
-    def __init__(self, units: list[FlatUnit], device: torch.device, pin_memory: bool):
+    def __init__(self, units: list[FlatUnit], device: torch.device, pin_memory: bool,
+                 fetch_dtype: torch.dtype | None = None):
         super().__init__(units, device)
         pin = pin_memory and self.cuda
+        self.copies: dict[int, torch.Tensor] = {}  # unit index -> its shard in fetch_dtype
+        self._issued = False  # a copy to the device was issued since the side stream last drained
         for unit in self.units:
             host = self.host_buffers.empty(unit.shard_numel, unit.dtype, pin)
             host.copy_(unit.shard)
             unit.shard = host
+            if fetch_dtype is not None and fetch_dtype != unit.dtype:
+                self.copies[unit.index] = self.host_buffers.empty(unit.shard_numel, fetch_dtype, pin)
+                self.refresh(unit)
+
+    def refresh(self, unit: FlatUnit) -> None:
+        """Bring ``unit``'s fetch copy up to its master (after the master changed); waits first for
+        the copies to the device in flight, which may read it."""
+        copy = self.copies.get(unit.index)
+        if copy is None:
+            return
+        if self._issued and self.stream is not None:
+            self.stream.synchronize()
+        self._issued = False
+        with torch.no_grad():
+            copy.copy_(unit.shard)
+
+    def write(self, unit: FlatUnit, values: torch.Tensor) -> None:
+        super().write(unit, values)
+        self.refresh(unit)
 
     def fetch(self, unit, dest, async_op):
-        event = self._copy(unit.shard, dest)
+        copy = self.copies.get(unit.index)
+        if copy is not None:
+            event = self._copy_widened(copy, dest)
+        else:
+            event = self._copy(unit.shard, dest)
+        self._issued = True
         if event is None:
             return None
         fetch = _Fetch(self, dest, event)
@@ -385,7 +441,8 @@ def _remove(handle, directory: Path) -> None:
 def build_param_home(config, units: list[FlatUnit], device, aio, rank: int) -> ParamHome | None:
     """The home of ``offload_param`` (the config's section), or None when it is off."""
     if config.device == "cpu":
-        return CpuParamHome(units, device, config.pin_memory)
+        fetch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[config.fetch_dtype]
+        return CpuParamHome(units, device, config.pin_memory, fetch_dtype)
     if config.device == "nvme":
         return NvmeParamHome(units, device, config.nvme_path, AsyncIOHandle.from_config(aio),
                              config.buffer_count, rank, max_in_cpu=config.max_in_cpu,

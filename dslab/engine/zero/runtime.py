@@ -428,9 +428,12 @@ class ZeroRuntime:
         all-gather it into the full buffer of a resident unit. Returns the collective's handle
         (or None)."""
         with torch.no_grad():
-            # an offloaded unit's master is its home copy (param_offload.py): nothing to copy
-            if master is not None and master.data_ptr() != unit.shard.data_ptr() and not (
-                    self.param_home is not None and self.param_home.holds(unit)):
+            # an offloaded unit's master is its home copy (param_offload.py): nothing to copy, but
+            # what the home fetches in its place follows it
+            if self.param_home is not None and self.param_home.holds(unit):
+                if master is not None:
+                    self.param_home.refresh(unit)
+            elif master is not None and master.data_ptr() != unit.shard.data_ptr():
                 unit.shard.copy_(master, non_blocking=True)
         if not unit.resident:
             return None

@@ -70,6 +70,17 @@ def test_offloaded_parameters_train_like_device_resident_ones(reference, offload
         assert stats["grad_h2d_bytes"] > 0 and stats["host_adds"] == 0
 
 
+def test_parameters_fetched_as_bf16_copies_move_half_the_bytes(reference):
+    """offload_param.fetch_dtype bf16: the copies cross PCIe on the side stream and are widened on
+    the GPU; the run ends within the weights' bf16 rounding of the fp32 one."""
+    zero = {"stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu", "pin_memory": True}}
+    _, fp32 = _losses(zero)
+    zero["offload_param"]["fetch_dtype"] = "bf16"
+    losses, stats = _losses(zero)
+    assert stats["fetches"] == fp32["fetches"] > 0 and 2 * stats["h2d_bytes"] == fp32["h2d_bytes"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-2, atol=1e-2)
+
+
 def test_a_model_built_partitioned_on_the_gpu_trains_like_a_plain_one(reference):
     losses, _ = _losses({"stage3_param_persistence_threshold": 0}, partitioned=True)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)

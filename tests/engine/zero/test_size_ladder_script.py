@@ -71,6 +71,10 @@ def test_accumulate_on_reaches_every_dslab_offload_config(config, tmp_path):
     assert "accumulate_on" not in size_ladder.engine_config(
         "deepspeed-offload", args)["zero_optimization"]["offload_optimizer"]  # not DeepSpeed's key
     assert "stage3_prefetch_bucket_size" not in zero  # the engine's default unless asked
+    fetched = size_ladder.parse_args(["--fetch-dtype", "bf16"])
+    offload_param = size_ladder.engine_config(config, fetched)["zero_optimization"].get("offload_param", {})
+    assert offload_param.get("fetch_dtype") == ("bf16" if config in ("offload", "offload-split") else None)
+    assert "fetch_dtype" not in size_ladder.engine_config("deepspeed-offload", fetched)["zero_optimization"]["offload_param"]
     prefetched = size_ladder.parse_args(["--prefetch", "400000000"])
     for name in (config, "deepspeed-offload"):
         assert size_ladder.engine_config(name, prefetched)["zero_optimization"]["stage3_prefetch_bucket_size"] == 4e8

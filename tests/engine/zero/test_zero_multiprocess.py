@@ -106,6 +106,21 @@ def test_stage3_with_parameter_offload_ends_where_stage0_ends(two_ranks, name, t
         assert result["shard_devices"] == ["cpu"] and 0 not in result["shard_sizes"]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameters_fetched_from_bf16_copies_train_like_stage0_within_their_rounding(two_ranks, tied):
+    """offload_param.fetch_dtype bf16: every fetch moves half the bytes of the fp32 run's, the
+    copies follow the masters through the optimizer steps, and the run ends where stage 0 does
+    within the weights' bf16 rounding (the tiny model computes in fp32 from the rounded weights)."""
+    result = two_ranks[f"param_offload/tied{tied}/cpu_fetch_bf16"]
+    fp32 = two_ranks[f"param_offload/tied{tied}/cpu"]
+    assert result["copies"] > 0 and result["copies_current"] and result["ranks_agree"]
+    assert result["stats"]["fetches"] == fp32["stats"]["fetches"] > 0
+    assert 2 * result["stats"]["h2d_bytes"] == fp32["stats"]["h2d_bytes"]
+    expected = two_ranks[f"param_offload/tied{tied}/losses/stage0"]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=1e-2, atol=1e-2)
+    _assert_states_close(result["state"], two_ranks[f"param_offload/tied{tied}/stage0"], rtol=1e-2, atol=1e-2)
+
+
 def test_parameter_offload_to_nvme_resumes_from_a_checkpoint(two_ranks):
     _assert_states_close(two_ranks["param_offload/ckpt/resumed"],
                          two_ranks["param_offload/ckpt/straight"])

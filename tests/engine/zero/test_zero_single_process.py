@@ -66,6 +66,13 @@ def test_bad_offload_configs_are_refused():
                 "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}}))
     with pytest.raises(ValueError, match="offload_param.device must be 'cpu', 'nvme' or 'none'"):
         load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": "gpu"}}))
+    with pytest.raises(ValueError, match="offload_param.fetch_dtype must be 'bf16', 'fp16' or null, got 'int8'"):
+        load_config(base_config(zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "fetch_dtype": "int8"},
+                                                   "offload_optimizer": {"device": "cpu"}}))
+    with pytest.raises(ValueError, match="offload_param.fetch_dtype' = 'bf16' needs offload_param.device 'cpu'"):
+        load_config(base_config(zero_optimization={
+            "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/x", "fetch_dtype": "bf16"},
+            "offload_optimizer": {"device": "cpu"}}))
     with pytest.raises(ValueError, match="offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got 'host'"):
         load_config(base_config(zero_optimization={
             "stage": 2, "offload_optimizer": {"device": "cpu", "accumulate_on": "host"}}))

@@ -305,6 +305,8 @@ def param_offload_runs(nvme_root: Path) -> dict:
 
 
 PARAM_OFFLOAD_TRAINING = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}
+PARAM_OFFLOAD_BF16_FETCH = {"offload_param": {"device": "cpu", "fetch_dtype": "bf16"},
+                            "offload_optimizer": {"device": "cpu"}}
 
 
 def run_param_offload(results, ckpt_root):
@@ -335,6 +337,17 @@ def run_param_offload(results, ckpt_root):
             engine.destroy()
             if directory is not None:
                 results[f"param_offload/tied{tied}/{name}"]["removed"] = not directory.exists()
+        # the shards fetched from bf16 copies kept beside the fp32 masters (offload_param.fetch_dtype)
+        engine = build(3, tied=tied, zero=PARAM_OFFLOAD_BF16_FETCH, **PARAM_OFFLOAD_TRAINING)
+        home = engine.zero.param_home
+        losses = train(engine, 3, tied)
+        sd = state(engine)
+        results[f"param_offload/tied{tied}/cpu_fetch_bf16"] = {
+            "losses": losses, "state": sd, "ranks_agree": same_on_all_ranks(sd), "stats": home.stats(),
+            "copies": len(home.copies),
+            "copies_current": all(torch.equal(home.copies[u.index], u.shard.to(torch.bfloat16))
+                                  for u in engine.zero.units if home.holds(u))}
+        engine.destroy()
     runs = param_offload_runs(ckpt_root / "nvme")
     straight = build(3, zero=runs["nvme_both"], **CKPT)
     train(straight, 4)
