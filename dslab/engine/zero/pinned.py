@@ -8,9 +8,11 @@ gradient buffers together, on a 128 GiB host whose optimizer states already fill
 
 :class:`HostBuffers` allocates ordinary (pageable) memory of the exact size instead, page-aligned,
 and registers it with CUDA (``cudaHostRegister``), which makes it page-locked like pinned memory:
-copies from and to it run asynchronously and it reports ``is_pinned()``. Buffers under
-:data:`REGISTER_MIN_BYTES`, or whose registration fails, come from torch's pinned allocator as
-before. The registrations are undone by :meth:`HostBuffers.close` (or when the owner is
+copies from and to it run asynchronously, at pinned memory's bandwidth (54.5 GB/s host to
+device on an H200 host, as torch's pinned memory). torch's ``is_pinned()`` reports False for
+it (torch 2.11 asks its own pinned allocator), so nothing here calls ``pin_memory()`` on these
+tensors, which would copy them. Buffers under :data:`REGISTER_MIN_BYTES` come from torch's
+pinned allocator as before; a failed registration is an error that names the owner. The registrations are undone by :meth:`HostBuffers.close` (or when the owner is
 collected); the tensors stay valid after, as ordinary host memory.
 """
 

@@ -79,10 +79,12 @@ def test_a_failed_registration_names_the_owner_and_the_way_out(cudart):
 
 
 @pytest.mark.gpu
-def test_registered_memory_is_pinned_and_copies_asynchronously():
+def test_registered_memory_copies_asynchronously():
+    """A copy into pageable memory waits for the stream; into registered memory it is queued
+    behind a long-running kernel and returns while the stream is still busy."""
     buffers = pinned.HostBuffers("offload_param")
     host = buffers.empty(3_000_001, torch.float32, pin=True)
-    assert host.is_pinned() and buffers.registered_bytes == -(-3_000_001 * 4 // 4096) * 4096
+    assert buffers.registered_bytes == -(-3_000_001 * 4 // 4096) * 4096
     values = torch.randn(3_000_001)
     host.copy_(values)
     device = torch.empty(3_000_001, device="cuda")
@@ -90,9 +92,17 @@ def test_registered_memory_is_pinned_and_copies_asynchronously():
     with torch.cuda.stream(stream):
         device.copy_(host, non_blocking=True)
         doubled = device * 2
-        back = buffers.zeros(3_000_001, torch.float32, pin=True)  # device to registered host memory
-        back.copy_(doubled, non_blocking=True)
+        back = buffers.zeros(3_000_001, torch.float32, pin=True)
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
+        back.copy_(doubled, non_blocking=True)  # device to registered host memory
+        queued = not stream.query()
     stream.synchronize()
+    assert queued, "the copy to registered host memory waited for the stream"
     torch.testing.assert_close(back, values * 2)
+    pageable = torch.empty(3_000_001)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)
+        pageable.copy_(doubled, non_blocking=True)
+        assert stream.query(), "the control: a copy to pageable memory returns once the stream is done"
     buffers.close()
-    assert not host.is_pinned() and not back.is_pinned()
+    assert not buffers._registered
