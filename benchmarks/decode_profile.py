@@ -15,7 +15,11 @@ fastest choice these rows show; a model without a fused step has the op-by-op va
 - agreement: the fused step's logits against the op-by-op step's over 8 steps from the same cache
   (max |difference| over max |logit|) and whether their greedy tokens agree;
 - kernels: ``torch.profiler`` over 20 replays of each graph (CUPTI reports the kernels inside a
-  graph): launches per step and the ``--top`` kernels by device time per step;
+  graph): launches per step and the ``--top`` kernels by device time per step; then one layer's
+  launches in order, each the mean over the model's layers and the replays (a name such as
+  ``_decode_linear_kernel`` serves every projection; its place in the layer tells which), and the
+  launches outside the layers (embedding, final norm, LM head), found as the step's run of
+  ``num_hidden_layers`` identical blocks;
 - ``--dependent-launch``: a third variant, the fused step captured with programmatic dependent
   launch (:func:`dslab.kernels.dispatch.dependent_launch`), timed in the same interleave; its
   logits must equal the fused step's bit for bit (same kernels, same order of arithmetic);
@@ -102,12 +106,47 @@ class Variant:
                 graph.replay()
             torch.cuda.synchronize()
         per_name = defaultdict(lambda: [0, 0.0])
+        launches = []
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in event.name.lower():
                 entry = per_name[event.name]
                 entry[0] += 1
                 entry[1] += event.device_time_total
+                launches.append((event.time_range.start, event.name, event.device_time_total))
+        launches.sort()
+        self.sequence = [(name, us) for _, name, us in launches]
         return {name: [count / replays, us / replays] for name, (count, us) in per_name.items()}
+
+
+def layer_breakdown(sequence: list[tuple[str, float]], replays: int, layers: int):
+    """Split a profiled run of ``replays`` identical steps into one layer's launches and the rest.
+
+    ``sequence`` is every launch of the run in start order, as (kernel name, device us). Returns
+    ``(layer, outside, blocks)``: ``layer`` lists (name, mean us) for each launch of the repeating
+    block (the mean over its ``blocks`` repeats in every step and the replays), ``outside`` the
+    step's other launches in order with their mean us, ``blocks`` how many layers the block covers:
+    ``layers``, or one or two fewer where the first or last layer launches differently (those
+    layers' launches are then in ``outside``). None when no such run is found."""
+    if replays < 1 or layers < 1 or len(sequence) % replays:
+        return None
+    per_step = len(sequence) // replays
+    steps = [sequence[i * per_step:(i + 1) * per_step] for i in range(replays)]
+    names = [name for name, _ in steps[0]]
+    if any([name for name, _ in step] != names for step in steps):
+        return None
+    mean = [statistics.fmean(step[i][1] for step in steps) for i in range(per_step)]
+    # all the layers alike, else all but the first or last (which may launch one kernel more or less)
+    for count in (layers, layers - 1, layers - 2):
+        for period in range(per_step // max(count, 1), 0, -1) if count >= 2 else ():  # the longest block first
+            for start in range(per_step - period * count + 1):
+                block = names[start:start + period]
+                if all(names[start + j * period:start + (j + 1) * period] == block for j in range(1, count)):
+                    layer = [(block[i], statistics.fmean(mean[start + j * period + i] for j in range(count)))
+                             for i in range(period)]
+                    end = start + period * count
+                    outside = [(names[i], mean[i]) for i in (*range(start), *range(end, per_step))]
+                    return layer, outside, count
+    return None
 
 
 def main() -> None:
@@ -181,6 +220,18 @@ def main() -> None:
                           f"{busy:.1f} us kernel time/step")
                     for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]:
                         print(f"    {us:8.1f} us {count:5.0f}x  {name[:110]}")
+                    split = layer_breakdown(variant.sequence, 20, len(engine.module.layers))
+                    if split is None:
+                        print("    (no repeating layer block found in the launch order)")
+                        continue
+                    layer, outside, blocks = split
+                    print(f"    one layer, in launch order ({sum(us for _, us in layer):.1f} us, mean of "
+                          f"{blocks} of {len(engine.module.layers)} layers):")
+                    for i, (name, us) in enumerate(layer):
+                        print(f"      {i:2d} {us:8.2f} us  {name[:100]}")
+                    print(f"    outside the layers ({sum(us for _, us in outside):.1f} us):")
+                    for name, us in outside:
+                        print(f"         {us:8.2f} us  {name[:100]}")
                 floor = weight_bytes / read_gbs / 1e6
                 rows.append((label, t_fused, t_plain, floor, diff, same, t_dependent))
                 engine.release_cuda_graphs()

@@ -10,7 +10,13 @@
 #             (--kernel-inject-slowdown, measured where applied), each gated at 3% with the run-to-run
 #             noise KERNEL_RUN_NOISE (0.3%) (dslab gate --pytest-benchmark; needs pytest-benchmark's
 #             wheel in .whl/). Files land in $OUT/kernels.tgz; benchmarks/kernel_gate_summary.py
-#             prints the per-benchmark table at noise 0 and KERNEL_RUN_NOISE.
+#             prints the per-benchmark table at noise 0 and KERNEL_RUN_NOISE. KERNEL_BASE (a
+#             kernels_base.json from an earlier call on the same kind of machine, e.g. carried in
+#             the work tree) replaces the baseline run, so the repeats can span calls; each run
+#             is cut at KERNEL_RUN_S seconds (240; six layer_norm cases at 10 rounds of 700 ms
+#             took about 80 s on an H200). benchmarks/kernels/baselines/h200_layer_norm_700ms.json is
+#             such a baseline (KERNEL_SELECT=layer_norm KERNEL_ROUND_MS=700 KERNEL_ROUNDS=10, one H200,
+#             torch 2.11, 2026-11-30).
 # Several parts in one call run in order: bash benchmarks/gate_gpu.sh detect autotune
 # Results and logs land in $OUT; each part's table prints last.
 set -u
@@ -38,7 +44,12 @@ for part in "$@"; do
           > "$kdir/$name.log" 2>&1
         echo "$name: pytest exit $?"
       }
-      bench kernels_base
+      if [ -n "${KERNEL_BASE:-}" ]; then
+        [ -f "$KERNEL_BASE" ] || { echo "gate_gpu.sh: KERNEL_BASE=$KERNEL_BASE: no such file" >&2; exit 2; }
+        cp "$KERNEL_BASE" "$kdir/kernels_base.json"; echo "kernels_base: from $KERNEL_BASE"
+      else
+        bench kernels_base
+      fi
       for i in $(seq 1 "${KREPEATS:-3}"); do
         for kind in aa slow; do
           extra=(--kernel-pins "$kdir/kernels_base.json")
