@@ -13,8 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Prints what pytest prints at the end of each pass and exits with the pass's status.
 FAKE_PYTHON = """#!/usr/bin/env bash
 case "$*" in
-  *"serial and not gpu"*) echo "tests/test_timing.py ..."; echo "${SERIAL_TOTALS}"; exit "${SERIAL_RC}" ;;
-  *) echo "bringing up nodes..."; echo "=========== ${MAIN_TOTALS} ==========="; exit "${MAIN_RC}" ;;
+  *"serial and not gpu"*) echo "serial threads: ${OMP_NUM_THREADS:-unset}"; echo "tests/test_timing.py ...";
+                          echo "${SERIAL_TOTALS}"; exit "${SERIAL_RC}" ;;
+  *) echo "main threads: ${OMP_NUM_THREADS:-unset}"; echo "bringing up nodes...";
+     echo "=========== ${MAIN_TOTALS} ==========="; exit "${MAIN_RC}" ;;
 esac
 """
 
@@ -32,9 +34,11 @@ def checkout(tmp_path):
     return tmp_path
 
 
-def run_bin_test(root: Path, main_rc: int, serial_rc: int, serial_totals: str = "19 passed in 2.31s"):
+def run_bin_test(root: Path, main_rc: int, serial_rc: int, serial_totals: str = "19 passed in 2.31s", **extra):
     env = dict(os.environ, MAIN_RC=str(main_rc), SERIAL_RC=str(serial_rc), SERIAL_TOTALS=serial_totals,
-               MAIN_TOTALS="1234 passed, 5 skipped, 2 warnings in 301.20s (0:05:01)")
+               MAIN_TOTALS="1234 passed, 5 skipped, 2 warnings in 301.20s (0:05:01)", **extra)
+    env.pop("OMP_NUM_THREADS", None)
+    env.update(extra)
     return subprocess.run([str(root / "bin" / "test"), "-q"], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -57,3 +61,14 @@ def test_a_pass_without_totals_says_how_pytest_exited(checkout):
     done = run_bin_test(checkout, 0, 4, serial_totals="ERROR: usage: pytest [options]")
     assert done.returncode == 4
     assert done.stdout.splitlines()[-1].endswith("; serial pass: no totals (pytest exited 4)")
+
+
+@pytest.mark.parametrize("extra, main, serial", [
+    ({}, "1", "unset"),  # the workers' one thread each; the serial pass keeps torch's default
+    ({"OMP_NUM_THREADS": "3"}, "3", "3"),  # a setting of the caller's is kept
+    ({"DSLAB_TEST_WORKERS": "1"}, "unset", "unset"),  # one worker has the cores to itself
+])
+def test_the_main_pass_workers_run_one_intra_op_thread_each(checkout, extra, main, serial):
+    done = run_bin_test(checkout, 0, 0, **extra)
+    assert done.returncode == 0, done.stderr
+    assert f"main threads: {main}" in done.stdout and f"serial threads: {serial}" in done.stdout
