@@ -4,7 +4,7 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
     python benchmarks/size_ladder.py [--configs stage3,offload,deepspeed-offload]
         [--sizes 1.3b,2.7b,6.7b,13b,13b-48l] [--micro-batch 8] [--seq 1024] [--accum 4]
         [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json] [--ratio 0.5]
-        [--accumulate-on gpu|cpu] [--prefetch ELEMENTS] [--fetch-dtype bf16]
+        [--accumulate-on gpu|cpu] [--staging-buffers N] [--prefetch ELEMENTS] [--fetch-dtype bf16]
     python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
 
 For each config, the sizes run in order, each in a process of its own (a failed size leaves
@@ -29,7 +29,8 @@ Configs:
   ``--accumulate-on cpu`` sets the dslab offload configs' ``offload_optimizer.accumulate_on``:
   later micro-steps' gradient shards are added on the CPU, not copied back to the GPU for it.
   ``--fetch-dtype bf16`` sets ``offload_param.fetch_dtype`` of ``offload`` and ``offload-split``:
-  the shards cross PCIe as bf16 copies, widened on the GPU.
+  the shards cross PCIe as bf16 copies, widened on the GPU. ``--staging-buffers N`` sets
+  ``offload_optimizer.staging_buffers`` (the pinned buffers the host adds drain).
 - ``offload-opt``: stage 3 with ``offload_optimizer`` on the CPU only.
 - ``offload-nvme``: ZeRO-Infinity on disk: ``offload_optimizer`` and ``offload_param`` on NVMe
   (``--nvme-path``, a fresh directory per size, removed after it): masters, Adam states and
@@ -94,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--accumulate-on", choices=("gpu", "cpu"), default="gpu",
                         help="offload_optimizer.accumulate_on of the dslab offload configs: where a "
                              "micro-step's gradient shard is added to the window's sum")
+    parser.add_argument("--staging-buffers", type=int, default=None,
+                        help="offload_optimizer.staging_buffers of the dslab offload configs under "
+                             "--accumulate-on cpu (default: the engine's, 4)")
     parser.add_argument("--max-in-cpu", type=int, default=None,
                         help="offload-nvme's offload_param.max_in_cpu (default: DeepSpeed's, 1e9 elements)")
     parser.add_argument("--nvme-path", default=None,
@@ -150,6 +154,8 @@ def engine_config(config: str, args) -> dict:
             zero["offload_param"]["max_in_cpu"] = args.max_in_cpu
     if config in ("offload", "offload-split", "offload-opt", "offload-nvme"):
         zero["offload_optimizer"]["accumulate_on"] = args.accumulate_on
+        if args.staging_buffers is not None:
+            zero["offload_optimizer"]["staging_buffers"] = args.staging_buffers
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.accum,
@@ -267,6 +273,8 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
         cmd += ["--prefetch", str(args.prefetch)]
     if args.fetch_dtype is not None:
         cmd += ["--fetch-dtype", args.fetch_dtype]
+    if args.staging_buffers is not None:
+        cmd += ["--staging-buffers", str(args.staging_buffers)]
     nvme = None
     if config == "offload-nvme":  # a fresh directory per size, removed after it
         nvme = Path(tempfile.mkdtemp(prefix=f"ladder-{size}-", dir=args.nvme_path))
@@ -300,7 +308,7 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
 def fmt_table(rows: list[dict]) -> str:
     lines = ["| config | size | params | status | step s | tokens/s | TFLOP/s | MFU | peak GPU GiB "
              "| peak host GiB | fetched GB/step | disk read/write GB/step | device wait ms/step "
-             "| gradients out/back GB/step | host adds wait s/step |",
+             "| gradients out/back GB/step | host adds wait s/step (worker: copy wait / adding) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         def num(key, scale=1.0, digits=1):
@@ -314,7 +322,9 @@ def fmt_table(rows: list[dict]) -> str:
         grads = r.get("grad_offload_per_step") or {}
         traffic = (f"{grads['grad_d2h_bytes'] / 1e9:.1f} / {grads['grad_h2d_bytes'] / 1e9:.1f}"
                    if grads.get("grad_d2h_bytes") else "")
-        adds = f"{grads['staging_wait_s'] + grads['adds_wait_s']:.2f}" if grads.get("host_adds") else ""
+        adds = (f"{grads['staging_wait_s'] + grads['adds_wait_s']:.2f} "
+                f"({grads.get('add_copy_wait_s', 0.0):.2f} / {grads.get('add_s', 0.0):.2f})"
+                if grads.get("host_adds") else "")
         status = r["status"] + (f" ({r['where']})" if r.get("where") else "")
         params = f"{r['params'] / 1e9:.2f}B" if r.get("params") else ""
         lines.append(

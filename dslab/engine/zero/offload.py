@@ -118,7 +118,7 @@ class CpuOptimizerOffload:
         self._worker: ThreadPoolExecutor | None = None
         # gradient traffic since the start (:meth:`stats`)
         self.totals = {"grad_d2h_bytes": 0, "grad_h2d_bytes": 0, "host_adds": 0, "staging_wait_s": 0.0,
-                       "adds_wait_s": 0.0}
+                       "adds_wait_s": 0.0, "add_copy_wait_s": 0.0, "add_s": 0.0}
 
     # -- gradients in -------------------------------------------------------------------------
 
@@ -192,11 +192,16 @@ class CpuOptimizerOffload:
         self._adds.append(self._worker.submit(self._add_staged, i, staging, view, event, last))
 
     def _add_staged(self, i: int, staging: torch.Tensor, view: torch.Tensor, event, last: bool) -> torch.Tensor:
+        start = time.perf_counter()
         if event is not None:
             event.synchronize()
+        landed = time.perf_counter()
         self.grads[i].add_(view)
         if last:
             self._squares[i] = _square_norm(self.grads[i])
+        # only this worker writes these two
+        self.totals["add_copy_wait_s"] += landed - start
+        self.totals["add_s"] += time.perf_counter() - landed
         return staging
 
     def _take_staging(self, numel: int) -> torch.Tensor:
@@ -226,7 +231,9 @@ class CpuOptimizerOffload:
         (``grad_d2h_bytes``) and of sums copied back to the GPU for accumulation
         (``grad_h2d_bytes``), additions made on the host (``host_adds``), and the host's waits
         for them: for a free staging buffer during backward (``staging_wait_s``) and for the
-        last ones before a step or a new window (``adds_wait_s``)."""
+        last ones before a step or a new window (``adds_wait_s``); and the adding worker's own
+        time, waiting for a shard's copy to land (``add_copy_wait_s``) and adding it (``add_s``,
+        with the last micro-step's norms): which of the two bounds ``staging_wait_s``."""
         return dict(self.totals)
 
     def gradients(self) -> list[torch.Tensor]:

@@ -52,7 +52,8 @@ def test_rows_hold_the_measurements(ladder):
     # --accumulate-on cpu: the second micro-step's shards are added on the host, none go back
     assert all(r["grad_offload_per_step"]["host_adds"] > 0 and r["grad_offload_per_step"]["grad_h2d_bytes"] == 0
                for r in offloaded)
-    assert "gradients out/back GB/step" in ladder[0]
+    assert all(r["grad_offload_per_step"]["add_s"] > 0 for r in offloaded)
+    assert "gradients out/back GB/step" in ladder[0] and "(worker: copy wait / adding)" in ladder[0]
 
 
 def test_model_flops_is_megatrons_count():
@@ -75,6 +76,9 @@ def test_accumulate_on_reaches_every_dslab_offload_config(config, tmp_path):
     offload_param = size_ladder.engine_config(config, fetched)["zero_optimization"].get("offload_param", {})
     assert offload_param.get("fetch_dtype") == ("bf16" if config in ("offload", "offload-split") else None)
     assert "fetch_dtype" not in size_ladder.engine_config("deepspeed-offload", fetched)["zero_optimization"]["offload_param"]
+    staged = size_ladder.parse_args(["--accumulate-on", "cpu", "--staging-buffers", "8", "--nvme-path", str(tmp_path)])
+    assert size_ladder.engine_config(config, staged)["zero_optimization"]["offload_optimizer"]["staging_buffers"] == 8
+    assert "staging_buffers" not in zero["offload_optimizer"]  # the engine's default unless asked
     prefetched = size_ladder.parse_args(["--prefetch", "400000000"])
     for name in (config, "deepspeed-offload"):
         assert size_ladder.engine_config(name, prefetched)["zero_optimization"]["stage3_prefetch_bucket_size"] == 4e8

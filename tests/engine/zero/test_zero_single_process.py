@@ -456,6 +456,7 @@ def test_host_accumulation_sums_every_micro_step_in_order(staging):
         stats = offload.stats()
         assert stats["host_adds"] == 2 * 3 * len(units)  # every micro-step after a window's first
         assert stats["grad_d2h_bytes"] == stats["grad_h2d_bytes"] == 0  # CPU shards: nothing crossed PCIe
+        assert stats["add_s"] > 0 and stats["add_copy_wait_s"] >= 0  # the worker's own time, counted
     finally:
         offload.close()
     assert offload._worker is None
