@@ -35,8 +35,11 @@ Configs:
 - ``offload-nvme``: ZeRO-Infinity on disk: ``offload_optimizer`` and ``offload_param`` on NVMe
   (``--nvme-path``, a fresh directory per size, removed after it): masters, Adam states and
   released parameter shards in files, read through ``dslab.io`` around each use.
-- ``deepspeed-stage3`` / ``deepspeed-offload``: the same jobs through DeepSpeed (when it
-  imports): ``deepspeed.zero.Init`` around the same model, its bf16 engine and CPU Adam.
+- ``deepspeed-stage3`` / ``deepspeed-offload`` / ``deepspeed-offload-split``: the same jobs
+  through DeepSpeed (when it imports): ``deepspeed.zero.Init`` around the same model, its bf16
+  engine and CPU Adam; ``-split`` passes ``--ratio`` as DeepSpeed's own
+  ``offload_optimizer.ratio`` (its stage-3 partial offload: that fraction of the optimizer
+  states steps in CPU Adam, the rest on the GPU), the config dslab's ``offload-split`` mirrors.
 
 Per size: step time (median of ``--steps``), tokens/s, model TFLOP/s by Megatron's count
 (Narayanan et al. 2021: ``72 B s L h^2 (1 + s/6h + V/12Lh)`` per step, the recompute not
@@ -75,7 +78,7 @@ SIZES = {  # name: (layers, hidden, heads): the GPT-3 paper's, heads of 128 (2.7
 }
 VOCAB = 50257
 CONFIGS = ("stage3", "offload", "offload-split", "offload-opt", "offload-nvme", "deepspeed-stage3",
-           "deepspeed-offload")
+           "deepspeed-offload", "deepspeed-offload-split")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,11 +142,11 @@ def engine_config(config: str, args) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 100_000}
     if args.prefetch is not None:
         zero["stage3_prefetch_bucket_size"] = args.prefetch
-    if config in ("offload", "offload-split", "offload-opt", "deepspeed-offload"):
+    if config in ("offload", "offload-split", "offload-opt", "deepspeed-offload", "deepspeed-offload-split"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if config == "offload-split":
+    if config in ("offload-split", "deepspeed-offload-split"):
         zero["offload_optimizer"]["ratio"] = args.ratio
-    if config in ("offload", "offload-split", "deepspeed-offload"):
+    if config in ("offload", "offload-split", "deepspeed-offload", "deepspeed-offload-split"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if config in ("offload", "offload-split") and args.fetch_dtype is not None:
         zero["offload_param"]["fetch_dtype"] = args.fetch_dtype

@@ -79,6 +79,9 @@ def test_accumulate_on_reaches_every_dslab_offload_config(config, tmp_path):
     staged = size_ladder.parse_args(["--accumulate-on", "cpu", "--staging-buffers", "8", "--nvme-path", str(tmp_path)])
     assert size_ladder.engine_config(config, staged)["zero_optimization"]["offload_optimizer"]["staging_buffers"] == 8
     assert "staging_buffers" not in zero["offload_optimizer"]  # the engine's default unless asked
+    split = size_ladder.engine_config("deepspeed-offload-split", size_ladder.parse_args(["--ratio", "0.3"]))
+    assert split["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.3}
+    assert split["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
     prefetched = size_ladder.parse_args(["--prefetch", "400000000"])
     for name in (config, "deepspeed-offload"):
         assert size_ladder.engine_config(name, prefetched)["zero_optimization"]["stage3_prefetch_bucket_size"] == 4e8
