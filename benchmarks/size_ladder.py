@@ -5,6 +5,7 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
         [--sizes 1.3b,2.7b,6.7b,13b,13b-48l] [--micro-batch 8] [--seq 1024] [--accum 4]
         [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json] [--ratio 0.5]
         [--accumulate-on gpu|cpu] [--staging-buffers N] [--prefetch ELEMENTS] [--fetch-dtype bf16]
+        [--memory-sites N [--memory-entries 500000]]
     python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
 
 For each config, the sizes run in order, each in a process of its own (a failed size leaves
@@ -49,6 +50,10 @@ RSS, and for dslab with parameter offload the bytes fetched per step and how lon
 stood waiting for them (:mod:`dslab.engine.zero.param_offload`), and with optimizer offload the
 gradient bytes copied to the host and back to the GPU per step and how long the host waited for
 its additions (``accumulate_on: cpu``; :mod:`dslab.engine.zero.offload`). The table prints last.
+``--memory-sites N`` (CUDA) records the allocator's trace from before the build and prints the N
+allocation sites holding most GPU memory at the trace's peak (or where it ran out of memory), by
+dslab's or this script's line (:mod:`dslab.profilers.memory_sites`); the recording slows the
+step, so its times are not the ladder's.
 """
 
 from __future__ import annotations
@@ -101,6 +106,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--staging-buffers", type=int, default=None,
                         help="offload_optimizer.staging_buffers of the dslab offload configs under "
                              "--accumulate-on cpu (default: the engine's, 4)")
+    parser.add_argument("--memory-sites", type=int, default=0, metavar="N",
+                        help="record the CUDA allocator's trace from before the build (slower; a "
+                             "diagnostic run) and print the N allocation sites holding most memory at "
+                             "its peak")
+    parser.add_argument("--memory-entries", type=int, default=500_000,
+                        help="the trace's length for --memory-sites (host memory: several KB an entry)")
     parser.add_argument("--max-in-cpu", type=int, default=None,
                         help="offload-nvme's offload_param.max_in_cpu (default: DeepSpeed's, 1e9 elements)")
     parser.add_argument("--nvme-path", default=None,
@@ -194,6 +205,8 @@ def run_child(config: str, size: str, args) -> dict:
     row = {"config": config, "size": size, "layers": layers, "hidden": hidden, "heads": heads,
            "params": parameter_count(layers, hidden, args.seq), "peaks": peaks}
     phase = "build"
+    if args.memory_sites and device.type == "cuda":  # from before the model exists: every block is in the trace
+        torch.cuda.memory._record_memory_history(max_entries=args.memory_entries, context="alloc", stacks="python")
     try:
         t0 = time.perf_counter()
         if config.startswith("deepspeed"):
@@ -259,8 +272,30 @@ def run_child(config: str, size: str, args) -> dict:
             row["grad_offload_per_step"] = {k: (after[k] - grads_before[k]) / args.steps for k in after}
     except torch.OutOfMemoryError as err:
         row.update(status="oom", where=phase, error=str(err).splitlines()[0][:300])
+    if args.memory_sites and device.type == "cuda":  # at the end, or where it ran out of memory
+        row.update(memory_sites(device, args.memory_sites, args.memory_entries))
     row["peak_host_rss_bytes"] = _peak_rss_bytes()
     return row
+
+
+def memory_sites(device, top: int, max_entries: int) -> dict:
+    """The blocks live at the recorded trace's peak, summed by the dslab or benchmark line that
+    allocated them (:mod:`dslab.profilers.memory_sites`); printed, and returned for the row."""
+    import torch
+
+    from dslab.profilers.memory_sites import by_site, live_at_peak
+
+    trace = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, blocks = live_at_peak(trace)
+    rows = by_site(blocks, within=("dslab/", "benchmarks/"), top=top)
+    full = len(trace) >= max_entries
+    print(f"  live at the traced peak: {peak / 2**30:.2f} GiB in {len(blocks)} blocks"
+          + (f" (the trace filled its {max_entries} entries: the earliest blocks are missing; fewer "
+             f"micro-steps or a larger --memory-entries)" if full else ""), flush=True)
+    for row in rows:
+        print(f"    {row['bytes'] / 2**30:8.2f} GiB {row['blocks']:6d} blocks  {row['site']}", flush=True)
+    return {"memory_sites_peak_bytes": peak, "memory_sites": rows, "memory_trace_full": full}
 
 
 # -- the ladder -----------------------------------------------------------------------------
@@ -278,6 +313,8 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
         cmd += ["--fetch-dtype", args.fetch_dtype]
     if args.staging_buffers is not None:
         cmd += ["--staging-buffers", str(args.staging_buffers)]
+    if args.memory_sites:
+        cmd += ["--memory-sites", str(args.memory_sites), "--memory-entries", str(args.memory_entries)]
     nvme = None
     if config == "offload-nvme":  # a fresh directory per size, removed after it
         nvme = Path(tempfile.mkdtemp(prefix=f"ladder-{size}-", dir=args.nvme_path))

@@ -1,0 +1,112 @@
+"""dslab.profilers.memory_sites: the blocks live at a trace's peak, summed by allocation site,
+checked against a brute-force count on random traces."""
+
+import random
+
+import pytest
+
+from dslab.profilers import memory_sites
+
+SITES = [
+    [{"filename": "/x/torch/nn/functional.py", "line": 10, "name": "linear"},
+     {"filename": "/repo/dslab/engine/zero/param_offload.py", "line": 120, "name": "fetch"}],
+    [{"filename": "/repo/dslab/engine/zero/offload.py", "line": 77, "name": "receive"}],
+    [{"filename": "/repo/benchmarks/size_ladder.py", "line": 5, "name": "main"}],
+]
+
+
+def _trace(seed, n=400):
+    """Random allocations and frees; some frees requested long before they complete."""
+    rng = random.Random(seed)
+    events, live, pending, next_addr = [], [], [], 4096
+    for _ in range(n):
+        roll = rng.random()
+        if roll < 0.5 or not live:
+            size = rng.choice([512, 2**20, 3 * 2**20, 2**25])
+            events.append({"action": "alloc", "addr": next_addr, "size": size, "frames": rng.choice(SITES)})
+            live.append(next_addr)
+            next_addr += size
+        elif roll < 0.8:
+            addr = live.pop(rng.randrange(len(live)))
+            events.append({"action": "free_requested", "addr": addr})
+            if rng.random() < 0.5:
+                events.append({"action": "free_completed", "addr": addr})
+            else:
+                pending.append(addr)
+        elif pending:
+            events.append({"action": "free_completed", "addr": pending.pop(0)})
+        else:
+            events.append({"action": "segment_alloc", "addr": 0, "size": 2**30})
+    return events
+
+
+def _brute_force(events):
+    best, best_live = 0, []
+    for cut in range(len(events)):
+        sizes, order = {}, []
+        for event in events[:cut + 1]:
+            if event["action"] == "alloc":
+                sizes[event["addr"]] = event
+                order.append(event["addr"])
+            elif event["action"] == "free_completed":
+                sizes.pop(event["addr"], None)
+        total = sum(e["size"] for e in sizes.values())
+        if total > best:
+            best, best_live = total, [sizes[a] for a in order if a in sizes]
+    return best, best_live
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_peak_and_its_blocks_are_the_brute_force_count(seed):
+    events = _trace(seed)
+    peak, blocks = memory_sites.live_at_peak(events)
+    want, want_blocks = _brute_force(events)
+    assert peak == want > 0
+    assert [b["addr"] for b in blocks] == [b["addr"] for b in want_blocks]
+    rows = memory_sites.by_site(blocks)
+    assert sum(r["bytes"] for r in rows) == peak and sum(r["blocks"] for r in rows) == len(blocks)
+    assert [r["bytes"] for r in rows] == sorted((r["bytes"] for r in rows), reverse=True)
+
+
+def test_a_block_counts_until_its_free_completes():
+    frames = SITES[1]
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames},
+              {"action": "free_requested", "addr": 1},  # a side stream still uses it
+              {"action": "alloc", "addr": 2, "size": 60, "frames": frames},
+              {"action": "free_completed", "addr": 1},
+              {"action": "alloc", "addr": 3, "size": 90, "frames": frames}]
+    peak, blocks = memory_sites.live_at_peak(events)
+    assert peak == 160 and [b["addr"] for b in blocks] == [1, 2]
+
+
+def test_sites_name_the_innermost_frame_in_the_named_tree():
+    event = {"frames": SITES[0]}
+    assert memory_sites.allocation_site(event) == "dslab/engine/zero/param_offload.py:120 fetch"
+    assert memory_sites.allocation_site({"frames": SITES[2]}) == "/repo/benchmarks/size_ladder.py:5 main"
+    assert memory_sites.allocation_site({"frames": SITES[2]}, within=("dslab/", "benchmarks/")) == \
+        "benchmarks/size_ladder.py:5 main"
+    assert memory_sites.allocation_site({}) == "(no frames recorded)"
+    assert memory_sites.live_at_peak([]) == (0, [])
+
+
+@pytest.mark.gpu
+def test_a_real_trace_names_the_line_that_holds_the_peak():
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=10_000, context="alloc", stacks="python")
+    try:
+        held = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # 64 MiB, live at the peak
+        passing = torch.empty(16 * 2**20, dtype=torch.uint8, device="cuda")
+        del passing
+        extra = torch.empty(32 * 2**20, dtype=torch.uint8, device="cuda")  # the peak: 96 MiB
+        del extra
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, blocks = memory_sites.live_at_peak(trace)
+    assert peak >= 96 * 2**20
+    rows = memory_sites.by_site(blocks, within=("tests/profilers/",))
+    here = [r for r in rows if r["site"].startswith("tests/profilers/test_memory_sites.py")]
+    assert sum(r["bytes"] for r in here) == 96 * 2**20 and len(here) == 2
+    del held
