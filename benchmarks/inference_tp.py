@@ -21,6 +21,7 @@ can flip). The tp_size-1 engine on each rank is the same computation; rank 0's i
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 
 import torch
@@ -99,6 +100,10 @@ def main() -> None:
             engine.release_cuda_graphs()
     if cuda:
         torch.cuda.synchronize()
+    # the engines hold the process group: dropped here, it is destroyed below while the interpreter
+    # is whole, not in its teardown (where a gloo group's threads can abort the process)
+    del alone, sliced, eager, engine
+    gc.collect()
     comm.barrier()
     torch.distributed.destroy_process_group()
 
