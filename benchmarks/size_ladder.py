@@ -4,7 +4,8 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
     python benchmarks/size_ladder.py [--configs stage3,offload,deepspeed-offload]
         [--sizes 1.3b,2.7b,6.7b,13b,13b-48l] [--micro-batch 8] [--seq 1024] [--accum 4]
         [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json] [--ratio 0.5]
-        [--accumulate-on gpu|cpu] [--staging-buffers N] [--prefetch ELEMENTS] [--fetch-dtype bf16]
+        [--accumulate-on gpu|cpu] [--staging-buffers N] [--staging-dtype bf16]
+        [--prefetch ELEMENTS] [--fetch-dtype bf16]
         [--memory-sites N [--memory-entries 500000]]
     python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
 
@@ -31,7 +32,8 @@ Configs:
   later micro-steps' gradient shards are added on the CPU, not copied back to the GPU for it.
   ``--fetch-dtype bf16`` sets ``offload_param.fetch_dtype`` of ``offload`` and ``offload-split``:
   the shards cross PCIe as bf16 copies, widened on the GPU. ``--staging-buffers N`` sets
-  ``offload_optimizer.staging_buffers`` (the pinned buffers the host adds drain).
+  ``offload_optimizer.staging_buffers`` (the pinned buffers the host adds drain) and
+  ``--staging-dtype bf16`` its ``staging_dtype`` (those shards cross PCIe in bf16).
 - ``offload-opt``: stage 3 with ``offload_optimizer`` on the CPU only.
 - ``offload-nvme``: ZeRO-Infinity on disk: ``offload_optimizer`` and ``offload_param`` on NVMe
   (``--nvme-path``, a fresh directory per size, removed after it): masters, Adam states and
@@ -103,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--accumulate-on", choices=("gpu", "cpu"), default="gpu",
                         help="offload_optimizer.accumulate_on of the dslab offload configs: where a "
                              "micro-step's gradient shard is added to the window's sum")
+    parser.add_argument("--staging-dtype", choices=("bf16",), default=None,
+                        help="offload_optimizer.staging_dtype of the dslab offload configs under "
+                             "--accumulate-on cpu: later micro-steps' gradient shards cross PCIe in bf16")
     parser.add_argument("--staging-buffers", type=int, default=None,
                         help="offload_optimizer.staging_buffers of the dslab offload configs under "
                              "--accumulate-on cpu (default: the engine's, 4)")
@@ -170,6 +175,8 @@ def engine_config(config: str, args) -> dict:
         zero["offload_optimizer"]["accumulate_on"] = args.accumulate_on
         if args.staging_buffers is not None:
             zero["offload_optimizer"]["staging_buffers"] = args.staging_buffers
+        if args.staging_dtype is not None:
+            zero["offload_optimizer"]["staging_dtype"] = args.staging_dtype
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.accum,
@@ -313,6 +320,8 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
         cmd += ["--fetch-dtype", args.fetch_dtype]
     if args.staging_buffers is not None:
         cmd += ["--staging-buffers", str(args.staging_buffers)]
+    if args.staging_dtype is not None:
+        cmd += ["--staging-dtype", args.staging_dtype]
     if args.memory_sites:
         cmd += ["--memory-sites", str(args.memory_sites), "--memory-entries", str(args.memory_entries)]
     nvme = None

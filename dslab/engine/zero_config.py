@@ -75,7 +75,11 @@ class OffloadOptimizerConfig(ConfigSection):
     copies the sum to the GPU, adds there and copies it back; ``"cpu"`` copies the shard to one of
     ``staging_buffers`` pinned buffers and adds it on the CPU in a worker thread, so that nothing
     but parameters crosses PCIe towards the GPU (parameter offload's fetches use that direction)
-    and the GPU never holds more than that many shards waiting for their copies."""
+    and the GPU never holds more than that many shards waiting for their copies.
+    ``staging_dtype`` (dslab's key; with ``accumulate_on: "cpu"`` only): ``"bf16"`` converts those
+    later shards to bf16 on the GPU before they cross PCIe (half the bytes copied, and half the
+    host's reads of them); the window's sum stays in the masters' dtype on the CPU. Each later
+    micro-step's shard is then rounded to bf16 before it is added (the first is copied whole)."""
 
     device: str = "none"
     nvme_path: str | None = None
@@ -83,6 +87,7 @@ class OffloadOptimizerConfig(ConfigSection):
     ratio: float = Field(1.0, gt=0.0, le=1.0)
     accumulate_on: str = "gpu"
     staging_buffers: int = Field(4, ge=1)
+    staging_dtype: str | None = None
     buffer_count: int = Field(4, ge=2)
     pipeline_read: bool = True
     pipeline_write: bool = True
@@ -100,6 +105,21 @@ class OffloadOptimizerConfig(ConfigSection):
         if value not in ("gpu", "cpu"):
             raise ValueError(f"offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got {value!r}")
         return value
+
+    @field_validator("staging_dtype")
+    @classmethod
+    def _known_staging_dtype(cls, value: str | None) -> str | None:
+        if value not in (None, "bf16"):
+            raise ValueError(f"offload_optimizer.staging_dtype must be 'bf16' or null, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _staging_dtype_needs_host_adds(self):
+        if self.staging_dtype is not None and self.accumulate_on != "cpu":
+            raise ValueError(f"config key 'zero_optimization.offload_optimizer.staging_dtype' = "
+                             f"{self.staging_dtype!r} needs offload_optimizer.accumulate_on 'cpu' (the staged "
+                             f"shards are what it converts), got accumulate_on {self.accumulate_on!r}")
+        return self
 
     @model_validator(mode="after")
     def _nvme_needs_a_path(self):

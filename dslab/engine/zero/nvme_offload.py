@@ -91,9 +91,10 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
     def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int,
                  nvme_path: str, aio: AioConfig, buffer_count: int, rank: int,
                  pipeline_read: bool = True, pipeline_write: bool = True, home=None,
-                 on_device: set[int] = frozenset(), accumulate_on: str = "gpu", staging_buffers: int = 4):
+                 on_device: set[int] = frozenset(), accumulate_on: str = "gpu", staging_buffers: int = 4,
+                 staging_dtype: str | None = None):
         super().__init__(units, pin_memory, chunk_numel, home=home, on_device=on_device,
-                         accumulate_on=accumulate_on, staging_buffers=staging_buffers)
+                         accumulate_on=accumulate_on, staging_buffers=staging_buffers, staging_dtype=staging_dtype)
         root = Path(nvme_path)
         try:
             root.mkdir(parents=True, exist_ok=True)

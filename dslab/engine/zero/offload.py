@@ -31,6 +31,10 @@ synchronously on the CPU):
    51 GB of parameters and 26 GB of gradients for accumulation to the GPU per micro-step), and
    the shards waiting for a copy are bounded by the staging buffers (a receive with none free
    waits for the oldest add), so they cannot pile up on the GPU while the copies lag behind.
+   ``staging_dtype="bf16"`` (``offload_optimizer.staging_dtype``) converts those later shards to
+   bf16 on the GPU before the copy: half the bytes to the host and half the host's reads of
+   them (an addition streams the staged shard and the sum through host memory), the sum staying
+   in the masters' dtype.
 2. Step: wait for the copies; the squared norms (one GPU tensor, all-reduced by the runtime) give
    the clipping norm and the fp16 overflow verdict (a non-finite norm), without reading the CPU
    gradients.
@@ -46,7 +50,8 @@ synchronously on the CPU):
 
 Traffic per unit and window of ``G`` micro-steps: over PCIe ``4·S·(2G - 1)`` bytes to the host
 side and ``4·S·(G - 1)`` back for accumulation (with ``accumulate_on="cpu"``: ``4·S·G`` to the
-host, nothing back, and ``G - 1`` additions on the host), then ``4·S`` for the new shard; on the
+host, nothing back, and ``G - 1`` additions on the host; with ``staging_dtype`` bf16,
+``4·S + 2·S·(G - 1)`` to the host), then ``4·S`` for the new shard; on the
 host one pass over the gradients (the scale) plus the optimizer's own (Adam: read master,
 gradient and two moments, write master and moments).
 """
@@ -70,9 +75,16 @@ class CpuOptimizerOffload:
     """The CPU side of ZeRO-Offload for ``units`` (module docstring)."""
 
     def __init__(self, units: list[FlatUnit], pin_memory: bool, chunk_numel: int, home=None,
-                 on_device: set[int] = frozenset(), accumulate_on: str = "gpu", staging_buffers: int = 4):
+                 on_device: set[int] = frozenset(), accumulate_on: str = "gpu", staging_buffers: int = 4,
+                 staging_dtype: str | None = None):
         if accumulate_on not in ("gpu", "cpu"):
             raise ValueError(f"offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got {accumulate_on!r}")
+        if staging_dtype not in (None, "bf16"):
+            raise ValueError(f"offload_optimizer.staging_dtype must be 'bf16' or None, got {staging_dtype!r}")
+        if staging_dtype is not None and accumulate_on != "cpu":
+            raise ValueError("offload_optimizer.staging_dtype needs accumulate_on 'cpu'")
+        #: the dtype later micro-steps' shards are staged in (None: the shard's own)
+        self.staging_dtype = torch.bfloat16 if staging_dtype == "bf16" else None
         self.units = units
         self.accumulate_on = accumulate_on
         self.cuda = any(u.device.type == "cuda" for u in units)
@@ -173,16 +185,19 @@ class CpuOptimizerOffload:
         event = None
         self.totals["host_adds"] += 1
         if shard.is_cuda:
-            self.totals["grad_d2h_bytes"] += shard.numel() * shard.element_size()
+            self.totals["grad_d2h_bytes"] += shard.numel() * view.element_size()
             stream = self._copy_stream
             stream.wait_stream(torch.cuda.current_stream(shard.device))
             with torch.cuda.stream(stream):
-                view.copy_(shard, non_blocking=True)
+                # staging_dtype: converted on the GPU (on this stream, which owns the copy), so
+                # only the narrower bytes cross PCIe
+                source = shard if view.dtype == shard.dtype else shard.to(view.dtype)
+                view.copy_(source, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             shard.record_stream(stream)
         else:
-            view.copy_(shard)
+            view.copy_(shard)  # rounded to the staging dtype, as the GPU's conversion does
         self._squares[i] = None
         last = self.last_backward
         if self._worker is None:
@@ -210,7 +225,8 @@ class CpuOptimizerOffload:
         while not self._staging_free:
             if self._staging_made < self._staging_count:
                 largest = max(u.shard_numel for u, device in zip(self.units, self.on_device) if not device)
-                dtype = next(u.dtype for u, device in zip(self.units, self.on_device) if not device)
+                dtype = self.staging_dtype or next(u.dtype for u, device in zip(self.units, self.on_device)
+                                                   if not device)
                 self._staging_free.append(self.host_buffers.empty(largest, dtype, self.cuda))
                 self._staging_made += 1
             else:

@@ -216,7 +216,7 @@ class ZeroRuntime:
             self.offload = CpuOptimizerOffload(
                 self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
                 home=self.param_home, on_device=on_device, accumulate_on=offload.accumulate_on,
-                staging_buffers=offload.staging_buffers)
+                staging_buffers=offload.staging_buffers, staging_dtype=offload.staging_dtype)
         elif offload.device == "nvme":
             self.offload = NvmeOptimizerOffload(
                 self.units, pin_memory=offload.pin_memory, chunk_numel=config.sub_group_size,
@@ -224,7 +224,7 @@ class ZeroRuntime:
                 buffer_count=offload.buffer_count, rank=comm.get_rank(),
                 pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write,
                 home=self.param_home, on_device=on_device, accumulate_on=offload.accumulate_on,
-                staging_buffers=offload.staging_buffers)
+                staging_buffers=offload.staging_buffers, staging_dtype=offload.staging_dtype)
         if self.offload is not None:
             self.masters: list[nn.Parameter] = self.offload.masters
         else:

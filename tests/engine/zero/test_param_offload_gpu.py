@@ -86,3 +86,18 @@ def test_parameters_fetched_as_bf16_copies_move_half_the_bytes(reference):
 def test_a_model_built_partitioned_on_the_gpu_trains_like_a_plain_one(reference):
     losses, _ = _losses({"stage3_param_persistence_threshold": 0}, partitioned=True)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_staged_in_bf16_cross_pcie_at_half_the_bytes(reference):
+    """offload_optimizer.staging_dtype bf16: the later micro-step's shards are converted on the
+    GPU's copy stream and cross in half the bytes (the first of each window stays fp32); the run
+    ends within bf16 rounding of the fp32 one."""
+    zero = {"stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "accumulate_on": "cpu", "staging_buffers": 2}}
+    _, fp32 = _losses(zero)
+    zero["offload_optimizer"]["staging_dtype"] = "bf16"
+    losses, stats = _losses(zero)
+    assert stats["host_adds"] == fp32["host_adds"] > 0 and stats["grad_h2d_bytes"] == 0
+    # accumulation 2: half the shards are a window's first (fp32), half staged (bf16)
+    assert stats["grad_d2h_bytes"] == pytest.approx(0.75 * fp32["grad_d2h_bytes"])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-2, atol=1e-2)

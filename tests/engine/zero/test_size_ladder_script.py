@@ -79,6 +79,9 @@ def test_accumulate_on_reaches_every_dslab_offload_config(config, tmp_path):
     staged = size_ladder.parse_args(["--accumulate-on", "cpu", "--staging-buffers", "8", "--nvme-path", str(tmp_path)])
     assert size_ladder.engine_config(config, staged)["zero_optimization"]["offload_optimizer"]["staging_buffers"] == 8
     assert "staging_buffers" not in zero["offload_optimizer"]  # the engine's default unless asked
+    narrow = size_ladder.parse_args(["--accumulate-on", "cpu", "--staging-dtype", "bf16", "--nvme-path", str(tmp_path)])
+    assert size_ladder.engine_config(config, narrow)["zero_optimization"]["offload_optimizer"]["staging_dtype"] == "bf16"
+    assert "staging_dtype" not in zero["offload_optimizer"]
     split = size_ladder.engine_config("deepspeed-offload-split", size_ladder.parse_args(["--ratio", "0.3"]))
     assert split["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.3}
     assert split["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}

@@ -121,6 +121,18 @@ def test_parameters_fetched_from_bf16_copies_train_like_stage0_within_their_roun
     _assert_states_close(result["state"], two_ranks[f"param_offload/tied{tied}/stage0"], rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_gradients_staged_in_bf16_train_like_stage0_within_their_rounding(two_ranks, tied):
+    """offload_optimizer.staging_dtype bf16: the later micro-step's shards reach the host adds
+    through bf16 staging buffers, and the run ends where stage 0 does within that rounding."""
+    result = two_ranks[f"param_offload/tied{tied}/cpu_staging_bf16"]
+    assert result["staging_dtypes"] == ["torch.bfloat16"] and result["ranks_agree"]
+    assert result["stats"]["host_adds"] > 0 and result["stats"]["grad_h2d_bytes"] == 0
+    expected = two_ranks[f"param_offload/tied{tied}/losses/stage0"]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=1e-2, atol=1e-2)
+    _assert_states_close(result["state"], two_ranks[f"param_offload/tied{tied}/stage0"], rtol=1e-2, atol=1e-2)
+
+
 def test_parameter_offload_to_nvme_resumes_from_a_checkpoint(two_ranks):
     _assert_states_close(two_ranks["param_offload/ckpt/resumed"],
                          two_ranks["param_offload/ckpt/straight"])

@@ -73,6 +73,13 @@ def test_bad_offload_configs_are_refused():
         load_config(base_config(zero_optimization={
             "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/x", "fetch_dtype": "bf16"},
             "offload_optimizer": {"device": "cpu"}}))
+    with pytest.raises(ValueError, match="offload_optimizer.staging_dtype must be 'bf16' or null, got 'fp8'"):
+        load_config(base_config(zero_optimization={
+            "stage": 2, "offload_optimizer": {"device": "cpu", "accumulate_on": "cpu", "staging_dtype": "fp8"}}))
+    with pytest.raises(ValueError, match="offload_optimizer.staging_dtype' = 'bf16' needs offload_optimizer."
+                                         "accumulate_on 'cpu'.*got accumulate_on 'gpu'"):
+        load_config(base_config(zero_optimization={
+            "stage": 2, "offload_optimizer": {"device": "cpu", "staging_dtype": "bf16"}}))
     with pytest.raises(ValueError, match="offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got 'host'"):
         load_config(base_config(zero_optimization={
             "stage": 2, "offload_optimizer": {"device": "cpu", "accumulate_on": "host"}}))
@@ -421,11 +428,12 @@ def test_stage3_buckets_its_resident_units():
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
 
 
-@pytest.mark.parametrize("staging", [1, 3])
-def test_host_accumulation_sums_every_micro_step_in_order(staging):
+@pytest.mark.parametrize("staging, staging_dtype", [(1, None), (3, None), (2, "bf16")])
+def test_host_accumulation_sums_every_micro_step_in_order(staging, staging_dtype):
     """offload_optimizer.accumulate_on = "cpu": the first shard of a window is copied, later ones
     added on the CPU by the worker through ``staging`` buffers (one: every shard waits for the
-    addition before it); the sums, and the squared norms taken on the window's last backward,
+    addition before it), in bf16 with ``staging_dtype`` (each later shard rounded, the sum
+    fp32: exactly the first shard plus the rounded later ones); the sums, and the squared norms taken on the window's last backward,
     are the plain sums' on fresh random shards; a new window starts from the next shard."""
     from dslab.engine.zero.offload import CpuOptimizerOffload
     from dslab.engine.zero.partition import FlatUnit, UnitLayout
@@ -435,7 +443,7 @@ def test_host_accumulation_sums_every_micro_step_in_order(staging):
     units = [FlatUnit(i, UnitLayout((f"p{i}",), (tuple(p.shape),), 0, False), [p], world_size=1, rank=0)
              for i, p in enumerate(params)]
     offload = CpuOptimizerOffload(units, pin_memory=False, chunk_numel=50, accumulate_on="cpu",
-                                  staging_buffers=staging)
+                                  staging_buffers=staging, staging_dtype=staging_dtype)
     try:
         for window in range(2):
             offload.zero_grad()
@@ -445,7 +453,8 @@ def test_host_accumulation_sums_every_micro_step_in_order(staging):
                 offload.begin(last_backward=step == micro_steps - 1)
                 for i, unit in enumerate(units):
                     shard = torch.randn(unit.shard_numel, generator=g)
-                    expected[i] += shard
+                    staged = shard if staging_dtype is None or step == 0 else shard.bfloat16().float()
+                    expected[i] += staged
                     offload.receive(unit, shard)
             grads = offload.gradients()
             for i in range(len(units)):
@@ -453,6 +462,7 @@ def test_host_accumulation_sums_every_micro_step_in_order(staging):
             want = sum(float(e.double().square().sum()) for e in expected)
             assert offload.squared_norm(torch.device("cpu")).item() == pytest.approx(want, rel=1e-5)
         assert offload._staging_made == staging
+        assert {b.dtype for b in offload._staging_free} == {torch.bfloat16 if staging_dtype else torch.float32}
         stats = offload.stats()
         assert stats["host_adds"] == 2 * 3 * len(units)  # every micro-step after a window's first
         assert stats["grad_d2h_bytes"] == stats["grad_h2d_bytes"] == 0  # CPU shards: nothing crossed PCIe

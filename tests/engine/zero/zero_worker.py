@@ -307,6 +307,8 @@ def param_offload_runs(nvme_root: Path) -> dict:
 PARAM_OFFLOAD_TRAINING = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}
 PARAM_OFFLOAD_BF16_FETCH = {"offload_param": {"device": "cpu", "fetch_dtype": "bf16"},
                             "offload_optimizer": {"device": "cpu"}}
+PARAM_OFFLOAD_BF16_STAGING = {"offload_param": {"device": "cpu"},
+                              "offload_optimizer": {"device": "cpu", "accumulate_on": "cpu", "staging_dtype": "bf16"}}
 
 
 def run_param_offload(results, ckpt_root):
@@ -347,6 +349,15 @@ def run_param_offload(results, ckpt_root):
             "copies": len(home.copies),
             "copies_current": all(torch.equal(home.copies[u.index], u.shard.to(torch.bfloat16))
                                   for u in engine.zero.units if home.holds(u))}
+        engine.destroy()
+        # later micro-steps' gradient shards staged in bf16 for the host adds (offload_optimizer.staging_dtype)
+        engine = build(3, tied=tied, zero=PARAM_OFFLOAD_BF16_STAGING, **PARAM_OFFLOAD_TRAINING)
+        losses = train(engine, 3, tied)
+        sd = state(engine)
+        offload = engine.zero.offload
+        results[f"param_offload/tied{tied}/cpu_staging_bf16"] = {
+            "losses": losses, "state": sd, "ranks_agree": same_on_all_ranks(sd), "stats": offload.stats(),
+            "staging_dtypes": sorted({str(b.dtype) for b in offload._staging_free})}
         engine.destroy()
     runs = param_offload_runs(ckpt_root / "nvme")
     straight = build(3, zero=runs["nvme_both"], **CKPT)
