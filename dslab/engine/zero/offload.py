@@ -71,6 +71,10 @@ from dslab.engine.zero.partition import FlatUnit
 from dslab.engine.zero.pinned import HostBuffers
 
 
+#: Elements widened at a time when a staged shard narrower than the sum is added (8 MB of fp32).
+WIDEN_CHUNK = 1 << 21
+
+
 class CpuOptimizerOffload:
     """The CPU side of ZeRO-Offload for ``units`` (module docstring)."""
 
@@ -128,6 +132,7 @@ class CpuOptimizerOffload:
         self._staging_made = 0
         self._adds: collections.deque[Future] = collections.deque()
         self._worker: ThreadPoolExecutor | None = None
+        self._widen_scratch: torch.Tensor | None = None  # the worker's, for staging_dtype's additions
         # gradient traffic since the start (:meth:`stats`)
         self.totals = {"grad_d2h_bytes": 0, "grad_h2d_bytes": 0, "host_adds": 0, "staging_wait_s": 0.0,
                        "adds_wait_s": 0.0, "add_copy_wait_s": 0.0, "add_s": 0.0}
@@ -211,13 +216,28 @@ class CpuOptimizerOffload:
         if event is not None:
             event.synchronize()
         landed = time.perf_counter()
-        self.grads[i].add_(view)
+        if view.dtype == self.grads[i].dtype:
+            self.grads[i].add_(view)
+        else:
+            self._add_widened(self.grads[i], view)
         if last:
             self._squares[i] = _square_norm(self.grads[i])
         # only this worker writes these two
         self.totals["add_copy_wait_s"] += landed - start
         self.totals["add_s"] += time.perf_counter() - landed
         return staging
+
+    def _add_widened(self, total: torch.Tensor, staged: torch.Tensor) -> None:
+        """``total += staged`` for a narrower ``staged`` (``staging_dtype``), widened a cache-sized
+        piece at a time: torch's CPU add would first widen all of it into a fresh tensor (on a
+        2-core host 63 ms for 50M elements against 9 ms this way, the same as an fp32 add)."""
+        if self._widen_scratch is None:
+            self._widen_scratch = torch.empty(WIDEN_CHUNK, dtype=total.dtype)
+        for start in range(0, staged.numel(), WIDEN_CHUNK):
+            end = min(start + WIDEN_CHUNK, staged.numel())
+            piece = self._widen_scratch[:end - start]
+            piece.copy_(staged[start:end])
+            total[start:end].add_(piece)
 
     def _take_staging(self, numel: int) -> torch.Tensor:
         """A free staging buffer of at least ``numel`` elements: a new one while fewer than
