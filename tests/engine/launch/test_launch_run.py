@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +74,10 @@ def test_ctrl_c_stops_every_process(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "dslab.cli", "launch", "--num_gpus", "2", "--master_port",
                                  str(free_port()), str(script), str(tmp_path)], cwd=tmp_path, env=env,
                                 stderr=subprocess.PIPE, text=True)
+    # read as it comes, so that a full pipe never blocks the launcher or torchrun, and a failure shows it
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stderr), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / rank).is_file() for rank in "01"):
@@ -80,11 +85,16 @@ def test_ctrl_c_stops_every_process(tmp_path):
             time.sleep(0.1)
         pids = [int((tmp_path / rank).read_text()) for rank in "01"]
         launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=30) == 130
+        try:
+            status = launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the launcher did not stop within 30 s of a Ctrl-C; its stderr:\n" + "".join(lines)[-3000:])
+        assert status == 130, "".join(lines)[-3000:]
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert "interrupted" in launcher.stderr.read()
+    reader.join(timeout=10)
+    assert "interrupted" in "".join(lines)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
