@@ -126,7 +126,10 @@ def run_commands(commands: Sequence[LaunchCommand], grace_s: float = TERMINATE_G
     """Start every command, wait for all, return the worst exit status (module docstring)."""
     procs: list[subprocess.Popen] = []
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
+    # SIGINT too: a launcher started with SIGINT ignored (a background job of a non-interactive
+    # shell, whose children inherit that) would otherwise not stop on a Ctrl-C sent to it
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if main_thread else {}
     try:
         for command in commands:
             env = {**os.environ, **dict(command.env)}
@@ -137,8 +140,8 @@ def run_commands(commands: Sequence[LaunchCommand], grace_s: float = TERMINATE_G
         terminate(procs, grace_s)
         return INTERRUPTED
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def autotune_processes(args: argparse.Namespace,

@@ -63,7 +63,10 @@ def test_a_failing_script_fails_the_launch(tmp_path):
 
 
 @pytest.mark.world_size(2)
-def test_ctrl_c_stops_every_process(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_every_process(tmp_path, inherited):
+    """``ignored``: the launcher starts with SIGINT ignored, as a background job of a
+    non-interactive shell does (its children inherit that), and still stops on one."""
     script = tmp_path / "sleep.py"
     script.write_text("import os, pathlib, sys, time\n"
                       "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\n"
@@ -73,7 +76,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
     env = dict(os.environ, HOME=str(home), OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-m", "dslab.cli", "launch", "--num_gpus", "2", "--master_port",
                                  str(free_port()), str(script), str(tmp_path)], cwd=tmp_path, env=env,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                                if inherited == "ignored" else None)
     # read as it comes, so that a full pipe never blocks the launcher or torchrun, and a failure shows it
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stderr), daemon=True)
