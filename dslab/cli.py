@@ -28,7 +28,9 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from dslab import __version__
@@ -97,6 +99,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     from dslab.bench.common import PART_ENV, RunNotStarted
     from dslab.bench.runner import run_suite
 
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C (and `timeout -s INT`) ends the run keeping what it measured, also when the process
+        # started with SIGINT ignored, as a background job of a non-interactive shell does
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
     try:
