@@ -290,16 +290,19 @@ def memory_sites(device, top: int, max_entries: int) -> dict:
     allocated them (:mod:`dslab.profilers.memory_sites`); printed, and returned for the row."""
     import torch
 
-    from dslab.profilers.memory_sites import by_site, live_at_peak
+    from dslab.profilers.memory_sites import by_site, live_at_peak, live_blocks
 
-    trace = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+    index = device.index or 0
+    snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, blocks = live_at_peak(trace)
+    trace = snapshot["device_traces"][index]
+    peak, blocks = live_at_peak(trace, live_at_end=live_blocks(snapshot, index))
     rows = by_site(blocks, within=("dslab/", "benchmarks/"), top=top)
     full = len(trace) >= max_entries
     print(f"  live at the traced peak: {peak / 2**30:.2f} GiB in {len(blocks)} blocks"
-          + (f" (the trace filled its {max_entries} entries: the earliest blocks are missing; fewer "
-             f"micro-steps or a larger --memory-entries)" if full else ""), flush=True)
+          + (f" (the trace filled its {max_entries} entries: the peak is the highest in its last "
+             f"events, and blocks from before them are counted without their sites)" if full else ""),
+          flush=True)
     for row in rows:
         print(f"    {row['bytes'] / 2**30:8.2f} GiB {row['blocks']:6d} blocks  {row['site']}", flush=True)
     return {"memory_sites_peak_bytes": peak, "memory_sites": rows, "memory_trace_full": full}

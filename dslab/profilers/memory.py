@@ -50,6 +50,9 @@ On ``profile_step`` (the engine's ``global_steps``; its first micro-step):
   ``torch.cuda.memory._dump_snapshot`` to ``<output_dir>/memory_snapshot_step<N>.pickle``. The
   engine or bench gives the directory with :meth:`MemoryTracer.set_output_dir`; without one no
   snapshot is recorded and the records say so. Open the file at https://pytorch.org/memory_viz.
+  The records also keep ``peak_sites``: the blocks live at the step's traced peak (those from
+  before the step counted through the snapshot's end state), summed by the innermost dslab line
+  that allocated them, the :data:`PEAK_SITES` largest (:mod:`dslab.profilers.memory_sites`).
 
 On CPU the allocator counters do not exist: ``records()`` says ``"cuda": false`` with a note, and
 still holds the activation and model-state figures.
@@ -67,6 +70,7 @@ from pydantic import Field
 
 from dslab.config_base import ConfigSection
 from dslab.profilers import peaks
+from dslab.profilers.memory_sites import by_site, live_at_peak, live_blocks
 from dslab.profilers.base import Profiler
 from dslab.profilers.model_states import (  # noqa: F401  (optimizer_states_per_param: re-exported)
     model_state_bytes,
@@ -83,6 +87,8 @@ CPU_NOTE = "CUDA memory is not traced on CPU: no allocator peaks, phase deltas o
 ROOT = "(root)"
 OUTSIDE = "(outside modules)"
 MAX_STEP_ENTRIES = 4096
+#: Allocation sites kept in ``records()["peak_sites"]``.
+PEAK_SITES = 15
 
 
 class MemoryTracerConfig(ConfigSection):
@@ -238,6 +244,7 @@ class MemoryTracer(Profiler):
         self._peak = {"allocated": 0, "reserved": 0}
         self._recording = False
         self._snapshot_path: str | None = None
+        self._peak_sites: dict | None = None
         self._snapshot_note: str | None = None
 
     @classmethod
@@ -366,6 +373,10 @@ class MemoryTracer(Profiler):
         self._recording = False
         path = self.output_dir / f"memory_snapshot_step{self.profile_step}.pickle"
         try:
+            snapshot = torch.cuda.memory._snapshot()
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            peak, blocks = live_at_peak(snapshot["device_traces"][index], live_at_end=live_blocks(snapshot, index))
+            self._peak_sites = {"peak_bytes": peak, "sites": by_site(blocks, top=PEAK_SITES)}
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(path))
             self._snapshot_path = str(path)
@@ -394,7 +405,8 @@ class MemoryTracer(Profiler):
         """``{"cuda", "note", "device", "profile_step", "steps": [{"step", "peak_allocated",
         "peak_reserved"}], "peak": {"allocated", "reserved"}, "phases": {"forward_delta",
         "backward_delta", "optimizer_delta", "allocated"}, "activations": [...],
-        "activation_bytes", "model_states": {...}, "snapshot", "snapshot_note"}`` (bytes)."""
+        "activation_bytes", "model_states": {...}, "snapshot", "snapshot_note", "peak_sites":
+        {"peak_bytes", "sites": [{"site", "bytes", "blocks"}]} or None}`` (bytes)."""
         steps = list(self._steps.items)
         if self._current is not None:
             steps.append(dict(self._current))
@@ -417,6 +429,7 @@ class MemoryTracer(Profiler):
             "model_states": model_states,
             "snapshot": self._snapshot_path,
             "snapshot_note": self._snapshot_note,
+            "peak_sites": self._peak_sites,
         }
 
     def close(self) -> None:

@@ -19,38 +19,71 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def live_at_peak(events: Iterable[dict]) -> tuple[int, list[dict]]:
-    """Replay a device trace; return the highest total of live bytes and the ``alloc`` events
-    of the blocks live then, in allocation order."""
+def live_at_peak(events: Iterable[dict], live_at_end: dict[int, int] | None = None) -> tuple[int, list[dict]]:
+    """Replay a device trace; return the highest total of live bytes and the blocks live then:
+    their ``alloc`` events in allocation order, after the blocks that were live before the trace
+    began (``{"addr", "size", "before_trace": True}``, by address).
+
+    ``live_at_end`` (address -> size, :func:`live_blocks` of the snapshot the trace came with)
+    lets the blocks allocated before the recording started count: the state at the trace's
+    start is found by undoing its events from the end. Without it only the trace's own
+    allocations count."""
     events = list(events)
-    live: dict[int, int] = {}  # address -> index of its alloc event
-    total = peak = 0
-    peak_at = -1
+    start: dict[int, int] = {}
+    if live_at_end is not None:
+        start = dict(live_at_end)
+        for event in reversed(events):
+            action = event.get("action")
+            if action == "alloc":
+                start.pop(event["addr"], None)
+            elif action == "free_completed":
+                start[event["addr"]] = event["size"]
+    # address -> index of its alloc event, or -1 for a block live since before the trace
+    live = {addr: -1 for addr in start}
+    total = peak = sum(start.values())
+    peak_at = -1 if live else None
     for index, event in enumerate(events):
         action = event.get("action")
         if action == "alloc":
             live[event["addr"]] = index
             total += event["size"]
-            if total > peak:
+            if total > peak or peak_at is None:
                 peak, peak_at = total, index
-        elif action == "free_completed":
-            start = live.pop(event["addr"], None)
-            if start is not None:
-                total -= events[start]["size"]
-    if peak_at < 0:
+        elif action == "free_completed" and event["addr"] in live:
+            begun = live.pop(event["addr"])
+            total -= start[event["addr"]] if begun < 0 else events[begun]["size"]
+    if peak_at is None:
         return 0, []
-    live.clear()
+    live = {addr: -1 for addr in start}
     for index, event in enumerate(events[:peak_at + 1]):
-        if event.get("action") == "alloc":
+        action = event.get("action")
+        if action == "alloc":
             live[event["addr"]] = index
-        elif event.get("action") == "free_completed":
+        elif action == "free_completed":
             live.pop(event["addr"], None)
-    return peak, [events[i] for i in sorted(live.values())]
+    before = [{"addr": addr, "size": start[addr], "before_trace": True}
+              for addr in sorted(a for a, i in live.items() if i < 0)]
+    return peak, before + [events[i] for i in sorted(i for i in live.values() if i >= 0)]
+
+
+def live_blocks(snapshot: dict, device: int) -> dict[int, int]:
+    """Address -> size of the blocks allocated on ``device`` in a ``torch.cuda.memory._snapshot()``
+    (those freed but waiting for a stream count, as :func:`live_at_peak` counts them)."""
+    blocks = {}
+    for segment in snapshot.get("segments", []):
+        if segment.get("device") != device:
+            continue
+        for block in segment.get("blocks", []):
+            if block.get("state") in ("active_allocated", "active_pending_free"):
+                blocks[block["address"]] = block["size"]
+    return blocks
 
 
 def allocation_site(event: dict, within: tuple[str, ...] = ("dslab/",)) -> str:
     """``file:line function`` of the innermost frame whose file contains one of ``within``
     (torch's own frames and the allocator's are skipped); the innermost frame when none does."""
+    if event.get("before_trace"):
+        return "(allocated before the trace)"
     frames = event.get("frames") or []
     for frame in frames:
         filename = frame.get("filename", "")

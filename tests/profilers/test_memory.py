@@ -293,4 +293,10 @@ def test_cuda_peaks_phases_and_snapshot(tmp_path):
     with open(path, "rb") as f:
         snapshot = pickle.load(f)
     assert "segments" in snapshot and any(snapshot["device_traces"])
+    # the step's peak by allocation site: the blocks from before the step (parameters and Adam's
+    # states among them) counted through the snapshot's end state, the total the allocator's peak
+    sites = rec["peak_sites"]
+    assert sites["peak_bytes"] == pytest.approx(steps[1]["peak_allocated"], rel=0.01)
+    held = {row["site"]: row["bytes"] for row in sites["sites"]}
+    assert held["(allocated before the trace)"] >= 3 * 4 * n
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -18,23 +18,30 @@ SITES = [
 def _trace(seed, n=400):
     """Random allocations and frees; some frees requested long before they complete."""
     rng = random.Random(seed)
-    events, live, pending, next_addr = [], [], [], 4096
+    events, live, pending, sizes, reusable, next_addr = [], [], [], {}, [], 4096
     for _ in range(n):
         roll = rng.random()
         if roll < 0.5 or not live:
             size = rng.choice([512, 2**20, 3 * 2**20, 2**25])
-            events.append({"action": "alloc", "addr": next_addr, "size": size, "frames": rng.choice(SITES)})
-            live.append(next_addr)
-            next_addr += size
-        elif roll < 0.8:
+            if reusable and rng.random() < 0.4:  # the allocator hands out a freed address again
+                addr = reusable.pop(rng.randrange(len(reusable)))
+            else:
+                addr, next_addr = next_addr, next_addr + size
+            events.append({"action": "alloc", "addr": addr, "size": size, "frames": rng.choice(SITES)})
+            live.append(addr)
+            sizes[addr] = size
+        elif roll < 0.8:  # the allocator's free events carry the block's size too
             addr = live.pop(rng.randrange(len(live)))
-            events.append({"action": "free_requested", "addr": addr})
+            events.append({"action": "free_requested", "addr": addr, "size": sizes[addr]})
             if rng.random() < 0.5:
-                events.append({"action": "free_completed", "addr": addr})
+                events.append({"action": "free_completed", "addr": addr, "size": sizes[addr]})
+                reusable.append(addr)
             else:
                 pending.append(addr)
         elif pending:
-            events.append({"action": "free_completed", "addr": pending.pop(0)})
+            addr = pending.pop(0)
+            events.append({"action": "free_completed", "addr": addr, "size": sizes[addr]})
+            reusable.append(addr)
         else:
             events.append({"action": "segment_alloc", "addr": 0, "size": 2**30})
     return events
@@ -43,16 +50,15 @@ def _trace(seed, n=400):
 def _brute_force(events):
     best, best_live = 0, []
     for cut in range(len(events)):
-        sizes, order = {}, []
-        for event in events[:cut + 1]:
+        live = {}  # address -> (index of its alloc, the event)
+        for index, event in enumerate(events[:cut + 1]):
             if event["action"] == "alloc":
-                sizes[event["addr"]] = event
-                order.append(event["addr"])
+                live[event["addr"]] = (index, event)
             elif event["action"] == "free_completed":
-                sizes.pop(event["addr"], None)
-        total = sum(e["size"] for e in sizes.values())
+                live.pop(event["addr"], None)
+        total = sum(e["size"] for _, e in live.values())
         if total > best:
-            best, best_live = total, [sizes[a] for a in order if a in sizes]
+            best, best_live = total, [e for _, e in sorted(live.values(), key=lambda pair: pair[0])]
     return best, best_live
 
 
@@ -110,3 +116,45 @@ def test_a_real_trace_names_the_line_that_holds_the_peak():
     here = [r for r in rows if r["site"].startswith("tests/profilers/test_memory_sites.py")]
     assert sum(r["bytes"] for r in here) == 96 * 2**20 and len(here) == 2
     del held
+
+
+def _live_after(events):
+    """Address -> (size, index of its alloc) after ``events``."""
+    live = {}
+    for index, event in enumerate(events):
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], index)
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    return live
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_blocks_from_before_the_trace_count_through_the_end_state(seed):
+    """A trace that starts mid-run (the recording began late) with the snapshot's live blocks at
+    its end: the peak and the blocks then are the full history's, the older blocks named as such."""
+    full = _trace(100 + seed, n=600)
+    cut = len(full) // 3
+    trace, end = full[cut:], {addr: size for addr, (size, _) in _live_after(full).items()}
+    best, best_live = -1, None
+    for stop in range(cut - 1, len(full)):
+        live = _live_after(full[:stop + 1])
+        total = sum(size for size, _ in live.values())
+        if total > best:
+            best, best_live = total, live
+    peak, blocks = memory_sites.live_at_peak(trace, live_at_end=end)
+    assert peak == best and {b["addr"] for b in blocks} == set(best_live)
+    before = [b for b in blocks if b.get("before_trace")]
+    assert {b["addr"] for b in before} == {addr for addr, (_, index) in best_live.items() if index < cut}
+    assert all(memory_sites.allocation_site(b) == "(allocated before the trace)" for b in before)
+    assert sum(r["bytes"] for r in memory_sites.by_site(blocks)) == peak
+
+
+def test_live_blocks_reads_a_snapshots_segments():
+    snapshot = {"segments": [
+        {"device": 0, "blocks": [{"address": 10, "size": 512, "state": "active_allocated"},
+                                 {"address": 522, "size": 1024, "state": "inactive"},
+                                 {"address": 1546, "size": 2048, "state": "active_pending_free"}]},
+        {"device": 1, "blocks": [{"address": 99, "size": 512, "state": "active_allocated"}]}]}
+    assert memory_sites.live_blocks(snapshot, 0) == {10: 512, 1546: 2048}
+    assert memory_sites.live_blocks(snapshot, 1) == {99: 512}
