@@ -1,5 +1,5 @@
 """The Memory tab of a run: the memory tracer's timeline with the trials and profiled steps
-marked, the profiled step phase by phase, activation memory as a module tree, the measurement
+marked, the profiled step phase by phase and its peak by allocation site, activation memory as a module tree, the measurement
 beside the estimate, each rank's peak, and where the step's wall time went
 (:mod:`dashboards.memory_view`)."""
 
@@ -94,8 +94,19 @@ def memory_tab(report, suite, run_id, case) -> list:
                             memory_view.ACTIVATION_COLUMNS),
                 html.P(memory_view.ACTIVATION_NOTE, className="note")]
 
+    def peak_sites():
+        rows = memory_view.peak_site_rows(data)
+        if not rows:
+            return [html.P("no allocation sites: the run recorded no allocator snapshot "
+                           "(memory_tracer.snapshot, CUDA only)", className="note")]
+        peak = data["peak_sites"]["peak_bytes"] / 2**30
+        return [html.P(f"traced peak: {peak:.2f} GiB"),
+                plain_table("memory-peak-sites", rows, memory_view.PEAK_SITE_COLUMNS),
+                html.P(memory_view.PEAK_SITE_NOTE, className="note")]
+
     out += guarded("Timeline", timeline)
     out += guarded("The profiled step, phase by phase", profiled_step)
+    out += guarded("The profiled step's peak, by allocation site", peak_sites)
     out += guarded("Activation memory per module, as a tree", activations)
     out += guarded("Measured beside the estimate", lambda: graph(
         "memory-estimate", figures.measured_vs_estimate(memory_view.memory_measured_vs_estimate(data), chosen)))

@@ -53,6 +53,11 @@ ACTIVATION_COLUMNS = [
 ]
 PHASE_COLUMNS = [("phase", "phase"), ("begin_gib", "allocated at begin (GiB)"),
                  ("end_gib", "allocated at end (GiB)"), ("delta_mib", "change (MiB)")]
+PEAK_SITE_COLUMNS = [("site", "allocated at (the innermost dslab line)"), ("gib", "GiB at the peak"),
+                     ("blocks", "blocks"), ("share_pct", "% of the peak")]
+PEAK_SITE_NOTE = ("The blocks live at the profiled step's highest point in the CUDA allocator's trace, "
+                  "summed by the dslab line that allocated them (the largest sites); blocks from before "
+                  "the step (parameters, optimizer states) are one row. Recorded with memory_tracer.snapshot.")
 WALL_CLOCK_COLUMNS = [
     ("phase", "phase"), ("count", "intervals"), ("per_step", "per optimizer step"), ("median_ms", "median (ms)"),
     ("mean_ms", "mean (ms)"), ("min_ms", "min (ms)"), ("max_ms", "max (ms)"), ("step_ms", "ms per step"),
@@ -430,3 +435,19 @@ def wall_clock_bar(rows: list[dict], step_time_ms: float | None, case: str) -> g
         title += f"<br><sup>the phases add up to {-short[0]['step_ms']:.3g} ms more than the measured step</sup>"
     fig.update_xaxes(title="ms per optimizer step", rangemode="tozero")
     return _layout(fig, title, barmode="stack", height=240, legend={"orientation": "h", "y": -0.4, "traceorder": "normal"})
+
+
+def peak_site_rows(data: dict) -> list[dict]:
+    """The memory tracer's ``peak_sites`` as table rows (GiB, share of the traced peak); none when
+    the run recorded no snapshot."""
+    sites = (data or {}).get("peak_sites") or {}
+    peak = _number(sites.get("peak_bytes"))
+    rows = []
+    for row in sites.get("sites") or []:
+        size = _number(row.get("bytes"))
+        if size is None:
+            continue
+        rows.append({"site": str(row.get("site", "?")), "gib": round(size / 2**30, 3),
+                     "blocks": row.get("blocks"),
+                     "share_pct": round(100.0 * size / peak, 1) if peak else None})
+    return rows

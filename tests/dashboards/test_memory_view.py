@@ -148,3 +148,22 @@ def test_the_memory_tab_without_a_trace_still_shows_the_wall_clock():
     del report.profilers["memory"]
     page = str(memory_tab.memory_tab(report, "gpt2", CPU.name, None))
     assert "no memory trace in this run" in page and "memory-wall-clock-bar" in page and "memory-ranks-bar" in page
+
+
+def test_the_peak_by_allocation_site_is_a_table_with_shares():
+    data = make_report(RUN_IDS[0])
+    sites = [{"site": "(allocated before the trace)", "bytes": 3 << 30, "blocks": 120},
+             {"site": "dslab/engine/zero/param_offload.py:301 fetch", "bytes": 1 << 29, "blocks": 8},
+             {"site": "dslab/kernels/attention/attention.py:88 forward", "bytes": 1 << 28, "blocks": 4}]
+    data["profilers"]["memory"]["seq128"]["peak_sites"] = {"peak_bytes": 4 << 30, "sites": sites}
+    report = report_from_dict(data)
+    rows = memory_view.peak_site_rows(report.profilers["memory"]["seq128"])
+    assert [r["site"] for r in rows] == [s["site"] for s in sites]
+    assert [r["gib"] for r in rows] == [3.0, 0.5, 0.25] and [r["share_pct"] for r in rows] == [75.0, 12.5, 6.2]
+    page = str(memory_tab.memory_tab(report, "gpt2_medium", RUN_IDS[0], "seq128"))
+    assert "memory-peak-sites" in page and "traced peak: 4.00 GiB" in page and "param_offload.py:301 fetch" in page
+    # a run without a snapshot says so instead of an empty table
+    plain = report_from_dict(make_report(RUN_IDS[0]))
+    assert memory_view.peak_site_rows(plain.profilers["memory"]["seq128"]) == []
+    page = str(memory_tab.memory_tab(plain, "gpt2_medium", RUN_IDS[0], "seq128"))
+    assert "no allocation sites: the run recorded no allocator snapshot" in page and "memory-peak-sites" not in page
