@@ -4,11 +4,13 @@ bandwidth curve written into the copy's peaks by benchmarks/comms_busbw.py): the
 names rank 1, the heatmap's colour range ignores the warm-up collective and crosses mark rank 1,
 bandwidth on log-log axes beside the reference, headers with units. Memory (GPT-2 1.5B on an
 H100): the trials shaded and the profiled steps drawn on the timeline, the activation treemap and
-its table with the blocks folded, the phase deltas, where the step's wall time went."""
+its table with the blocks folded, the phase deltas, the peak by allocation site (written into the
+copy as memory_tracer.snapshot records it), where the step's wall time went."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -25,6 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 COMMS_RUN, COMMS_CASE = "20261126T020306Z-cbf34f", "124m"
 GPT2_RUN, GPT2_CASE = "20261126T100551Z-d7b758", "1.5b"
 REFERENCE = {1 << 20: [2.0, 2.2, 2.1], 64 << 20: [9.0, 9.5, 9.2]}
+PEAK_SITES = {"peak_bytes": 40 << 30, "sites": [
+    {"site": "(allocated before the trace)", "bytes": 30 << 30, "blocks": 600},
+    {"site": "dslab/kernels/attention/attention.py:88 forward", "bytes": 6 << 30, "blocks": 48},
+    {"site": "dslab/models/gpt2.py:210 forward", "bytes": 4 << 30, "blocks": 96}]}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +42,11 @@ def root(tmp_path_factory) -> Path:
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     script.write_reference(root / "gpt2" / COMMS_RUN, script.reference_record(REFERENCE, REFERENCE, 3, "CPU", 3))
+    # the memory tracer's peak by allocation site, as a run with memory_tracer.snapshot records it
+    run_json = root / "gpt2" / GPT2_RUN / "run.json"
+    data = json.loads(run_json.read_text())
+    data["profilers"]["memory"][GPT2_CASE]["peak_sites"] = PEAK_SITES
+    run_json.write_text(json.dumps(data))
     return root
 
 
@@ -147,6 +158,11 @@ def test_memory_tab_marks_the_timeline_and_draws_the_module_tree(browser, server
     assert float(phases[0]["delta_mib"]) == pytest.approx(data["phases"]["forward_delta"] / 2**20, rel=1e-3)
     levels = _graph(browser, "memory-phase-levels")["data"][0]
     assert levels["y"] == pytest.approx([v for _, v in memory_view.phase_levels(data)])
+
+    sites = _plain(browser, "memory-peak-sites", ["site", "gib", "share_pct"])
+    assert [(r["site"], float(r["gib"]), float(r["share_pct"])) for r in sites] == [
+        (s["site"], s["bytes"] / 2**30, 100.0 * s["bytes"] / PEAK_SITES["peak_bytes"]) for s in PEAK_SITES["sites"]]
+    assert "traced peak: 40.00 GiB" in page
 
     step_ms = memory_view.profiled_result(report, GPT2_CASE).metrics["step_time_ms"]
     rows = memory_view.wall_clock_rows(frames.wall_clock(report, case=GPT2_CASE), step_ms)
