@@ -13,6 +13,9 @@
 # tokens/s and not the tuners' own metrics (DeepSpeed's sums its forward, backward and step
 # timers). TUNERS="dslab" or "deepspeed" runs one side (two device calls when one will not hold
 # both); benchmarks/autotune_compare.py reads both sides' files wherever they were gathered.
+# PARTS ("search timed") splits the work further: PARTS=search leaves the timed runs out, and
+# PARTS=timed with FROM=<an earlier call's autotune_vs_deepspeed/MODEL folder, carried in the work
+# tree> times the chosen configs found there, both in one call on one machine.
 #
 # DeepSpeed's autotuner ends each experiment with `pdsh ... pkill -f <experiment>`; a machine without
 # pdsh gets a stand-in on PATH that runs the command locally.
@@ -36,6 +39,14 @@ SH
   chmod +x "$work/bin/pdsh"
   export PATH="$work/bin:$PATH"
 fi
+# DeepSpeed installed with `pip --target` has no `deepspeed` launcher on PATH; its autotuner starts
+# every experiment through that command, so a stand-in runs DeepSpeed's own launcher module
+if python3 -c "import deepspeed.launcher.runner" 2>/dev/null && ! command -v deepspeed >/dev/null 2>&1; then
+  mkdir -p "$work/bin"
+  printf '#!/usr/bin/env bash\nexec python3 -c "import sys; from deepspeed.launcher.runner import main; sys.argv[0] = \x27deepspeed\x27; main()" "$@"\n' > "$work/bin/deepspeed"
+  chmod +x "$work/bin/deepspeed"
+  export PATH="$work/bin:$PATH"
+fi
 python3 - "$work" <<'EOF'
 import json, sys
 work = sys.argv[1]
@@ -54,22 +65,36 @@ json.dump(dslab, open(f"{work}/dslab.json", "w"), indent=1)
 json.dump(deepspeed, open(f"{work}/deepspeed.json", "w"), indent=1)
 EOF
 now() { python3 -c "import time; print(time.time())"; }
+PARTS=${PARTS:-search timed}
+if [ -n "${FROM:-}" ]; then
+  [ -d "$FROM" ] || { echo "autotune_vs_deepspeed.sh: FROM=$FROM: no such folder" >&2; exit 2; }
+  cp -r "$FROM"/. "$work"/
+  echo "searches from $FROM: $(ls "$work" | tr '\n' ' ')"
+fi
 for tuner in ${TUNERS:-dslab deepspeed}; do
+  case " $PARTS " in *" search "*) ;; *) continue ;; esac
   t0=$(now)
   if [ "$tuner" = dslab ]; then
     (cd "$work" && timeout "${SEARCH_S:-900}" python3 -m dslab.cli autotune --reports "$work/reports_dslab" \
        "$repo/examples/train_gpt2.py" --model "$MODEL" --seq "$SEQ" --steps 8 --deepspeed_config dslab.json) \
        > "$work/dslab.log" 2>&1
     echo "dslab autotune: exit $?"
-    script=examples/train_gpt2.py; launch=python3
   else
     (cd "$work" && timeout "${SEARCH_S:-900}" deepspeed --autotuning tune --num_gpus 1 \
        "$repo/examples/train_gpt2_deepspeed.py" --model "$MODEL" --seq "$SEQ" --steps 8 --deepspeed_config deepspeed.json) \
        > "$work/deepspeed.log" 2>&1
     echo "deepspeed --autotuning tune: exit $?"
-    script=examples/train_gpt2_deepspeed.py; launch="deepspeed --num_gpus 1"
   fi
   python3 -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$t0" > "$work/wall_$tuner.txt"
+  rm -rf "$work/exps_$tuner"
+done
+for tuner in ${TUNERS:-dslab deepspeed}; do
+  case " $PARTS " in *" timed "*) ;; *) continue ;; esac
+  if [ "$tuner" = dslab ]; then
+    script=examples/train_gpt2.py; launch=python3
+  else
+    script=examples/train_gpt2_deepspeed.py; launch="deepspeed --num_gpus 1"
+  fi
   optimal="$work/results_$tuner/ds_config_optimal.json"
   if [ -f "$optimal" ]; then
     timeout "${TIMED_S:-300}" $launch "$repo/$script" --model "$MODEL" --seq "$SEQ" --steps "$TIMED_STEPS" --timed_from 5 \
@@ -77,8 +102,9 @@ for tuner in ${TUNERS:-dslab deepspeed}; do
   else
     echo "$tuner: no ds_config_optimal.json" > "$work/timed_$tuner.log"
   fi
-  rm -rf "$work/exps_$tuner"
 done
 [ -f "$work/dslab.log" ] && grep -E "^\[autotune\]|^best" "$work/dslab.log" | tail -20
 [ -f "$work/deepspeed.log" ] && grep -E "Tuning completed|optimal setup" "$work/deepspeed.log" | tail -4
 python3 benchmarks/autotune_compare.py "$work"
+# the lent machine returns a handful of files: the whole folder as one archive
+tar czf "$OUT/autotune_vs_deepspeed_$MODEL.tgz" -C "$OUT/autotune_vs_deepspeed" "$MODEL"

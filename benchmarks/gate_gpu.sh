@@ -12,7 +12,8 @@
 #             wheel in .whl/). Files land in $OUT/kernels.tgz; benchmarks/kernel_gate_summary.py
 #             prints the per-benchmark table at noise 0 and KERNEL_RUN_NOISE. KERNEL_BASE (a
 #             kernels_base.json from an earlier call on the same kind of machine, e.g. carried in
-#             the work tree) replaces the baseline run, so the repeats can span calls; each run
+#             the work tree) replaces the baseline run, so the repeats can span calls; KERNEL_KINDS
+#             ("aa slow") picks which of the two runs each repeat makes; each run
 #             is cut at KERNEL_RUN_S seconds (240; six layer_norm cases at 10 rounds of 700 ms
 #             took about 80 s on an H200). benchmarks/kernels/baselines/h200_layer_norm_700ms.json is
 #             such a baseline (KERNEL_SELECT=layer_norm KERNEL_ROUND_MS=700 KERNEL_ROUNDS=10, one H200,
@@ -51,7 +52,7 @@ for part in "$@"; do
         bench kernels_base
       fi
       for i in $(seq 1 "${KREPEATS:-3}"); do
-        for kind in aa slow; do
+        for kind in ${KERNEL_KINDS:-aa slow}; do
           extra=(--kernel-pins "$kdir/kernels_base.json")
           [ "$kind" = slow ] && extra+=(--kernel-inject-slowdown "${KERNEL_SLOWDOWN:-0.03}")
           bench "kernels_${kind}_$i" "${extra[@]}"

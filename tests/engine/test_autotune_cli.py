@@ -35,7 +35,9 @@ def _setup(tmp_path, monkeypatch, autotuning: dict | None = None, config: dict |
             "autotuning": {"enabled": True, "num_tuning_micro_batch_sizes": 4, "tuner_early_stopping": 100,
                            # the fake's throughput depends on the stage on one process, which a real
                            # engine's does not: every stage runs unless a test turns pruning back on
-                           "prune_dominated_stages": False, **(autotuning or {})}}
+                           "prune_dominated_stages": False,
+                           # the tests of the powers-of-two search; the refinement has its own
+                           "refine_micro_batch": False, **(autotuning or {})}}
     (tmp_path / "cfg.json").write_text(json.dumps(user))
     return user
 
@@ -105,6 +107,68 @@ def test_fake_script_end_to_end(tmp_path, monkeypatch, capsys):
     assert set(lines) == {e["name"] for e in section["experiments"]}
     assert f"{best} *" in summary and "[autotune] #1 z3_mbs1_gas1: ok" in out.err
     assert "ds_config_optimal:" in out.out
+
+
+REFINE = {"refine_micro_batch": True, "tuner_type": "model_based", "num_tuning_micro_batch_sizes": 3}
+
+
+def _statuses(tmp_path) -> dict[str, tuple[str, str | None]]:
+    section = _report(tmp_path).profilers["autotuning"]
+    return {e["name"]: (e["status"], e["reason"]) for e in section["experiments"]}
+
+
+def test_auto_micro_batch_is_refined_between_the_best_and_the_out_of_memory_above_it(tmp_path, monkeypatch):
+    """The fake device holds 49 samples (5 GB; 100 MB each): the powers of two run 1, 8 and 64 (the
+    budget lets 1..64 through), 64 runs out of memory, 8 is best. The refinement then runs 32 and
+    48 (each better by more than 1%), 56 and 52 (out of memory), and stops with 48 and 52 an
+    eighth of 48 apart. Without ``refine_micro_batch`` the search ends at 8."""
+    surface = {"b": 4.0, "fail_stages": [], "device_bytes": 5 * 10 ** 9}
+    _setup(tmp_path, monkeypatch, REFINE,
+           {"zero_optimization": {"stage": 0}}, **surface)
+    assert _autotune("--memory-budget", "10GB") == 0
+    calls = _calls(tmp_path)
+    assert calls[-4:] == ["z0_mbs32_gas1", "z0_mbs48_gas1", "z0_mbs56_gas1", "z0_mbs52_gas1"]
+    assert sorted(calls[:-4]) == ["z0_mbs1_gas1", "z0_mbs64_gas1", "z0_mbs8_gas1"]
+    statuses = _statuses(tmp_path)
+    assert statuses["z0_mbs64_gas1"][0] == "oom" and statuses["z0_mbs56_gas1"][0] == "oom"
+    assert statuses["z0_mbs48_gas1"][0] == "ok" and _report(tmp_path).profilers["autotuning"]["best"] == "z0_mbs48_gas1"
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["train_micro_batch_size_per_gpu"] == 48
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert ("micro-batch refined in z0's group from 8 (ran) towards 64 (did not fit): 32: ok, 48: ok, 56: oom, "
+            "52: oom") in summary
+
+    off = tmp_path / "off"
+    off.mkdir()
+    _setup(off, monkeypatch, {**REFINE, "refine_micro_batch": False},
+           {"zero_optimization": {"stage": 0}}, **surface)
+    assert _autotune("--memory-budget", "10GB") == 0
+    assert sorted(_calls(off)) == ["z0_mbs1_gas1", "z0_mbs64_gas1", "z0_mbs8_gas1"]
+    assert _report(off).profilers["autotuning"]["best"] == "z0_mbs8_gas1"
+
+
+def test_refinement_stops_where_the_throughput_has_saturated(tmp_path, monkeypatch):
+    """With b = 0.05 the fake's throughput is within 0.5% of its ceiling from 8 samples on: 32 is
+    better than 8, by less than 1%, so the refinement keeps it and stops there."""
+    _setup(tmp_path, monkeypatch, REFINE,
+           {"zero_optimization": {"stage": 0}}, b=0.05, fail_stages=[], device_bytes=5 * 10 ** 9)
+    assert _autotune("--memory-budget", "10GB") == 0
+    assert _calls(tmp_path)[-1] == "z0_mbs32_gas1" and "z0_mbs48_gas1" not in _calls(tmp_path)
+    assert _report(tmp_path).profilers["autotuning"]["best"] == "z0_mbs32_gas1"
+
+
+def test_refinement_prunes_sizes_over_the_budget_without_running_them(tmp_path, monkeypatch):
+    """A 5 GB budget and a 10 GB device: the memory model stops the powers of two at 32 (64 is over
+    budget); the refinement runs 48 and prunes 56 and 52 on the estimate (16 MB + 100 MB a sample)."""
+    _setup(tmp_path, monkeypatch, REFINE,
+           {"zero_optimization": {"stage": 0}}, b=4.0, fail_stages=[], device_bytes=10 ** 10)
+    assert _autotune("--memory-budget", "5GB") == 0
+    calls = _calls(tmp_path)
+    assert calls[-1] == "z0_mbs48_gas1" and not {"z0_mbs56_gas1", "z0_mbs52_gas1", "z0_mbs64_gas1"} & set(calls)
+    statuses = _statuses(tmp_path)
+    for name in ("z0_mbs56_gas1", "z0_mbs52_gas1"):
+        assert statuses[name][0] == "pruned" and statuses[name][1].startswith("estimated 5.")
+    assert _report(tmp_path).profilers["autotuning"]["best"] == "z0_mbs48_gas1"
 
 
 def test_dominated_stages_wait_for_an_out_of_memory_on_one_process(tmp_path, monkeypatch):

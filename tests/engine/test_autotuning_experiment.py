@@ -104,7 +104,8 @@ def test_frozen_autotuning_keys_and_deepspeed_defaults():
         "num_tuning_micro_batch_sizes": 3, "min_train_micro_batch_size_per_gpu": 1,
         "max_train_micro_batch_size_per_gpu": 1024, "tuner_type": "gridsearch", "tuner_early_stopping": 5,
         "tuner_num_trials": 50, "results_dir": "autotuning_results", "exps_dir": "autotuning_exps",
-        "overwrite": True, "arg_mappings": {}, "prune_dominated_stages": True}
+        "overwrite": True, "arg_mappings": {}, "prune_dominated_stages": True,
+            "refine_micro_batch": True}
 
 
 def test_deepspeed_example_sections_parse():
@@ -121,7 +122,8 @@ def test_deepspeed_example_sections_parse():
             "tuner_type": "model_based", "tuner_early_stopping": 3, "tuner_num_trials": 20,
             "results_dir": "out/results", "exps_dir": "out/exps", "overwrite": False, "arg_mappings": None}
     section = load_config({"train_batch_size": 8, "autotuning": full}).autotuning
-    assert section.model_dump() == {**full, "arg_mappings": {}, "prune_dominated_stages": True}
+    assert section.model_dump() == {**full, "arg_mappings": {}, "prune_dominated_stages": True,
+                                    "refine_micro_batch": True}
 
 
 @pytest.mark.parametrize("section, message", [

@@ -14,7 +14,7 @@ from dslab.engine.autotuning.driver import classify
 from dslab.engine.autotuning.memory_model import (MemoryModel, activation_per_sample, device_memory_budget,
                                                   optimizer_state_count, parse_memory_size, plan)
 from dslab.engine.autotuning.space import Experiment, build_space, choose_micro_batches, powers_of_two
-from dslab.engine.autotuning.tuner import Outcome, dominated_stages, fit_step_cost, make_tuner
+from dslab.engine.autotuning.tuner import Outcome, dominated_stages, fit_step_cost, make_tuner, refine_midpoint
 from dslab.engine.config import load_config
 
 MBS = [1, 2, 4, 8, 16, 32, 64]
@@ -296,6 +296,21 @@ def test_fit_step_cost_recovers_a_line_and_keeps_it_non_negative():
     c, d = fit_step_cost([(1, 0.1), (2, 1.0), (4, 3.0)])  # a negative intercept is clipped to 0
     assert c == 0.0 and d == pytest.approx((0.1 + 2.0 + 12.0) / 21)
     assert fit_step_cost([(1, 3.0), (2, 2.0)]) == (2.5, 0.0)
+
+
+def test_refine_midpoint_halves_the_gap_on_multiples_of_8_until_it_is_an_eighth():
+    assert refine_midpoint(16, 128) == 72
+    assert refine_midpoint(72, 128) == 96  # the middle, 100, on a multiple of 8
+    assert refine_midpoint(96, 128) == 112
+    assert refine_midpoint(4, 8) == 6 and refine_midpoint(6, 8) == 7
+    assert refine_midpoint(6, 7) is None and refine_midpoint(1, 2) is None
+    assert refine_midpoint(96, 108) is None  # 12 <= 96 / 8
+    assert refine_midpoint(97, 110) == 103  # 13 > 97 // 8, below 16: the middle itself
+    for fits, too_large in [(3, 1000), (8, 9), (31, 33), (1, 3)]:
+        size = refine_midpoint(fits, too_large)
+        assert size is None or fits < size < too_large
+    with pytest.raises(ValueError, match="fits < too_large"):
+        refine_midpoint(8, 8)
 
 
 def _experiments_to_best(kind: str, experiments, surface) -> tuple[int, str]:

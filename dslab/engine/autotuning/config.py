@@ -42,6 +42,12 @@ class AutotuningConfig(ConfigSection):
     dslab's key ``prune_dominated_stages`` (default true): hold back the ZeRO stages that can only
     buy memory where a lower stage fits (:func:`dslab.engine.autotuning.tuner.dominated_stages`);
     false runs every stage of the space (a full grid).
+
+    dslab's key ``refine_micro_batch`` (default true): with ``"auto"`` micro-batch sizes and a
+    throughput or flops metric, when the best experiment is the largest size of its group that ran
+    and a larger one of that group did not fit (out of memory, or over the memory model's budget),
+    the search goes on between the two (:func:`dslab.engine.autotuning.tuner.refine_midpoint`)
+    while each step improves the best; the powers of two alone can leave most of the memory unused.
     """
 
     enabled: bool = False
@@ -64,6 +70,7 @@ class AutotuningConfig(ConfigSection):
     arg_mappings: dict[str, str] = Field(default_factory=dict)
     # dslab's key
     prune_dominated_stages: bool = True
+    refine_micro_batch: bool = True
 
     @pydantic.field_validator("arg_mappings", mode="before")
     @classmethod

@@ -18,7 +18,10 @@
    experiments whose config dslab's engine refuses (:func:`config_error`, e.g. ZeRO stage 3 with
    ``compile``), and hands the rest to the tuner (:mod:`.tuner`), running what it asks for until
    it stops;
-4. writes the outputs (:mod:`.outputs`).
+4. with ``"auto"`` micro-batch sizes (``autotuning.refine_micro_batch``), refines the best
+   group's micro-batch between the largest size that ran and the smallest that did not fit
+   (:meth:`Autotuner._refine`);
+5. writes the outputs (:mod:`.outputs`).
 
 Each experiment lives in ``exps_dir/<name>/``: ``ds_config.json`` (its full config) and
 ``exp.json`` (the protocol of :mod:`.experiment`) written atomically before the launch,
@@ -51,7 +54,8 @@ from dslab.engine.autotuning.memory_model import (MemoryModel, activation_per_sa
                                                   optimizer_state_count, plan)
 from dslab.engine.autotuning.outputs import AutotuneResult, ExperimentRecord, format_metric, write_outputs
 from dslab.engine.autotuning.space import Experiment, build_space, checkpoint_layers
-from dslab.engine.autotuning.tuner import Outcome, dominated_stages, make_tuner
+from dslab.engine.autotuning.tuner import (IMPROVEMENT, OBSERVED, Outcome, Tuner, dominated_stages, make_tuner,
+                                          refine_midpoint)
 from dslab.report.store import atomic_write_text
 
 CONFIG_FLAGS = ("--deepspeed_config", "--dslab_config")
@@ -408,6 +412,8 @@ class Autotuner:
             best = tuner.best.metric if tuner.best is not None else None
             record = self._experiment(experiment, best, planned.estimates.get(experiment.name))
             self._skip(tuner.record(Outcome(experiment, record.status, record.metric)), planned.estimates)
+        if self.space.micro_batch_auto and s.refine_micro_batch and s.metric != "latency":
+            self._refine(tuner, model, {e.name for e, _ in planned.pruned}, planned.estimates)
         self._skip(tuner.held_back(), planned.estimates)
         num_params = model.num_params if model is not None else next(
             (r.metrics["num_params"] for r in self.records if isinstance(r.metrics.get("num_params"), int)), None)
@@ -428,6 +434,59 @@ class Autotuner:
             result.optimal_command = command_line(self.launch.script, args, self.launch.launcher_args,
                                                   self.launch.python)
         return result
+
+    def _refine(self, tuner: Tuner, model: MemoryModel | None, over_budget: set[str],
+                estimates: dict[str, int]) -> None:
+        """Search the best group's micro-batch between the largest size that ran (the best one)
+        and the smallest larger one that did not fit (out of memory, or pruned as over budget), at
+        :func:`refine_midpoint`'s sizes: a size that runs and improves the best by more than
+        :data:`~.tuner.IMPROVEMENT` raises the lower end (one that improves it less ends the
+        refinement there), an out-of-memory or over-budget size lowers the upper end; anything
+        else ends it, as does ``tuner_num_trials``."""
+        if tuner.best is None or tuner.best.experiment.train_batch_size is not None:
+            return
+        best = tuner.best.experiment
+        same = [r for r in self.records if r.experiment.group == best.group
+                and r.experiment.gradient_accumulation_steps == best.gradient_accumulation_steps]
+        if max(r.experiment.micro_batch_size for r in same if r.status in OBSERVED) != best.micro_batch_size:
+            return  # a larger size ran and was slower: throughput is not rising with the micro-batch
+        too_large = [r.experiment.micro_batch_size for r in same
+                     if r.experiment.micro_batch_size > best.micro_batch_size
+                     and (r.status == "oom" or r.name in over_budget)]
+        if not too_large:
+            return
+        fits, upper = best.micro_batch_size, min(too_large)
+        tried = []
+        while (size := refine_midpoint(fits, upper)) is not None:
+            if len(tuner.outcomes) >= tuner.num_trials:
+                tried.append(f"stopped at autotuning.tuner_num_trials ({tuner.num_trials})")
+                break
+            gas = best.gradient_accumulation_steps
+            if not self.space._batch_ok(size * gas * self.space.world_size):
+                tried.append(f"{size}: outside the batch limits")
+                break
+            experiment = dataclasses.replace(best, micro_batch_size=size)
+            estimate = model.estimate(experiment, self.config) if model is not None else None
+            reason = model.over_budget(experiment, self.config) if model is not None else None
+            if reason is not None:
+                self._record(experiment, "pruned", reason=reason, estimated_memory_bytes=estimate)
+                tried.append(f"{size}: over budget")
+                upper = size
+                continue
+            before = tuner.best.metric
+            record = self._experiment(experiment, before, estimate)
+            tuner.record(Outcome(experiment, record.status, record.metric))
+            tried.append(f"{size}: {record.status}")
+            if record.status == "oom":
+                upper = size
+            elif record.status == "ok" and record.metric is not None and tuner.better(record.metric, before):
+                fits = size
+                if not tuner.better(record.metric, before, IMPROVEMENT):
+                    break
+            else:
+                break
+        self.notes.append(f"micro-batch refined in z{best.stage}'s group from {best.micro_batch_size} (ran) towards "
+                          f"{min(too_large)} (did not fit): {', '.join(tried) or 'no size between them'}")
 
     def _skip(self, skipped: list[tuple[Experiment, str]], estimates: dict[str, int]) -> None:
         for experiment, reason in skipped:

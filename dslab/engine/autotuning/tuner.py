@@ -286,6 +286,19 @@ order. Other ties go to space order.
         return min(candidates, key=lambda e: (-sign * predicted[e.name], order[e.name]))
 
 
+def refine_midpoint(fits: int, too_large: int) -> int | None:
+    """The next micro-batch size to try between ``fits`` (the largest that ran) and ``too_large``
+    (the smallest that did not fit), or None when the gap is within an eighth of ``fits`` (or
+    one): a multiple of 8 near the middle where the gap is 16 or more, else the middle."""
+    if too_large <= fits:
+        raise ValueError(f"refine_midpoint needs fits < too_large, got {fits} and {too_large}")
+    if too_large - fits <= max(1, fits // 8):
+        return None
+    middle = (fits + too_large) / 2
+    size = int(round(middle / 8) * 8) if too_large - fits >= 16 else int(middle)
+    return min(max(size, fits + 1), too_large - 1)
+
+
 def make_tuner(tuner_type: str, experiments: list[Experiment], metric: str = "throughput", num_trials: int = 50,
                early_stopping: int = 5, seed: int = 0, held: dict[str, tuple[str, str]] | None = None) -> Tuner:
     """The tuner ``autotuning.tuner_type`` names; ``held``: :func:`dominated_stages`' map."""
