@@ -8,8 +8,14 @@ Each session starts three workers of :mod:`dslab.bench.ab_worker` from this tree
 baseline, an unchanged candidate, and a candidate whose dslab arm sleeps ``slowdown`` times the
 baseline's median step time in every step (``DSLAB_INJECT_STEP_SLEEP_MS``, calibrated from two
 baseline trials; by default as a device-side spin, ``DSLAB_INJECT_STEP_SLEEP_MODE=device``, which
-adds that much device time without a host synchronisation; the real slowdown is reported as
-measured, the median of the pairs' ratios). Then ``repeats`` times, alternately: an A/A gate run (baseline against
+adds that much device time without a host synchronisation). Part of a device spin can vanish into
+time the device would have idled, so the sleep is then calibrated where it is applied
+(:func:`calibrate_sleep`; ``--calibrate-pairs 0`` switches it off): the slowed worker runs
+``--calibrate-pairs`` ABBA pairs against the baseline, and while the measured slowdown (one minus
+the median of the pairs' ratios) is more than 10% off ``slowdown``, it is restarted with a
+corrected sleep (a secant step over the sleeps tried; up to 4 tries). The real slowdown of every
+gate run is reported as measured, the median of the pairs' ratios. Then ``repeats`` times,
+alternately: an A/A gate run (baseline against
 the unchanged candidate) and an injected gate run (baseline against the slowed one), each the
 sequential test of :func:`dslab.gate.sequential.judge_pairs` over fresh ABBA-ordered pairs until
 its verdict or ``max_pairs``, exactly as :mod:`dslab.gate.ab` runs it. Gate runs within a
@@ -59,6 +65,43 @@ def gate_run(base: Worker, cand: Worker, metric: str, settings: SequentialSettin
             "candidate": values["candidate"]}
 
 
+def next_sleep(tried: list[tuple[float, float]], target: float) -> float:
+    """The sleep (ms) to try next for a measured slowdown of ``target``, from ``tried``
+    (``(sleep_ms, measured slowdown)`` in order): a secant step through the last two points when
+    the slowdown rose with the sleep, else a proportional step from the last one (doubling when it
+    measured nothing); never below a quarter or above four times the last sleep."""
+    sleep, measured = tried[-1]
+    guess = None
+    if len(tried) >= 2:
+        (s0, m0), (s1, m1) = tried[-2], tried[-1]
+        if s1 != s0 and (m1 - m0) / (s1 - s0) > 0:
+            guess = s1 + (target - m1) * (s1 - s0) / (m1 - m0)
+    if guess is None:
+        guess = 2 * sleep if measured <= 0 else sleep * target / measured
+    return min(max(guess, sleep / 4), sleep * 4)
+
+
+def calibrate_sleep(measure, target: float, first_ms: float, tolerance: float = 0.1, attempts: int = 4):
+    """Search the injected sleep whose measured slowdown is within ``tolerance`` (relative) of
+    ``target``. ``measure(sleep_ms)`` returns ``(measured slowdown, handle)``; the handle of the
+    accepted sleep is returned with it: ``(sleep_ms, handle, tried)``, where ``tried`` lists every
+    ``(sleep_ms, measured)``. After ``attempts`` tries the sleep whose slowdown came closest is
+    kept (its handle; ``release(handle)`` is the caller's for the others, which ``measure`` may
+    already have done)."""
+    tried: list[tuple[float, float]] = []
+    best = None
+    sleep = first_ms
+    for _ in range(attempts):
+        measured, handle = measure(sleep)
+        tried.append((sleep, measured))
+        if best is None or abs(measured - target) < abs(best[1] - target):
+            best = (sleep, measured, handle)
+        if abs(measured - target) <= tolerance * target:
+            return sleep, handle, tried
+        sleep = next_sleep(tried, target)
+    return best[0], best[2], tried
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", default="suites/gpt2")
@@ -77,6 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--inject-mode", choices=("host", "device"), default="device",
                         help="DSLAB_INJECT_STEP_SLEEP_MODE of the slowed worker (default device: a GPU spin that "
                              "adds device time without a host synchronisation)")
+    parser.add_argument("--calibrate-pairs", type=int, default=4,
+                        help="ABBA pairs that measure the injected slowdown before the gate runs (0: no calibration)")
     parser.add_argument("--logs", default="gate_detection_logs")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -100,13 +145,40 @@ def main(argv=None) -> int:
         sleep_ms = args.slowdown * step_ms
         clean = Worker("candidate", tree, ABRequest(**base_request, candidate_env=env), logs / f"s{s}_clean.log", pins)
         clean.read(3600)
-        slow_env = {**env, INJECT: f"{sleep_ms:.4f}", "DSLAB_INJECT_STEP_SLEEP_MODE": args.inject_mode}
-        slow = Worker("candidate", tree, ABRequest(**base_request, candidate_env=slow_env),
-                      logs / f"s{s}_slow.log", pins)
-        slow_ready = slow.read(3600)
+        started_slow: list = []
+
+        def start_slow(ms: float):
+            slow_env = {**env, INJECT: f"{ms:.4f}", "DSLAB_INJECT_STEP_SLEEP_MODE": args.inject_mode}
+            worker = Worker("candidate", tree, ABRequest(**base_request, candidate_env=slow_env),
+                            logs / f"s{s}_slow_{len(started_slow)}.log", pins)
+            started_slow.append(worker)
+            return worker, worker.read(3600)
+
+        def measure(ms: float):
+            worker, ready = start_slow(ms)
+            ratios = []
+            for k in range(args.calibrate_pairs):
+                order = (base, worker) if k % 2 == 0 else (worker, base)
+                values = {id(w): float(trial(w)["metrics"][args.metric]) for w in order}
+                ratios.append(values[id(worker)] / values[id(base)])
+            return 1.0 - statistics.median(ratios), (worker, ready)
+
+        if args.calibrate_pairs > 0:
+            sleep_ms, (slow, slow_ready), tried = calibrate_sleep(measure, args.slowdown, sleep_ms)
+        else:
+            slow, slow_ready = start_slow(sleep_ms)
+            tried = []
+        for worker in started_slow:
+            if worker is not slow:
+                worker.close()
+        calibration = [{"sleep_ms": ms, "measured_slowdown": m} for ms, m in tried]
+        for row in calibration:
+            print(f"  calibration: sleep {row['sleep_ms']:.3f} ms/step -> measured slowdown "
+                  f"{row['measured_slowdown']:.2%}", flush=True)
         session = {"pinned": str(pins) if pins else None,
                    "triton_choices": sum(len(v) for v in ready["kernel_choices"]["triton"].values()), "step_ms": step_ms, "sleep_ms": sleep_ms, "device": ready.get("device"),
-                   "injection_applies": slow_ready.get("injection_applies"), "aa": [], "injected": [],
+                   "injection_applies": slow_ready.get("injection_applies"), "calibration": calibration,
+                   "aa": [], "injected": [],
                    "startup_s": time.perf_counter() - started}
         print(f"session {s}: step {step_ms:.2f} ms, injected sleep {sleep_ms:.3f} ms/step, "
               f"{session['triton_choices']} Triton choices {'pinned' if pins else 'not pinned'}, "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 45's GPU measurements, in parts that each fit one device call (10 minutes):
 #   detect    benchmarks/gate_detection.py on suites/gpt2 case 124m: A/A gate runs and gate runs
-#             against a 2% injected step slowdown, threshold 2%, <= 15 pairs (SESSIONS x REPEATS each)
+#             against a 2% injected step slowdown (calibrated to a measured 2% first, CALIBRATE_PAIRS
+#             pairs a try), threshold 2%, <= 15 pairs (SESSIONS x REPEATS each)
 #   autotune  benchmarks/autotune_vs_grid.sh gpt2_355m: the tuned search against the full grid
 #   kernels   the kernel benchmarks (KERNEL_SELECT, a pytest -k expression; KERNEL_ROUNDS rounds, 15,
 #             after KERNEL_WARMUP_S seconds of untimed calls, 1.5; rounds of at least KERNEL_ROUND_MS, 0: off)
@@ -29,7 +30,7 @@ for part in "$@"; do
     detect)
       timeout "${DETECT_S:-560}" python3 benchmarks/gate_detection.py --suite suites/gpt2 --case "${CASE:-124m}" \
         --steps "${STEPS:-10}" --sessions "${SESSIONS:-2}" --repeats "${REPEATS:-5}" --slowdown "${SLOWDOWN:-0.02}" \
-        --threshold "${THRESHOLD:-0.02}" --logs "$OUT/gate_logs" --json "$OUT/gate_detection.json" \
+        --threshold "${THRESHOLD:-0.02}" --calibrate-pairs "${CALIBRATE_PAIRS:-4}" --logs "$OUT/gate_logs" --json "$OUT/gate_detection.json" \
         > "$OUT/gate_detection.log" 2>&1
       echo "detect: exit $?"; tail -30 "$OUT/gate_detection.log" ;;
     autotune)
