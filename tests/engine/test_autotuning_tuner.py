@@ -298,6 +298,24 @@ def test_fit_step_cost_recovers_a_line_and_keeps_it_non_negative():
     assert fit_step_cost([(1, 3.0), (2, 2.0)]) == (2.5, 0.0)
 
 
+def test_on_one_rank_an_out_of_memory_prunes_the_stages_held_on_it_in_a_chain():
+    grid = [Experiment(stage, mbs, 1) for stage in range(4) for mbs in (4, 8, 16)]
+    tuner = make_tuner("gridsearch", grid, held=dominated_stages(grid, world_size=1), held_same_memory=True)
+    tuner.record(Outcome(grid[0], "ok", 10.0))
+    skipped = tuner.record(Outcome(grid[1], "oom"))
+    names = {e.name: reason for e, reason in skipped}
+    # z0_mbs16 is larger than the out-of-memory one; z1-z3 at 8 and at 16 hold the same states
+    assert set(names) == {"z0_mbs16_gas1"} | {f"z{s}_mbs{m}_gas1" for s in (1, 2, 3) for m in (8, 16)}
+    assert names["z2_mbs8_gas1"].startswith("one data-parallel rank: the same model states as z1_mbs8_gas1")
+    assert names["z1_mbs16_gas1"].startswith("one data-parallel rank: the same model states as z0_mbs16_gas1")
+    assert tuner.next() is None and tuner.best.experiment.name == "z0_mbs4_gas1"
+    assert {e.name for e, _ in tuner.held_back()} == {"z1_mbs4_gas1", "z2_mbs4_gas1", "z3_mbs4_gas1"}
+    # a failure still releases the next stage
+    tuner = make_tuner("gridsearch", grid, held=dominated_stages(grid, world_size=1), held_same_memory=True)
+    tuner.record(Outcome(grid[0], "failed"))
+    assert "z1_mbs4_gas1" in [e.name for e in tuner.remaining()]
+
+
 def test_refine_midpoint_halves_the_gap_on_multiples_of_8_until_it_is_an_eighth():
     assert refine_midpoint(16, 128) == 72
     assert refine_midpoint(72, 128) == 96  # the middle, 100, on a multiple of 8

@@ -405,7 +405,8 @@ class Autotuner:
                 self._record(experiment, "failed", reason=f"dslab refuses its config: {refused[experiment.name]}",
                              estimated_memory_bytes=planned.estimates.get(experiment.name))
         tuner = make_tuner(s.tuner_type, [e for e in planned.experiments if e.name not in refused], s.metric,
-                           s.tuner_num_trials, s.tuner_early_stopping, self.seed, held)
+                           s.tuner_num_trials, s.tuner_early_stopping, self.seed, held,
+                           held_same_memory=self.space.world_size == 1)
         for record in profiled:
             self._skip(tuner.record(Outcome(record.experiment, record.status, record.metric)), planned.estimates)
         while (experiment := tuner.next()) is not None:

@@ -15,7 +15,11 @@ is told each outcome (:meth:`Tuner.record`). Common rules:
   held back: each waits on the experiment one stage lower with the same micro-batch, gradient
   accumulation and extras, and is released only when that one runs out of memory (or is held
   back itself and released in turn), fails, or is skipped by the out-of-memory rule. What is
-  still held at the end is reported as pruned.
+  still held at the end is reported as pruned. On one data-parallel rank (``held_same_memory``)
+  every stage holds the same model states, so an out-of-memory (or a skip by the out-of-memory
+  rule) does not release what waits on it but prunes it, and what waits on that in turn: on an
+  H200 the stages 1-3 that such releases ran all ran out of memory too (GPT-2 355M at
+  micro-batch 128), in dslab's search as in DeepSpeed's. A failure still releases.
 
 The tuners:
 
@@ -86,7 +90,8 @@ class Tuner:
     """The shared bookkeeping (module docstring); subclasses choose in :meth:`_choose`."""
 
     def __init__(self, experiments: list[Experiment], metric: str = "throughput", num_trials: int = 50,
-                 early_stopping: int = 5, held: dict[str, tuple[str, str]] | None = None):
+                 early_stopping: int = 5, held: dict[str, tuple[str, str]] | None = None,
+                 held_same_memory: bool = False):
         if metric not in METRIC_DIRECTIONS:
             raise ValueError(f"autotuning.metric must be one of {', '.join(METRIC_DIRECTIONS)}, got {metric!r}")
         if num_trials < 1:
@@ -101,6 +106,7 @@ class Tuner:
         self.since_improvement = 0
         self.stop_reason: str | None = None
         self.held = dict(held or {})
+        self.held_same_memory = held_same_memory
 
     @property
     def higher_is_better(self) -> bool:
@@ -156,20 +162,40 @@ class Tuner:
             self.best = outcome
         self.since_improvement = 0 if improved else self.since_improvement + 1
         newly: list[tuple[Experiment, str]] = []
-        if outcome.status in ("oom", "failed"):
+        if outcome.status == "failed":
             self._release(outcome.experiment.name)
         if outcome.status == "oom":
             ran = outcome.experiment
+            newly += self._does_not_fit(ran.name)
             reason = f"larger than {ran.name} which ran out of memory"
             for e in self.remaining():
                 if e.group == ran.group and e.micro_batch_size > ran.micro_batch_size:
                     self.skipped[e.name] = reason
                     newly.append((e, reason))
-                    self._release(e.name)
+                    newly += self._does_not_fit(e.name)
+        return newly
+
+    def _does_not_fit(self, name: str) -> list[tuple[Experiment, str]]:
+        """``name`` ran out of memory (or was skipped as larger than one that did): release what
+        waits on it, or, on one rank (``held_same_memory``), skip that and what waits on it in turn."""
+        if not self.held_same_memory:
+            self._release(name)
+            return []
+        by_name = {e.name: e for e in self.experiments}
+        newly = []
+        for held, (waits_on, _) in list(self.held.items()):
+            if waits_on == name and held in self.held:
+                del self.held[held]
+                reason = (f"one data-parallel rank: the same model states as {name}, which did not fit "
+                          f"(every ZeRO stage holds them whole there)")
+                if held in by_name:  # else the memory model pruned it already
+                    self.skipped[held] = reason
+                    newly.append((by_name[held], reason))
+                newly += self._does_not_fit(held)
         return newly
 
     def _release(self, name: str) -> None:
-        """The experiments held back on ``name`` (which did not fit, or could not run) may run."""
+        """The experiments held back on ``name`` (which could not run) may run."""
         for held, (waits_on, _) in list(self.held.items()):
             if waits_on == name:
                 del self.held[held]
@@ -300,12 +326,15 @@ def refine_midpoint(fits: int, too_large: int) -> int | None:
 
 
 def make_tuner(tuner_type: str, experiments: list[Experiment], metric: str = "throughput", num_trials: int = 50,
-               early_stopping: int = 5, seed: int = 0, held: dict[str, tuple[str, str]] | None = None) -> Tuner:
-    """The tuner ``autotuning.tuner_type`` names; ``held``: :func:`dominated_stages`' map."""
+               early_stopping: int = 5, seed: int = 0, held: dict[str, tuple[str, str]] | None = None,
+               held_same_memory: bool = False) -> Tuner:
+    """The tuner ``autotuning.tuner_type`` names; ``held``: :func:`dominated_stages`' map;
+    ``held_same_memory``: one data-parallel rank (module docstring)."""
+    common = dict(held=held, held_same_memory=held_same_memory)
     if tuner_type == "gridsearch":
-        return GridSearchTuner(experiments, metric, num_trials, early_stopping, held=held)
+        return GridSearchTuner(experiments, metric, num_trials, early_stopping, **common)
     if tuner_type == "random":
-        return RandomTuner(experiments, metric, num_trials, early_stopping, seed=seed, held=held)
+        return RandomTuner(experiments, metric, num_trials, early_stopping, seed=seed, **common)
     if tuner_type == "model_based":
-        return ModelBasedTuner(experiments, metric, num_trials, early_stopping, held=held)
+        return ModelBasedTuner(experiments, metric, num_trials, early_stopping, **common)
     raise ValueError(f"autotuning.tuner_type must be one of {', '.join(TUNER_TYPES)}, got {tuner_type!r}")
