@@ -213,7 +213,9 @@ def run_child(config: str, size: str, args) -> dict:
            "params": parameter_count(layers, hidden, args.seq), "peaks": peaks}
     phase = "build"
     if args.memory_sites and device.type == "cuda":  # from before the model exists: every block is in the trace
-        torch.cuda.memory._record_memory_history(max_entries=args.memory_entries, context="alloc", stacks="python")
+        from dslab.profilers.memory_sites import start_trace
+
+        start_trace(args.memory_entries)
     try:
         t0 = time.perf_counter()
         if config.startswith("deepspeed"):
@@ -287,25 +289,15 @@ def run_child(config: str, size: str, args) -> dict:
 
 def memory_sites(device, top: int, max_entries: int) -> dict:
     """The blocks live at the recorded trace's peak, summed by the dslab or benchmark line that
-    allocated them (:mod:`dslab.profilers.memory_sites`); printed, and returned for the row."""
-    import torch
+    allocated them (:func:`dslab.profilers.memory_sites.sites_at_peak`); printed, and returned
+    for the row."""
+    from dslab.profilers.memory_sites import format_sites, sites_at_peak
 
-    from dslab.profilers.memory_sites import by_site, live_at_peak, live_blocks
-
-    index = device.index or 0
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    trace = snapshot["device_traces"][index]
-    peak, blocks = live_at_peak(trace, live_at_end=live_blocks(snapshot, index))
-    rows = by_site(blocks, within=("dslab/", "benchmarks/"), top=top)
-    full = len(trace) >= max_entries
-    print(f"  live at the traced peak: {peak / 2**30:.2f} GiB in {len(blocks)} blocks"
-          + (f" (the trace filled its {max_entries} entries: the peak is the highest in its last "
-             f"events, and blocks from before them are counted without their sites)" if full else ""),
-          flush=True)
-    for row in rows:
-        print(f"    {row['bytes'] / 2**30:8.2f} GiB {row['blocks']:6d} blocks  {row['site']}", flush=True)
-    return {"memory_sites_peak_bytes": peak, "memory_sites": rows, "memory_trace_full": full}
+    result = sites_at_peak(device.index or 0, top, max_entries, within=("dslab/", "benchmarks/"))
+    for line in format_sites(result):
+        print(f"  {line}", flush=True)
+    return {"memory_sites_peak_bytes": result["peak_bytes"], "memory_sites": result["sites"],
+            "memory_trace_full": result["trace_full"]}
 
 
 # -- the ladder -----------------------------------------------------------------------------

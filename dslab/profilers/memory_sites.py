@@ -12,6 +12,10 @@ A block counts from its ``alloc`` until its ``free_completed``: a block freed wh
 stream may still use it (``record_stream``) stays counted until the allocator can reuse it,
 which is what a pile-up of such blocks behind a slow copy looks like. Blocks allocated before
 the recording started are not in the trace: start it before the model is built.
+
+For a script: :func:`start_trace` before the model is built, then :func:`sites_at_peak` at the end
+or where a ``torch.OutOfMemoryError`` was caught (the trace's peak is then the allocation that
+failed's moment, less the block it could not get), and :func:`format_sites` for the lines to print.
 """
 
 from __future__ import annotations
@@ -113,3 +117,39 @@ def _short(filename: str, within: tuple[str, ...]) -> str:
         if at >= 0:
             return filename[at:]
     return filename
+
+
+def start_trace(max_entries: int = 500_000) -> None:
+    """Record the CUDA caching allocator's events with their Python frames, at most
+    ``max_entries`` of them (host memory: several KB an entry)."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, context="alloc", stacks="python")
+
+
+def sites_at_peak(device_index: int = 0, top: int = 15, max_entries: int = 500_000,
+                  within: tuple[str, ...] = ("dslab/",), snapshot: dict | None = None) -> dict:
+    """Stop the recording :func:`start_trace` began and return what was live at its peak:
+    ``peak_bytes``, ``blocks``, ``sites`` (:func:`by_site`'s ``top`` rows) and ``trace_full`` (the
+    trace reached ``max_entries``, so its first events were dropped: the peak is the highest of
+    the events kept, and blocks from before them are counted without their sites). ``snapshot``
+    stands in for ``torch.cuda.memory._snapshot()``."""
+    if snapshot is None:
+        import torch
+
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    traces = snapshot.get("device_traces") or []
+    trace = traces[device_index] if device_index < len(traces) else []
+    peak, blocks = live_at_peak(trace, live_at_end=live_blocks(snapshot, device_index))
+    return {"peak_bytes": peak, "blocks": len(blocks), "sites": by_site(blocks, within=within, top=top),
+            "trace_full": len(trace) >= max_entries}
+
+
+def format_sites(result: dict) -> list[str]:
+    """Lines for :func:`sites_at_peak`'s result: the peak, then one line per site (GiB, blocks)."""
+    lines = [f"live at the traced peak: {result['peak_bytes'] / 2**30:.2f} GiB in {result['blocks']} blocks"
+             + (" (the trace filled its entries: the peak is the highest of its last events, and blocks from "
+                "before them are counted without their sites)" if result["trace_full"] else "")]
+    lines += [f"  {row['bytes'] / 2**30:8.2f} GiB {row['blocks']:6d} blocks  {row['site']}" for row in result["sites"]]
+    return lines

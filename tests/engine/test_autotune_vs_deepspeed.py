@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,6 +39,42 @@ def test_train_gpt2_times_whole_windows(tmp_path):
                           "--timed_from", "6", "--deepspeed_config", str(tmp_path / "cfg.json")],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--timed_from must be in [0, --steps)" in bad.stderr
+
+
+def test_train_gpt2_memory_sites_need_cuda(tmp_path):
+    (tmp_path / "cfg.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    base = [sys.executable, "examples/train_gpt2.py", "--model", "gpt2_tiny", "--seq", "32", "--steps", "2",
+            "--deepspeed_config", str(tmp_path / "cfg.json")]
+    bad = subprocess.run(base + ["--memory-sites", "-1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--memory-sites must be >= 0, got -1" in bad.stderr
+    if not torch.cuda.is_available():
+        off = subprocess.run(base + ["--memory-sites", "5"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert off.returncode == 2 and "--memory-sites needs a CUDA device" in off.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_train_gpt2_prints_the_sites_at_the_peak_and_at_an_out_of_memory(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    cmd = [sys.executable, "examples/train_gpt2.py", "--model", "gpt2_tiny", "--seq", "64", "--steps", "3",
+           "--memory-sites", "4", "--deepspeed_config", str(tmp_path / "cfg.json")]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("memory sites: ")]
+    assert lines[0].startswith("memory sites: live at the traced peak: ") and 2 <= len(lines) <= 5
+    assert any("dslab/" in line for line in lines[1:])
+    # a micro-batch past the device (GPT-2 124M: its fp32 embedding output alone does not fit):
+    # the sites go to stderr before the error
+    free, _ = torch.cuda.mem_get_info()
+    config["train_micro_batch_size_per_gpu"] = int(free // (1024 * 768 * 4)) + 1
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    cmd[cmd.index("gpt2_tiny")], cmd[cmd.index("64")] = "gpt2_124m", "1024"
+    oom = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert oom.returncode != 0 and "out of memory" in oom.stderr.lower()
+    before_error = oom.stderr[:oom.stderr.lower().rindex("out of memory")]
+    assert "memory sites: live at the traced peak: " in before_error
 
 
 def test_the_deepspeed_example_reads_a_path_or_base64(tmp_path):

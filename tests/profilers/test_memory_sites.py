@@ -158,3 +158,26 @@ def test_live_blocks_reads_a_snapshots_segments():
         {"device": 1, "blocks": [{"address": 99, "size": 512, "state": "active_allocated"}]}]}
     assert memory_sites.live_blocks(snapshot, 0) == {10: 512, 1546: 2048}
     assert memory_sites.live_blocks(snapshot, 1) == {99: 512}
+
+
+def test_sites_at_peak_and_its_lines_from_a_snapshot():
+    """The script-facing pair: a snapshot's trace (one block from before it, still live at the end)
+    summed by site at its peak, and the lines printed for it."""
+    frames = [{"filename": "/repo/dslab/models/graphs.py", "line": 180, "name": "capture"}]
+    trace = [{"action": "alloc", "addr": 100, "size": 3 * 2**30, "frames": frames},
+             {"action": "alloc", "addr": 200, "size": 2**30, "frames": SITES[1]},
+             {"action": "free_requested", "addr": 200, "size": 2**30},
+             {"action": "free_completed", "addr": 200, "size": 2**30}]
+    snapshot = {"device_traces": [trace],
+                "segments": [{"device": 0, "blocks": [{"address": 100, "size": 3 * 2**30, "state": "active_allocated"},
+                                                      {"address": 50, "size": 2**29, "state": "active_allocated"}]}]}
+    result = memory_sites.sites_at_peak(0, top=5, max_entries=4, snapshot=snapshot)
+    assert result["peak_bytes"] == 4 * 2**30 + 2**29 and result["blocks"] == 3 and result["trace_full"]
+    assert [(row["site"], row["bytes"]) for row in result["sites"]] == [
+        ("dslab/models/graphs.py:180 capture", 3 * 2**30), ("dslab/engine/zero/offload.py:77 receive", 2**30),
+        ("(allocated before the trace)", 2**29)]
+    lines = memory_sites.format_sites(result)
+    assert lines[0].startswith("live at the traced peak: 4.50 GiB in 3 blocks (the trace filled its entries")
+    assert lines[1].split() == ["3.00", "GiB", "1", "blocks", "dslab/models/graphs.py:180", "capture"]
+    assert memory_sites.sites_at_peak(1, snapshot=snapshot) == {"peak_bytes": 0, "blocks": 0, "sites": [],
+                                                                 "trace_full": False}
