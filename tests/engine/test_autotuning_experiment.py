@@ -229,6 +229,29 @@ def test_window_times_steps_and_counts_flops(tmp_path, monkeypatch):
     assert "optimizer step 1" in m["tflops_source"]
 
 
+def test_the_first_step_is_counted_whatever_the_window(tmp_path, monkeypatch):
+    """With the window at steps 4..5 the count is still step 1's, before any CUDA-graphed stack is
+    captured (module docstring), and it is the same count as a later step's."""
+    exp_dir = _experiment_dir(tmp_path, start_profile_step=4, end_profile_step=5)
+    monkeypatch.setenv(experiment.ENV_VAR, str(exp_dir))
+    counted = []
+    real_start = experiment.ExperimentRecorder._start_counting
+
+    def start(self):
+        counted.append(self.steps_done)
+        real_start(self)
+
+    monkeypatch.setattr(experiment.ExperimentRecorder, "_start_counting", start)
+    assert _train_until_exit(_engine(), max_steps=10) == 5
+    m = _metrics(exp_dir)
+    assert counted == [0] and "optimizer step 1 " in m["tflops_source"]
+    model, g = TinyTransformer(), torch.Generator().manual_seed(0)
+    with FlopCounterMode(display=False, custom_mapping=causal_aware_formulas()) as counter:
+        for _ in range(GAS):
+            model(_batch(MICRO_BATCH, g)).backward()
+    assert m["flops"] * m["latency"] == pytest.approx(counter.get_total_flops(), rel=1e-9)
+
+
 def test_engine_flops_profiler_count_is_used(tmp_path, monkeypatch):
     """With one micro-step per optimizer step, the engine's flops_profiler count (step 0) is the step's."""
     exp_dir = _experiment_dir(tmp_path, start_profile_step=2, end_profile_step=3)

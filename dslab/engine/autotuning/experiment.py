@@ -12,11 +12,16 @@ What one experiment measures (steps are optimizer steps counted from ``initializ
 a checkpoint loaded afterwards does not shift them):
 
 - ``model_info_only``: the model's parameter counts, written right after ``initialize``.
-- Step ``start_profile_step - 1`` is **counted**: every op of it under dslab's flops profiler
-  (:class:`dslab.profilers.flops.FlopsProfiler`, the flops of the ops that ran, forward, backward
-  and optimizer). The counting costs the host a Python call per op, so it stays outside the
-  timed steps. When the engine's own ``flops_profiler`` section counts a whole optimizer step
-  (``gradient_accumulation_steps`` 1) before the window ends, its figure is used instead.
+- Step 1 is **counted** (when ``start_profile_step`` is 2 or more): every op of it under dslab's
+  flops profiler (:class:`dslab.profilers.flops.FlopsProfiler`, the flops of the ops that ran,
+  forward, backward and optimizer). The counting costs the host a Python call per op, so it stays
+  outside the timed steps. It is the first step, not the one before the window, because a counted
+  step runs a CUDA-graphed layer stack eagerly (the profiler counts through a dispatch mode): after
+  the stack's graphs are captured, that eager step's activations would sit beside the graphs'
+  memory pool, a peak no training run has, which the experiment's measured peak (and an
+  out-of-memory) would then carry. When the engine's own ``flops_profiler`` section counts a whole
+  optimizer step (``gradient_accumulation_steps`` 1) before the window ends, its figure is used
+  instead.
 - Steps ``start_profile_step`` .. ``end_profile_step`` are **timed**: the device is synchronised
   once before the first and once after the last (the window's length on the host clock); the
   steps between are told apart by CUDA events (no synchronisation; the host clock on a CPU,
@@ -159,8 +164,7 @@ class ExperimentRecorder:
 
     def _choose_flops_source(self) -> None:
         """The engine's flops profiler when it counts a whole optimizer step before the window
-        ends, else the recorder's own count of step ``start_profile_step - 1`` (none when that is
-        step 0)."""
+        ends, else the recorder's own count of step 1 (none when the window starts there)."""
         profiler = self.engine.profilers.find("flops")
         if profiler is not None and self.gradient_accumulation_steps == 1:
             # its profile_step is the engine's 0-based global step
@@ -169,7 +173,7 @@ class ExperimentRecorder:
                 self._engine_flops = profiler
                 return
         if self.spec.start_profile_step >= 2:
-            self._count_step = self.spec.start_profile_step - 1
+            self._count_step = 1
 
     # -- the engine's calls ---------------------------------------------------------------------
 
