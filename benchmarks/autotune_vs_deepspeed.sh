@@ -86,6 +86,11 @@ for tuner in ${TUNERS:-dslab deepspeed}; do
     echo "deepspeed --autotuning tune: exit $?"
   fi
   python3 -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$t0" > "$work/wall_$tuner.txt"
+  # each experiment's output is kept (the lent machine returns the archive, not the folders)
+  for log in "$work/exps_$tuner"/*/stderr.log; do
+    [ -f "$log" ] || continue
+    mkdir -p "$work/stderr_$tuner" && tail -200 "$log" > "$work/stderr_$tuner/$(basename "$(dirname "$log")").log"
+  done
   rm -rf "$work/exps_$tuner"
 done
 for tuner in ${TUNERS:-dslab deepspeed}; do

@@ -6,7 +6,7 @@ and ``torch.autograd.grad`` for the hidden states and the head.
 
 FLOPs, the rule used (not counted from the executed kernels): the three matmuls both arms run at
 the padded width, ``2 * N * Vp * H`` each: the logits forward, then ``d hidden = dlogits @ W`` and
-``d W = dlogits^T @ hidden`` backward, ``6 * N * Vp * H`` in all (7.6 TFLOP here). The softmax's
+``d W = dlogits^T @ hidden`` backward, ``6 * N * Vp * H`` in all (3.8 TFLOP here). The softmax's
 elementwise work is not counted. The matmuls are most of the time of either arm, so the TFLOP/s
 figure is read against the matmul peak.
 

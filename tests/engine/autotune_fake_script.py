@@ -11,6 +11,7 @@ file ``--surface`` names::
      "gas_gain": float,                         # factor per doubling of gradient accumulation
      "kernels_gain": {"torch": float},          # factor of a kernels choice
      "checkpoint_factor": float,                # activations times this with checkpointing on
+     "first_sample_bytes": int,                 # optional: the activations of a micro-batch of 1
      "fail_stages": [int],                      # these stages crash with a ValueError
      "calls": "path"}                           # optional: one line appended per run
 
@@ -40,6 +41,8 @@ def throughput(surface: dict, config: dict) -> float:
 
 def peak_bytes(surface: dict, config: dict) -> int:
     per_sample = surface["activation_bytes_per_sample"]
+    if config["train_micro_batch_size_per_gpu"] == 1 and "first_sample_bytes" in surface:
+        per_sample = surface["first_sample_bytes"]  # a one-sample peak off the slope
     if (config.get("activation_checkpointing") or {}).get("checkpoint_layers"):
         per_sample = int(per_sample * surface.get("checkpoint_factor", 1.0))
     return 16 * surface["num_params"] + per_sample * config["train_micro_batch_size_per_gpu"]

@@ -171,6 +171,30 @@ def test_refinement_prunes_sizes_over_the_budget_without_running_them(tmp_path, 
     assert _report(tmp_path).profilers["autotuning"]["best"] == "z0_mbs48_gas1"
 
 
+def test_the_memory_model_learns_from_each_run_and_prunes_what_it_then_rules_out(tmp_path, monkeypatch):
+    """A one-sample peak far under the slope (15 MB where every later sample takes 100 MB, as GPT-2
+    355M with CUDA graphs measured on an H200): the plan from the profile lets large micro-batches
+    through, but once a larger size has run the model holds 100 MB a sample, and the sizes it then
+    rules out on the 5 GB device are pruned unlaunched instead of running out of memory."""
+    _setup(tmp_path, monkeypatch, REFINE, {"zero_optimization": {"stage": 0}},
+           b=4.0, fail_stages=[], device_bytes=5 * 10 ** 9, first_sample_bytes=15_000_000)
+    assert _autotune("--memory-budget", "5GB") == 0
+    calls = _calls(tmp_path)
+    statuses = _statuses(tmp_path)
+    ran = [int(name.split("_mbs")[1].split("_")[0]) for name in calls]
+    assert ran[0] == 1 and max(ran) <= 49  # 49 samples fit the device: nothing ran out of memory
+    assert not [name for name, (status, _) in statuses.items() if status == "oom"]
+    relearned = [(name, reason) for name, (status, reason) in statuses.items()
+                 if status == "pruned" and reason and reason.endswith("re-estimated from the experiments that ran")]
+    assert relearned, statuses  # pruned by what the runs taught, not by the profile's plan
+    for name, reason in relearned:
+        assert int(name.split("_mbs")[1].split("_")[0]) > 49 and reason.startswith("estimated ")
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert "re-measured at z0_mbs" in summary and "100.0 MB (was 15.0 MB)" in summary
+    best = _report(tmp_path).profilers["autotuning"]["best"]
+    assert 32 <= int(best.split("_mbs")[1].split("_")[0]) <= 49
+
+
 def test_dominated_stages_wait_and_an_out_of_memory_prunes_them_on_one_process(tmp_path, monkeypatch):
     """By default (``prune_dominated_stages``), on one process only stage 0 runs where it fits; the
     higher stages are pruned as dominated. Where stage 0 runs out of memory, the higher stages at

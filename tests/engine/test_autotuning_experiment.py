@@ -202,8 +202,9 @@ def test_the_window_counts_whole_parameters_at_every_stage(tmp_path, monkeypatch
 
 def test_window_times_steps_and_counts_flops(tmp_path, monkeypatch):
     """Profiled steps 2..4: each step's time holds the host pause between steps; throughput and
-    latency are the window's; the flops are one optimizer step's, as torch's counter counts them."""
-    exp_dir = _experiment_dir(tmp_path, start_profile_step=2, end_profile_step=4)
+    latency are the window's; with the flops metric the flops are one optimizer step's, as torch's
+    counter counts them."""
+    exp_dir = _experiment_dir(tmp_path, metric="flops", start_profile_step=2, end_profile_step=4)
     monkeypatch.setenv(experiment.ENV_VAR, str(exp_dir))
     pause = 0.03
     assert _train_until_exit(_engine(), max_steps=10, pause_s=pause) == 4
@@ -229,10 +230,13 @@ def test_window_times_steps_and_counts_flops(tmp_path, monkeypatch):
     assert "optimizer step 1" in m["tflops_source"]
 
 
-def test_the_first_step_is_counted_whatever_the_window(tmp_path, monkeypatch):
-    """With the window at steps 4..5 the count is still step 1's, before any CUDA-graphed stack is
-    captured (module docstring), and it is the same count as a later step's."""
-    exp_dir = _experiment_dir(tmp_path, start_profile_step=4, end_profile_step=5)
+@pytest.mark.parametrize("metric, counted_steps", [("flops", [3]), ("throughput", []), ("latency", [])])
+def test_only_the_flops_metric_counts_a_step_and_it_is_the_one_before_the_window(tmp_path, monkeypatch, metric,
+                                                                                 counted_steps):
+    """A counted step runs a CUDA-graphed stack eagerly beside its graphs' pool (module
+    docstring), so only the flops metric, which needs the count, pays for it: step 4 with the
+    window at 5..6, the same count as any step's."""
+    exp_dir = _experiment_dir(tmp_path, metric=metric, start_profile_step=5, end_profile_step=6)
     monkeypatch.setenv(experiment.ENV_VAR, str(exp_dir))
     counted = []
     real_start = experiment.ExperimentRecorder._start_counting
@@ -242,9 +246,14 @@ def test_the_first_step_is_counted_whatever_the_window(tmp_path, monkeypatch):
         real_start(self)
 
     monkeypatch.setattr(experiment.ExperimentRecorder, "_start_counting", start)
-    assert _train_until_exit(_engine(), max_steps=10) == 5
+    assert _train_until_exit(_engine(), max_steps=10) == 6
     m = _metrics(exp_dir)
-    assert counted == [0] and "optimizer step 1 " in m["tflops_source"]
+    assert counted == counted_steps
+    assert m["throughput"] > 0 and m["latency"] > 0
+    if not counted_steps:
+        assert m["flops"] is None and m["tflops_source"] is None
+        return
+    assert "optimizer step 4 " in m["tflops_source"]
     model, g = TinyTransformer(), torch.Generator().manual_seed(0)
     with FlopCounterMode(display=False, custom_mapping=causal_aware_formulas()) as counter:
         for _ in range(GAS):
@@ -321,7 +330,7 @@ def _run_train_tiny(exp_dir: Path, nprocs: int = 1, steps: int = 20) -> subproce
 
 
 def test_train_tiny_experiment_stops_after_window(tmp_path):
-    exp_dir = _experiment_dir(tmp_path)
+    exp_dir = _experiment_dir(tmp_path, metric="flops")
     proc = _run_train_tiny(exp_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = _metrics(exp_dir)

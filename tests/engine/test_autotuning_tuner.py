@@ -248,6 +248,36 @@ def test_out_of_memory_skips_larger_micro_batches_of_its_group():
     assert all(o.experiment.stage != 0 or o.experiment.micro_batch_size <= 8 for o in outcomes)
 
 
+def test_an_experiment_estimated_not_to_fit_is_skipped_with_its_larger_sizes_and_is_no_trial():
+    tuner = make_tuner("gridsearch", _grid_experiments(), num_trials=100, early_stopping=100)
+    for _ in range(3):  # z0 at 1, 2, 4
+        e = tuner.next()
+        tuner.record(Outcome(e, "ok", float(e.micro_batch_size)))
+    e = tuner.next()
+    assert e.name == "z0_mbs8_gas1"
+    skipped = tuner.over_budget(e, "estimated 9 GB > 8 GB budget")
+    assert [x.name for x, _ in skipped] == [f"z0_mbs{m}_gas1" for m in (8, 16, 32, 64)]
+    assert skipped[0][1] == "estimated 9 GB > 8 GB budget"
+    assert all(r == "larger than z0_mbs8_gas1, estimated not to fit" for _, r in skipped[1:])
+    assert len(tuner.outcomes) == 3 and tuner.since_improvement == 0  # not a trial
+    assert tuner.next().name == "z1_mbs1_gas1"
+
+
+def test_the_memory_model_keeps_the_figure_of_the_largest_micro_batch_measured():
+    model = MemoryModel(10 ** 6, world_size=1, budget_bytes=10 ** 9)
+    states = 16 * 10 ** 6
+    assert "was unmeasured" in model.learn(Experiment(0, 1, 1), {}, states + 15_000)
+    assert model.activation_per_sample == {0: 15_000} and model.measured_at == {0: 1}
+    note = model.learn(Experiment(0, 16, 1), {}, states + 16 * 100_000)
+    assert model.activation_per_sample == {0: 100_000} and "100.0 MB" not in note and "0.1 MB (was 0.0 MB)" in note
+    assert model.learn(Experiment(0, 8, 1), {}, states + 8 * 300_000) is None  # a smaller size teaches nothing
+    assert model.activation_per_sample == {0: 100_000}
+    assert model.learn(Experiment(0, 32, 1), {}, states + 32 * 102_000) is None  # within 10%: no note
+    assert model.activation_per_sample == {0: 102_000} and model.measured_at == {0: 32}
+    assert model.over_budget(Experiment(0, 9000, 1), {}) is None  # 0.93 GB
+    assert model.over_budget(Experiment(0, 10_000, 1), {}).startswith("estimated 1.0 GB > 1.0 GB budget (model states 0.02 GB + activations 1.0 GB)")
+
+
 def test_num_trials_caps_the_experiments():
     tuner = make_tuner("gridsearch", _grid_experiments(), num_trials=3, early_stopping=100)
     assert len(_run(tuner, lambda e: ("ok", float(e.micro_batch_size)))) == 3

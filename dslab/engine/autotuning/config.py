@@ -87,8 +87,8 @@ class AutotuningConfig(ConfigSection):
         if self.metric == "flops" and self.start_profile_step < 2:
             raise ValueError(
                 "autotuning.start_profile_step (1) must be at least 2 with autotuning.metric "
-                "'flops': an experiment counts the flops of its first step, which must not be a "
-                "timed one")
+                "'flops': an experiment counts the flops of the step before the profiled ones, so "
+                "that the counting stays out of the timed steps")
         if self.max_train_micro_batch_size_per_gpu < self.min_train_micro_batch_size_per_gpu:
             raise ValueError(
                 f"autotuning.max_train_micro_batch_size_per_gpu ({self.max_train_micro_batch_size_per_gpu}) "

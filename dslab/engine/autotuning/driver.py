@@ -291,6 +291,7 @@ class Autotuner:
         self.records: list[ExperimentRecord] = []
         self.notes: list[str] = []
         self.space = build_space(self.config, self.settings, processes, cuda_available)
+        self._model: MemoryModel | None = None  # set once the profiles ran; every later run teaches it
 
     def _exp_json(self, name: str, best: float | None, model_info_only: bool = False) -> dict:
         s = self.settings
@@ -334,8 +335,26 @@ class Autotuner:
     def _experiment(self, experiment: Experiment, best: float | None, estimate: int | None = None) -> ExperimentRecord:
         config = experiment.apply(self.config)
         status, value, metrics, reason, seconds = self._run(experiment.name, config, best)
-        return self._record(experiment, status, metric=value, metrics=metrics, reason=reason,
-                            estimated_memory_bytes=estimate, wall_time_s=seconds)
+        record = self._record(experiment, status, metric=value, metrics=metrics, reason=reason,
+                              estimated_memory_bytes=estimate, wall_time_s=seconds)
+        peak = metrics.get("peak_memory_bytes") if isinstance(metrics, dict) else None
+        if self._model is not None and status in OBSERVED and isinstance(peak, int):
+            note = self._model.learn(experiment, self.config, peak)
+            if note:
+                self.notes.append(note)
+                self.progress(note)
+        return record
+
+    def _over_budget_now(self, experiment: Experiment, estimates: dict[str, int]) -> str | None:
+        """Why ``experiment`` is now estimated not to fit, by a memory model that has learned from
+        the experiments run since the plan (:meth:`MemoryModel.learn`); None when it fits."""
+        if self._model is None:
+            return None
+        reason = self._model.over_budget(experiment, self.config)
+        if reason is not None:
+            estimates[experiment.name] = self._model.estimate(experiment, self.config)
+            reason += "; re-estimated from the experiments that ran"
+        return reason
 
     def _memory_model(self, profiles: list[Experiment]) -> tuple[MemoryModel | None, list[ExperimentRecord]]:
         """Run the profile experiments (with a memory budget) and build the memory model from their
@@ -367,7 +386,10 @@ class Autotuner:
                 self.notes.append(f"profile {record.name} measured no activation memory: {why}")
                 continue
             per_sample, note = activation_per_sample(model, record.experiment, self.config, peak)
-            model.activation_per_sample[checkpoint_layers(record.config)] = per_sample
+            layers = checkpoint_layers(record.config)
+            if record.experiment.micro_batch_size >= model.measured_at.get(layers, 0):
+                model.activation_per_sample[layers] = per_sample
+                model.measured_at[layers] = record.experiment.micro_batch_size
             if note:
                 self.notes.append(note)
         if model.knows_activations:
@@ -392,6 +414,7 @@ class Autotuner:
         held = dominated_stages(valid, self.space.world_size) if s.prune_dominated_stages else {}
         profiles = _profile_experiments([e for e in valid if e.name not in held] or valid)
         model, profiled = self._memory_model(profiles)
+        self._model = model
         planned = plan(self.space, self.config, model)
         ran_names = {r.name for r in profiled}
         for record in profiled:
@@ -409,12 +432,17 @@ class Autotuner:
                            held_same_memory=self.space.world_size == 1)
         for record in profiled:
             self._skip(tuner.record(Outcome(record.experiment, record.status, record.metric)), planned.estimates)
+        over_budget = {e.name for e, _ in planned.pruned}
         while (experiment := tuner.next()) is not None:
+            if (reason := self._over_budget_now(experiment, planned.estimates)) is not None:
+                over_budget.add(experiment.name)
+                self._skip(tuner.over_budget(experiment, reason), planned.estimates)
+                continue
             best = tuner.best.metric if tuner.best is not None else None
             record = self._experiment(experiment, best, planned.estimates.get(experiment.name))
             self._skip(tuner.record(Outcome(experiment, record.status, record.metric)), planned.estimates)
         if self.space.micro_batch_auto and s.refine_micro_batch and s.metric != "latency":
-            self._refine(tuner, model, {e.name for e, _ in planned.pruned}, planned.estimates)
+            self._refine(tuner, model, over_budget, planned.estimates)
         self._skip(tuner.held_back(), planned.estimates)
         num_params = model.num_params if model is not None else next(
             (r.metrics["num_params"] for r in self.records if isinstance(r.metrics.get("num_params"), int)), None)

@@ -12,16 +12,19 @@ What one experiment measures (steps are optimizer steps counted from ``initializ
 a checkpoint loaded afterwards does not shift them):
 
 - ``model_info_only``: the model's parameter counts, written right after ``initialize``.
-- Step 1 is **counted** (when ``start_profile_step`` is 2 or more): every op of it under dslab's
-  flops profiler (:class:`dslab.profilers.flops.FlopsProfiler`, the flops of the ops that ran,
-  forward, backward and optimizer). The counting costs the host a Python call per op, so it stays
-  outside the timed steps. It is the first step, not the one before the window, because a counted
-  step runs a CUDA-graphed layer stack eagerly (the profiler counts through a dispatch mode): after
-  the stack's graphs are captured, that eager step's activations would sit beside the graphs'
-  memory pool, a peak no training run has, which the experiment's measured peak (and an
-  out-of-memory) would then carry. When the engine's own ``flops_profiler`` section counts a whole
+- With the ``flops`` metric, step ``start_profile_step - 1`` is **counted**: every op of it under
+  dslab's flops profiler (:class:`dslab.profilers.flops.FlopsProfiler`, the flops of the ops that
+  ran, forward, backward and optimizer). The counting costs the host a Python call per op, so it
+  stays outside the timed steps. When the engine's own ``flops_profiler`` section counts a whole
   optimizer step (``gradient_accumulation_steps`` 1) before the window ends, its figure is used
-  instead.
+  instead. With the ``throughput`` and ``latency`` metrics nothing is counted, because a counted
+  step costs more than host time: the profiler counts through a dispatch mode, under which a
+  CUDA-graphed layer stack runs eagerly. After the stack's graphs are captured (step 1), that
+  eager step's activations sit beside the graphs' memory pool, a peak no training run has, which
+  the experiment's measured peak (and an out-of-memory) would carry: on one H200, GPT-2 355M at
+  micro-batch 96 ran out of memory in an experiment, where plain training peaks at 76 GiB.
+  Counting step 1 instead, before the capture, made the capture at step 2 fail on the GPU
+  (``cudaErrorStreamCaptureInvalidated``).
 - Steps ``start_profile_step`` .. ``end_profile_step`` are **timed**: the device is synchronised
   once before the first and once after the last (the window's length on the host clock); the
   steps between are told apart by CUDA events (no synchronisation; the host clock on a CPU,
@@ -164,7 +167,8 @@ class ExperimentRecorder:
 
     def _choose_flops_source(self) -> None:
         """The engine's flops profiler when it counts a whole optimizer step before the window
-        ends, else the recorder's own count of step 1 (none when the window starts there)."""
+        ends, else, with the flops metric, the recorder's own count of step
+        ``start_profile_step - 1`` (none when that is step 0)."""
         profiler = self.engine.profilers.find("flops")
         if profiler is not None and self.gradient_accumulation_steps == 1:
             # its profile_step is the engine's 0-based global step
@@ -172,8 +176,8 @@ class ExperimentRecorder:
             if 1 <= counted <= self.spec.end_profile_step:
                 self._engine_flops = profiler
                 return
-        if self.spec.start_profile_step >= 2:
-            self._count_step = 1
+        if self.spec.metric == "flops" and self.spec.start_profile_step >= 2:
+            self._count_step = self.spec.start_profile_step - 1
 
     # -- the engine's calls ---------------------------------------------------------------------
 

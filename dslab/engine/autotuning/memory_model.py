@@ -14,8 +14,12 @@ An experiment's peak memory per GPU is estimated as::
   micro-batch (:func:`activation_per_sample`: its ``peak_memory_bytes`` minus the estimated model
   states, over its micro-batch size), and one more at each activation-checkpointing setting of the
   space. The figure holds everything besides the model states that grows with the batch or not
-  (activations, temporary buffers, collective buckets), so it errs on the large side for larger
-  micro-batches. Where a checkpointing profile did not run or failed, its experiments are estimated
+  (activations, temporary buffers, collective buckets). Each later experiment that runs teaches
+  the model again (:meth:`MemoryModel.learn`): the figure of the largest micro-batch measured at a
+  checkpointing setting replaces a smaller one's, since a one-sample peak can sit far from the
+  slope. On one H200, GPT-2 355M with CUDA graphs peaked 0.15 GB over its model states at
+  micro-batch 1 and 0.93 GB a sample from 16 on; the one-sample figure let micro-batches 512,
+  264 and 144 run out of memory, where the figure of 16 prunes 512 and 264 unlaunched. Where a checkpointing profile did not run or failed, its experiments are estimated
   with the non-checkpointed figure (:data:`CHECKPOINT_FALLBACK_FACTOR` = 1.0): checkpointing only
   ever lowers activation memory, so this is an upper bound.
 
@@ -91,6 +95,7 @@ class MemoryModel:
     budget_bytes: int | None
     optimizer_states: int = 2
     activation_per_sample: dict[int, float] = dataclasses.field(default_factory=dict)
+    measured_at: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def model_states(self, stage: int, offload: str = "none") -> int:
         """Model-state bytes per GPU (:func:`dslab.estimate_zero_memory`, dslab's layout)."""
@@ -104,6 +109,25 @@ class MemoryModel:
     @property
     def knows_activations(self) -> bool:
         return bool(self.activation_per_sample)
+
+    def learn(self, experiment: Experiment, config: dict, peak_memory_bytes: int) -> str | None:
+        """Take in the measured peak of an experiment that ran: its per-sample figure replaces the
+        one of its checkpointing setting when its micro-batch is at least as large as the one that
+        figure came from (module docstring). Returns a note when the figure changed by more than
+        10%, else None."""
+        layers = checkpoint_layers(experiment.apply(config))
+        size = experiment.micro_batch_size
+        if size < self.measured_at.get(layers, 0):
+            return None
+        per_sample, _ = activation_per_sample(self, experiment, config, peak_memory_bytes)
+        before = self.activation_per_sample.get(layers)
+        self.activation_per_sample[layers] = per_sample
+        self.measured_at[layers] = size
+        if before is None or abs(per_sample - before) > 0.1 * max(before, 1.0):
+            was = f"{before / 1e6:.1f} MB" if before is not None else "unmeasured"
+            return (f"activation memory per sample (checkpointing {layers}) re-measured at {experiment.name}: "
+                    f"{per_sample / 1e6:.1f} MB (was {was})")
+        return None
 
     def activation_bytes(self, layers: int, micro_batch_size: int) -> float | None:
         """Activation bytes of a micro-batch at checkpointing setting ``layers`` (module

@@ -167,13 +167,26 @@ class Tuner:
         if outcome.status == "oom":
             ran = outcome.experiment
             newly += self._does_not_fit(ran.name)
-            reason = f"larger than {ran.name} which ran out of memory"
-            for e in self.remaining():
-                if e.group == ran.group and e.micro_batch_size > ran.micro_batch_size:
-                    self.skipped[e.name] = reason
-                    newly.append((e, reason))
-                    newly += self._does_not_fit(e.name)
+            newly += self._skip_larger(ran, f"larger than {ran.name} which ran out of memory")
         return newly
+
+    def _skip_larger(self, ran: Experiment, reason: str) -> list[tuple[Experiment, str]]:
+        """Skip the larger micro-batches of ``ran``'s group, and what waits on each of them."""
+        newly = []
+        for e in self.remaining():
+            if e.group == ran.group and e.micro_batch_size > ran.micro_batch_size:
+                self.skipped[e.name] = reason
+                newly.append((e, reason))
+                newly += self._does_not_fit(e.name)
+        return newly
+
+    def over_budget(self, experiment: Experiment, reason: str) -> list[tuple[Experiment, str]]:
+        """``experiment``, about to run, is estimated not to fit (the memory model learned more since
+        the plan): it is skipped without counting as a trial, and what an out-of-memory of it
+        would skip is skipped too. Returns everything skipped, ``experiment`` first."""
+        self.skipped[experiment.name] = reason
+        newly = [(experiment, reason)] + self._does_not_fit(experiment.name)
+        return newly + self._skip_larger(experiment, f"larger than {experiment.name}, estimated not to fit")
 
     def _does_not_fit(self, name: str) -> list[tuple[Experiment, str]]:
         """``name`` ran out of memory (or was skipped as larger than one that did): release what
