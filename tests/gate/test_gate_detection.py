@@ -81,3 +81,6 @@ def test_one_session_on_the_cpu_records_its_calibration(tmp_path):
     assert session["sleep_ms"] in [row["sleep_ms"] for row in calibration]
     assert len(list((tmp_path / "logs").glob("s0_slow_*.log"))) == len(calibration)
     assert "calibration: sleep" in run.stdout and len(session["aa"]) == len(session["injected"]) == 1
+    (row,) = [line.split() for line in run.stdout.splitlines() if line.startswith("injected ")]
+    chosen = next(r["measured_slowdown"] for r in calibration if r["sleep_ms"] == session["sleep_ms"])
+    assert row[1] == "1" and row[-1] == f"{chosen:.2%}"  # runs, and the chosen sleep's calibrated slowdown
