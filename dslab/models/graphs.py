@@ -20,6 +20,13 @@ How (the same scheme as ``torch.cuda.make_graphed_callables``, with the differen
   :func:`dslab.kernels.dispatch.graphed_launches`: kernels whose launch plan trades host time for
   device time (attention's backward) pick the plan the graph wants in the warm-ups too, so that
   they autotune and compile there, never inside a capture.
+* The warm-ups and the captures differentiate with respect to fresh leaves that share the
+  parameters' storage (:func:`stand_ins`, swapped in for the modules' parameters), never the
+  parameters themselves: a parameter's AccumulateGrad node is bound to the stream it was made on
+  and lives as long as any graph that reaches it, such as the loss of an eager step the caller
+  still holds, and a capture that accumulates through a node of the default stream is
+  invalidated. A stack that reads a parameter other than through its module's attribute keeps
+  the parameters (the first warm-up checks; ``stats["captures_on_parameters"]`` counts those).
 * Dropout stays random: the ops draw their seeds with ``torch.randint`` on the device, which the
   CUDA generator re-draws on every replay.
 * Gradient accumulation stays exact: autograd may adopt a static gradient buffer as a
@@ -136,36 +143,99 @@ class StackSideOutput(Protocol):
         """Put ``state`` back."""
 
 
+def stand_ins(modules: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Fresh leaves standing in for the trainable parameters of ``modules`` in a capture: for each
+    parameter ``p`` (in ``parameters()`` order), ``weight(p).detach().requires_grad_()``, which
+    shares the storage of what the stack reads for ``p`` (the parameter, or its copy inside a
+    copies scope), and the mapping from every name under which ``p`` appears (tied ones included)
+    to its stand-in, for ``torch.nn.utils.stateless._reparametrize_module``.
+
+    Why: a parameter's AccumulateGrad node lives as long as any autograd graph that reaches it,
+    and it stays bound to the stream it was created on. A stack run eagerly before the first
+    capture (a step the flops profiler counts runs it under a dispatch mode) leaves such a node on
+    the default stream inside the graph of that step's loss, which the caller may still hold while
+    the next step captures (``loss = engine(...)`` rebinds only after the call); the captured
+    backward then syncs with the default stream, and on an H200 that invalidated the capture
+    (``cudaErrorStreamCaptureInvalidated`` at ``capture_end``). Differentiating the capture with
+    respect to fresh leaves creates their nodes on the capture's own stream, whatever graphs of
+    the parameters are still alive; replays hand their gradients to the parameters as before."""
+    leaves: dict[int, torch.Tensor] = {}
+    mapping: dict[str, torch.Tensor] = {}
+    for name, p in modules.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue
+        if id(p) not in leaves:
+            leaves[id(p)] = weight(p).detach().requires_grad_(True)
+        mapping[name] = leaves[id(p)]
+    return list(leaves.values()), mapping
+
+
+def leaves_reached(outs: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of the leaves ``tensors`` whose AccumulateGrad node the autograd graph of ``outs``
+    reaches."""
+    wanted = {id(t) for t in tensors}
+    seen, pending, hits = set(), [o.grad_fn for o in outs if o.grad_fn is not None], []
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in wanted:
+            hits.append(variable)
+        pending.extend(child for child, _ in node.next_functions)
+    return hits
+
+
 class _Captured:
     """The graphs of one input signature and their static buffers.
 
     ``run(*inputs, *consts)`` returns a tuple of tensors; ``inputs`` are the differentiable
     inputs (each may or may not need a gradient), ``consts`` the tensors copied in as they are
-    (masks; None stays None).
+    (masks; None stays None). ``params`` are what the stack reads for the trainable parameters of
+    ``modules`` (:func:`weight`); the warm-ups and the captures run with :func:`stand_ins` in
+    their place.
     """
 
     def __init__(self, run: Callable, inputs: tuple, consts: tuple, params: list[nn.Parameter],
-                 autocast_dtype: torch.dtype | None, side: StackSideOutput | None = None):
+                 autocast_dtype: torch.dtype | None, side: StackSideOutput | None = None,
+                 modules: nn.Module | None = None):
         self.params = params
         self.side = side
         self.static_inputs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
         self.static_consts = [None if c is None else c.clone() for c in consts]
         self.grad_input_index = [i for i, x in enumerate(inputs) if x.requires_grad]
-        grad_inputs = [self.static_inputs[i] for i in self.grad_input_index] + params
+        swap = {"mapping": None}
+        leaves = params
+        if modules is not None:
+            leaves, swap["mapping"] = stand_ins(modules)
+            if len(leaves) != len(params):
+                raise RuntimeError(f"graphed stack: {len(leaves)} stand-ins for {len(params)} parameters")
+        grad_inputs = [self.static_inputs[i] for i in self.grad_input_index] + leaves
 
         def forward():
             cast = (torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False)
                     if autocast_dtype is not None else contextlib.nullcontext())
-            with cast:
+            mapping = swap["mapping"]
+            stand = (torch.nn.utils.stateless._reparametrize_module(modules, mapping)
+                     if mapping is not None else contextlib.nullcontext())
+            with cast, stand:
                 outs = list(run(*self.static_inputs, *self.static_consts))
-            return outs if side is None else outs + [side.loss()]
+                return outs if side is None else outs + [side.loss()]
 
         with graphed_launches():  # the warm-ups pick (and autotune) the launches the capture makes
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(WARMUP_RUNS):
+                for run_index in range(WARMUP_RUNS):
                     outs = forward()
+                    if run_index == 0 and swap["mapping"] is not None and leaves_reached(outs, params):
+                        # the stack reads a parameter other than through its module's attribute:
+                        # its gradient would not reach the stand-in, so differentiate the parameters
+                        swap["mapping"] = None
+                        grad_inputs[len(self.grad_input_index):] = params
+                        del outs
+                        outs = forward()
                     torch.autograd.grad(outs, grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
                     del outs
             torch.cuda.current_stream().wait_stream(stream)
@@ -183,6 +253,7 @@ class _Captured:
                     torch.cuda.graph(self.backward_graph, pool=pool):
                 grads = torch.autograd.grad(outs, grad_inputs, self.static_grad_outs, allow_unused=True)
             clear_cublas_workspaces()
+        self.on_stand_ins = swap["mapping"] is not None
         n_grad_inputs = len(self.grad_input_index)
         self.static_grad_inputs = list(grads[:n_grad_inputs])
         self.static_grad_params = list(grads[n_grad_inputs:])
@@ -296,9 +367,11 @@ class GraphedStack:
         if captured is None:
             while len(self._captured) >= self.max_signatures:
                 self._captured.popitem(last=False)
-            captured = _Captured(self.run, inputs, consts, params, autocast_dtype, self.side)
+            captured = _Captured(self.run, inputs, consts, params, autocast_dtype, self.side, self.layers)
             self._captured[key] = captured
             self.stats["captures"] += 1
+            if not captured.on_stand_ins:
+                self.stats["captures_on_parameters"] += 1
         else:
             self._captured.move_to_end(key)
         self.stats["replays"] += 1

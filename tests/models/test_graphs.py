@@ -212,3 +212,55 @@ def test_bert_with_padding_mask_matches_eager():
     torch.testing.assert_close(graphed.embeddings.word_embeddings.weight.grad,
                                eager.embeddings.word_embeddings.weight.grad, rtol=1e-4, atol=1e-5)
     assert graphed.cuda_graph_stats["replays"] == 2
+
+
+def test_stand_ins_take_the_parameters_place_and_gradients():
+    """The capture's stand-ins (dslab.models.graphs.stand_ins): leaves sharing each trainable
+    parameter's storage (a tied one once, under both names), swapped in for the modules'
+    parameters they give the parameters' outputs and gradients, and the autograd graph of a stack
+    run with them reaches none of the parameters' AccumulateGrad nodes, so a graph of an earlier
+    eager step that still holds those nodes cannot reach the capture."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from dslab.models.graphs import leaves_reached, stand_ins
+    from dslab.models.weight_cast import use_casts, weight
+
+    torch.manual_seed(0)
+    stack = GPT2LMHeadModel(gpt2_tiny(layers=2, dropout=0.0), kernels="torch").layers
+    stack[1].mlp.fc_in.weight = stack[0].mlp.fc_in.weight  # tied across layers
+    stack[0].attention_norm.bias.requires_grad_(False)
+    params = [p for p in stack.parameters() if p.requires_grad]
+    x = torch.randn(2, 7, stack[0].mlp_norm.weight.numel(), requires_grad=True)
+
+    def run(xs):
+        for layer in stack:
+            xs = layer(xs)
+        return xs
+
+    stale = run(x).square().sum()  # an eager step's graph, kept alive
+    stale.backward(retain_graph=True)
+    assert len(leaves_reached([stale], params)) == len(params)
+    want = torch.autograd.grad(run(x).square().sum(), params)
+
+    leaves, mapping = stand_ins(stack)
+    assert len(leaves) == len(params)
+    for p, leaf in zip(params, leaves):
+        assert leaf is not p and leaf.is_leaf and leaf.requires_grad and leaf.data_ptr() == p.data_ptr()
+    assert mapping["0.mlp.fc_in.weight"] is mapping["1.mlp.fc_in.weight"]
+    assert "0.attention_norm.bias" not in mapping
+    with _reparametrize_module(stack, mapping):
+        out = run(x).square().sum()
+    assert isinstance(stack[0].mlp.fc_in.weight, torch.nn.Parameter)  # put back
+    assert leaves_reached([out], params) == []
+    assert len(leaves_reached([out], leaves)) == len(leaves)
+    got = torch.autograd.grad(out, leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+    # inside a copies scope the stand-in shares the copy's storage, not the parameter's
+    first = params[0]
+    copy = first.detach().to(torch.float64).requires_grad_()
+    with use_casts({id(first): copy}):
+        assert weight(first) is copy
+        leaves, _ = stand_ins(stack)
+    assert leaves[0].dtype == torch.float64 and leaves[0].data_ptr() == copy.data_ptr()
