@@ -181,8 +181,9 @@ def iterations_for(fn: Callable[[], object], round_ms: float, least: int, calls:
 
 def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: EventTimer | None = None,
            spin: Callable[[int], object] | None = None,
-           cycles_for_ms: Callable[[float], int] | None = None, settle: int = 4,
-           tolerance: float = 0.1) -> Callable[[], None]:
+           cycles_for_ms: Callable[[float], int] | None = None, base_blocks: int = 3, base_skip: int = 0,
+           min_blocks: int = 8,
+           max_blocks: int = 30, stable: int = 4, tolerance: float = 0.1, gain: float = 0.7) -> Callable[[], None]:
     """``fn`` followed by a device-side spin that makes each call ``fraction`` slower: a deliberate,
     known slowdown for checking the kernel gate (``--kernel-inject-slowdown``). The spin is
     ``torch.cuda._sleep``, queued on the same stream with no synchronisation, so each timed call
@@ -191,54 +192,78 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
     A spin's cycles are first set from the median of ``calls`` event-timed calls of ``fn`` and the
     cycle rate :func:`dslab.bench.arms.device_spin_cycles` measures on an idle device. That rate
     does not hold under load, and near the power limit a spin is partly paid back: the GPU runs
-    cooler through it and the next matmuls run at a higher clock (on an H200 a 3% spin after each
-    fused linear cross-entropy, measured in alternation with plain calls, slowed back-to-back calls
-    by 1.2%). So the slowdown is then measured as the benchmark runs it, in steady state: against
-    the median of the first block of ``calls`` plain calls, run before any spin, a block of
-    ``calls`` slowed calls is run untimed and the next such block timed (its median), and the
-    cycles are scaled by the wanted over the measured slowdown, up to ``settle`` times, until the
-    measured one is within ``tolerance`` (relative) of ``fraction``. Plain blocks between the
-    slowed ones would not do: a plain block right after a slowed one still runs at the clock the
-    spins bought, so it reads fast and the slowdown large. On an H200 such an interleaved
-    calibration read 1.1-2.9% where the benchmark's rounds then read 0.7-1.4%; the CPU tests
-    simulate the same with a payback that fades over some hundred calls. The returned callable's
-    ``injected_fraction`` is the last measured slowdown and ``injected_ms`` the spin's length at
-    the first calibration's rate.
+    cooler through it and the next matmuls run at a higher clock, a payback that builds up over
+    seconds. On an H200 a 3% spin after each fused linear cross-entropy read 3.9% in the second
+    block of slowed calls (about 1.4 s after the first spin) and 1.8% in the benchmark's rounds
+    that followed; plain blocks interleaved with slowed ones read it larger still, since a plain
+    block right after a slowed one runs at the clock the spins bought. So the spin is held at the
+    fraction by feedback, in steady state. The reference is the median over ``base_blocks`` blocks
+    of ``calls`` plain calls (each block's median) after ``base_skip`` more, run before any spin:
+    a benchmark passes its warm-up rounds and its rounds, so that the reference spans the time
+    after the warm-up that a plain run's rounds span.
+    A plain kernel near the power limit keeps slowing for seconds after the warm-up (an H200's
+    fused linear cross-entropy ran 2-2.5% faster in the 2 s after a 1.5 s warm-up than in the
+    rounds after them), and a reference taken too early counts that drift as injected. Then blocks of ``calls``
+    slowed calls run back to back, each timed (its median), and after each the cycles are scaled
+    by ``(fraction / measured) ** gain`` (damped: the payback lags the spin). It stops once at
+    least ``min_blocks`` ran and the last ``stable`` blocks all read within ``tolerance``
+    (relative) of ``fraction`` while their cycles differed by at most half that (the feedback has
+    come to rest, not just passed by), or after ``max_blocks``; the benchmark's rounds follow at
+    once, in the same regime (on an H200, whose 700 ms blocks of the fused linear cross-entropy
+    read within about 1% of each other, the 30 blocks ran out first, and the rounds then read
+    2.8-3.0% against a plain run's for a fraction of 3%). The returned callable's
+    ``injected_fraction`` is the mean slowdown of the last ``stable`` blocks, ``injected_settled``
+    whether it stopped on the criterion, ``injected_history`` every block's, ``injected_ms`` the spin's length at the first
+    calibration's rate and ``spin_cycles`` the final cycles.
     ``timer``, ``spin`` and ``cycles_for_ms`` replace the CUDA pieces (the CPU tests' stand-ins).
     """
     if fraction <= 0:
         return fn
+    if not (base_blocks >= 1 and base_skip >= 0 and 1 <= stable <= min_blocks <= max_blocks):
+        raise ValueError(f"slowed: need base_blocks >= 1 and 1 <= stable <= min_blocks <= max_blocks, got "
+                         f"{base_blocks}, {stable}, {min_blocks}, {max_blocks}")
     timer = timer or EventTimer()
-    timer.reserve(2 * calls)
+    timer.reserve(calls)
     timed = timer.timed(fn)
-    for _ in range(calls):
-        timed()
-    base_ms = statistics.median(timer.collect_ms())
+    base_medians = []
+    for _ in range(base_skip + base_blocks):
+        for _ in range(calls):
+            timed()
+        base_medians.append(statistics.median(timer.collect_ms()))
+    base_ms = statistics.median(base_medians[base_skip:])
     injected_ms = fraction * base_ms
     if cycles_for_ms is None:
         from dslab.bench.arms import device_spin_cycles as cycles_for_ms
-    cycles = cycles_for_ms(injected_ms)
     spin = spin or torch.cuda._sleep
-    state = {"cycles": cycles}
+    state = {"cycles": cycles_for_ms(injected_ms)}
 
     def call() -> None:
         fn()
         spin(state["cycles"])
 
-    measured = None
+    history: list[float] = []
+    cycles_run: list[int] = []
     timed_call = timer.timed(call)
-    for attempt in range(max(1, settle)):
-        for _ in range(2 * calls):
+    for block in range(max_blocks):
+        cycles_run.append(state["cycles"])
+        for _ in range(calls):
             timed_call()
-        slow = statistics.median(timer.collect_ms()[calls:])  # the second block: in steady state
-        measured = slow / base_ms - 1.0
-        if abs(measured - fraction) <= tolerance * fraction or attempt == max(1, settle) - 1:
+        measured = statistics.median(timer.collect_ms()) / base_ms - 1.0
+        history.append(measured)
+        last, last_cycles = history[-stable:], cycles_run[-stable:]
+        if (block + 1 >= min_blocks and all(abs(m - fraction) <= tolerance * fraction for m in last)
+                and max(last_cycles) <= (1.0 + tolerance / 2) * min(last_cycles)):
             break
-        scale = fraction / measured if measured > 0 else 2.0
-        state["cycles"] = max(1, int(round(state["cycles"] * min(max(scale, 0.25), 4.0))))
+        if block + 1 < max_blocks:
+            scale = min(max(fraction / measured, 0.25), 4.0) if measured > 0 else 4.0
+            state["cycles"] = max(1, int(round(state["cycles"] * scale ** gain)))
+    settled = block + 1 < max_blocks or (
+        all(abs(m - fraction) <= tolerance * fraction for m in history[-stable:]))
 
     call.injected_ms = injected_ms
-    call.injected_fraction = measured
+    call.injected_fraction = statistics.fmean(history[-stable:])
+    call.injected_settled = settled
+    call.injected_history = history
     call.spin_cycles = state["cycles"]
     return call
 

@@ -77,9 +77,12 @@ def test_kernel(benchmark, case_ref, arm, case_store, timing, timing_mode, devic
         benchmark.extra_info["warmup_calls"] = warm_for(fn, timing.warmup_s)
     iterations = iterations_for(fn, timing.round_ms, timing.iterations)
     if arm == "dslab" and inject_slowdown:
-        # a deliberate slowdown (--kernel-inject-slowdown), calibrated over blocks as long as a round
-        fn = slowed(fn, inject_slowdown, calls=max(20, iterations))
-        benchmark.extra_info.update(injected_ms=fn.injected_ms, injected_fraction=fn.injected_fraction)
+        # a deliberate slowdown (--kernel-inject-slowdown), held by feedback over blocks as long as a round
+        fn = slowed(fn, inject_slowdown, calls=max(20, iterations), base_blocks=max(1, timing.rounds),
+                    base_skip=timing.warmup_rounds)
+        benchmark.extra_info.update(injected_ms=fn.injected_ms, injected_fraction=fn.injected_fraction,
+                                    injected_history=[round(m, 5) for m in fn.injected_history],
+                                    spin_cycles=fn.spin_cycles, injected_settled=fn.injected_settled)
     benchmark.extra_info["iterations"] = iterations
     DEVICE_CLOCK.reserve(iterations)
     benchmark.pedantic(DEVICE_CLOCK.timed(fn), rounds=timing.rounds, iterations=iterations,
