@@ -23,8 +23,9 @@ a checkpoint loaded afterwards does not shift them):
   eager step's activations sit beside the graphs' memory pool, a peak no training run has, which
   the experiment's measured peak (and an out-of-memory) would carry: on one H200, GPT-2 355M at
   micro-batch 96 ran out of memory in an experiment, where plain training peaks at 76 GiB.
-  Counting step 1 instead, before the capture, made the capture at step 2 fail on the GPU
-  (``cudaErrorStreamCaptureInvalidated``).
+  Counting step 1, before the capture, once made the capture at step 2 fail on the GPU
+  (``cudaErrorStreamCaptureInvalidated``); the graphed stacks now capture against stand-ins for
+  the parameters (:func:`dslab.models.graphs.stand_ins`), and an H200 test trains through it.
 - Steps ``start_profile_step`` .. ``end_profile_step`` are **timed**: the device is synchronised
   once before the first and once after the last (the window's length on the host clock); the
   steps between are told apart by CUDA events (no synchronisation; the host clock on a CPU,
