@@ -234,8 +234,9 @@ def device_peaks(pytestconfig) -> dict:
 def pytest_benchmark_update_machine_info(config, machine_info):
     """What ``dslab gate --pytest-benchmark`` must find equal besides pytest-benchmark's own host
     fields: the GPU's name, torch and CUDA (major.minor), and ``DSLAB_KERNELS`` (which forces the
-    reference kernels). Triton's version, the measured ceilings and the session's kernel choices
-    (module docstring; what ``--kernel-pins`` reads back) are recorded, not compared."""
+    reference kernels). Triton's version, the measured ceilings, the GPU's UUID (the gate notes a
+    baseline from another unit) and the session's kernel choices (module docstring; what
+    ``--kernel-pins`` reads back) are recorded, not compared."""
     from dslab.kernels.pinning import pinning_misses, record_kernel_choices
 
     triton_spec = importlib.util.find_spec("triton")
@@ -243,7 +244,9 @@ def pytest_benchmark_update_machine_info(config, machine_info):
                              "triton": __import__("triton").__version__ if triton_spec else None}
     machine_info["dslab_kernels"] = os.environ.get("DSLAB_KERNELS")
     if torch.cuda.is_available():
+        uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
         machine_info["gpu"] = {"name": torch.cuda.get_device_name(), "count": torch.cuda.device_count(),
+                               "uuid": str(uuid) if uuid is not None else None,
                                "measured_peaks": config.stash.get(PEAKS_KEY, None)}
     machine_info["dslab_inject_slowdown"] = config.getoption("kernel_inject_slowdown", 0.0) or 0.0
     replay = config.stash.get(PINS_KEY, None)

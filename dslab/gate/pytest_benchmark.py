@@ -14,7 +14,8 @@ host name and kernel release are left out); and on what dslab's kernel benchmark
 (``benchmarks/kernels/conftest.py``) add to ``machine_info``: ``gpu.name``, the major.minor of
 ``torch.version`` and ``torch.cuda``, and ``dslab_kernels`` (the ``DSLAB_KERNELS`` variable). Those
 four are compared as recorded, a missing one as null, so that a GPU file is never judged against
-one without a GPU. A benchmark is judged only against one timed the same way: the kernel
+one without a GPU. Files that record different ``gpu.uuid`` values (two units of one model) are
+judged, with a note (:func:`other_gpu_unit`). A benchmark is judged only against one timed the same way: the kernel
 benchmarks record ``extra_info["timing"]`` (``"graph"``: replays of a CUDA graph, the device's work
 alone; ``"eager..."``: the calls as issued; absent in files from before the option, which timed
 eagerly). Rounds of one pytest process are not independent trials the way separate
@@ -66,6 +67,25 @@ def machine_fingerprint(machine_info: dict) -> dict:
     return out
 
 
+def other_gpu_unit(base_info: dict, cand_info: dict) -> str | None:
+    """A note when both files record their GPU's UUID (``machine_info.gpu.uuid``) and the two
+    differ: the same model of GPU, another unit. Not a mismatch, but at a 3% threshold it matters:
+    near the power limit units differ in the clock they sustain, so a matmul-bound kernel runs at
+    another speed on each (on two H200s dslab's fused linear cross-entropy differed by about 2.5%
+    while PyTorch's memory-bound version agreed within 0.1%)."""
+    def uuid(info):
+        gpu = info.get("gpu") if isinstance(info, dict) and isinstance(info.get("gpu"), dict) else {}
+        return gpu.get("uuid")
+
+    base, cand = uuid(base_info), uuid(cand_info)
+    if not base or not cand or base == cand:
+        return None
+    return (f"the baseline ran on another GPU unit ({base}) than the candidate ({cand}): units of one model "
+            f"sustain different clocks near the power limit, so matmul-bound benchmarks may differ by a few "
+            f"percent with no change of code; for a threshold of a few percent take the baseline on the "
+            f"candidate's GPU")
+
+
 def timing_methods(data: dict) -> dict[tuple[str, str], str]:
     """``{(fullname, group): "graph" | "eager"}``: how each benchmark was timed (``extra_info
     ["timing"]``'s first word; ``"eager"`` when absent)."""
@@ -109,6 +129,9 @@ def gate_pytest_benchmark(
         report.problems.append("machines differ: " + "; ".join(
             f"{path}: {json.dumps(a)} (baseline) vs {json.dumps(b)} (candidate)" for path, a, b in differences))
         return report
+    other_unit = other_gpu_unit(base_data.get("machine_info"), cand_data.get("machine_info"))
+    if other_unit:
+        report.notes.append(other_unit)
     base, cand = benchmark_timings(base_data), benchmark_timings(cand_data)
     base_method, cand_method = timing_methods(base_data), timing_methods(cand_data)
     for name, group in dict.fromkeys([*cand, *base]):

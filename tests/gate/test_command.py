@@ -265,3 +265,21 @@ def test_injected_sleep_is_caught_and_never_becomes_history(reports, capsys):
     write_report(make_run(2), reports)
     code, out = gate(capsys, "--suite", SUITE, "--reports", str(reports), "--baseline", "rolling:5")
     assert code == 0 and f"rolling baseline: 1 run(s) {run_id(0)} .. {run_id(0)}" in out.out
+
+
+def test_pytest_benchmark_gating_notes_a_baseline_from_another_gpu_unit(tmp_path, capsys):
+    def info(uuid):
+        machine = kernel_machine_info()
+        machine["gpu"]["uuid"] = uuid
+        return machine
+
+    base = bench_file(tmp_path / "base.json", seed=1, extra_machine_info=info("GPU-aaaa"))
+    for name, uuid, noted in (("same", "GPU-aaaa", False), ("other", "GPU-bbbb", True), ("unrecorded", None, False)):
+        code, out = gate(capsys, "--pytest-benchmark", base,
+                         bench_file(tmp_path / f"{name}.json", seed=2, extra_machine_info=info(uuid)), "--format", "json")
+        report = json.loads(out.out)
+        assert code == 0, (name, report)  # judged either way: another unit is not another machine kind
+        notes = [n for n in report["notes"] if "another GPU unit" in n]
+        assert bool(notes) == noted, (name, report["notes"])
+        if noted:
+            assert "GPU-aaaa" in notes[0] and "GPU-bbbb" in notes[0]
