@@ -4,7 +4,7 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
     python benchmarks/size_ladder.py [--configs stage3,offload,deepspeed-offload]
         [--sizes 1.3b,2.7b,6.7b,13b,13b-48l] [--micro-batch 8] [--seq 1024] [--accum 4]
         [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json] [--ratio 0.5]
-        [--accumulate-on gpu|cpu] [--staging-buffers N] [--staging-dtype bf16]
+        [--accumulate-on gpu|cpu|gpu_resident] [--staging-buffers N] [--staging-dtype bf16]
         [--prefetch ELEMENTS] [--fetch-dtype bf16]
         [--memory-sites N [--memory-entries 500000]]
     python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
@@ -29,7 +29,9 @@ Configs:
   that fraction of the shards steps on the CPU with its parameters in host memory, the rest
   stays on the GPU (host memory, not the GPU, is what bounds ``offload`` on one H200).
   ``--accumulate-on cpu`` sets the dslab offload configs' ``offload_optimizer.accumulate_on``:
-  later micro-steps' gradient shards are added on the CPU, not copied back to the GPU for it.
+  later micro-steps' gradient shards are added on the CPU, not copied back to the GPU for it;
+  ``--accumulate-on gpu_resident`` keeps the window's sum on the GPU and copies it to the host
+  once per optimizer step.
   ``--fetch-dtype bf16`` sets ``offload_param.fetch_dtype`` of ``offload`` and ``offload-split``:
   the shards cross PCIe as bf16 copies, widened on the GPU. ``--staging-buffers N`` sets
   ``offload_optimizer.staging_buffers`` (the pinned buffers the host adds drain) and
@@ -102,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fetch-dtype", choices=("bf16", "fp16"), default=None,
                         help="offload_param.fetch_dtype of the dslab CPU offload configs: fetch copies of the "
                              "shards in this dtype (half the bytes over PCIe)")
-    parser.add_argument("--accumulate-on", choices=("gpu", "cpu"), default="gpu",
+    parser.add_argument("--accumulate-on", choices=("gpu", "cpu", "gpu_resident"), default="gpu",
                         help="offload_optimizer.accumulate_on of the dslab offload configs: where a "
                              "micro-step's gradient shard is added to the window's sum")
     parser.add_argument("--staging-dtype", choices=("bf16",), default=None,

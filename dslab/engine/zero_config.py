@@ -75,7 +75,9 @@ class OffloadOptimizerConfig(ConfigSection):
     copies the sum to the GPU, adds there and copies it back; ``"cpu"`` copies the shard to one of
     ``staging_buffers`` pinned buffers and adds it on the CPU in a worker thread, so that nothing
     but parameters crosses PCIe towards the GPU (parameter offload's fetches use that direction)
-    and the GPU never holds more than that many shards waiting for their copies.
+    and the GPU never holds more than that many shards waiting for their copies;
+    ``"gpu_resident"`` keeps the window's sum on the GPU (4 bytes per shard element while the
+    window lasts) and copies it to the host once, at the window's last micro-step.
     ``staging_dtype`` (dslab's key; with ``accumulate_on: "cpu"`` only): ``"bf16"`` converts those
     later shards to bf16 on the GPU before they cross PCIe (half the bytes copied, and half the
     host's reads of them); the window's sum stays in the masters' dtype on the CPU. Each later
@@ -102,8 +104,8 @@ class OffloadOptimizerConfig(ConfigSection):
     @field_validator("accumulate_on")
     @classmethod
     def _known_accumulation(cls, value: str) -> str:
-        if value not in ("gpu", "cpu"):
-            raise ValueError(f"offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got {value!r}")
+        if value not in ("gpu", "cpu", "gpu_resident"):
+            raise ValueError(f"offload_optimizer.accumulate_on must be 'gpu', 'cpu' or 'gpu_resident', got {value!r}")
         return value
 
     @field_validator("staging_dtype")

@@ -80,7 +80,8 @@ def test_bad_offload_configs_are_refused():
                                          "accumulate_on 'cpu'.*got accumulate_on 'gpu'"):
         load_config(base_config(zero_optimization={
             "stage": 2, "offload_optimizer": {"device": "cpu", "staging_dtype": "bf16"}}))
-    with pytest.raises(ValueError, match="offload_optimizer.accumulate_on must be 'gpu' or 'cpu', got 'host'"):
+    with pytest.raises(ValueError, match="offload_optimizer.accumulate_on must be 'gpu', 'cpu' or 'gpu_resident', "
+                                         "got 'host'"):
         load_config(base_config(zero_optimization={
             "stage": 2, "offload_optimizer": {"device": "cpu", "accumulate_on": "host"}}))
     with pytest.raises(ValueError, match="staging_buffers"):
@@ -472,3 +473,44 @@ def test_host_accumulation_sums_every_micro_step_in_order(staging, staging_dtype
     finally:
         offload.close()
     assert offload._worker is None
+
+
+def test_resident_accumulation_hands_over_the_window_sum_once():
+    """offload_optimizer.accumulate_on = "gpu_resident": a window's shards are summed where they
+    are and the host's gradient buffer is written once, at the window's last backward (untouched
+    before it); the sums and squared norms are the plain sums' on fresh random shards; a unit
+    whose last shard came before the last backward is handed over by ``gradients()``; a new
+    window starts from the next shard."""
+    from dslab.engine.zero.offload import CpuOptimizerOffload
+    from dslab.engine.zero.partition import FlatUnit, UnitLayout
+
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (37, 5, 64)]
+    units = [FlatUnit(i, UnitLayout((f"p{i}",), (tuple(p.shape),), 0, False), [p], world_size=1, rank=0)
+             for i, p in enumerate(params)]
+    offload = CpuOptimizerOffload(units, pin_memory=False, chunk_numel=50, accumulate_on="gpu_resident")
+    for window in range(2):
+        offload.zero_grad()
+        micro_steps = 3
+        expected = [torch.zeros(u.shard_numel) for u in units]
+        for step in range(micro_steps):
+            last = step == micro_steps - 1
+            offload.begin(last_backward=last)
+            for i, unit in enumerate(units):
+                if last and i == 2:
+                    continue  # unit 2 gets nothing at the last micro-step
+                before = offload.grads[i].clone()
+                shard = torch.randn(unit.shard_numel, generator=g)
+                expected[i] += shard
+                offload.receive(unit, shard)
+                if last:
+                    torch.testing.assert_close(offload.grads[i], expected[i], rtol=1e-6, atol=1e-6)
+                else:
+                    assert torch.equal(offload.grads[i], before), (window, step, i)  # not yet written
+        grads = offload.gradients()
+        for i in range(len(units)):
+            torch.testing.assert_close(grads[i], expected[i], rtol=1e-6, atol=1e-6, msg=f"window {window} unit {i}")
+        want = sum(float(e.double().square().sum()) for e in expected)
+        assert offload.squared_norm(torch.device("cpu")).item() == pytest.approx(want, rel=1e-5)
+    stats = offload.stats()
+    assert stats["host_adds"] == 0 and stats["grad_h2d_bytes"] == 0

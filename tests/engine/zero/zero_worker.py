@@ -143,6 +143,11 @@ SCENARIOS = {
                              "zero": {"offload_optimizer": {"device": "cpu", "accumulate_on": "cpu",
                                                             "staging_buffers": 1},
                                       "sub_group_size": 40}},
+    # the same with the window's sum kept where the shards are and handed over once, at the last
+    # micro-step
+    "offload_accum_resident": {"gradient_accumulation_steps": 3, "gradient_clipping": 0.05,
+                               "zero": {"offload_optimizer": {"device": "cpu", "accumulate_on": "gpu_resident"},
+                                        "sub_group_size": 40}},
     # partial offload: about half of the shard elements step on the CPU, the rest where they are
     "offload_ratio": {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
                       "zero": {"offload_optimizer": {"device": "cpu", "ratio": 0.5},
@@ -286,6 +291,8 @@ def param_offload_runs(nvme_root: Path) -> dict:
         "cpu_host_add_ratio": {"offload_param": {"device": "cpu"},
                                "offload_optimizer": {"device": "cpu", "ratio": 0.5, "accumulate_on": "cpu",
                                                      "staging_buffers": 2}},
+        "cpu_resident_add": {"offload_param": {"device": "cpu"},
+                             "offload_optimizer": {"device": "cpu", "accumulate_on": "gpu_resident"}},
         "nvme_ratio": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
                                          "max_in_cpu": 0},
                        "offload_optimizer": {"device": "nvme", "ratio": 0.6,
