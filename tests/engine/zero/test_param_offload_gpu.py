@@ -101,3 +101,16 @@ def test_gradients_staged_in_bf16_cross_pcie_at_half_the_bytes(reference):
     # accumulation 2: half the shards are a window's first (fp32), half staged (bf16)
     assert stats["grad_d2h_bytes"] == pytest.approx(0.75 * fp32["grad_d2h_bytes"])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-2, atol=1e-2)
+
+
+def test_a_resident_gradient_sum_crosses_pcie_once_a_step(reference):
+    """``accumulate_on: gpu_resident``: the micro-steps' shards summed on the GPU, the sum copied
+    to the host once per optimizer step (half the gradient bytes of the default's two micro-steps,
+    none back), the same losses."""
+    zero = {"stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu", "pin_memory": True}}
+    _, plain = _losses(zero)
+    zero["offload_optimizer"] = {"device": "cpu", "accumulate_on": "gpu_resident"}
+    losses, stats = _losses(zero)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
+    assert stats["grad_h2d_bytes"] == 0 and stats["host_adds"] == 0
+    assert 2 * stats["grad_d2h_bytes"] == plain["grad_d2h_bytes"] > 0
