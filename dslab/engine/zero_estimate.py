@@ -69,6 +69,7 @@ def estimate_zero_memory(
     master_bytes: int | None = None,
     offload_param: str = "none",
     offload_ratio: float = 1.0,
+    accumulate_on: str = "gpu",
     print_table: bool = False,
 ) -> list[ZeroMemoryRow]:
     """Model-state memory (bytes) per GPU and per node's CPU, one row per option asked for.
@@ -85,6 +86,8 @@ def estimate_zero_memory(
             the GPU (with an offloaded optimizer; rows of other stages are refused).
         offload_ratio: the fraction of the partitions the optimizer offload takes
             (``offload_optimizer.ratio``); the rest stays on the GPU.
+        accumulate_on: ``offload_optimizer.accumulate_on``; ``"gpu_resident"`` adds the
+            offloaded gradient partition's window sum to the GPU's gradients.
         precision: ``"bf16"``/``"fp16"`` (2 + 2 + 12 bytes per parameter with Adam, fp32 master
             weights in the optimizer: DeepSpeed's layout) or ``"fp32"`` (4 + 4 + 8).
         param_bytes: bytes of a parameter and of its gradient (default: from ``precision``).
@@ -124,7 +127,8 @@ def estimate_zero_memory(
                         largest_layer_params=found_largest if largest_layer is None else largest_layer,
                         additional_buffer_factor=additional_buffer_factor,
                         param_bytes=param_bytes, master_bytes=master_bytes,
-                        offload_param=offload_param, offload_ratio=offload_ratio)
+                        offload_param=offload_param, offload_ratio=offload_ratio,
+                        accumulate_on=accumulate_on if offload != "none" else "gpu")
         for s, offload in _offload_options(offload_optimizer, stages)
     ]
     if print_table:

@@ -111,15 +111,18 @@ def check_layout(stage: int, num_gpus: int, num_nodes: int = 1, offload_optimize
 
 def partition_per_gpu(stage: int, world_size: int, params: float, grads: float, optimizer_states: float,
                       layer_buffer: float = 0.0, offload_optimizer: bool = False,
-                      offload_param: bool = False, offload_ratio: float = 1.0) -> dict[str, int]:
+                      offload_param: bool = False, offload_ratio: float = 1.0,
+                      resident_grads: bool = False) -> dict[str, int]:
     """Bytes one GPU holds of whole-model totals ``params``, ``grads``, ``optimizer_states``
     (bytes, summed over every parameter) at ZeRO ``stage`` over ``world_size`` ranks.
 
     ``layer_buffer`` is stage 3's gathered-layer buffer (ignored below stage 3). With
     ``offload_optimizer`` the fraction ``offload_ratio`` of the gradient (stages 2-3) and
     optimizer-state partitions leaves the GPU, and with ``offload_param`` (stage 3) that fraction
-    of the parameter partition too. Returns ``{"params", "grads", "optimizer_states", "buffer",
-    "total"}``; partitions round up, as a rank's shard of a padded flat buffer does."""
+    of the parameter partition too; ``resident_grads`` (``offload_optimizer.accumulate_on:
+    "gpu_resident"``) keeps the offloaded fraction's gradient sum on the GPU while a window lasts
+    (at stage 1, beside the whole gradients). Returns ``{"params", "grads", "optimizer_states",
+    "buffer", "total"}``; partitions round up, as a rank's shard of a padded flat buffer does."""
     def shard(total: float, partitioned: bool) -> int:
         return -(-int(total) // world_size) if partitioned else int(total)
 
@@ -131,6 +134,8 @@ def partition_per_gpu(stage: int, world_size: int, params: float, grads: float, 
         "optimizer_states": int(shard(optimizer_states, stage >= 1) * kept),
         "buffer": int(layer_buffer) if stage >= 3 else 0,
     }
+    if offload_optimizer and resident_grads and stage >= 1:
+        row["grads"] += int(shard(grads, True) * offload_ratio)
     row["total"] = sum(row.values())
     return row
 
@@ -169,10 +174,15 @@ def model_state_row(num_params: int, num_gpus: int, stage: int, *, num_nodes: in
                     offload_optimizer: str = "none", precision: str = "bf16", optimizer_states: int = 2,
                     largest_layer_params: int = 0, additional_buffer_factor: float = 1.5,
                     param_bytes: int | None = None, master_bytes: int | None = None,
-                    offload_param: str = "none", offload_ratio: float = 1.0) -> ZeroMemoryRow:
+                    offload_param: str = "none", offload_ratio: float = 1.0,
+                    accumulate_on: str = "gpu") -> ZeroMemoryRow:
     """The model-state memory of ``num_params`` parameters at one ZeRO option (module docstring;
-    ``param_bytes``/``master_bytes`` as in :func:`bytes_per_param`)."""
+    ``param_bytes``/``master_bytes`` as in :func:`bytes_per_param`; ``accumulate_on`` is
+    ``offload_optimizer.accumulate_on``, whose ``"gpu_resident"`` keeps the offloaded gradients'
+    window sum on the GPU)."""
     check_layout(stage, num_gpus, num_nodes, offload_optimizer, offload_param, offload_ratio)
+    if accumulate_on not in ("gpu", "cpu", "gpu_resident"):
+        raise ValueError(f"accumulate_on must be 'gpu', 'cpu' or 'gpu_resident', got {accumulate_on!r}")
     for name, value in (("num_params", num_params), ("largest_layer_params", largest_layer_params)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -188,7 +198,8 @@ def model_state_row(num_params: int, num_gpus: int, stage: int, *, num_nodes: in
     ratio = offload_ratio if offload else 1.0
     gpu = partition_per_gpu(stage, world_size, p * num_params, g * num_params, k * num_params,
                             layer_buffer=(p + g) * largest_layer_params, offload_optimizer=offload,
-                            offload_param=offload_param != "none", offload_ratio=ratio)
+                            offload_param=offload_param != "none", offload_ratio=ratio,
+                            resident_grads=accumulate_on == "gpu_resident")
     cpu_init = FP32_BYTES * num_params * num_gpus
     stepped = master or p  # the copy the CPU optimizer steps, and its gradient, in its dtype
     cpu_offload = nvme = 0

@@ -168,3 +168,22 @@ def test_model_state_bytes_partitions_over_a_given_world_size():
     assert (by_stage[1]["params"], by_stage[1]["grads"], by_stage[1]["optimizer_states"]) == (160, 160, 80)
     assert (by_stage[2]["grads"], by_stage[3]["params"]) == (40, 40)
     assert by_stage[3]["buffer"] == 8 * 40
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_resident_gradient_sum_stays_on_the_gpu_by_hand(stage):
+    """offload_optimizer.accumulate_on "gpu_resident": the offloaded fraction of this rank's
+    gradient partition (4-byte sums of dslab's fp32 parameters, ratio 0.5 of PSI / N) is added to
+    the GPU's gradients; the CPU side and the other modes are unchanged."""
+    common = dict(offload_optimizer="cpu", param_bytes=4, master_bytes=0, offload_ratio=0.5)
+    plain = one(stage, **common)
+    host = one(stage, accumulate_on="cpu", **common)
+    resident = one(stage, accumulate_on="gpu_resident", **common)
+    assert host == plain
+    assert resident.gpu_grads - plain.gpu_grads == 4 * PSI // N // 2
+    assert resident.gpu_total - plain.gpu_total == 4 * PSI // N // 2
+    assert (resident.cpu_offload, resident.cpu_total) == (plain.cpu_offload, plain.cpu_total)
+    assert one(stage, accumulate_on="gpu_resident", param_bytes=4, master_bytes=0) == \
+        one(stage, param_bytes=4, master_bytes=0)  # no offload: nothing to keep
+    with pytest.raises(ValueError, match="accumulate_on"):
+        one(stage, accumulate_on="host", **common)
