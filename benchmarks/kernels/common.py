@@ -202,10 +202,11 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
     a benchmark passes its warm-up rounds and its rounds, so that the reference spans the time
     after the warm-up that a plain run's rounds span.
     A plain kernel near the power limit keeps slowing for seconds after the warm-up (an H200's
-    fused linear cross-entropy ran 2-2.5% faster in the 2 s after a 1.5 s warm-up than in the
-    rounds after them), and a reference taken too early counts that drift as injected. Then blocks of ``calls``
-    slowed calls run back to back, each timed (its median), and after each the cycles are scaled
-    by ``(fraction / measured) ** gain`` (damped: the payback lags the spin). It stops once at
+    fused linear cross-entropy ran 1.5-2.6% faster in the 2 s after a 1.5 s warm-up than in the
+    rounds after them), and a reference taken too early counts that drift as injected. Then
+    blocks of ``calls`` slowed calls run back to back, each timed (its median), and after each
+    the cycles are scaled by ``(fraction / measured) ** gain`` (damped: the payback lags the
+    spin). It stops once at
     least ``min_blocks`` ran and the last ``stable`` blocks all read within ``tolerance``
     (relative) of ``fraction`` while their cycles differed by at most half that (the feedback has
     come to rest, not just passed by), or after ``max_blocks``; the benchmark's rounds follow at

@@ -222,7 +222,7 @@ def test_slowed_follows_a_payback_that_builds_up_over_blocks():
 
 class HeatingDevice:
     """A kernel that keeps slowing after the warm-up: 2 ms, 2.5% slower after 400 calls, then
-    steady (an H200's fused linear cross-entropy ran 2-2.5% faster right after the warm-up than
+    steady (an H200's fused linear cross-entropy ran 1.5-2.6% faster right after the warm-up than
     in a plain run's rounds)."""
 
     def __init__(self, stream: SimulatedStream):
