@@ -214,8 +214,8 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
     read within about 1% of each other, the 30 blocks ran out first, and the rounds then read
     2.8-3.0% against a plain run's for a fraction of 3%). The returned callable's
     ``injected_fraction`` is the mean slowdown of the last ``stable`` blocks, ``injected_settled``
-    whether it stopped on the criterion, ``injected_history`` every block's, ``injected_ms`` the spin's length at the first
-    calibration's rate and ``spin_cycles`` the final cycles.
+    whether it stopped on the criterion, ``injected_history`` every block's, ``injected_ms`` the
+    spin's length at the first calibration's rate and ``spin_cycles`` the final cycles.
     ``timer``, ``spin`` and ``cycles_for_ms`` replace the CUDA pieces (the CPU tests' stand-ins).
     """
     if fraction <= 0:
