@@ -1,6 +1,8 @@
 """CUDA graphs over the layer stack (dslab.models.graphs): where they may not run, the stack runs
 eagerly and says why; on a GPU, graphed training matches eager training step for step."""
 
+import copy
+
 import pytest
 import torch
 
@@ -264,3 +266,50 @@ def test_stand_ins_take_the_parameters_place_and_gradients():
         assert weight(first) is copy
         leaves, _ = stand_ins(stack)
     assert leaves[0].dtype == torch.float64 and leaves[0].data_ptr() == copy.data_ptr()
+
+
+def _closure_stack():
+    """Two linears whose run reads the second's weight from a list taken at construction, not
+    through its module's attribute: stand-ins cannot reach that read."""
+    torch.manual_seed(3)
+    modules = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 16, bias=False)])
+    held = [modules[1].weight]
+
+    def run(x):
+        return (torch.tanh(torch.nn.functional.linear(modules[0](x), held[0])),)
+
+    return modules, run
+
+
+def test_a_parameter_read_outside_its_module_attribute_is_detected():
+    """The first warm-up's check (dslab.models.graphs): run with stand-ins swapped in, the graph
+    still reaches the parameter read from the closure, and only that one; the capture then keeps
+    the parameters (counted as ``captures_on_parameters``, GPU test below)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from dslab.models.graphs import leaves_reached, stand_ins
+
+    modules, run = _closure_stack()
+    params = [p for p in modules.parameters() if p.requires_grad]
+    _, mapping = stand_ins(modules)
+    with _reparametrize_module(modules, mapping):
+        (out,) = run(torch.randn(3, 16))
+    assert leaves_reached([out], params) == [modules[1].weight]
+
+
+@cuda
+def test_a_stack_reading_a_parameter_outside_its_attribute_captures_on_the_parameters():
+    from dslab.models.graphs import GraphedStack
+
+    modules, run = _closure_stack()
+    modules.cuda()
+    eager_modules = copy.deepcopy(modules)
+    graphed = GraphedStack(modules, run)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(5, 16, generator=g).cuda()
+        graphed.call((x,))[0].square().sum().backward()
+        torch.nn.functional.linear(eager_modules[0](x), eager_modules[1].weight).tanh().square().sum().backward()
+    for (name, p), q in zip(modules.named_parameters(), eager_modules.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert graphed.stats["captures"] == 1 and graphed.stats["captures_on_parameters"] == 1, graphed.stats
