@@ -212,9 +212,12 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
     come to rest, not just passed by), or after ``max_blocks``; the benchmark's rounds follow at
     once, in the same regime (on an H200, whose 700 ms blocks of the fused linear cross-entropy
     read within about 1% of each other, the 30 blocks ran out first, and the rounds then read
-    2.8-3.0% against a plain run's for a fraction of 3%). The returned callable's
-    ``injected_fraction`` is the mean slowdown of the last ``stable`` blocks, ``injected_settled``
-    whether it stopped on the criterion, ``injected_history`` every block's, ``injected_ms`` the
+    2.8-3.0% against a plain run's for a fraction of 3%). Single 700 ms blocks of that kernel read
+    the slowdown with an SD of about 0.5 points, and each moves the cycles by most of its error,
+    so a run that did not settle takes the median cycles of its last ``2 * stable`` blocks into
+    the rounds. The returned callable's ``injected_fraction`` is the mean slowdown of the last
+    ``stable`` blocks, ``injected_settled`` whether it stopped on the criterion,
+    ``injected_history`` every block's (``cycles_history`` their cycles), ``injected_ms`` the
     spin's length at the first calibration's rate and ``spin_cycles`` the final cycles.
     ``timer``, ``spin`` and ``cycles_for_ms`` replace the CUDA pieces (the CPU tests' stand-ins).
     """
@@ -260,11 +263,14 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
             state["cycles"] = max(1, int(round(state["cycles"] * scale ** gain)))
     settled = block + 1 < max_blocks or (
         all(abs(m - fraction) <= tolerance * fraction for m in history[-stable:]))
+    if not settled:  # the blocks' noise moved the cycles to the end: the rounds take their median
+        state["cycles"] = int(statistics.median(cycles_run[-2 * stable:]))
 
     call.injected_ms = injected_ms
     call.injected_fraction = statistics.fmean(history[-stable:])
     call.injected_settled = settled
     call.injected_history = history
+    call.cycles_history = cycles_run
     call.spin_cycles = state["cycles"]
     return call
 
