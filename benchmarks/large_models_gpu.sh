@@ -2,7 +2,8 @@
 # One device call for the larger-than-GPU work: set up, check on the GPU that parameter offload
 # and zero.Init give the reference losses, then measure. What runs is chosen by LARGE_PARTS
 # (space-separated, in order): check, activations, ladder. The ladder's configs and sizes come
-# from LADDER_CONFIGS / LADDER_SIZES and it stops at LADDER_BUDGET seconds. Results land in $OUT
+# from LADDER_CONFIGS / LADDER_SIZES, LADDER_ARGS adds options (e.g. "--accum 16 --steps 2
+# --fetch-dtype bf16 --accumulate-on gpu_resident"), and it stops at LADDER_BUDGET seconds. Results land in $OUT
 # (flat: act.json, ladder.json, ladder rows) and the tables print last.
 #   LARGE_PARTS="check activations ladder" LADDER_CONFIGS=stage3 bash benchmarks/large_models_gpu.sh
 set -u
@@ -24,7 +25,7 @@ for part in $PARTS; do
     ladder)
       python3 benchmarks/size_ladder.py --configs "${LADDER_CONFIGS:-stage3,offload}" \
         --sizes "${LADDER_SIZES:-1.3b,2.7b,6.7b,13b}" --budget "${LADDER_BUDGET:-300}" \
-        --size-timeout "${LADDER_SIZE_S:-240}" --json "$OUT/ladder.json" > "$OUT/ladder.log" 2>&1
+        --size-timeout "${LADDER_SIZE_S:-240}" ${LADDER_ARGS:-} --json "$OUT/ladder.json" > "$OUT/ladder.log" 2>&1
       cp "$OUT"/size_ladder_rows/*.json "$OUT/" 2>/dev/null
       grep -v "^  " "$OUT/ladder.log" | tail -30 ;;
   esac
