@@ -3,6 +3,7 @@
 
     python3 benchmarks/decode_profile.py [--presets gpt2_124m,gpt2_1558m] [--batches 1,32]
         [--dtypes bf16,int8] [--replays 100] [--trials 5] [--top 8] [--dependent-launch]
+        [--attention-combine]
 
 For each preset x batch x dtype it injects one random transformers model (GPT-2 for ``gpt2_*``
 presets, Llama for ``llama*``; bf16, the suite's seed), prefills a 32-token prompt and captures the
@@ -23,6 +24,9 @@ fastest choice these rows show; a model without a fused step has the op-by-op va
 - ``--dependent-launch``: a third variant, the fused step captured with programmatic dependent
   launch (:func:`dslab.kernels.dispatch.dependent_launch`), timed in the same interleave; its
   logits must equal the fused step's bit for bit (same kernels, same order of arithmetic);
+- ``--attention-combine``: another variant, the fused step captured with decode attention's fused
+  combine (:func:`dslab.kernels.decode.decode_attention_triton.combine_mode`), timed in the same
+  interleave; its logits must equal the fused step's bit for bit (the same sums in the same order);
 - the weights-read floor: the weight bytes at the measured device-to-device copy bandwidth
   (``Tensor.copy_`` of 1 GiB, bytes read + written per second: what the memory system moves), about
   the best a batch-1 step can do.
@@ -48,6 +52,7 @@ from inference_kernels_bench import copy_bandwidth_gbs  # noqa: E402
 from dslab.bench.inference import build_hf_gpt2, build_hf_llama, make_prompts  # noqa: E402
 from dslab.inference import init_inference  # noqa: E402
 from dslab.inference.decode import DecodeRunner  # noqa: E402
+from dslab.kernels.decode.decode_attention_triton import combine_mode  # noqa: E402
 from dslab.kernels.dispatch import dependent_launch, dependent_launches  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
@@ -159,6 +164,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--dependent-launch", action="store_true",
                         help="also time the fused step captured with programmatic dependent launch")
+    parser.add_argument("--attention-combine", action="store_true",
+                        help="also time the fused step captured with decode attention's fused combine "
+                             "(the last split of a row combines it: one launch per layer, not two)")
     args = parser.parse_args()
     device = torch.device("cuda")
     read_gbs = copy_bandwidth_gbs()
@@ -184,6 +192,11 @@ def main() -> None:
                                              "launch (compute capability 9.0 and tl.extra.cuda.gdc_wait)")
                         dependent = Variant(engine, prompts, True, name="fused, dependent launch")
                     variants = (fused, dependent, plain)
+                combined = None
+                if fusable and args.attention_combine:
+                    with combine_mode("fused"):
+                        combined = Variant(engine, prompts, True, name="fused, attention combine fused")
+                    variants = (*variants[:-1], combined, plain)
                 for variant in variants:
                     variant.reset()
                 a, b = fused.steps(8), plain.steps(8)
@@ -196,6 +209,11 @@ def main() -> None:
                     dependent.reset()
                     c, d = fused.steps(8), dependent.steps(8)
                     dependent_equal = all(torch.equal(x, y) for x, y in zip(c, d))
+                if combined is not None:
+                    fused.reset()
+                    combined.reset()
+                    c, d = fused.steps(8), combined.steps(8)
+                    combined_equal = all(torch.equal(x, y) for x, y in zip(c, d))
                 times = {variant.name: [] for variant in variants}
                 for _ in range(args.trials):
                     for variant in variants:
@@ -203,6 +221,7 @@ def main() -> None:
                 t_plain = statistics.median(times[plain.name])
                 t_fused = statistics.median(times["fused"]) if fusable else float("nan")
                 t_dependent = statistics.median(times[dependent.name]) if dependent is not None else float("nan")
+                t_combined = statistics.median(times[combined.name]) if combined is not None else float("nan")
                 label = f"{preset} b{batch} {dtype_name}"
                 print(f"\n== {label}: fused {t_fused:.4f} ms/step, op by op {t_plain:.4f} "
                       f"(trials {' | '.join(', '.join(f'{t:.4f}' for t in ts) for ts in times.values())}); "
@@ -212,6 +231,10 @@ def main() -> None:
                     print(f"  fused with dependent launch: {t_dependent:.4f} ms/step ({t_fused / t_dependent:.3f}x "
                           f"the fused step); logits over 8 steps equal to the fused step's bit for bit: "
                           f"{dependent_equal}", flush=True)
+                if combined is not None:
+                    print(f"  fused with attention's fused combine: {t_combined:.4f} ms/step "
+                          f"({t_fused / t_combined:.3f}x the fused step); logits over 8 steps equal to the fused "
+                          f"step's bit for bit: {combined_equal}", flush=True)
                 for variant in variants:
                     kernels = variant.kernels()
                     launches = sum(c for c, _ in kernels.values())
@@ -233,16 +256,17 @@ def main() -> None:
                     for name, us in outside:
                         print(f"         {us:8.2f} us  {name[:100]}")
                 floor = weight_bytes / read_gbs / 1e6
-                rows.append((label, t_fused, t_plain, floor, diff, same, t_dependent))
+                rows.append((label, t_fused, t_plain, floor, diff, same, t_dependent, t_combined))
                 engine.release_cuda_graphs()
             del engine
         del model
         torch.cuda.empty_cache()
     print(f"\n{'case':<24} {'fused ms':>9} {'op-by-op':>9} {'speedup':>8} {'floor ms':>9} {'rel diff':>9} greedy"
-          f"{' dependent ms' if args.dependent_launch else ''}")
-    for label, tf, tp, floor, diff, same, td in rows:
+          f"{' dependent ms' if args.dependent_launch else ''}{' combine-fused ms' if args.attention_combine else ''}")
+    for label, tf, tp, floor, diff, same, td, tc in rows:
         print(f"{label:<24} {tf:>9.4f} {tp:>9.4f} {tp / tf:>8.2f} {floor:>9.4f} {diff:>9.1e} {str(same):<6}"
-              + (f" {td:>12.4f}" if args.dependent_launch else ""))
+              + (f" {td:>12.4f}" if args.dependent_launch else "")
+              + (f" {tc:>16.4f}" if args.attention_combine else ""))
 
 
 if __name__ == "__main__":

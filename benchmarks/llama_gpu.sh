@@ -7,8 +7,10 @@
 #   train3b   dslab bench suites/llama --cases 3b (ARMS, e.g. dslab,torch-compile,liger: the host holds
 #             fewer parked 3B arms than the suite has)
 #   infer     dslab bench suites/llama_inference (batch 1, 8, 32 decode; a 512-token prefill)
-#   decode    the decode GPU tests (dependent launch, graphs, fused steps at 1 and 3 rows), then benchmarks/decode_profile.py --dependent-launch on
-#             Llama-3.2-1B's shape at batch 1 and 8 (fused, fused with dependent launch, op by op;
+#   decode    the decode GPU tests (dependent launch, graphs, fused steps at 1 and 3 rows), then
+#             benchmarks/decode_profile.py --dependent-launch --attention-combine on
+#             Llama-3.2-1B's shape at batch 1 and 8 (fused, fused with dependent launch, fused with
+#             attention's fused combine, op by op;
 #             at batch 8 the fused step runs decode_linear's 16-row tensor-core tiles), and
 #             decode_linear_bench.py's sweep of those tiles' configurations at 8 rows, hidden 2048
 # Several parts in one call run in order: bash benchmarks/llama_gpu.sh tests train1b
@@ -47,8 +49,8 @@ for part in "$@"; do
         > "$OUT/decode_tests.log" 2>&1
       tail -5 "$OUT/decode_tests.log"
       timeout "${DECODE_S:-300}" python3 benchmarks/decode_profile.py --presets llama3_1b --batches 1,8 --trials 5 \
-        --dependent-launch > "$OUT/decode_profile.log" 2>&1
-      grep -E "^==|dependent launch:|kernels/step" "$OUT/decode_profile.log"; tail -4 "$OUT/decode_profile.log"
+        --dependent-launch --attention-combine > "$OUT/decode_profile.log" 2>&1
+      grep -E "^==|dependent launch:|fused combine:|kernels/step" "$OUT/decode_profile.log"; tail -4 "$OUT/decode_profile.log"
       timeout "${SWEEP_S:-150}" python3 benchmarks/decode_linear_bench.py --hidden 2048 --rows 8 \
         > "$OUT/decode_linear_rows8.log" 2>&1
       tail -12 "$OUT/decode_linear_rows8.log" ;;

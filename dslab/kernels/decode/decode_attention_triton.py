@@ -15,7 +15,13 @@ are split over ``splits`` programs per (b, h) (flash-decoding, Dao et al. 2023):
    2^(m_s - M) l_s`` with ``M = max_s m_s``; an all-empty row (M = -inf) gives zeros, never NaN.
    Reads ``splits * (D + 2)`` floats, writes D elements of out.
 
-With one split the first kernel normalises and writes ``out`` itself (one launch).
+With one split the first kernel normalises and writes ``out`` itself (one launch). With
+``combine="fused"`` the combine runs inside the split kernel, also one launch: each split stores
+its partials and bumps its row's counter (an atomic with acquire-release order, so its stores are
+visible to whoever reads the count), and the split that arrives last combines the row's partials
+in split order (the same sums as the combine kernel, whoever finished when) and resets the
+counter for the next launch, CUDA-graph replays included. A decode step then launches one
+attention kernel per layer, not two.
 
 Under programmatic dependent launch (:func:`dslab.kernels.dispatch.dependent_launch`) both kernels
 wait for the kernel before them (``gdc_wait``) before their first access, then let the next one
@@ -33,6 +39,8 @@ the cache, splits past ``valid_end`` return at once.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -52,12 +60,45 @@ INTERPRETER_SMS = 4
 
 
 @triton.jit
+def _combine_row(M_PART, L_PART, ACC_PART, OUT, bh, heads, stride_ob, stride_oh,
+                 HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                 BF16_BY_HAND: tl.constexpr, CACHE_GLOBAL: tl.constexpr):
+    """Row ``bh``'s output from its splits' partials (module docstring, step 2); ``CACHE_GLOBAL``
+    reads them past L1 (``.cg``), as the fused combine must: other programs wrote them."""
+    b = bh // heads
+    h = bh % heads
+    splits = tl.arange(0, BLOCK_SPLITS)
+    in_range = splits < SPLITS
+    dims = tl.arange(0, HEAD_DIM)
+    part = bh * SPLITS + splits
+    if CACHE_GLOBAL:
+        m = tl.load(M_PART + part, mask=in_range, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(L_PART + part, mask=in_range, other=0.0, cache_modifier=".cg")
+        acc = tl.load(ACC_PART + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], mask=in_range[:, None],
+                      other=0.0, cache_modifier=".cg")
+    else:
+        m = tl.load(M_PART + part, mask=in_range, other=float("-inf"))
+        l = tl.load(L_PART + part, mask=in_range, other=0.0)
+        acc = tl.load(ACC_PART + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], mask=in_range[:, None],
+                      other=0.0)
+    m_max = tl.max(m, axis=0)
+    # All splits empty: M = -inf, and -inf - (-inf) would be NaN; 2^(-inf - 0) = 0 for each split.
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    numerator = tl.sum(acc * weight[:, None], axis=0)
+    denominator = tl.sum(l * weight, axis=0)
+    out = numerator / tl.where(denominator > 0.0, denominator, 1.0)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
+             cast_rounding(out, OUT.dtype.element_ty, BF16_BY_HAND))
+
+
+@triton.jit
 def _decode_split_kernel(
-    Q, K, V, START, END, OUT, M_PART, L_PART, ACC_PART,
+    Q, K, V, START, END, OUT, M_PART, L_PART, ACC_PART, COUNTERS,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, heads, s_max, chunk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
-    KV_GROUP: tl.constexpr, USE_GDC: tl.constexpr = False,
+    KV_GROUP: tl.constexpr, FUSED_COMBINE: tl.constexpr = False, BLOCK_SPLITS: tl.constexpr = 1,
+    USE_GDC: tl.constexpr = False,
 ):
     if USE_GDC:  # a programmatic dependent launch: wait for the kernel before it before any access
         tl.extra.cuda.gdc_wait()
@@ -106,6 +147,12 @@ def _decode_split_kernel(
         tl.store(M_PART + part + one, m)
         tl.store(L_PART + part + one, l)
         tl.store(ACC_PART + part.to(tl.int64) * HEAD_DIM + dims, acc)
+        if FUSED_COMBINE:
+            arrived = tl.atomic_add(COUNTERS + bh, 1)  # acq_rel: the stores above are visible to the last
+            if arrived == SPLITS - 1:
+                _combine_row(M_PART, L_PART, ACC_PART, OUT, bh, heads, stride_ob, stride_oh, HEAD_DIM, SPLITS,
+                             BLOCK_SPLITS, BF16_BY_HAND, True)
+                tl.atomic_xchg(COUNTERS + bh, 0)
 
 
 @triton.jit
@@ -117,25 +164,42 @@ def _decode_combine_kernel(
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    bh = tl.program_id(0)
-    b = bh // heads
-    h = bh % heads
-    splits = tl.arange(0, BLOCK_SPLITS)
-    in_range = splits < SPLITS
-    dims = tl.arange(0, HEAD_DIM)
-    part = bh * SPLITS + splits
-    m = tl.load(M_PART + part, mask=in_range, other=float("-inf"))
-    l = tl.load(L_PART + part, mask=in_range, other=0.0)
-    acc = tl.load(ACC_PART + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], mask=in_range[:, None],
-                  other=0.0)
-    m_max = tl.max(m, axis=0)
-    # All splits empty: M = -inf, and -inf - (-inf) would be NaN; 2^(-inf - 0) = 0 for each split.
-    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    numerator = tl.sum(acc * weight[:, None], axis=0)
-    denominator = tl.sum(l * weight, axis=0)
-    out = numerator / tl.where(denominator > 0.0, denominator, 1.0)
-    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
-             cast_rounding(out, OUT.dtype.element_ty, BF16_BY_HAND))
+    _combine_row(M_PART, L_PART, ACC_PART, OUT, tl.program_id(0), heads, stride_ob, stride_oh, HEAD_DIM, SPLITS,
+                 BLOCK_SPLITS, BF16_BY_HAND, False)
+
+
+#: How a launch with several splits combines them (module docstring).
+COMBINE_MODES = ("kernel", "fused")
+_combine_mode = "kernel"
+
+
+@contextlib.contextmanager
+def combine_mode(mode: str):
+    """Launch decode attention with ``combine=mode`` inside the block (``"kernel"`` outside any:
+    the decode benchmarks time both, ``benchmarks/decode_profile.py --attention-combine``)."""
+    global _combine_mode
+    if mode not in COMBINE_MODES:
+        raise ValueError(f"decode attention combine mode must be 'kernel' or 'fused', got {mode!r}")
+    previous, _combine_mode = _combine_mode, mode
+    try:
+        yield
+    finally:
+        _combine_mode = previous
+
+
+#: Rows (B * H) the fused combine keeps counters for per device; a launch of more rows combines
+#: in its own kernel.
+COUNTERS = 1 << 16
+_counter_buffers: dict = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The fused combine's per-row arrival counters on ``device`` (zero between launches: the
+    last split of a row resets its own)."""
+    key = (device.type, device.index)
+    if key not in _counter_buffers:
+        _counter_buffers[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counter_buffers[key]
 
 
 def block_size(head_dim: int) -> int:
@@ -169,10 +233,16 @@ def decode_attention(
     scale: float,
     splits: int | None = None,
     block_n: int | None = None,
+    combine: str | None = None,
 ) -> torch.Tensor:
     """Launch the kernels; inputs already validated (q [B, H, D] with any strides, caches
     [B, H_kv, S_max, D] with unit stride along D and H_kv dividing H, bounds [B] on q's device). ``splits`` and
-    ``block_n`` override :func:`plan_splits` and :func:`block_size` (tests)."""
+    ``block_n`` override :func:`plan_splits` and :func:`block_size` (tests). ``combine``: ``"kernel"``
+    (a combine launch after the splits) or ``"fused"`` (the last split of a row combines it;
+    module docstring); None: :func:`combine_mode`'s."""
+    combine = combine or _combine_mode
+    if combine not in COMBINE_MODES:
+        raise ValueError(f"decode_attention: combine must be 'kernel' or 'fused', got {combine!r}")
     batch, heads, head_dim = q.shape
     s_max = k_cache.shape[2]
     if q.stride(-1) != 1:
@@ -197,16 +267,19 @@ def decode_attention(
         m_part = l_part = acc_part = out  # not read or written with one split
     num_warps = 4 if head_dim * block_n >= 4096 else 2
     dependent = dict(launch_pdl=True, USE_GDC=True) if dependent_launch(q.device) else {}
+    fused = combine == "fused" and splits > 1 and batch * heads <= COUNTERS
+    counters = _counters(q.device) if fused else m_part
     with device_guard(q):
         _decode_split_kernel[(batch * heads, splits)](
-            q, k_cache, v_cache, valid_start, valid_end, out, m_part, l_part, acc_part,
+            q, k_cache, v_cache, valid_start, valid_end, out, m_part, l_part, acc_part, counters,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
             heads, s_max, chunk, scale * LOG2_E,
             HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits, BF16_BY_HAND=bf16_by_hand,
-            KV_GROUP=heads // k_cache.shape[1], num_warps=num_warps, **dependent,
+            KV_GROUP=heads // k_cache.shape[1], FUSED_COMBINE=fused, BLOCK_SPLITS=triton.next_power_of_2(splits),
+            num_warps=num_warps, **dependent,
         )
-        if splits > 1:
+        if splits > 1 and not fused:
             _decode_combine_kernel[(batch * heads,)](
                 m_part, l_part, acc_part, out, heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),

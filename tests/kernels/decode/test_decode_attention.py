@@ -182,3 +182,38 @@ def test_bad_arguments_name_the_argument():
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             decode_attention(*args)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("splits,block_n", [(3, 8), (5, 8), (2, 16)])
+def test_the_fused_combine_gives_the_combine_kernels_output(dtype, splits, block_n, monkeypatch):
+    """combine="fused": the split that arrives last combines its row in split order, so the output
+    equals the two-launch path's to the bit, on fresh inputs over several calls (every row's
+    counter is back at zero after each, as a CUDA-graph replay needs); one launch; under
+    combine_mode too; a bad mode is refused by name."""
+    for call in range(3):
+        q, k, v, start, end = _inputs(32, dtype, seed=10 + call)
+        want = triton_impl.decode_attention(q, k, v, start, end, 32**-0.5, splits, block_n, combine="kernel")
+        got = triton_impl.decode_attention(q, k, v, start, end, 32**-0.5, splits, block_n, combine="fused")
+        assert torch.equal(got, want), call
+        assert torch.equal(got[2], torch.zeros_like(got[2]))  # the empty range
+        assert int(triton_impl._counters(q.device)[:BATCH * HEADS].abs().sum()) == 0
+    exact = decode_attention_reference(q.double(), k.double(), v.double(), start, end)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
+    combine_kernel = triton_impl._decode_combine_kernel
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("the fused path launched the combine kernel")
+
+    monkeypatch.setattr(triton_impl, "_decode_combine_kernel", NotLaunched())
+    with triton_impl.combine_mode("fused"):
+        assert torch.equal(triton_impl.decode_attention(q, k, v, start, end, 32**-0.5, splits, block_n), want)
+    monkeypatch.setattr(triton_impl, "_decode_combine_kernel", combine_kernel)
+    with pytest.raises(ValueError, match="combine"):
+        triton_impl.decode_attention(q, k, v, start, end, 32**-0.5, splits, block_n, combine="atomic")
+    with pytest.raises(ValueError, match="combine mode"):
+        with triton_impl.combine_mode("atomic"):
+            pass

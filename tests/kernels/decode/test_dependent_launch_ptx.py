@@ -68,7 +68,12 @@ CASES = {
     # the gate/up projection's: two weight rows per output column, SwiGLU of the pair
     "linear-swiglu-pair": ["linear", "_decode_linear_kernel", dict(LINEAR, ACT=3, PAIRED=True)],
     "attention-split": ["attention", "_decode_split_kernel",
-                        dict(HEAD_DIM=64, BLOCK_N=64, SPLITS=4, BF16_BY_HAND=False, KV_GROUP=4)],
+                        dict(HEAD_DIM=64, BLOCK_N=64, SPLITS=4, BF16_BY_HAND=False, KV_GROUP=4, FUSED_COMBINE=False,
+                             BLOCK_SPLITS=4)],
+    # the split kernel that combines its row when it arrives last: a counter per row
+    "attention-split-fused-combine": ["attention", "_decode_split_kernel",
+                                      dict(HEAD_DIM=64, BLOCK_N=64, SPLITS=4, BF16_BY_HAND=False, KV_GROUP=4,
+                                           FUSED_COMBINE=True, BLOCK_SPLITS=4)],
     "attention-combine": ["attention", "_decode_combine_kernel",
                           dict(HEAD_DIM=64, SPLITS=4, BLOCK_SPLITS=4, BF16_BY_HAND=False)],
 }
@@ -121,7 +126,7 @@ def test_decode_linear_reads_weights_then_waits_before_anything_else(compiled, c
     assert "griddepcontrol" not in plain
 
 
-@pytest.mark.parametrize("case", ["attention-split", "attention-combine"])
+@pytest.mark.parametrize("case", ["attention-split", "attention-split-fused-combine", "attention-combine"])
 def test_decode_attention_waits_before_its_first_access(compiled, case):
     plain, text = compiled[case]
     assert "griddepcontrol.launch_dependents" in text

@@ -173,3 +173,35 @@ def test_int8_linear_graph_capture_without_sync():
     x.copy_(torch.randn(1, HIDDEN, device="cuda", generator=gen))
     graph.replay()
     assert torch.equal(captured, int8_linear(x, qweight, scale, None, 64))
+
+
+@pytest.mark.parametrize("batch, s_max", [(1, 2048), (32, 160)])
+def test_decode_attention_fused_combine_replays_as_the_combine_kernel(batch, s_max):
+    """decode attention's fused combine (the last split of a row combines it) captured in a CUDA
+    graph and replayed over growing valid lengths: bit for bit the two-launch path's output every
+    time, so the per-row counters are back at zero after each replay."""
+    from dslab.kernels.decode import decode_attention_triton as triton_impl
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(batch, 32, HEAD_DIM, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(batch, 8, s_max, HEAD_DIM, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    start = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    end = torch.full((batch,), 17, dtype=torch.int32, device="cuda")
+    splits, _ = triton_impl.plan_splits(batch * 32, s_max, triton_impl.block_size(HEAD_DIM), q.device)
+    assert splits > 1
+    fused = lambda: triton_impl.decode_attention(q, k, v, start, end, HEAD_DIM**-0.5, combine="fused")  # noqa: E731
+    fused()  # compiled outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        out = fused()
+    torch.cuda.current_stream().wait_stream(stream)
+    for length in (17, 100, s_max // 2, s_max):
+        end.fill_(length)
+        graph.replay()
+        want = triton_impl.decode_attention(q, k, v, start, end, HEAD_DIM**-0.5, combine="kernel")
+        assert torch.equal(out, want), length
+    torch.cuda.synchronize()
+    assert int(triton_impl._counters(q.device)[:batch * 32].abs().sum()) == 0
