@@ -175,7 +175,7 @@ def test_int8_linear_graph_capture_without_sync():
     assert torch.equal(captured, int8_linear(x, qweight, scale, None, 64))
 
 
-@pytest.mark.parametrize("batch, s_max", [(1, 2048), (32, 160)])
+@pytest.mark.parametrize("batch, s_max", [(1, 2048), (3, 160)])  # 96 rows: several splits on 132 SMs
 def test_decode_attention_fused_combine_replays_as_the_combine_kernel(batch, s_max):
     """decode attention's fused combine (the last split of a row combines it) captured in a CUDA
     graph and replayed over growing valid lengths: bit for bit the two-launch path's output every
