@@ -16,7 +16,10 @@
 #             the work tree) replaces the baseline run, so the repeats can span calls; KERNEL_KINDS
 #             ("aa slow") picks which of the two runs each repeat makes; each run
 #             is cut at KERNEL_RUN_S seconds (240; six layer_norm cases at 10 rounds of 700 ms
-#             took about 80 s on an H200). benchmarks/kernels/baselines/h200_layer_norm_700ms.json is
+#             took about 80 s on an H200). A slowed run adds its calibration to each dslab case:
+#             up to warm-up rounds + rounds + 30 blocks of a round's length (about 30 s at 10
+#             rounds of 700 ms; bias_gelu or bias_dropout, 10 cases, ran 118 s plain and past
+#             140 s slowed). benchmarks/kernels/baselines/h200_layer_norm_700ms.json is
 #             such a baseline (KERNEL_SELECT=layer_norm KERNEL_ROUND_MS=700 KERNEL_ROUNDS=10, one H200,
 #             torch 2.11, 2026-11-30).
 # Several parts in one call run in order: bash benchmarks/gate_gpu.sh detect autotune

@@ -189,37 +189,40 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
     ``torch.cuda._sleep``, queued on the same stream with no synchronisation, so each timed call
     grows by device time.
 
-    A spin's cycles are first set from the median of ``calls`` event-timed calls of ``fn`` and the
-    cycle rate :func:`dslab.bench.arms.device_spin_cycles` measures on an idle device. That rate
-    does not hold under load, and near the power limit a spin is partly paid back: the GPU runs
-    cooler through it and the next matmuls run at a higher clock, a payback that builds up over
-    seconds. On an H200 a 3% spin after each fused linear cross-entropy read 3.9% in the second
-    block of slowed calls (about 1.4 s after the first spin) and 1.8% in the benchmark's rounds
-    that followed; plain blocks interleaved with slowed ones read it larger still, since a plain
-    block right after a slowed one runs at the clock the spins bought. So the spin is held at the
-    fraction by feedback, in steady state. The reference is the median over ``base_blocks`` blocks
-    of ``calls`` plain calls (each block's median) after ``base_skip`` more, run before any spin:
-    a benchmark passes its warm-up rounds and its rounds, so that the reference spans the time
-    after the warm-up that a plain run's rounds span.
-    A plain kernel near the power limit keeps slowing for seconds after the warm-up (an H200's
-    fused linear cross-entropy ran 1.5-2.6% faster in the 2 s after a 1.5 s warm-up than in the
-    rounds after them), and a reference taken too early counts that drift as injected. Then
-    blocks of ``calls`` slowed calls run back to back, each timed (its median), and after each
+    Every reading is a block's mean call time (its calls' total over their count), the statistic a
+    benchmark round reports. A median would not do: near the power limit a plain kernel's calls
+    have a tail of clock dips that spun calls lose (on an H200 the fused linear cross-entropy's
+    plain block medians sat 0.4-0.7% under the plain rounds' means, and rounds slowed to a 3%
+    median read 2.2-2.4%).
+
+    A spin's cycles are first set from ``fraction`` of the reference and the cycle rate
+    :func:`dslab.bench.arms.device_spin_cycles` measures on an idle device. That rate does not hold
+    under load, and near the power limit a spin is partly paid back: the GPU runs cooler through it
+    and the next matmuls run at a higher clock, a payback that builds up over seconds. On an H200 a
+    3% spin after each fused linear cross-entropy read 3.9% in the second block of slowed calls
+    (about 1.4 s after the first spin) and 1.8% in the benchmark's rounds that followed; plain
+    blocks interleaved with slowed ones read it larger still, since a plain block right after a
+    slowed one runs at the clock the spins bought. So the spin is held at the fraction by feedback,
+    in steady state. The reference is the median over ``base_blocks`` blocks of ``calls`` plain
+    calls (each block's mean) after ``base_skip`` more, run before any spin: a benchmark passes its
+    warm-up rounds and its rounds, so that the reference spans the time after the warm-up that a
+    plain run's rounds span. A plain kernel near the power limit keeps slowing for seconds after
+    the warm-up (an H200's fused linear cross-entropy ran 1.5-2.6% faster in the 2 s after a 1.5 s
+    warm-up than in the rounds after them), and a reference taken too early counts that drift as
+    injected. Then blocks of ``calls`` slowed calls run back to back, each timed, and after each
     the cycles are scaled by ``(fraction / measured) ** gain`` (damped: the payback lags the
-    spin). It stops once at
-    least ``min_blocks`` ran and the last ``stable`` blocks all read within ``tolerance``
-    (relative) of ``fraction`` while their cycles differed by at most half that (the feedback has
-    come to rest, not just passed by), or after ``max_blocks``; the benchmark's rounds follow at
-    once, in the same regime (on an H200, whose 700 ms blocks of the fused linear cross-entropy
-    read within about 1% of each other, the 30 blocks ran out first, and the rounds then read
-    2.8-3.0% against a plain run's for a fraction of 3%). Single 700 ms blocks of that kernel read
-    the slowdown with an SD of about 0.5 points, and each moves the cycles by most of its error,
-    so a run that did not settle takes the median cycles of its last ``2 * stable`` blocks into
-    the rounds. The returned callable's ``injected_fraction`` is the mean slowdown of the last
+    spin). It stops once at least ``min_blocks`` ran and the last ``stable`` blocks all read within
+    ``tolerance`` (relative) of ``fraction`` while their cycles differed by at most half that (the
+    feedback has come to rest, not just passed by), or after ``max_blocks``; the benchmark's
+    rounds follow at once, in the same regime. Single 700 ms blocks of that kernel read the
+    slowdown with an SD of about 0.5 points, and each moves the cycles by most of its error, so a
+    run that did not settle takes the median cycles of its last ``2 * stable`` blocks into the
+    rounds. The returned callable's ``injected_fraction`` is the mean slowdown of the last
     ``stable`` blocks, ``injected_settled`` whether it stopped on the criterion,
-    ``injected_history`` every block's (``cycles_history`` their cycles), ``injected_ms`` the
-    spin's length at the first calibration's rate and ``spin_cycles`` the final cycles.
-    ``timer``, ``spin`` and ``cycles_for_ms`` replace the CUDA pieces (the CPU tests' stand-ins).
+    ``injected_history`` every block's (``cycles_history`` their cycles), ``reference_ms`` the
+    reference, ``injected_ms`` the spin's length at the first calibration's rate and
+    ``spin_cycles`` the final cycles. ``timer``, ``spin`` and ``cycles_for_ms`` replace the CUDA
+    pieces (the CPU tests' stand-ins).
     """
     if fraction <= 0:
         return fn
@@ -229,12 +232,12 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
     timer = timer or EventTimer()
     timer.reserve(calls)
     timed = timer.timed(fn)
-    base_medians = []
+    base_means = []
     for _ in range(base_skip + base_blocks):
         for _ in range(calls):
             timed()
-        base_medians.append(statistics.median(timer.collect_ms()))
-    base_ms = statistics.median(base_medians[base_skip:])
+        base_means.append(statistics.fmean(timer.collect_ms()))
+    base_ms = statistics.median(base_means[base_skip:])
     injected_ms = fraction * base_ms
     if cycles_for_ms is None:
         from dslab.bench.arms import device_spin_cycles as cycles_for_ms
@@ -252,7 +255,7 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
         cycles_run.append(state["cycles"])
         for _ in range(calls):
             timed_call()
-        measured = statistics.median(timer.collect_ms()) / base_ms - 1.0
+        measured = statistics.fmean(timer.collect_ms()) / base_ms - 1.0
         history.append(measured)
         last, last_cycles = history[-stable:], cycles_run[-stable:]
         if (block + 1 >= min_blocks and all(abs(m - fraction) <= tolerance * fraction for m in last)
@@ -267,6 +270,7 @@ def slowed(fn: Callable[[], object], fraction: float, calls: int = 20, timer: Ev
         state["cycles"] = int(statistics.median(cycles_run[-2 * stable:]))
 
     call.injected_ms = injected_ms
+    call.reference_ms = base_ms
     call.injected_fraction = statistics.fmean(history[-stable:])
     call.injected_settled = settled
     call.injected_history = history

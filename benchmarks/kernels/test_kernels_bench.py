@@ -81,6 +81,7 @@ def test_kernel(benchmark, case_ref, arm, case_store, timing, timing_mode, devic
         fn = slowed(fn, inject_slowdown, calls=max(20, iterations), base_blocks=max(1, timing.rounds),
                     base_skip=timing.warmup_rounds)
         benchmark.extra_info.update(injected_ms=fn.injected_ms, injected_fraction=fn.injected_fraction,
+                                    reference_ms=fn.reference_ms,
                                     injected_history=[round(m, 5) for m in fn.injected_history],
                                     cycles_history=fn.cycles_history,
                                     spin_cycles=fn.spin_cycles, injected_settled=fn.injected_settled)
