@@ -43,6 +43,12 @@ import torch.nn as nn
 from dslab import comm
 
 
+def is_deepspeed_partitioned(p: torch.Tensor) -> bool:
+    """True for a parameter DeepSpeed's ``zero.Init`` partitioned (its ``ds_status`` and
+    ``ds_id``, which dslab's partitions do not carry)."""
+    return hasattr(p, "ds_status") and hasattr(p, "ds_id") and not getattr(p, "_dslab_partitioned", False)
+
+
 def is_partitioned(p: torch.Tensor) -> bool:
     """True for a parameter that holds only its shard (built under :class:`Init`; DeepSpeed's
     own partitioned parameters, which carry the same ``ds_*`` names, are not dslab's)."""
@@ -129,8 +135,11 @@ class GatheredParameters:
     """``with GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True):``
     inside the block, every rank holds ``params`` (a parameter or an iterable of them) whole;
     on exit each keeps its shard of ``modifier_rank``'s values (None: nothing written back).
-    Parameters that are not partitioned are left alone. A collective: every rank of the
-    parameters' group enters it with the same parameters."""
+    Parameters that are not partitioned are left alone. Parameters DeepSpeed partitioned (a model
+    built under ``deepspeed.zero.Init``, as a peer arm builds dslab's models) are handed to
+    DeepSpeed's own ``GatheredParameters`` with the same ``modifier_rank``, so that a model's
+    initialisation reaches them too. A collective: every rank of the parameters' group enters it
+    with the same parameters."""
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None,
                  enabled: bool = True):
@@ -140,11 +149,18 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._entered: list = []
+        self._deepspeed = None
 
     def __enter__(self):
         if not self.enabled:
             return self
-        seen = set()
+        theirs = [p for p in self.params if is_deepspeed_partitioned(p)]
+        if theirs:
+            import deepspeed  # such parameters exist only where DeepSpeed was imported
+
+            self._deepspeed = deepspeed.zero.GatheredParameters(theirs, modifier_rank=self.modifier_rank)
+            self._deepspeed.__enter__()
+        seen = {id(p) for p in theirs}
         for p in self.params:
             if id(p) in seen:
                 continue
@@ -168,6 +184,9 @@ class GatheredParameters:
             else:
                 release_(p, self.modifier_rank)
         self._entered = []
+        if self._deepspeed is not None:
+            theirs, self._deepspeed = self._deepspeed, None
+            theirs.__exit__(*exc)
         return False
 
 
