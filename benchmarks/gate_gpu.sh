@@ -16,7 +16,9 @@
 #             the work tree) replaces the baseline run, so the repeats can span calls; KERNEL_KINDS
 #             ("aa slow") picks which of the two runs each repeat makes; each run
 #             is cut at KERNEL_RUN_S seconds (240; six layer_norm cases at 10 rounds of 700 ms
-#             took about 80 s on an H200). A slowed run adds its calibration to each dslab case:
+#             took about 80 s on an H200); a run that could end past KERNEL_TOTAL_S seconds from
+#             the part's start is not started, so the archive and the table still come back within
+#             a device call (e.g. KERNEL_TOTAL_S=540). A slowed run adds its calibration to each dslab case:
 #             up to warm-up rounds + rounds + 30 blocks of a round's length (about 30 s at 10
 #             rounds of 700 ms; bias_gelu or bias_dropout, 10 cases, ran 118 s plain and past
 #             140 s slowed). benchmarks/kernels/baselines/h200_layer_norm_700ms.json is
@@ -41,6 +43,11 @@ for part in "$@"; do
     kernels)
       select=${KERNEL_SELECT:-"layer_norm or cross_entropy"}
       kdir="$OUT/kernels"; mkdir -p "$kdir"
+      started=$SECONDS
+      fits() {  # whether a run cut at KERNEL_RUN_S still ends within KERNEL_TOTAL_S of the part's start
+        [ $((SECONDS - started + ${KERNEL_RUN_S:-240})) -le "${KERNEL_TOTAL_S:-100000}" ] && return 0
+        echo "kernels: $1 not started: it could end past KERNEL_TOTAL_S=${KERNEL_TOTAL_S}s"; return 1
+      }
       bench() {  # name, extra options
         local name=$1; shift
         timeout "${KERNEL_RUN_S:-240}" python3 -m pytest benchmarks/kernels -m gpu -q -p no:cacheprovider -k "$select" \
@@ -57,6 +64,7 @@ for part in "$@"; do
       fi
       for i in $(seq 1 "${KREPEATS:-3}"); do
         for kind in ${KERNEL_KINDS:-aa slow}; do
+          fits "kernels_${kind}_$i" || break 2
           extra=(--kernel-pins "$kdir/kernels_base.json")
           [ "$kind" = slow ] && extra+=(--kernel-inject-slowdown "${KERNEL_SLOWDOWN:-0.03}")
           bench "kernels_${kind}_$i" "${extra[@]}"
