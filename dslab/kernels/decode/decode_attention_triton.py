@@ -176,7 +176,10 @@ _combine_mode = "kernel"
 @contextlib.contextmanager
 def combine_mode(mode: str):
     """Launch decode attention with ``combine=mode`` inside the block (``"kernel"`` outside any:
-    the decode benchmarks time both, ``benchmarks/decode_profile.py --attention-combine``)."""
+    the decode benchmarks time both, ``benchmarks/decode_profile.py --attention-combine``). On an
+    H200, Llama-3.2-1B's fused decode step ran 0.988x as fast with ``"fused"`` at batch 1 (0.907
+    against 0.896 ms; 16 launches fewer, 16 us more kernel time) and 1.013x at batch 8, so the
+    combine kernel stays the default."""
     global _combine_mode
     if mode not in COMBINE_MODES:
         raise ValueError(f"decode attention combine mode must be 'kernel' or 'fused', got {mode!r}")
