@@ -31,7 +31,9 @@ Configs:
   ``--accumulate-on cpu`` sets the dslab offload configs' ``offload_optimizer.accumulate_on``:
   later micro-steps' gradient shards are added on the CPU, not copied back to the GPU for it;
   ``--accumulate-on gpu_resident`` keeps the window's sum on the GPU and copies it to the host
-  once per optimizer step.
+  once per optimizer step. ``--overlap-step`` sets ``offload_optimizer.overlap_step`` of
+  ``offload`` and ``offload-split``: the CPU step of the offloaded parameters runs while the next
+  forward starts (each row's ``overlap_step_s``, and the forward's ``update_wait_s``).
   ``--fetch-dtype bf16`` sets ``offload_param.fetch_dtype`` of ``offload`` and ``offload-split``:
   the shards cross PCIe as bf16 copies, widened on the GPU. ``--staging-buffers N`` sets
   ``offload_optimizer.staging_buffers`` (the pinned buffers the host adds drain) and
@@ -107,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--accumulate-on", choices=("gpu", "cpu", "gpu_resident"), default="gpu",
                         help="offload_optimizer.accumulate_on of the dslab offload configs: where a "
                              "micro-step's gradient shard is added to the window's sum")
+    parser.add_argument("--overlap-step", action="store_true",
+                        help="offload_optimizer.overlap_step of offload and offload-split: the CPU "
+                             "step of the offloaded parameters overlaps the next forward")
     parser.add_argument("--staging-dtype", choices=("bf16",), default=None,
                         help="offload_optimizer.staging_dtype of the dslab offload configs under "
                              "--accumulate-on cpu: later micro-steps' gradient shards cross PCIe in bf16")
@@ -168,6 +173,8 @@ def engine_config(config: str, args) -> dict:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if config in ("offload", "offload-split") and args.fetch_dtype is not None:
         zero["offload_param"]["fetch_dtype"] = args.fetch_dtype
+    if config in ("offload", "offload-split") and args.overlap_step:
+        zero["offload_optimizer"]["overlap_step"] = True
     if config == "offload-nvme":
         for key in ("offload_optimizer", "offload_param"):
             zero[key] = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
@@ -315,6 +322,8 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
         cmd += ["--prefetch", str(args.prefetch)]
     if args.fetch_dtype is not None:
         cmd += ["--fetch-dtype", args.fetch_dtype]
+    if args.overlap_step:
+        cmd += ["--overlap-step"]
     if args.staging_buffers is not None:
         cmd += ["--staging-buffers", str(args.staging_buffers)]
     if args.staging_dtype is not None:

@@ -425,7 +425,9 @@ class DslabEngine(nn.Module):
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._step_applied = applied
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is None or not self.zero.stepping():
+            # a background offloaded step (offload_optimizer.overlap_step) clears its masters' grads
+            self.optimizer.zero_grad(set_to_none=True)
         self._clear_module_grads(params)
 
     def _step_replicated(self, params: list[nn.Parameter]) -> bool:

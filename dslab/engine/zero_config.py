@@ -81,7 +81,13 @@ class OffloadOptimizerConfig(ConfigSection):
     ``staging_dtype`` (dslab's key; with ``accumulate_on: "cpu"`` only): ``"bf16"`` converts those
     later shards to bf16 on the GPU before they cross PCIe (half the bytes copied, and half the
     host's reads of them); the window's sum stays in the masters' dtype on the CPU. Each later
-    micro-step's shard is then rounded to bf16 before it is added (the first is copied whole)."""
+    micro-step's shard is then rounded to bf16 before it is added (the first is copied whole).
+
+    ``overlap_step`` (dslab's key, with ``offload_param: cpu``; off by default): the CPU step of
+    the offloaded parameters runs on a worker thread, in forward order, while the next forward
+    begins; a fetch of a unit waits until the step has updated it (:mod:`dslab.engine.zero.step_overlap`).
+    The results are the serial step's. Parameters or optimizer states read outside the engine
+    between a step and the next forward need ``engine.zero.settle()`` first, as checkpoints do."""
 
     device: str = "none"
     nvme_path: str | None = None
@@ -93,6 +99,7 @@ class OffloadOptimizerConfig(ConfigSection):
     buffer_count: int = Field(4, ge=2)
     pipeline_read: bool = True
     pipeline_write: bool = True
+    overlap_step: bool = False
 
     @field_validator("device")
     @classmethod
@@ -324,6 +331,13 @@ class ZeroConfig(ConfigSection):
                 f"{self.offload_param.device!r} needs 'zero_optimization.offload_optimizer.device' "
                 "'cpu' or 'nvme': the optimizer steps the offloaded parameter shards where they "
                 "live, off the GPU")
+        if self.offload_optimizer.overlap_step and (self.offload_param.device != "cpu"
+                                                   or self.offload_optimizer.device != "cpu"):
+            raise ValueError(
+                "config key 'zero_optimization.offload_optimizer.overlap_step' = true needs "
+                "offload_optimizer.device 'cpu' and offload_param.device 'cpu' (got "
+                f"{self.offload_optimizer.device!r} and {self.offload_param.device!r}): the step it "
+                "overlaps with the next forward is that of the parameters fetched from CPU memory")
         if self.stage > 0 and optimizer_type == "Lamb":
             raise ValueError(
                 f"config key 'optimizer.type' = 'Lamb' cannot run with 'zero_optimization.stage' "

@@ -51,7 +51,10 @@ synchronously on the CPU):
    DeepSpeed's default of 1e9 elements makes one chunk of any model below a billion parameters
    per rank. On an H100 host, chunks gained nothing (GPT-2 355M at stage 2, median of 3 trials:
    one chunk 258 ms per step, chunks of 25M elements 260 ms): the CPU step is bound by host
-   memory bandwidth, which the copies back draw on too.
+   memory bandwidth, which the copies back draw on too. With parameter offload and
+   ``offload_optimizer.overlap_step`` (:meth:`step_in_background`, :mod:`.step_overlap`) the
+   chunks of the units the parameter home holds run on a worker thread, in forward order, while
+   the next forward starts; a fetch of a unit waits for its update.
 
 Traffic per unit and window of ``G`` micro-steps: over PCIe ``4·S·(2G - 1)`` bytes to the host
 side and ``4·S·(G - 1)`` back for accumulation (with ``accumulate_on="cpu"``: ``4·S·G`` to the
@@ -133,6 +136,7 @@ class CpuOptimizerOffload:
         # accumulate_on="gpu_resident": each unit's running sum of the window, where its shards are
         self._sums: list[torch.Tensor | None] = [None] * len(units)
         self._published: torch.cuda.Event | None = None
+        self._background = None  # a step_overlap.BackgroundStep in flight
         self._copy_stream = None
         if self.cuda:
             device = next(u.device for u in units if u.device.type == "cuda")
@@ -147,7 +151,8 @@ class CpuOptimizerOffload:
         self._widen_scratch: torch.Tensor | None = None  # the worker's, for staging_dtype's additions
         # gradient traffic since the start (:meth:`stats`)
         self.totals = {"grad_d2h_bytes": 0, "grad_h2d_bytes": 0, "host_adds": 0, "staging_wait_s": 0.0,
-                       "adds_wait_s": 0.0, "add_copy_wait_s": 0.0, "add_s": 0.0}
+                       "adds_wait_s": 0.0, "add_copy_wait_s": 0.0, "add_s": 0.0,
+                       "overlap_step_s": 0.0, "overlap_join_wait_s": 0.0}
 
     # -- gradients in -------------------------------------------------------------------------
 
@@ -159,6 +164,7 @@ class CpuOptimizerOffload:
     def receive(self, unit: FlatUnit, shard: torch.Tensor) -> None:
         """Take ``unit``'s reduced gradient shard (on the unit's device) into ``grads`` (module
         docstring, step 1); the caller drops its reference to ``shard`` afterwards."""
+        self.settle()  # a background step still reading the gradients finishes first
         i = unit.index
         accumulate, self._filled[i] = self._filled[i], True
         if self.on_device[i]:  # summed where it is, as without offload
@@ -297,6 +303,7 @@ class CpuOptimizerOffload:
         """Every unit's CPU gradient for this window, complete: waits for the copies and the
         host additions; a unit that received nothing (a step without a reducing backward) holds
         zeros."""
+        self.settle()
         self._finish_adds()
         for i, total in enumerate(self._sums):  # a unit whose last shard came before the last backward
             if total is not None:
@@ -345,16 +352,7 @@ class CpuOptimizerOffload:
         handles = self.step_on_device(optimizer, factor, publish)
         try:
             for chunk in self.chunks:
-                with self.open_masters(chunk):
-                    grads = [self.grads[u.index] for u in chunk]
-                    if factor is not None:
-                        torch._foreach_mul_(grads, factor)
-                    for unit, grad in zip(chunk, grads):
-                        self.masters[unit.index].grad = grad
-                    optimizer.step()
-                    for unit in chunk:
-                        self.masters[unit.index].grad = None
-                        handles.append(publish(unit, self.masters[unit.index]))
+                handles.extend(self._step_chunk(chunk, optimizer.step, factor, publish))
         finally:
             for master in self.masters:
                 master.grad = None
@@ -362,6 +360,88 @@ class CpuOptimizerOffload:
             self._published = torch.cuda.Event()
             self._published.record()
         return handles
+
+    def _step_chunk(self, chunk: list[FlatUnit], step: Callable[[], object], factor: float | None,
+                    publish: Callable[[FlatUnit, torch.Tensor], object]) -> list:
+        """Scale ``chunk``'s gradients by ``factor``, ``step()`` its masters, publish each unit."""
+        handles = []
+        with self.open_masters(chunk):
+            grads = [self.grads[u.index] for u in chunk]
+            if factor is not None:
+                torch._foreach_mul_(grads, factor)
+            for unit, grad in zip(chunk, grads):
+                self.masters[unit.index].grad = grad
+            try:
+                step()
+            finally:
+                for unit in chunk:
+                    self.masters[unit.index].grad = None
+            for unit in chunk:
+                handles.append(publish(unit, self.masters[unit.index]))
+        return handles
+
+    def step_in_background(self, optimizer: torch.optim.Optimizer, factor: float | None,
+                           publish: Callable[[FlatUnit, torch.Tensor], object]) -> list:
+        """:meth:`step_in_chunks` with the units the parameter home holds stepped on a worker
+        thread (``offload_optimizer.overlap_step``, :mod:`.step_overlap`): the units kept on the
+        device and those no home holds are stepped and published here, first; the rest, chunk by
+        chunk in unit order, by the worker, each marked updated in the home once published.
+        Returns the handles of the units published here; :meth:`settle` joins the worker."""
+        from dslab.engine.zero.step_overlap import BackgroundStep, snapshot_optimizer
+
+        self.settle()
+        if self._published is not None:
+            self._published.synchronize()
+            self._published = None
+        handles = self.step_on_device(optimizer, factor, publish)
+        here = [[u for u in chunk if not self.home.holds(u)] for chunk in self.chunks]
+        later = [[u for u in chunk if self.home.holds(u)] for chunk in self.chunks]
+        try:
+            for chunk in here:
+                if chunk:
+                    handles.extend(self._step_chunk(chunk, optimizer.step, factor, publish))
+        finally:
+            for master in self.masters:
+                master.grad = None
+        if self.cuda:
+            self._published = torch.cuda.Event()
+            self._published.record()
+        later = [chunk for chunk in later if chunk]
+        if not later:
+            return handles
+        step, _ = snapshot_optimizer(optimizer)
+        home = self.home
+        home.begin_updates([u for chunk in later for u in chunk])
+
+        def work() -> None:
+            for chunk in later:
+                for handle in self._step_chunk(chunk, step, factor, publish):
+                    if handle is not None:  # a home-held unit publishes nothing to wait for
+                        handle.wait()
+                for unit in chunk:
+                    home.finish_update(unit)
+
+        self._background = BackgroundStep(work, home.fail_updates)
+        setattr(optimizer, "_opt_called", True)  # what the step through the scheduler's wrapper sets
+        return handles
+
+    def stepping(self) -> bool:
+        """Whether a background step is still running."""
+        return self._background is not None and not self._background.done()
+
+    def settle(self) -> None:
+        """Join a background step (raising what it raised): masters, gradients and optimizer
+        states are then this step's."""
+        background, self._background = self._background, None
+        if background is None:
+            return
+        try:
+            background.wait()
+        finally:
+            self.totals["overlap_step_s"] += background.seconds
+            self.totals["overlap_join_wait_s"] += background.waited_s
+            if self.home is not None:
+                self.home.end_updates()
 
     def step_on_device(self, optimizer: torch.optim.Optimizer, factor: float | None,
                        publish: Callable[[FlatUnit, torch.Tensor], object]) -> list:
@@ -411,8 +491,10 @@ class CpuOptimizerOffload:
         memory."""
 
     def close(self) -> None:
-        """Finish the host additions in flight, stop their worker and undo the page locks."""
+        """Finish a background step and the host additions in flight, stop their worker and undo
+        the page locks."""
         try:
+            self.settle()
             if self._worker is not None:
                 try:
                     self._finish_adds()

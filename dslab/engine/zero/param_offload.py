@@ -41,6 +41,7 @@ import abc
 import contextlib
 import secrets
 import shutil
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -92,12 +93,63 @@ class ParamHome(abc.ABC):
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._stalls: list[tuple] = []
         self.totals = {"fetches": 0, "h2d_bytes": 0, "disk_read_bytes": 0,
-                       "disk_write_bytes": 0, "disk_wait_s": 0.0, "copy_stall_ms": 0.0}
+                       "disk_write_bytes": 0, "disk_wait_s": 0.0, "copy_stall_ms": 0.0,
+                       "update_wait_s": 0.0}
         # the shards kept in host memory, page-locked at their size (pinned.py)
         self.host_buffers = HostBuffers("offload_param")
+        # offload_optimizer.overlap_step (step_overlap.py): units a background step has yet to
+        # update, each with the event its update sets
+        self._updating: dict[int, threading.Event] = {}
+        self._update_error: BaseException | None = None
 
     def holds(self, unit: FlatUnit) -> bool:
         return unit.index in self._held
+
+    # -- updates by a background optimizer step (step_overlap.py) ------------------------------
+
+    def begin_updates(self, units: list[FlatUnit]) -> None:
+        """``units`` are about to be stepped off this thread: until :meth:`finish_update` marks
+        each, a fetch of it waits. The copies to the device in flight (which read the home
+        copies) complete first."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self._update_error = None
+        self._updating = {u.index: threading.Event() for u in units}
+
+    def finish_update(self, unit: FlatUnit) -> None:
+        """``unit``'s master and what derives from it are up to date."""
+        event = self._updating.get(unit.index)
+        if event is not None:
+            event.set()
+
+    def fail_updates(self, err: BaseException) -> None:
+        """The background step failed: release every waiting fetch (each then raises)."""
+        self._update_error = err
+        for event in list(self._updating.values()):
+            event.set()
+
+    def updated(self, unit: FlatUnit) -> bool:
+        """Whether ``unit`` has no background update pending."""
+        event = self._updating.get(unit.index)
+        return event is None or event.is_set()
+
+    def wait_updated(self, unit: FlatUnit) -> None:
+        """Wait until ``unit``'s background update is done (timed as ``update_wait_s``)."""
+        event = self._updating.get(unit.index)
+        if event is None:
+            return
+        if not event.is_set():
+            start = time.perf_counter()
+            event.wait()
+            self.totals["update_wait_s"] += time.perf_counter() - start
+        if self._update_error is not None:  # the step is incomplete: no unit of it may be used
+            raise RuntimeError(f"the background optimizer step (offload_optimizer.overlap_step) failed; "
+                               f"unit {unit.index} was to be fetched from its incomplete step") from self._update_error
+
+    def end_updates(self) -> None:
+        """The background step is over (joined): nothing is pending."""
+        self._updating = {}
+        self._update_error = None
 
     # -- fetching -----------------------------------------------------------------------------
 
@@ -224,6 +276,7 @@ class CpuParamHome(ParamHome):
         self.refresh(unit)
 
     def fetch(self, unit, dest, async_op):
+        self.wait_updated(unit)
         copy = self.copies.get(unit.index)
         if copy is not None:
             event = self._copy_widened(copy, dest)

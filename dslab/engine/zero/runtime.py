@@ -373,8 +373,17 @@ class ZeroRuntime:
             factor = 1.0 / scale
             if clip > 0:
                 factor *= min(1.0, clip / (math.sqrt(squared) / scale + 1e-6))
-        self._wait(self.offload.step_in_chunks(optimizer, factor, self._publish_unit))
+        if self.config.offload_optimizer.overlap_step and self.param_home is not None:
+            self._wait(self.offload.step_in_background(optimizer, factor, self._publish_unit))
+        else:
+            self._wait(self.offload.step_in_chunks(optimizer, factor, self._publish_unit))
         return True
+
+    def stepping(self) -> bool:
+        """Whether the offloaded optimizer step still runs in the background
+        (``offload_optimizer.overlap_step``): the optimizer's masters are its until
+        :meth:`settle`."""
+        return self.offload is not None and self.offload.stepping()
 
     def set_norm_filter(self, counts) -> None:
         """Count in the gradient norm only the parameters for which ``counts(param)`` is True
@@ -477,11 +486,15 @@ class ZeroRuntime:
             self.deferred.before_forward()
 
     def settle(self) -> None:
-        """Complete any deferred parameter gathers (``overlap_param_gather``): the parameters are
-        whole after it. Checkpoints and state dicts call it; so may a caller that reads the
-        parameters between a step and the next forward."""
+        """Complete any deferred parameter gathers (``overlap_param_gather``) and a background
+        optimizer step (``offload_optimizer.overlap_step``): the parameters are whole and the
+        masters and optimizer states up to date after it. Checkpoints and state dicts call it; so
+        may a caller that reads the parameters or the optimizer between a step and the next
+        forward."""
         if self.deferred is not None:
             self.deferred.settle()
+        if self.offload is not None:
+            self.offload.settle()
 
     def _wait(self, handles: list) -> None:
         for handle in handles:
@@ -493,9 +506,13 @@ class ZeroRuntime:
             self.gatherer.release_all()
 
     def zero_grad(self) -> None:
+        # a background step (offload_optimizer.overlap_step) sets and clears its masters' grads
+        # itself: clearing them here could take a chunk's away between the two
+        masters = not self.stepping()
         for unit, master in zip(self.units, self.masters):
             unit.grad_shard = None
-            master.grad = None
+            if masters:
+                master.grad = None
         if self.offload is not None:
             self.offload.zero_grad()
 

@@ -210,6 +210,8 @@ class ParameterGatherer:
                 continue
             if self.live_numel + candidate.padded > self.max_live_numel:
                 break
+            if self.home is not None and self.home.holds(candidate) and not self.home.updated(candidate):
+                break  # a background optimizer step has yet to update it: its gather waits for that
             self._start_gather(candidate, async_op=True)
 
     # -- hooks --------------------------------------------------------------------------------

@@ -114,3 +114,17 @@ def test_a_resident_gradient_sum_crosses_pcie_once_a_step(reference):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-5)
     assert stats["grad_h2d_bytes"] == 0 and stats["host_adds"] == 0
     assert 2 * stats["grad_d2h_bytes"] == plain["grad_d2h_bytes"] > 0
+
+
+@pytest.mark.parametrize("fetch_dtype", [None, "bf16"])
+def test_a_background_step_trains_as_the_serial_one_on_the_gpu(fetch_dtype):
+    """``offload_optimizer.overlap_step``: the offloaded units' CPU step on a worker thread while
+    the next forward fetches them from pinned memory on the side stream, with resident units
+    stepped first: the serial step's losses exactly, and the worker did the stepping."""
+    zero = {"stage3_param_persistence_threshold": 2_000, "sub_group_size": 50_000,
+            "offload_param": {"device": "cpu", "pin_memory": True, "fetch_dtype": fetch_dtype}}
+    serial, _ = _losses(zero)
+    zero["offload_optimizer"] = {"device": "cpu", "overlap_step": True}
+    overlapped, stats = _losses(zero)
+    assert overlapped == serial
+    assert stats["overlap_step_s"] > 0 and stats["update_wait_s"] >= 0

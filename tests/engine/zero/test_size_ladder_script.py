@@ -88,3 +88,11 @@ def test_accumulate_on_reaches_every_dslab_offload_config(config, tmp_path):
     prefetched = size_ladder.parse_args(["--prefetch", "400000000"])
     for name in (config, "deepspeed-offload"):
         assert size_ladder.engine_config(name, prefetched)["zero_optimization"]["stage3_prefetch_bucket_size"] == 4e8
+
+
+@pytest.mark.parametrize("config", ["offload", "offload-split", "offload-opt", "deepspeed-offload"])
+def test_overlap_step_reaches_the_dslab_parameter_offload_configs_only(config):
+    zero = size_ladder.engine_config(config, size_ladder.parse_args(["--overlap-step"]))["zero_optimization"]
+    assert zero["offload_optimizer"].get("overlap_step", False) == (config in ("offload", "offload-split"))
+    plain = size_ladder.engine_config(config, size_ladder.parse_args([]))["zero_optimization"]
+    assert "overlap_step" not in plain["offload_optimizer"]  # the engine's default unless asked

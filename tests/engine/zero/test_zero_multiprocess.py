@@ -77,7 +77,7 @@ def test_every_stage_ends_where_stage0_ends(two_ranks, scenario):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("name", ["cpu", "cpu_reuse_chunks", "nvme", "nvme_both", "nvme_both_host_add",
                                   "cpu_ratio", "cpu_host_add_ratio", "cpu_resident_add", "nvme_ratio",
-                                  "nvme_cached"])
+                                  "nvme_cached", "cpu_overlap", "cpu_overlap_ratio"])
 def test_stage3_with_parameter_offload_ends_where_stage0_ends(two_ranks, name, tied):
     """offload_param on the CPU or in files (with the optimizer offloaded to the CPU or NVMe):
     the losses of every step and the final parameters are stage 0's; the shards live off the
@@ -103,7 +103,7 @@ def test_stage3_with_parameter_offload_ends_where_stage0_ends(two_ranks, name, t
         assert stats["disk_read_bytes"] >= stats["h2d_bytes"] > 0
     if name in ("nvme", "nvme_both", "nvme_both_host_add"):
         assert result["shard_sizes"] == [0]  # every unit released: its shard is in its file
-    elif name in ("cpu", "cpu_reuse_chunks", "cpu_resident_add"):
+    elif name in ("cpu", "cpu_reuse_chunks", "cpu_resident_add", "cpu_overlap"):
         assert result["shard_devices"] == ["cpu"] and 0 not in result["shard_sizes"]
 
 

@@ -293,6 +293,11 @@ def param_offload_runs(nvme_root: Path) -> dict:
                                                      "staging_buffers": 2}},
         "cpu_resident_add": {"offload_param": {"device": "cpu"},
                              "offload_optimizer": {"device": "cpu", "accumulate_on": "gpu_resident"}},
+        # the offloaded units' step on a worker thread while the next forward runs
+        "cpu_overlap": {"offload_param": {"device": "cpu"}, "sub_group_size": 40,
+                        "offload_optimizer": {"device": "cpu", "overlap_step": True}},
+        "cpu_overlap_ratio": {"offload_param": {"device": "cpu"},
+                              "offload_optimizer": {"device": "cpu", "ratio": 0.5, "overlap_step": True}},
         "nvme_ratio": {"offload_param": {"device": "nvme", "nvme_path": str(nvme_root / "params"),
                                          "max_in_cpu": 0},
                        "offload_optimizer": {"device": "nvme", "ratio": 0.6,
