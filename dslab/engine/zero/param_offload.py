@@ -265,9 +265,13 @@ class CpuParamHome(ParamHome):
         copy = self.copies.get(unit.index)
         if copy is None:
             return
-        if self._issued and self.stream is not None:
-            self.stream.synchronize()
-        self._issued = False
+        if unit.index not in self._updating:
+            if self._issued and self.stream is not None:
+                self.stream.synchronize()
+            self._issued = False
+        # else a background step's update (step_overlap.py): no copy of it is in flight (begin_updates
+        # drained them, and its next fetch waits for this update), and the worker must not wait on
+        # the copies the forward issues meanwhile
         with torch.no_grad():
             copy.copy_(unit.shard)
 
