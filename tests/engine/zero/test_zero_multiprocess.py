@@ -123,6 +123,19 @@ def test_parameters_fetched_from_bf16_copies_train_like_stage0_within_their_roun
 
 
 @pytest.mark.parametrize("tied", [False, True])
+def test_a_background_step_with_bf16_fetch_copies_is_the_serial_steps_bit_for_bit(two_ranks, tied):
+    """offload_optimizer.overlap_step with fetch_dtype bf16 on 2 ranks: the worker refreshes each
+    unit's bf16 copy before its fetch may read it, so the losses and final parameters are the
+    serial run's exactly, and the copies follow the masters."""
+    result = two_ranks[f"param_offload/tied{tied}/cpu_fetch_bf16_overlap"]
+    serial = two_ranks[f"param_offload/tied{tied}/cpu_fetch_bf16"]
+    assert result["losses"] == serial["losses"]
+    _assert_states_close(result["state"], serial["state"], rtol=0, atol=0)
+    assert result["copies_current"] and result["stats"]["overlap_step_s"] > 0
+    assert result["stats"]["fetches"] == serial["stats"]["fetches"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
 def test_gradients_staged_in_bf16_train_like_stage0_within_their_rounding(two_ranks, tied):
     """offload_optimizer.staging_dtype bf16: the later micro-step's shards reach the host adds
     through bf16 staging buffers, and the run ends where stage 0 does within that rounding."""

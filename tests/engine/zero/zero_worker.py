@@ -362,6 +362,18 @@ def run_param_offload(results, ckpt_root):
             "copies_current": all(torch.equal(home.copies[u.index], u.shard.to(torch.bfloat16))
                                   for u in engine.zero.units if home.holds(u))}
         engine.destroy()
+        # the same with the offloaded units' step in the background (offload_optimizer.overlap_step)
+        overlap = {**PARAM_OFFLOAD_BF16_FETCH, "sub_group_size": 40,
+                   "offload_optimizer": {"device": "cpu", "overlap_step": True}}
+        engine = build(3, tied=tied, zero=overlap, **PARAM_OFFLOAD_TRAINING)
+        home = engine.zero.param_home
+        losses = train(engine, 3, tied)
+        sd = state(engine)  # module_state_dict settles the background step first
+        results[f"param_offload/tied{tied}/cpu_fetch_bf16_overlap"] = {
+            "losses": losses, "state": sd, "stats": {**home.stats(), **engine.zero.offload.stats()},
+            "copies_current": all(torch.equal(home.copies[u.index], u.shard.to(torch.bfloat16))
+                                  for u in engine.zero.units if home.holds(u))}
+        engine.destroy()
         # later micro-steps' gradient shards staged in bf16 for the host adds (offload_optimizer.staging_dtype)
         engine = build(3, tied=tied, zero=PARAM_OFFLOAD_BF16_STAGING, **PARAM_OFFLOAD_TRAINING)
         losses = train(engine, 3, tied)
