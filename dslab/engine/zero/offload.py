@@ -296,7 +296,10 @@ class CpuOptimizerOffload:
         for them: for a free staging buffer during backward (``staging_wait_s``) and for the
         last ones before a step or a new window (``adds_wait_s``); and the adding worker's own
         time, waiting for a shard's copy to land (``add_copy_wait_s``) and adding it (``add_s``,
-        with the last micro-step's norms): which of the two bounds ``staging_wait_s``."""
+        with the last micro-step's norms): which of the two bounds ``staging_wait_s``. With
+        ``overlap_step``: the background steps' own time (``overlap_step_s``) and the time spent
+        joining them (``overlap_join_wait_s``; the forward's waits for single units are the
+        parameter home's ``update_wait_s``)."""
         return dict(self.totals)
 
     def gradients(self) -> list[torch.Tensor]:

@@ -32,7 +32,8 @@ shard's bytes over PCIe, widened to the unit's dtype on the device's side stream
 What the fetches cost is counted per step (:meth:`stats`): bytes copied to the device, bytes
 read from disk, the time the host waited for file reads, and the time the device stream stood
 waiting for a copy to land (measured with CUDA events around each wait: the part of the copy
-that did not overlap compute).
+that did not overlap compute), and with ``offload_optimizer.overlap_step`` the time fetches
+waited for a background optimizer step to update their unit (``update_wait_s``).
 """
 
 from __future__ import annotations
