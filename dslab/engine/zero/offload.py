@@ -127,6 +127,7 @@ class CpuOptimizerOffload:
             self.masters.append(nn.Parameter(master))
             self.grads.append(self.host_buffers.zeros(unit.shard_numel, unit.dtype, self.cuda))
         self.device_units = [u for u, device in zip(units, self.on_device) if device]
+        self.chunk_numel = chunk_numel
         self.chunks = plan_chunks([u for u, device in zip(units, self.on_device) if not device],
                                   chunk_numel)
         self.last_backward = True
@@ -384,12 +385,15 @@ class CpuOptimizerOffload:
         return handles
 
     def step_in_background(self, optimizer: torch.optim.Optimizer, factor: float | None,
-                           publish: Callable[[FlatUnit, torch.Tensor], object]) -> list:
+                           publish: Callable[[FlatUnit, torch.Tensor], object],
+                           order: list[int] | None = None) -> list:
         """:meth:`step_in_chunks` with the units the parameter home holds stepped on a worker
         thread (``offload_optimizer.overlap_step``, :mod:`.step_overlap`): the units kept on the
-        device and those no home holds are stepped and published here, first; the rest, chunk by
-        chunk in unit order, by the worker, each marked updated in the home once published.
-        Returns the handles of the units published here; :meth:`settle` joins the worker."""
+        device and those no home holds are stepped and published here, first; the rest by the
+        worker, in chunks of ``chunk_numel`` elements in ``order`` (unit indices in the order the
+        forward gathers them; units it does not list follow in index order), each marked updated
+        in the home once published. Returns the handles of the units published here;
+        :meth:`settle` joins the worker."""
         from dslab.engine.zero.step_overlap import BackgroundStep, snapshot_optimizer
 
         self.settle()
@@ -398,7 +402,10 @@ class CpuOptimizerOffload:
             self._published = None
         handles = self.step_on_device(optimizer, factor, publish)
         here = [[u for u in chunk if not self.home.holds(u)] for chunk in self.chunks]
-        later = [[u for u in chunk if self.home.holds(u)] for chunk in self.chunks]
+        position = {index: i for i, index in enumerate(order or [])}
+        held = sorted((u for chunk in self.chunks for u in chunk if self.home.holds(u)),
+                      key=lambda u: (position.get(u.index, len(position)), u.index))
+        later = plan_chunks(held, self.chunk_numel)
         try:
             for chunk in here:
                 if chunk:
@@ -409,7 +416,6 @@ class CpuOptimizerOffload:
         if self.cuda:
             self._published = torch.cuda.Event()
             self._published.record()
-        later = [chunk for chunk in later if chunk]
         if not later:
             return handles
         step, _ = snapshot_optimizer(optimizer)
@@ -513,7 +519,7 @@ def _square_norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def plan_chunks(units: list[FlatUnit], chunk_numel: int) -> list[list[FlatUnit]]:
-    """``units`` in index order cut into runs of at least ``chunk_numel`` shard elements (the
+    """``units`` in their order cut into runs of at least ``chunk_numel`` shard elements (the
     last run may be shorter)."""
     chunks, current, numel = [], [], 0
     for unit in units:

@@ -374,7 +374,8 @@ class ZeroRuntime:
             if clip > 0:
                 factor *= min(1.0, clip / (math.sqrt(squared) / scale + 1e-6))
         if self.config.offload_optimizer.overlap_step and self.param_home is not None:
-            self._wait(self.offload.step_in_background(optimizer, factor, self._publish_unit))
+            order = [u.index for u in self.gatherer.order] if self.gatherer is not None else None
+            self._wait(self.offload.step_in_background(optimizer, factor, self._publish_unit, order))
         else:
             self._wait(self.offload.step_in_chunks(optimizer, factor, self._publish_unit))
         return True

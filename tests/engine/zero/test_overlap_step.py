@@ -209,3 +209,38 @@ def test_overlap_step_is_refused_without_parameter_offload_to_the_cpu():
         load_config(base_config(zero_optimization={
             "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/p"},
             "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/o", "overlap_step": True}}))
+
+
+class HeadFirst(nn.Module):
+    """The head registered before the layers it follows: unit order is not forward order."""
+
+    def __init__(self, dim=16, hidden=48, classes=4):
+        super().__init__()
+        self.head = nn.Linear(hidden, classes)
+        self.layers = nn.ModuleList([nn.Linear(dim, hidden), nn.Linear(hidden, hidden)])
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+def test_the_worker_steps_the_units_in_the_order_the_forward_fetches_them(monkeypatch):
+    torch.manual_seed(0)
+    engine, _, _, _ = dslab.initialize(model=HeadFirst(), config=_config(True, accum=1))
+    home = engine.zero.param_home
+    updated = []
+    finish = home.finish_update
+
+    def record(unit):
+        updated.append(unit.index)
+        finish(unit)
+
+    monkeypatch.setattr(home, "finish_update", record)
+    x, y = make_data(16, seed=3)
+    engine.backward(engine(x[:8], y[:8]))
+    engine.step()
+    engine.zero.settle()
+    forward = [u.index for u in engine.zero.gatherer.order]
+    assert forward[-1] == 0  # the head, unit 0, is gathered last
+    assert updated == forward
