@@ -396,6 +396,7 @@ class CpuOptimizerOffload:
         :meth:`settle` joins the worker."""
         from dslab.engine.zero.step_overlap import BackgroundStep, snapshot_optimizer
 
+        step, _ = snapshot_optimizer(optimizer)  # refuses an optimizer it cannot copy, before any update
         self.settle()
         if self._published is not None:
             self._published.synchronize()
@@ -418,7 +419,6 @@ class CpuOptimizerOffload:
             self._published.record()
         if not later:
             return handles
-        step, _ = snapshot_optimizer(optimizer)
         home = self.home
         home.begin_updates([u for chunk in later for u in chunk])
 

@@ -33,7 +33,14 @@ def snapshot_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Callable[[], o
     """``(step, shadow)``: a shallow copy of ``optimizer`` that shares its parameters and state
     but holds copies of its param groups' hyperparameters as they are now, and a callable that
     steps it through the optimizer's class (an LR scheduler wraps the instance's ``step``, which
-    would step the original's groups)."""
+    would step the original's groups). Only torch's own optimizers, which keep everything a step
+    changes in ``state``, are stepped this way: another class could keep a counter on the
+    instance, which the copy's step would leave behind (a ValueError names it)."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim"):
+        raise ValueError(f"zero_optimization.offload_optimizer.overlap_step steps torch.optim optimizers only "
+                         f"(a copy sharing their state); {cls.__module__}.{cls.__qualname__} is not one: "
+                         f"set overlap_step to false, or pass a torch.optim optimizer")
     shadow = copy.copy(optimizer)
     shadow.param_groups = [dict(group) for group in optimizer.param_groups]
     step = type(optimizer).step

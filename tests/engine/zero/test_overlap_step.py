@@ -244,3 +244,28 @@ def test_the_worker_steps_the_units_in_the_order_the_forward_fetches_them(monkey
     forward = [u.index for u in engine.zero.gatherer.order]
     assert forward[-1] == 0  # the head, unit 0, is gathered last
     assert updated == forward
+
+
+class CountingAdamW(torch.optim.AdamW):
+    """An optimizer outside torch.optim that keeps a counter on the instance."""
+
+    def step(self, closure=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().step(closure)
+
+
+def test_an_optimizer_outside_torch_optim_is_refused_by_name():
+    torch.manual_seed(0)
+    model = Deep()
+    config = _config(True, accum=1)
+    config.pop("optimizer")
+    config.pop("scheduler")
+    engine, _, _, _ = dslab.initialize(model=model, optimizer=lambda params: CountingAdamW(params, lr=1e-3),
+                                       config=config)
+    x, y = make_data(8, seed=3)
+    engine.backward(engine(x, y))
+    masters = [m.detach().clone() for m in engine.zero.masters]
+    with pytest.raises(ValueError, match="overlap_step steps torch.optim optimizers only.*CountingAdamW"):
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(masters, engine.zero.masters))  # refused before any update
+    assert not engine.zero.stepping()
