@@ -86,7 +86,8 @@ class OffloadOptimizerConfig(ConfigSection):
     ``overlap_step`` (dslab's key, with ``offload_param: cpu``; off by default): the CPU step of
     the offloaded parameters runs on a worker thread, in forward order, while the next forward
     begins; a fetch of a unit waits until the step has updated it (:mod:`dslab.engine.zero.step_overlap`).
-    The results are the serial step's. Parameters or optimizer states read outside the engine
+    The results are the serial step's. The optimizer must be one of torch.optim's (the worker
+    steps a copy that shares its state; another class is refused). Parameters or optimizer states read outside the engine
     between a step and the next forward need ``engine.zero.settle()`` first, as checkpoints do."""
 
     device: str = "none"
