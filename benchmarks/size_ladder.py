@@ -363,8 +363,9 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
 def fmt_table(rows: list[dict]) -> str:
     lines = ["| config | size | params | status | step s | tokens/s | TFLOP/s | MFU | peak GPU GiB "
              "| peak host GiB | fetched GB/step | disk read/write GB/step | device wait ms/step "
-             "| gradients out/back GB/step | host adds wait s/step (worker: copy wait / adding) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| gradients out/back GB/step | host adds wait s/step (worker: copy wait / adding) "
+             "| background step s/step (fetches waited) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         def num(key, scale=1.0, digits=1):
             value = r.get(key)
@@ -380,13 +381,15 @@ def fmt_table(rows: list[dict]) -> str:
         adds = (f"{grads['staging_wait_s'] + grads['adds_wait_s']:.2f} "
                 f"({grads.get('add_copy_wait_s', 0.0):.2f} / {grads.get('add_s', 0.0):.2f})"
                 if grads.get("host_adds") else "")
+        background = (f"{grads['overlap_step_s']:.2f} ({offload.get('update_wait_s', 0.0):.2f})"
+                      if grads.get("overlap_step_s") else "")
         status = r["status"] + (f" ({r['where']})" if r.get("where") else "")
         params = f"{r['params'] / 1e9:.2f}B" if r.get("params") else ""
         lines.append(
             f"| {r['config']} | {r['size']} | {params} | {status} | {num('step_s', digits=2)} "
             f"| {num('tokens_per_s', digits=0)} | {num('model_tflops')} | {num('mfu', 0.01)}{'%' if 'mfu' in r else ''} "
             f"| {num('peak_gpu_bytes', 2**30)} | {num('peak_host_rss_bytes', 2**30)} | {fetched} "
-            f"| {disk} | {waited} | {traffic} | {adds} |")
+            f"| {disk} | {waited} | {traffic} | {adds} | {background} |")
     return "\n".join(lines)
 
 
