@@ -7,7 +7,9 @@ given threshold and run-to-run noise levels (each level one column pair).
 OUT_DIR holds ``kernels_base.json``, ``kernels_aa_<i>.json`` and ``kernels_slow_<i>.json``. For each
 benchmark: A/A runs flagged (false alarms), slowed runs caught (only the dslab arm is slowed, so
 a torch row's "caught" is also a false alarm), the measured injected slowdown (the slowed files'
-``extra_info.injected_fraction``), and the change the gate read (median over runs); above the
+``extra_info.injected_fraction``), and the change the gate read (median over runs). A count says
+how many of its passes were unresolved (their interval reached past the threshold on the worse
+side: rounds too few or too spread to catch a change of the threshold's size); above the
 table, the run-to-run noise of the unchanged processes (:func:`run_noise`). Exit 1 when the
 folder holds no usable files.
 """
@@ -51,7 +53,7 @@ def summarize(folder: Path, threshold: float, noises: list[float]) -> tuple[list
             for path in paths:
                 for row in gate_pytest_benchmark(base, path, settings).rows:
                     entry = table.setdefault(row.case, {})
-                    entry.setdefault((kind, noise), []).append(row.verdict == REGRESSION)
+                    entry.setdefault((kind, noise), []).append((row.verdict == REGRESSION, row.unresolved))
                     if noise == noises[0] and row.ratio is not None:
                         entry.setdefault(("change", kind), []).append(row.ratio - 1.0)
     header = ["benchmark", "injected (measured)", "A/A change", "slowed change"]
@@ -69,7 +71,9 @@ def summarize(folder: Path, threshold: float, noises: list[float]) -> tuple[list
         for noise in noises:
             for kind in ("aa", "slow"):
                 hits = entry.get((kind, noise), [])
-                cells.append(f"{sum(hits)} of {len(hits)}" if hits else "-")
+                unresolved = sum(u for _, u in hits)
+                cells.append(f"{sum(f for f, _ in hits)} of {len(hits)}"
+                             + (f" ({unresolved} unresolved)" if unresolved else "") if hits else "-")
         rows.append(cells)
     return header, rows
 

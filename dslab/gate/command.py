@@ -61,7 +61,7 @@ DEFAULT_THRESHOLD = {False: 0.05, True: 0.03}
 DEFAULT_ALPHA = {False: 0.01, True: 0.05}
 # The options only --ab takes, and the classic options it refuses.
 AB_ONLY = ("case", "scale", "baseline_tree", "max_trials", "min_trials", "out", "candidate_env", "no_pin_kernels")
-NOT_WITH_AB = ("baseline", "candidate", "update_baseline", "pytest_benchmark", "run_noise")
+NOT_WITH_AB = ("baseline", "candidate", "update_baseline", "pytest_benchmark", "run_noise", "strict")
 AB_MIN_TRIALS, AB_MAX_TRIALS = 5, 15
 
 
@@ -114,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the trials of one process cannot show (pytest-benchmark rounds are one process): "
                              "widens the interval by it (default: 0%%; measure it from A/A runs, e.g. 0.3%% for "
                              "benchmarks/kernels on an H200)")
+    parser.add_argument("--strict", action="store_true",
+                        help="a row with no clear change whose CI still reaches past the threshold on the worse "
+                             "side (the trials could not have caught a regression of the threshold's size) is "
+                             "cannot-judge, exit 2, instead of a pass")
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     parser.add_argument("--update-baseline", nargs="+", default=None, metavar="RUN",
                         help="write the baseline of RUN's fingerprint from RUN (several runs are pooled) and exit")
@@ -316,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = GateSettings(threshold=DEFAULT_THRESHOLD[False] if args.threshold is None else args.threshold,
                                 alpha=DEFAULT_ALPHA[False] if args.alpha is None else args.alpha,
-                                run_noise=getattr(args, "run_noise", None) or 0.0)
+                                run_noise=getattr(args, "run_noise", None) or 0.0,
+                                strict=bool(getattr(args, "strict", False)))
     except ValueError as err:
         print(f"dslab gate: error: {err}", file=sys.stderr)
         return EXIT_CANNOT_JUDGE

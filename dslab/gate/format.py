@@ -47,6 +47,16 @@ def _settings_line(report: GateReport) -> str:
             + (f", run-to-run noise {s.run_noise:.2%}" if s.run_noise else "") + "), two-sided Mann-Whitney U")
 
 
+def _unresolved_note(report: GateReport) -> str | None:
+    rows = report.unresolved
+    if not rows:
+        return None
+    verdict = "counted as cannot-judge (--strict)" if report.settings.strict else "passed"
+    return (f"{len(rows)} of {len(report.rows)} row(s) {verdict} without ruling out a regression of the threshold's "
+            f"size: their CI reaches past it on the worse side ({', '.join(_subject(r) for r in rows)}); "
+            f"more trials, or longer ones, narrow the CI")
+
+
 def _cells(row: Row) -> list[str]:
     metric = f"{row.metric} {ARROWS.get(row.direction, '')}".rstrip()
     return [
@@ -76,8 +86,9 @@ def format_text(report: GateReport) -> str:
         lines.append("")
         lines.append("  why:")
         lines += [f"    {_subject(r)} {r.metric}: {r.reason}" for r in report.rows]
-    for note in report.notes:
-        lines.append(f"  note: {note}")
+    for note in [*report.notes, _unresolved_note(report)]:
+        if note:
+            lines.append(f"  note: {note}")
     return "\n".join(lines) + "\n"
 
 
@@ -111,8 +122,9 @@ def format_markdown(report: GateReport) -> str:
                 cells[-1] = f"**{cells[-1]}**"
             lines.append("| " + " | ".join(_md(c) for c in [*cells, row.reason]) + " |")
         lines.append("")
-    for note in report.notes:
-        lines.append(f"_{_md(note)}_")
+    for note in [*report.notes, _unresolved_note(report)]:
+        if note:
+            lines.append(f"_{_md(note)}_")
     return "\n".join(lines).rstrip() + "\n"
 
 

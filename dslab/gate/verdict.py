@@ -17,7 +17,12 @@ The rule, for one metric with trials ``b`` (baseline, m of them) and ``c`` (cand
   differ, the metric has no known direction, or there are too few trials for the rank test ever
   to reach ``p < alpha`` (with alpha 0.01 that takes 5 trials on each side: ``2 / C(10, 5) =
   0.0079``).
-* **pass** otherwise.
+* **pass** otherwise. A pass with no clear change whose interval still reaches past the
+  threshold on the bad side is **unresolved** (``Row.unresolved``): the trials could not have told
+  a change of the threshold's size from none (too few, or too spread: more or longer trials narrow
+  the interval). Its reason says so and the report counts such rows; with
+  :attr:`GateSettings.strict` it is cannot-judge instead (exit 2), so CI cannot pass a comparison
+  too noisy to catch what the threshold names.
 
 Why the threshold is tested against the interval's far end and not against the median: a real
 drop of exactly the threshold has an observed median beyond the threshold only half the time,
@@ -59,7 +64,8 @@ class GateSettings:
     ``seed``: the bootstrap's size and its numpy Generator seed (fixed, so verdicts repeat);
     ``run_noise``: the relative spread of a run's median from one process to another that its own
     trials cannot show (0: none; see :func:`dslab.gate.stats.bootstrap_ratio_ci`), widening the
-    interval."""
+    interval; ``strict``: an unresolved pass (no clear change, the interval reaching past the
+    threshold on the bad side) becomes cannot-judge."""
 
     threshold: float = 0.05
     alpha: float = 0.01
@@ -67,6 +73,7 @@ class GateSettings:
     resamples: int = 4000
     seed: int = 0
     run_noise: float = 0.0
+    strict: bool = False
 
     @property
     def level(self) -> float:
@@ -103,6 +110,7 @@ class Comparison:
     ci_high: float | None = None
     p_value: float | None = None
     test: str | None = None
+    unresolved: bool = False
 
 
 @dataclass
@@ -185,6 +193,15 @@ def compare_samples(baseline, candidate, direction: str, settings: GateSettings 
         out.reason = f"no clear change: {summary} >= alpha {settings.alpha:g}"
     else:
         out.reason = f"no clear change: {summary}; the CI includes 1 (no change)"
+    if worse_reaches:
+        out.unresolved = True
+        bad_end = high if direction == "lower" else low
+        out.reason += (f"; unresolved: the CI's worse end ({_pct(bad_end)}) lies past the {threshold} threshold, "
+                       f"so these trials cannot rule out a regression of that size (more or longer trials "
+                       f"narrow the CI)")
+        if settings.strict:
+            out.verdict = CANNOT_JUDGE
+            out.reason += "; --strict counts that as cannot-judge"
     return out
 
 
@@ -208,6 +225,11 @@ class GateReport:
         if self.problems or not self.rows or any(r.verdict == CANNOT_JUDGE for r in self.rows):
             return EXIT_CANNOT_JUDGE
         return EXIT_PASS
+
+    @property
+    def unresolved(self) -> list[Row]:
+        """The rows that passed without ruling out a regression of the threshold's size."""
+        return [r for r in self.rows if r.unresolved]
 
     @property
     def outcome(self) -> str:

@@ -216,6 +216,25 @@ def test_run_noise_widens_the_interval_of_one_process_rounds(tmp_path, capsys):
     assert code == 2 and "--run-noise" in out.err and "not with --ab" in out.err
 
 
+def test_strict_refuses_to_pass_rounds_too_spread_to_see_the_threshold(tmp_path, capsys):
+    """Rounds that scatter by 8% cannot tell an unchanged candidate from one 3% slower: the gate
+    passes them and says so; with --strict it cannot judge them (exit 2). Tight rounds still pass."""
+    base = bench_file(tmp_path / "base.json", seed=1, cv=0.08)
+    cand = bench_file(tmp_path / "cand.json", seed=2, cv=0.08)
+    code, out = gate(capsys, "--pytest-benchmark", base, cand, "--threshold", "3%")
+    assert code == 0 and "unresolved" in out.out and "2 of 2 row(s) passed without ruling out" in out.out, out.out
+    code, out = gate(capsys, "--pytest-benchmark", base, cand, "--threshold", "3%", "--strict", "--format", "json")
+    report = json.loads(out.out)
+    assert code == 2 and report["settings"]["strict"] is True
+    assert all(row["verdict"] == "cannot-judge" and row["unresolved"] for row in report["rows"])
+    tight = bench_file(tmp_path / "tight.json", seed=3, cv=0.002)
+    code, out = gate(capsys, "--pytest-benchmark", tight, bench_file(tmp_path / "tight2.json", seed=4, cv=0.002),
+                     "--threshold", "3%", "--strict")
+    assert code == 0 and "unresolved" not in out.out, out.out
+    code, out = gate(capsys, "--ab", "--suite", "gpt2", "--case", "124m", "--strict")
+    assert code == 2 and "--strict" in out.err and "not with --ab" in out.err
+
+
 def test_pytest_benchmark_gating_judges_only_benchmarks_timed_alike(tmp_path, capsys):
     """The kernel benchmarks' --kernel-timing: a graph-timed benchmark is not judged against an
     eager one (a file from before the option counts as eager); the rest are judged as usual."""

@@ -219,3 +219,55 @@ def test_formats_render_one_row_per_metric():
     assert "REGRESSION (exit 1)" in text and text.count("reaches the 5% threshold") == 4
     with pytest.raises(ValueError, match="format"):
         render(report, "html")
+
+
+# Rounds of one H200 run (benchmarks/gate_gpu.sh kernels, cross_entropy fwd+bwd 16384x50304 bf16,
+# dslab arm, 10 rounds of 200 ms, us per call): the plain kernel's rounds swing with the clock, by
+# 7.7% from the fastest to the slowest, and a copy slowed 3% on the device reads flat.
+CE_PLAIN_200MS = [1276.2, 1275.3, 1289.9, 1370.7, 1313.2, 1278.5, 1272.9, 1312.7, 1346.3, 1299.5]
+CE_SLOWED_200MS = [1338.8, 1326.0, 1326.4, 1340.0, 1344.9, 1335.0, 1326.6, 1331.0, 1333.1, 1342.5]
+
+
+def test_a_pass_that_cannot_rule_out_a_threshold_sized_change_says_so():
+    settings = GateSettings(threshold=0.03, run_noise=0.003)
+    result = compare_samples(CE_PLAIN_200MS, CE_SLOWED_200MS, "lower", settings)
+    assert result.verdict == PASS and result.unresolved
+    assert result.ci_high > 1.03 and "unresolved" in result.reason and "past the 3% threshold" in result.reason
+    strict = compare_samples(CE_PLAIN_200MS, CE_SLOWED_200MS, "lower", GateSettings(threshold=0.03, run_noise=0.003,
+                                                                                      strict=True))
+    assert strict.verdict == CANNOT_JUDGE and strict.unresolved and "--strict" in strict.reason
+    # The same for a throughput (higher is better): the interval's low end is the worse one.
+    speeds = compare_samples([1e6 / t for t in CE_PLAIN_200MS], [1e6 / t for t in CE_SLOWED_200MS], "higher", settings)
+    assert speeds.verdict == PASS and speeds.unresolved and speeds.ci_low < 0.97
+
+
+def test_tight_trials_resolve_and_clear_changes_are_never_unresolved():
+    rng = np.random.default_rng(7)
+    base, same = noisy_trials(rng, 15, cv=0.002, slow_fraction=0), noisy_trials(rng, 15, cv=0.002, slow_fraction=0)
+    tight = compare_samples(base, same, "higher")
+    assert tight.verdict == PASS and not tight.unresolved and "unresolved" not in tight.reason
+    slow = compare_samples(base, base * 0.9, "higher", GateSettings(strict=True))
+    assert slow.verdict == REGRESSION and not slow.unresolved
+
+
+def test_the_report_counts_unresolved_rows_and_strict_exits_2():
+    def report_of(strict):
+        def run(seq, values):
+            report = RunReport(run_id=f"20261130T00000{seq}Z-00000{seq}", suite="s", status="complete")
+            report.environment = {"torch": {"version": "2.11.0+cu128", "cuda": "12.8"}, "cpu_count": 16,
+                                  "cuda": {"gpus": [{"index": 0, "name": "NVIDIA H200"}]}, "environment_variables": {}}
+            report.config = {"scale": "full", "cases": [{"name": "c"}]}
+            result = Result(case="c", arm="dslab")
+            for t, v in enumerate(values):
+                result.trials.append(Trial(trial=t, metrics={"step_time_ms": v / 1000}))
+            result.summarize()
+            report.results.append(result)
+            return report
+        base = trial_set_from_reports([run(1, CE_PLAIN_200MS)])
+        cand = trial_set_from_reports([run(2, CE_SLOWED_200MS)])
+        return gate_trial_sets(base, cand, metrics=("step_time_ms",),
+                               settings=GateSettings(threshold=0.03, run_noise=0.003, strict=strict))
+    lenient, strict = report_of(False), report_of(True)
+    assert lenient.exit_code == 0 and len(lenient.unresolved) == 1
+    assert "1 of 1 row(s) passed without ruling out" in render(lenient, "text")
+    assert strict.exit_code == 2 and "counted as cannot-judge (--strict)" in render(strict, "markdown")
