@@ -35,7 +35,7 @@ EXPECTED_COMMANDS = {
     "dashboard": {"--reports", "--host", "--port"},
     "trace": {"--reports", "--force"},
     "gate": {"--suite", "--reports", "--baseline", "--candidate", "--metric", "--arm", "--threshold",
-             "--alpha", "--run-noise", "--format", "--update-baseline", "--pytest-benchmark",
+             "--alpha", "--run-noise", "--strict", "--format", "--update-baseline", "--pytest-benchmark",
              "--ab", "--case", "--scale", "--baseline-tree", "--max-trials", "--min-trials", "--out",
              "--candidate-env", "--no-pin-kernels"},
     "env": {"--json"},

@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from dslab.engine.zero.offload import CpuOptimizerOffload
+from dslab.engine.zero.offload import CpuOptimizerOffload, folded_factor
 from dslab.engine.zero.partition import FlatUnit
 from dslab.io import events
 from dslab.io.buffers import DIRECT_IO_ALIGNMENT, aligned_empty
@@ -229,23 +229,15 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
         handles = self.step_on_device(optimizer, factor, publish)
         reads = {0: self._swap_in(0)} if self.chunks else {}
         try:
-            for k, chunk in enumerate(self.chunks):
-                if self.pipeline_read and k + 1 < len(self.chunks):
-                    reads[k + 1] = self._swap_in(k + 1)
-                self._attach(k, reads.pop(k), optimizer)
-                with self.open_masters(chunk):
-                    grads = [self.grads[u.index] for u in chunk]
-                    if factor is not None:
-                        torch._foreach_mul_(grads, factor)
-                    for unit, grad in zip(chunk, grads):
-                        self.masters[unit.index].grad = grad
-                    optimizer.step()
-                    for unit in chunk:
-                        self.masters[unit.index].grad = None
-                        handles.append(publish(unit, self.masters[unit.index]))
-                self._swap_out(k, optimizer)
-                if not self.pipeline_read and k + 1 < len(self.chunks):
-                    reads[k + 1] = self._swap_in(k + 1)
+            with folded_factor(optimizer, factor) as left:
+                for k, chunk in enumerate(self.chunks):
+                    if self.pipeline_read and k + 1 < len(self.chunks):
+                        reads[k + 1] = self._swap_in(k + 1)
+                    self._attach(k, reads.pop(k), optimizer)
+                    handles.extend(self._step_chunk(chunk, optimizer.step, left, publish))
+                    self._swap_out(k, optimizer)
+                    if not self.pipeline_read and k + 1 < len(self.chunks):
+                        reads[k + 1] = self._swap_in(k + 1)
         finally:
             for master in self.masters:
                 master.grad = None

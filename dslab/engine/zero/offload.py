@@ -45,7 +45,9 @@ synchronously on the CPU):
    gradients.
 3. The optimizer steps in *chunks* of units of at least ``chunk_numel`` shard elements
    (``zero_optimization.sub_group_size``, :meth:`step_in_chunks`): one CPU pass scales a chunk's
-   gradients (fp16 unscale and clipping in one factor), ``optimizer.step()`` updates its masters
+   gradients (fp16 unscale and clipping in one factor; a fused torch optimizer takes the factor
+   as its ``grad_scale`` instead and scales each gradient as it reads it, :func:`folded_factor`,
+   which spares the host that pass), ``optimizer.step()`` updates its masters
    (torch optimizers skip parameters whose ``.grad`` is None), and the new shards are copied to
    the GPU and published (all-gathered) asynchronously while the CPU steps the next chunk.
    DeepSpeed's default of 1e9 elements makes one chunk of any model below a billion parameters
@@ -61,7 +63,7 @@ side and ``4·S·(G - 1)`` back for accumulation (with ``accumulate_on="cpu"``: 
 host, nothing back, and ``G - 1`` additions on the host; with ``staging_dtype`` bf16,
 ``4·S + 2·S·(G - 1)`` to the host; with ``accumulate_on="gpu_resident"``, ``4·S`` to the host
 and nothing back), then ``4·S`` for the new shard; on the
-host one pass over the gradients (the scale) plus the optimizer's own (Adam: read master,
+host one pass over the gradients (the scale, unless the optimizer folds it) plus the optimizer's own (Adam: read master,
 gradient and two moments, write master and moments).
 """
 
@@ -76,6 +78,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from dslab.engine.parameters import steps_with_grad_scale
 from dslab.engine.zero.partition import FlatUnit
 from dslab.engine.zero.pinned import HostBuffers
 
@@ -85,6 +88,31 @@ ACCUMULATE_ON = ("gpu", "cpu", "gpu_resident")
 
 #: Elements widened at a time when a staged shard narrower than the sum is added (8 MB of fp32).
 WIDEN_CHUNK = 1 << 21
+
+
+def foldable(factor: float | None) -> bool:
+    """Whether ``1 / factor`` is a finite fp32 scale: not for None, nor for the 0 (or the
+    denormal) that clipping an overflowed gradient norm gives, which the scale pass applies."""
+    return factor is not None and factor > 0.0 and 1.0 / max(factor, 1e-300) < torch.finfo(torch.float32).max
+
+
+@contextlib.contextmanager
+def folded_factor(optimizer: torch.optim.Optimizer, factor: float | None):
+    """Within the block ``optimizer`` applies ``factor`` itself where it can (torch's fused Adam or
+    AdamW, :func:`~dslab.engine.parameters.steps_with_grad_scale`: its ``grad_scale`` holds
+    ``1 / factor`` until the block ends and it divides each gradient by it as it reads it) and the block gets None, the
+    factor left for the caller to apply; otherwise the block gets ``factor``. The fused step then
+    reads each gradient once instead of twice (a scale pass, then the step): the host's step is
+    bound by memory bandwidth (on a 2-core CPU machine, 256M fp32 elements: a
+    fused AdamW step 0.105 s, the scale pass 0.031 s)."""
+    if not foldable(factor) or not steps_with_grad_scale(optimizer):
+        yield factor
+        return
+    optimizer.grad_scale = torch.tensor(1.0 / factor, dtype=torch.float32)
+    try:
+        yield None
+    finally:
+        del optimizer.grad_scale
 
 
 class CpuOptimizerOffload:
@@ -355,8 +383,9 @@ class CpuOptimizerOffload:
             self._published = None
         handles = self.step_on_device(optimizer, factor, publish)
         try:
-            for chunk in self.chunks:
-                handles.extend(self._step_chunk(chunk, optimizer.step, factor, publish))
+            with folded_factor(optimizer, factor) as left:
+                for chunk in self.chunks:
+                    handles.extend(self._step_chunk(chunk, optimizer.step, left, publish))
         finally:
             for master in self.masters:
                 master.grad = None
@@ -396,7 +425,7 @@ class CpuOptimizerOffload:
         :meth:`settle` joins the worker."""
         from dslab.engine.zero.step_overlap import BackgroundStep, snapshot_optimizer
 
-        step, _ = snapshot_optimizer(optimizer)  # refuses an optimizer it cannot copy, before any update
+        step, shadow = snapshot_optimizer(optimizer)  # refuses an optimizer it cannot copy, before any update
         self.settle()
         if self._published is not None:
             self._published.synchronize()
@@ -408,9 +437,10 @@ class CpuOptimizerOffload:
                       key=lambda u: (position.get(u.index, len(position)), u.index))
         later = plan_chunks(held, self.chunk_numel)
         try:
-            for chunk in here:
-                if chunk:
-                    handles.extend(self._step_chunk(chunk, optimizer.step, factor, publish))
+            with folded_factor(optimizer, factor) as left:
+                for chunk in here:
+                    if chunk:
+                        handles.extend(self._step_chunk(chunk, optimizer.step, left, publish))
         finally:
             for master in self.masters:
                 master.grad = None
@@ -421,6 +451,8 @@ class CpuOptimizerOffload:
             return handles
         home = self.home
         home.begin_updates([u for chunk in later for u in chunk])
+        if foldable(factor) and steps_with_grad_scale(optimizer):  # asked of the original: a copy lacks its flag
+            shadow.grad_scale, factor = torch.tensor(1.0 / factor, dtype=torch.float32), None  # the worker's alone
 
         def work() -> None:
             for chunk in later:
