@@ -33,7 +33,8 @@ Configs:
   ``--accumulate-on gpu_resident`` keeps the window's sum on the GPU and copies it to the host
   once per optimizer step. ``--overlap-step`` sets ``offload_optimizer.overlap_step`` of
   ``offload`` and ``offload-split``: the CPU step of the offloaded parameters runs while the next
-  forward starts (each row's ``overlap_step_s``, and the forward's ``update_wait_s``).
+  forward starts (each row's ``overlap_step_s``, and the forward's ``update_wait_s``). Every
+  offload row has the CPU step's own time on the engine's thread (``cpu_step_s``).
   ``--fetch-dtype bf16`` sets ``offload_param.fetch_dtype`` of ``offload`` and ``offload-split``:
   the shards cross PCIe as bf16 copies, widened on the GPU. ``--staging-buffers N`` sets
   ``offload_optimizer.staging_buffers`` (the pinned buffers the host adds drain) and
@@ -364,7 +365,7 @@ def fmt_table(rows: list[dict]) -> str:
     lines = ["| config | size | params | status | step s | tokens/s | TFLOP/s | MFU | peak GPU GiB "
              "| peak host GiB | fetched GB/step | disk read/write GB/step | device wait ms/step "
              "| gradients out/back GB/step | host adds wait s/step (worker: copy wait / adding) "
-             "| background step s/step (fetches waited) |",
+             "| CPU step s/step (background: fetches waited) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         def num(key, scale=1.0, digits=1):
@@ -381,8 +382,9 @@ def fmt_table(rows: list[dict]) -> str:
         adds = (f"{grads['staging_wait_s'] + grads['adds_wait_s']:.2f} "
                 f"({grads.get('add_copy_wait_s', 0.0):.2f} / {grads.get('add_s', 0.0):.2f})"
                 if grads.get("host_adds") else "")
-        background = (f"{grads['overlap_step_s']:.2f} ({offload.get('update_wait_s', 0.0):.2f})"
-                      if grads.get("overlap_step_s") else "")
+        cpu_step = grads.get("cpu_step_s", 0.0) + grads.get("overlap_step_s", 0.0)
+        background = (f"{cpu_step:.2f} (bg {grads['overlap_step_s']:.2f}: {offload.get('update_wait_s', 0.0):.2f})"
+                      if grads.get("overlap_step_s") else f"{cpu_step:.2f}" if cpu_step else "")
         status = r["status"] + (f" ({r['where']})" if r.get("where") else "")
         params = f"{r['params'] / 1e9:.2f}B" if r.get("params") else ""
         lines.append(

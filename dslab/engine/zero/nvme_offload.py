@@ -226,6 +226,7 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
         if self._published is not None:
             self._published.synchronize()
             self._published = None
+        start = time.perf_counter()
         handles = self.step_on_device(optimizer, factor, publish)
         reads = {0: self._swap_in(0)} if self.chunks else {}
         try:
@@ -247,6 +248,7 @@ class NvmeOptimizerOffload(CpuOptimizerOffload):
                         pending[0].wait()
                     except OSError:
                         pass
+            self.totals["cpu_step_s"] += time.perf_counter() - start
         self.steps += 1
         if self.cuda:
             self._published = torch.cuda.Event()

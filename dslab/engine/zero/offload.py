@@ -181,7 +181,7 @@ class CpuOptimizerOffload:
         # gradient traffic since the start (:meth:`stats`)
         self.totals = {"grad_d2h_bytes": 0, "grad_h2d_bytes": 0, "host_adds": 0, "staging_wait_s": 0.0,
                        "adds_wait_s": 0.0, "add_copy_wait_s": 0.0, "add_s": 0.0,
-                       "overlap_step_s": 0.0, "overlap_join_wait_s": 0.0}
+                       "cpu_step_s": 0.0, "overlap_step_s": 0.0, "overlap_join_wait_s": 0.0}
 
     # -- gradients in -------------------------------------------------------------------------
 
@@ -325,8 +325,9 @@ class CpuOptimizerOffload:
         for them: for a free staging buffer during backward (``staging_wait_s``) and for the
         last ones before a step or a new window (``adds_wait_s``); and the adding worker's own
         time, waiting for a shard's copy to land (``add_copy_wait_s``) and adding it (``add_s``,
-        with the last micro-step's norms): which of the two bounds ``staging_wait_s``. With
-        ``overlap_step``: the background steps' own time (``overlap_step_s``) and the time spent
+        with the last micro-step's norms): which of the two bounds ``staging_wait_s``. The
+        optimizer step's time on the caller's thread (``cpu_step_s``: scaling, stepping and
+        publishing the chunks it steps itself, and with NVMe their swaps); with ``overlap_step``: the background steps' own time (``overlap_step_s``) and the time spent
         joining them (``overlap_join_wait_s``; the forward's waits for single units are the
         parameter home's ``update_wait_s``)."""
         return dict(self.totals)
@@ -381,6 +382,7 @@ class CpuOptimizerOffload:
         if self._published is not None:  # last step's copies to the GPU read the masters
             self._published.synchronize()
             self._published = None
+        start = time.perf_counter()
         handles = self.step_on_device(optimizer, factor, publish)
         try:
             with folded_factor(optimizer, factor) as left:
@@ -389,6 +391,7 @@ class CpuOptimizerOffload:
         finally:
             for master in self.masters:
                 master.grad = None
+            self.totals["cpu_step_s"] += time.perf_counter() - start
         if self.cuda:
             self._published = torch.cuda.Event()
             self._published.record()
@@ -430,6 +433,7 @@ class CpuOptimizerOffload:
         if self._published is not None:
             self._published.synchronize()
             self._published = None
+        start = time.perf_counter()
         handles = self.step_on_device(optimizer, factor, publish)
         here = [[u for u in chunk if not self.home.holds(u)] for chunk in self.chunks]
         position = {index: i for i, index in enumerate(order or [])}
@@ -444,6 +448,7 @@ class CpuOptimizerOffload:
         finally:
             for master in self.masters:
                 master.grad = None
+            self.totals["cpu_step_s"] += time.perf_counter() - start
         if self.cuda:
             self._published = torch.cuda.Event()
             self._published.record()

@@ -3,6 +3,7 @@
 it instead of a separate scaling pass over the host's gradients, with the same results."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from dslab.engine.zero import offload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import base_config, make_data  # noqa: E402
+
+STEP_SLEEP_S = 0.005  # added to every optimizer.step() call of the engine tests below
 
 FUSED = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
@@ -92,6 +95,7 @@ def _train(monkeypatch, overlap: bool, fold: bool, steps: int = 4):
 
     def spy(self, *args, **kwargs):
         seen.append(getattr(self, "grad_scale", None) is not None)
+        time.sleep(STEP_SLEEP_S)
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(type(engine.optimizer), "step", spy)
@@ -104,16 +108,19 @@ def _train(monkeypatch, overlap: bool, fold: bool, steps: int = 4):
         losses.append(loss.item())
     engine.zero.settle()
     monkeypatch.undo()
-    return losses, seen
+    return losses, seen, engine.zero.offload.stats()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_offloaded_step_folds_the_clip_factor_with_the_unfolded_losses(monkeypatch, overlap):
-    folded, seen = _train(monkeypatch, overlap, fold=True)
-    plain, seen_plain = _train(monkeypatch, overlap, fold=False)
+    folded, seen, stats = _train(monkeypatch, overlap, fold=True)
+    plain, seen_plain, _ = _train(monkeypatch, overlap, fold=False)
     assert seen and all(seen), seen  # with clipping on, every chunk's step reads a grad_scale
     assert seen_plain and not any(seen_plain)
     assert folded == pytest.approx(plain, rel=1e-5) and folded[-1] < folded[0]
+    # the step's host time is reported: on the engine's thread, plus the worker's with overlap_step
+    stepped = stats["cpu_step_s"] + stats["overlap_step_s"]
+    assert stepped >= STEP_SLEEP_S * len(seen) and (stats["overlap_step_s"] > 0) == overlap
 
 
 def test_the_benchmark_script_times_both_arms_to_the_same_losses(tmp_path):

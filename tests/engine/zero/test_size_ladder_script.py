@@ -98,15 +98,18 @@ def test_overlap_step_reaches_the_dslab_parameter_offload_configs_only(config):
     assert "overlap_step" not in plain["offload_optimizer"]  # the engine's default unless asked
 
 
-def test_the_table_shows_a_background_steps_time_and_the_fetches_waits():
+def test_the_table_shows_the_cpu_steps_time_and_a_background_steps_waits():
     row = {"config": "offload", "size": "2.7b", "status": "ok", "params": 2.65e9, "step_s": 8.0,
            "param_offload_per_step": {"h2d_bytes": 1e11, "copy_stall_ms": 900.0, "disk_read_bytes": 0,
                                       "disk_write_bytes": 0, "update_wait_s": 0.31},
            "grad_offload_per_step": {"grad_d2h_bytes": 1e10, "grad_h2d_bytes": 0, "host_adds": 0,
-                                     "overlap_step_s": 1.25}}
-    table = size_ladder.fmt_table([row, {**row, "grad_offload_per_step": {}}])
-    header, _, first, second = table.splitlines()
-    assert header.endswith("| background step s/step (fetches waited) |")
-    assert first.endswith("| 1.25 (0.31) |")
-    assert second.endswith("|  |")
+                                     "cpu_step_s": 0.05, "overlap_step_s": 1.25}}
+    serial = {**row, "grad_offload_per_step": {"grad_d2h_bytes": 1e10, "grad_h2d_bytes": 0, "host_adds": 0,
+                                               "cpu_step_s": 1.5, "overlap_step_s": 0.0}}
+    table = size_ladder.fmt_table([row, serial, {**row, "grad_offload_per_step": {}}])
+    header, _, first, second, third = table.splitlines()
+    assert header.endswith("| CPU step s/step (background: fetches waited) |")
+    assert first.endswith("| 1.30 (bg 1.25: 0.31) |")
+    assert second.endswith("| 1.50 |")
+    assert third.endswith("|  |")
     assert all(line.count("|") == header.count("|") for line in table.splitlines())
