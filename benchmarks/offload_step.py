@@ -1,7 +1,7 @@
 """The offloaded optimizer step with the clip factor folded into torch's fused AdamW
 (:func:`dslab.engine.zero.offload.folded_factor`) against the same step with a separate scaling
-pass over the host's gradients, on this machine's CPU (the step's host side is the same with or
-without a GPU).
+pass over the host's gradients. The model runs where the engine puts it (a GPU when there is one,
+whose step then also copies the new parameters back); the optimizer steps on this machine's CPU.
 
     python benchmarks/offload_step.py [--layers 24] [--dim 2048] [--trials 3] [--steps 12] [--json F]
 
@@ -52,17 +52,22 @@ def child(arm: str, layers: int, dim: int, steps: int) -> dict:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     engine, _, _, _ = dslab.initialize(model=Stack(), config=config)
-    x = torch.randn(4, dim)
+    x = torch.randn(4, dim, device=engine.device)
     times, losses = [], []
     for _ in range(steps):
         loss = engine(x)
         engine.backward(loss)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()  # the new parameters' copies back to the GPU
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     params = sum(p.numel() for p in engine.module.parameters())
-    return {"arm": arm, "step_s": statistics.median(times[2:]), "losses": losses, "params": params}
+    return {"arm": arm, "step_s": statistics.median(times[2:]), "losses": losses, "params": params,
+            "device": str(engine.device)}
 
 
 def main(argv: list[str] | None = None) -> int:
