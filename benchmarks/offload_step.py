@@ -67,7 +67,8 @@ def child(arm: str, layers: int, dim: int, steps: int) -> dict:
         losses.append(loss.item())
     params = sum(p.numel() for p in engine.module.parameters())
     return {"arm": arm, "step_s": statistics.median(times[2:]), "losses": losses, "params": params,
-            "device": str(engine.device)}
+            "device": str(engine.device), "torch_threads": torch.get_num_threads(),
+            "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             results[arm].append(row)
             print(f"trial {trial} {arm}: {row['step_s'] * 1e3:.1f} ms a step", flush=True)
     median = {arm: statistics.median(r["step_s"] for r in rows) for arm, rows in results.items()}
-    summary = {"params": results["folded"][0]["params"], "cpu_threads": os.cpu_count(),
+    first = results["folded"][0]
+    summary = {"params": first["params"], "cpu_count": os.cpu_count(), "cpus_allowed": first["cpus_allowed"],
+               "torch_threads": first["torch_threads"], "device": first["device"],
                "step_ms": {arm: m * 1e3 for arm, m in median.items()},
                "speedup": median["scale-pass"] / median["folded"],
                "last_losses": {arm: rows[-1]["losses"][-1] for arm, rows in results.items()},
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(args.json)
+    print(f"{summary['device']}; torch threads {summary['torch_threads']}, CPUs allowed {summary['cpus_allowed']} "
+          f"of {summary['cpu_count']}")
     print("| params | folded ms/step | scale pass ms/step | speedup | last loss folded / scale pass |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| {summary['params'] / 1e6:.0f}M | {summary['step_ms']['folded']:.1f} | "

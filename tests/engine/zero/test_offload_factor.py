@@ -138,6 +138,6 @@ def test_the_benchmark_script_times_both_arms_to_the_same_losses(tmp_path):
     assert summary["params"] == 2 * (48 * 48 + 48)
     assert all(len(summary["trials"][arm]) == 2 for arm in ("folded", "scale-pass"))
     assert summary["last_losses"]["folded"] == pytest.approx(summary["last_losses"]["scale-pass"], rel=1e-5)
-    assert summary["speedup"] > 0 and "| 0M |" in proc.stdout
+    assert summary["speedup"] > 0 and "| 0M |" in proc.stdout and summary["torch_threads"] == 1
     bad = subprocess.run([sys.executable, str(script), "--steps", "2"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--steps must be at least 3" in bad.stderr
