@@ -5,9 +5,10 @@ The verdict is the gate's own (:func:`dslab.gate.gate_trial_sets` over
 :func:`dslab.gate.trial_set_from_reports` of each run, default settings: 5% threshold, alpha
 0.01), with A as the baseline and B as the candidate, so the page says what ``dslab gate
 --baseline A --candidate B --arm ...`` would: B/A of the medians, the bootstrap interval of that
-ratio and the rank test's p-value, and regression, improvement, no change, or not comparable
-with the gate's reason (another GPU or config, case settings that differ, an arm that failed, too
-few trials).
+ratio and the rank test's p-value, and regression, improvement, no change, unresolved (no clear
+change, but trials too few or too spread to rule out one of the threshold's size) or not
+comparable with the gate's reason (another GPU or config, case settings that differ, an arm that
+failed, too few trials).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dslab.report import RunReport
 
 VERDICT_WORDS = {REGRESSION: "regression", IMPROVEMENT: "improvement", PASS: "no change",
                  CANNOT_JUDGE: "not comparable"}
+UNRESOLVED = "unresolved"  # a pass whose interval reaches past the threshold on the worse side
 SIDE_COLOURS = {"A": "#7f7f7f", "B": "#1f77b4"}
 JUDGED_METRICS = ("samples_per_s", "tokens_per_s")
 
@@ -98,7 +100,7 @@ def _spread(status: str, median: float | None, values: list[float]) -> str:
 def verdict_rows(a: RunReport, b: RunReport, verdict: GateReport, metric: str) -> list[dict]:
     """One row per (case, arm) of either run: ``A`` and ``B`` (the medians), ``A_trials`` and
     ``B_trials`` (min to max of the trials, or the arm's status), ``B_over_A``, the gate's ``ci``
-    and ``p_value``, ``verdict`` (regression, improvement, no change, not comparable) and its
+    and ``p_value``, ``verdict`` (regression, improvement, no change, unresolved, not comparable) and its
     ``reason``; ``A_low`` ... ``B_high`` are the trial extremes for the figure."""
     mine, theirs = _trials(a, metric), _trials(b, metric)
     judged = {(row.case, row.arm): row for row in verdict.rows if row.metric == metric}
@@ -110,6 +112,8 @@ def verdict_rows(a: RunReport, b: RunReport, verdict: GateReport, metric: str) -
         row = judged.get(key)
         if row is not None:
             word, reason = VERDICT_WORDS[row.verdict], row.reason
+            if row.verdict == PASS and row.unresolved:
+                word = UNRESOLVED
         else:
             word = VERDICT_WORDS[CANNOT_JUDGE]
             reason = "; ".join(verdict.problems) or f"the gate did not judge {case}/{arm}"
@@ -138,7 +142,7 @@ def verdict_columns(metric: str, settings: GateSettings | None = None) -> list[t
 def outcome_text(verdict: GateReport, rows: list[dict]) -> str:
     """One sentence: what the gate finds over all rows."""
     flagged = {word: [f"{r['case']}/{r['arm']}" for r in rows if r["verdict"] == word]
-               for word in ("regression", "improvement", "not comparable")}
+               for word in ("regression", "improvement", UNRESOLVED, "not comparable")}
     if verdict.problems:
         return "The gate cannot compare these runs: " + "; ".join(verdict.problems)
     parts = [f"{word}: {', '.join(names)}" for word, names in flagged.items() if names]

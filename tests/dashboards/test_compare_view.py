@@ -193,3 +193,19 @@ def test_runs_page_links_the_default_pair_and_the_compare_page_labels_a_and_b(tm
     headers = [c["headerName"] for c in grid.columnDefs]
     assert "A: samples/s (median)" in headers and "B/A" in headers and "gate verdict" in headers
     assert "could not be drawn" not in str(page)
+
+
+def test_spread_trials_are_unresolved_not_no_change():
+    """B's dslab trials of 124m scatter by +-15%: the gate sees no clear change but cannot rule out
+    a 5% one, and the page says so rather than "no change"."""
+    spread = make_trial_report(B_ID, created="2026-12-02T10:00:00+00:00")
+    for result in spread["results"]:
+        if (result["case"], result["arm"]) == ("124m", "dslab"):
+            for trial, factor in zip(result["trials"], trial_pattern(len(result["trials"]))):
+                value = trial["metrics"]["samples_per_s"]
+                trial["metrics"]["samples_per_s"] = value * (1 + 15 * (factor - 1))
+    verdict, rows = _judge(_report(A_ID, 1), report_from_dict(spread))
+    row = rows[("124m", "dslab")]
+    assert row["verdict"] == "unresolved" and "unresolved" in row["reason"], row
+    assert rows[("1.5b", "dslab")]["verdict"] == "no change"
+    assert "unresolved: 124m/dslab" in compare_view.outcome_text(verdict, list(rows.values()))
