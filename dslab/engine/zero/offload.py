@@ -63,8 +63,8 @@ side and ``4·S·(G - 1)`` back for accumulation (with ``accumulate_on="cpu"``: 
 host, nothing back, and ``G - 1`` additions on the host; with ``staging_dtype`` bf16,
 ``4·S + 2·S·(G - 1)`` to the host; with ``accumulate_on="gpu_resident"``, ``4·S`` to the host
 and nothing back), then ``4·S`` for the new shard; on the
-host one pass over the gradients (the scale, unless the optimizer folds it) plus the optimizer's own (Adam: read master,
-gradient and two moments, write master and moments).
+host one pass over the gradients (the scale, unless the optimizer folds it) plus the
+optimizer's own (Adam: read master, gradient and two moments, write master and moments).
 """
 
 from __future__ import annotations
@@ -100,11 +100,11 @@ def foldable(factor: float | None) -> bool:
 def folded_factor(optimizer: torch.optim.Optimizer, factor: float | None):
     """Within the block ``optimizer`` applies ``factor`` itself where it can (torch's fused Adam or
     AdamW, :func:`~dslab.engine.parameters.steps_with_grad_scale`: its ``grad_scale`` holds
-    ``1 / factor`` until the block ends and it divides each gradient by it as it reads it) and the block gets None, the
-    factor left for the caller to apply; otherwise the block gets ``factor``. The fused step then
-    reads each gradient once instead of twice (a scale pass, then the step): the host's step is
-    bound by memory bandwidth (on a 2-core CPU machine, 256M fp32 elements: a
-    fused AdamW step 0.105 s, the scale pass 0.031 s)."""
+    ``1 / factor`` until the block ends and it divides each gradient by it as it reads it) and
+    the block gets None, the factor left for the caller to apply; otherwise the block gets
+    ``factor``. The fused step then reads each gradient once instead of twice (a scale pass,
+    then the step): the host's step is bound by memory bandwidth (on a 2-core CPU machine, 256M
+    fp32 elements: a fused AdamW step 0.105 s, the scale pass 0.031 s)."""
     if not foldable(factor) or not steps_with_grad_scale(optimizer):
         yield factor
         return
@@ -327,7 +327,8 @@ class CpuOptimizerOffload:
         time, waiting for a shard's copy to land (``add_copy_wait_s``) and adding it (``add_s``,
         with the last micro-step's norms): which of the two bounds ``staging_wait_s``. The
         optimizer step's time on the caller's thread (``cpu_step_s``: scaling, stepping and
-        publishing the chunks it steps itself, and with NVMe their swaps); with ``overlap_step``: the background steps' own time (``overlap_step_s``) and the time spent
+        publishing the chunks it steps itself, and with NVMe their swaps); with
+        ``overlap_step``, the background steps' own time (``overlap_step_s``) and the time spent
         joining them (``overlap_join_wait_s``; the forward's waits for single units are the
         parameter home's ``update_wait_s``)."""
         return dict(self.totals)
