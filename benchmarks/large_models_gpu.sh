@@ -3,7 +3,8 @@
 # and zero.Init give the reference losses, then measure. What runs is chosen by LARGE_PARTS
 # (space-separated, in order): check, activations, ladder, hoststep (benchmarks/offload_step.py on
 # this machine's CPU: the offloaded step with the clip factor folded into the fused AdamW against
-# a separate scaling pass, HOSTSTEP_LAYERS Linear(4096, 4096) layers, 24 by default). The ladder's configs and sizes come
+# a separate scaling pass, HOSTSTEP_LAYERS Linear(4096, 4096) layers, 24 by default; HOSTSTEP_ARGS
+# adds options, e.g. --param-offload for the ladder's stage-3 job). The ladder's configs and sizes come
 # from LADDER_CONFIGS / LADDER_SIZES, LADDER_ARGS adds options (e.g. "--accum 16 --steps 2
 # --fetch-dtype bf16 --accumulate-on gpu_resident"), and it stops at LADDER_BUDGET seconds. Results land in $OUT
 # (flat: act.json, ladder.json, ladder rows) and the tables print last.
@@ -32,6 +33,7 @@ for part in $PARTS; do
       grep -v "^  " "$OUT/ladder.log" | tail -30 ;;
     hoststep)
       timeout "${HOSTSTEP_S:-300}" python3 benchmarks/offload_step.py --layers "${HOSTSTEP_LAYERS:-24}" --dim 4096 \
-        --trials "${HOSTSTEP_TRIALS:-3}" --json "$OUT/hoststep.json" > "$OUT/hoststep.log" 2>&1; tail -4 "$OUT/hoststep.log" ;;
+        --trials "${HOSTSTEP_TRIALS:-3}" ${HOSTSTEP_ARGS:-} --json "$OUT/hoststep.json" > "$OUT/hoststep.log" 2>&1
+      tail -5 "$OUT/hoststep.log" ;;
   esac
 done

@@ -139,5 +139,13 @@ def test_the_benchmark_script_times_both_arms_to_the_same_losses(tmp_path):
     assert all(len(summary["trials"][arm]) == 1 for arm in ("folded", "scale-pass"))
     assert summary["last_losses"]["folded"] == pytest.approx(summary["last_losses"]["scale-pass"], rel=1e-5)
     assert summary["speedup"] > 0 and "| 0M |" in proc.stdout and summary["torch_threads"] == 1
+    staged = subprocess.run([sys.executable, str(script), "--layers", "2", "--dim", "48", "--trials", "1", "--steps",
+                             "3", "--param-offload", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert staged.returncode == 0, staged.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["stage"] == 3 and "with parameter offload" in staged.stdout
+    assert summary["params"] == 2 * (48 * 48 + 48)
+    assert summary["last_losses"]["folded"] == pytest.approx(summary["last_losses"]["scale-pass"], rel=1e-5)
     bad = subprocess.run([sys.executable, str(script), "--steps", "2"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--steps must be at least 3" in bad.stderr
