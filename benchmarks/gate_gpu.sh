@@ -25,7 +25,7 @@
 #             such a baseline (KERNEL_SELECT=layer_norm KERNEL_ROUND_MS=700 KERNEL_ROUNDS=10, one H200,
 #             torch 2.11, 2026-11-30); so are h200_linear_cross_entropy_700ms.json and
 #             h200_cross_entropy_700ms.json, and h200_bias_gelu_700ms.json, h200_bias_dropout_residual_700ms.json and
-#             h200_adamw_700ms.json (KERNEL_SELECT adamw: the fused Adam op is named "adamw step"). Kernels at the power limit take 700 ms rounds: at 200 ms
+#             h200_adamw_700ms.json (KERNEL_SELECT=adamw; a module name such as fused_adam selects too). Kernels at the power limit take 700 ms rounds: at 200 ms
 #             the cross-entropy's plain rounds swung 7.7% and its slowed runs passed, unresolved.
 # Several parts in one call run in order: bash benchmarks/gate_gpu.sh detect autotune
 # Results and logs land in $OUT; each part's table prints last.

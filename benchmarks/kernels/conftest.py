@@ -158,6 +158,15 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize(("case_ref", "arm"), [param for op in bench_ops() for param in _op_params(op)])
 
 
+def pytest_collection_modifyitems(items):
+    """Give every case its module's op as a keyword, so that ``-k fused_adam`` or ``-k llama_ops``
+    selects that module's cases on a GPU too, where the ids name the case (``adamw_step_...``)."""
+    for item in items:
+        ref = getattr(getattr(item, "callspec", None), "params", {}).get("case_ref")
+        if isinstance(ref, CaseRef):
+            item.extra_keyword_matches.add(ref.op)
+
+
 class CaseStore:
     """The cases of the bench module in use, built on first use and freed when the tests move on
     to another module (tests run module by module, in collection order)."""
