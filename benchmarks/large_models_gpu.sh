@@ -9,6 +9,9 @@
 # --fetch-dtype bf16 --accumulate-on gpu_resident"), and it stops at LADDER_BUDGET seconds. Results land in $OUT
 # (flat: act.json, ladder.json, ladder rows) and the tables print last.
 #   LARGE_PARTS="check activations ladder" LADDER_CONFIGS=stage3 bash benchmarks/large_models_gpu.sh
+# On several GPUs each size runs data-parallel over them (ZeRO-3 sharded across the ranks):
+#   LARGE_PARTS=ladder LADDER_CONFIGS=stage3,offload-split LADDER_SIZES=13b,13b-80l LADDER_ARGS="--nproc 4" \
+#     bash benchmarks/large_models_gpu.sh
 set -u
 . benchmarks/gpu_setup.sh
 OUT=${OUT:-/tmp/out}

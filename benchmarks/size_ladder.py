@@ -6,7 +6,7 @@ paper's sizes (Brown et al. 2020, table 2.1), then larger by layers.
         [--warmup 1] [--steps 2] [--size-timeout 600] [--json OUT.json] [--ratio 0.5]
         [--accumulate-on gpu|cpu|gpu_resident] [--staging-buffers N] [--staging-dtype bf16]
         [--prefetch ELEMENTS] [--fetch-dtype bf16]
-        [--memory-sites N [--memory-entries 500000]]
+        [--memory-sites N [--memory-entries 500000]] [--nproc N]
     python benchmarks/size_ladder.py --tiny   # CPU: two tiny sizes, the whole pipeline
 
 For each config, the sizes run in order, each in a process of its own (a failed size leaves
@@ -15,6 +15,18 @@ out-of-memory (caught, recorded as ``oom`` with where it happened), the process 
 memory; recorded as ``killed``), or past ``--size-timeout`` (``timeout``). Each size runs with
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the caller set it. A size trains when it
 completes ``--warmup`` + ``--steps`` optimizer steps; the loss of each is recorded.
+
+Sizes are the GPT-3 paper's by name (``1.3b`` ... ``13b``), or any of them with another layer
+count, ``<size>-<N>l`` (``13b-80l``: 13B's width in 80 layers, 25.4B parameters).
+
+``--nproc N`` runs each size data-parallel on N processes of this machine (one per GPU, nccl; gloo
+on a CPU), started as torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT): ZeRO-3
+shards the model over them (``zero.Init`` builds each rank's shard only), each rank trains on its
+own micro-batches, and a step is ``N x micro-batch x seq x accum`` tokens. MFU divides by the sum
+of the ranks' measured peaks; peak GPU memory is the largest rank's, peak host memory the sum of
+the ranks' (they share the host); the offload columns are rank 0's. A rank that runs out of
+memory records where, and the others are stopped (a collective would wait for it forever); the
+row names the rank.
 
 The model: dslab's GPT-2 (dslab kernels, bf16 autocast over fp32 parameters, dropout 0,
 vocab 50257, every layer an activation checkpoint), built under ``dslab.zero.Init`` so no
@@ -89,6 +101,18 @@ SIZES = {  # name: (layers, hidden, heads): the GPT-3 paper's, heads of 128 (2.7
     "13b-56l": (56, 5120, 40),
 }
 VOCAB = 50257
+
+
+def size_shape(name: str) -> tuple[int, int, int]:
+    """``(layers, hidden, heads)`` of a size name: one of :data:`SIZES`, or ``<size>-<N>l``, that
+    size's width in N layers (module docstring)."""
+    if name in SIZES:
+        return SIZES[name]
+    base, _, layers = name.rpartition("-")
+    if base in SIZES and layers.endswith("l") and layers[:-1].isdigit() and int(layers[:-1]) > 0:
+        return int(layers[:-1]), *SIZES[base][1:]
+    raise ValueError(f"unknown size {name!r}; known: {', '.join(SIZES)}, or one of them with another layer "
+                     f"count as '<size>-<N>l' (e.g. 13b-80l)")
 CONFIGS = ("stage3", "offload", "offload-split", "offload-opt", "offload-nvme", "deepspeed-stage3",
            "deepspeed-offload", "deepspeed-offload-split")
 
@@ -134,19 +158,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--size-timeout", type=float, default=600.0)
     parser.add_argument("--budget", type=float, default=0.0,
                         help="seconds for the whole ladder (0: none); sizes past it are skipped")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="processes (GPUs) per size: data-parallel ZeRO over them (default 1)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # config:size, run in this process
+    parser.add_argument("--rank-json", action="store_true", help=argparse.SUPPRESS)  # --json gets .rank<R>
     args = parser.parse_args(argv)
     if args.tiny:
-        args.sizes, args.micro_batch, args.seq, args.accum = "tiny-a,tiny-b", 2, 64, 2
+        args.micro_batch, args.seq, args.accum = 2, 64, 2
+        if args.sizes == parser.get_default("sizes"):
+            args.sizes = "tiny-a,tiny-b"
         args.configs = args.configs if args.configs != "stage3,offload" else "stage3,offload"
     for name in args.configs.split(","):
         if name not in CONFIGS:
             parser.error(f"--configs: unknown config {name!r}; known: {', '.join(CONFIGS)}")
     for name in args.sizes.split(","):
-        if name not in SIZES:
-            parser.error(f"--sizes: unknown size {name!r}; known: {', '.join(SIZES)}")
+        try:
+            size_shape(name)
+        except ValueError as err:
+            parser.error(f"--sizes: {err}")
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
     return args
 
 
@@ -212,15 +245,25 @@ def run_child(config: str, size: str, args) -> dict:
     from dslab.bench.measure import measure_peaks
     from dslab.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
-    layers, hidden, heads = SIZES[size]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers, hidden, heads = size_shape(size)
+    world, rank = 1, 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by run_size with --nproc
+        from dslab.comm import init_distributed
+
+        init_distributed()  # nccl on GPU LOCAL_RANK, gloo on a CPU
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     peaks = measure_peaks(device)
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=args.seq, hidden=hidden, layers=layers,
                      heads=heads, dropout=0.0, checkpoint_layers=1)
     kernels = "dslab" if device.type == "cuda" else "torch"
     ds_config = engine_config(config, args)
     row = {"config": config, "size": size, "layers": layers, "hidden": hidden, "heads": heads,
-           "params": parameter_count(layers, hidden, args.seq), "peaks": peaks}
+           "params": parameter_count(layers, hidden, args.seq), "peaks": peaks, "world_size": world,
+           "rank": rank}
     phase = "build"
     if args.memory_sites and device.type == "cuda":  # from before the model exists: every block is in the trace
         from dslab.profilers.memory_sites import start_trace
@@ -242,7 +285,7 @@ def run_child(config: str, size: str, args) -> dict:
             phase = "initialize"
             engine, _, _, _ = dslab.initialize(model=model, config=ds_config)
         row["build_s"] = time.perf_counter() - t0
-        g = torch.Generator(device="cpu").manual_seed(0)
+        g = torch.Generator(device="cpu").manual_seed(rank)  # each rank its own data
         batches = [torch.randint(0, VOCAB, (args.micro_batch, args.seq), generator=g).to(device)
                    for _ in range(args.accum)]
         losses, times = [], []
@@ -267,21 +310,23 @@ def run_child(config: str, size: str, args) -> dict:
                 total += float(loss.detach())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - start
-            losses.append(total / len(batches))
+            elapsed = _max_over_ranks(time.perf_counter() - start, world, device)  # the slowest rank's
+            losses.append(_mean_over_ranks(total / len(batches), world, device))
             if step >= args.warmup:
                 times.append(elapsed)
-            print(f"  {config} {size} step {step}: {elapsed:.2f} s loss {losses[-1]:.4f}", flush=True)
+            if rank == 0:
+                print(f"  {config} {size} step {step}: {elapsed:.2f} s loss {losses[-1]:.4f}", flush=True)
         step_s = statistics.median(times)
-        tokens = args.micro_batch * args.seq * args.accum
+        tokens = args.micro_batch * args.seq * args.accum * world
         flops = model_flops_per_step(layers, hidden, args.seq, tokens)
         row.update(status="ok", losses=losses, step_s=step_s, step_times_s=times,
                    tokens_per_step=tokens, tokens_per_s=tokens / step_s,
                    model_tflops=flops / step_s / 1e12)
         if peaks.get("bf16_matmul_tflops"):
-            row["mfu"] = row["model_tflops"] / peaks["bf16_matmul_tflops"]
+            row["peak_tflops_sum"] = _sum_over_ranks(peaks["bf16_matmul_tflops"], world, device)
+            row["mfu"] = row["model_tflops"] / row["peak_tflops_sum"]
         if device.type == "cuda":
-            row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["peak_gpu_bytes"] = int(_max_over_ranks(torch.cuda.max_memory_allocated(device), world, device))
         if home is not None:
             after = home.stats()
             row["param_offload_per_step"] = {
@@ -294,7 +339,35 @@ def run_child(config: str, size: str, args) -> dict:
     if args.memory_sites and device.type == "cuda":  # at the end, or where it ran out of memory
         row.update(memory_sites(device, args.memory_sites, args.memory_entries))
     row["peak_host_rss_bytes"] = _peak_rss_bytes()
+    if world > 1 and row["status"] == "ok":  # every rank got here: the ranks share the host
+        row["peak_host_rss_bytes"] = int(_sum_over_ranks(row["peak_host_rss_bytes"], world, device))
     return row
+
+
+def _reduced(value: float, world: int, device, op) -> float:
+    if world == 1:
+        return value
+    import torch
+
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def _sum_over_ranks(value, world, device):
+    import torch
+
+    return _reduced(value, world, device, torch.distributed.ReduceOp.SUM)
+
+
+def _max_over_ranks(value, world, device):
+    import torch
+
+    return _reduced(value, world, device, torch.distributed.ReduceOp.MAX)
+
+
+def _mean_over_ranks(value, world, device):
+    return _sum_over_ranks(value, world, device) / world
 
 
 def memory_sites(device, top: int, max_entries: int) -> dict:
@@ -339,26 +412,113 @@ def run_size(config: str, size: str, args, out_dir: Path, timeout: float) -> dic
             cmd += ["--max-in-cpu", str(args.max_in_cpu)]
     start = time.perf_counter()
     try:
-        # expandable segments: the near-full sizes fail on fragmentation otherwise
-        env = dict(os.environ)
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        proc = subprocess.run(cmd, timeout=timeout, stderr=subprocess.PIPE, text=True, env=env)
-    except subprocess.TimeoutExpired:
-        return {"config": config, "size": size, "status": "timeout", "seconds": timeout}
+        codes, errors = _run_ranks(cmd, args.nproc, timeout)
     finally:
         if nvme is not None:
             shutil.rmtree(nvme, ignore_errors=True)
     seconds = time.perf_counter() - start
-    if out.exists():
-        row = json.loads(out.read_text())
-    elif proc.returncode < 0 or proc.returncode == 137:
+    rows = [json.loads(path.read_text()) for path in _rank_files(out, args.nproc) if path.exists()]
+    for path in _rank_files(out, args.nproc):
+        path.unlink(missing_ok=True)
+        path.with_suffix(".tmp").unlink(missing_ok=True)  # a rank stopped while writing
+    failed = [r for r in rows if r.get("status") != "ok"]
+    which = (lambda rank: f" (rank {rank})") if args.nproc > 1 else (lambda rank: "")
+    if failed:  # a rank that ran out of memory says where; the others were stopped waiting for it
+        row = failed[0]
+    elif len(rows) == args.nproc and rows:
+        row = next(r for r in rows if r.get("rank", 0) == 0)
+    elif codes is None:
+        row = {"config": config, "size": size, "status": "timeout"}
+    elif killed := [rank for rank, code in enumerate(codes) if code is not None and (code < 0 or code == 137)]:
+        code = codes[killed[0]]
         row = {"config": config, "size": size, "status": "killed",
-               "error": f"signal {-proc.returncode if proc.returncode < 0 else 9} (host memory)"}
+               "error": f"signal {-code if code < 0 else 9} (host memory){which(killed[0])}"}
     else:
-        tail = (proc.stderr or "").strip().splitlines()[-3:]
-        row = {"config": config, "size": size, "status": "error", "error": " | ".join(tail)[-400:]}
+        rank = next((rank for rank, code in enumerate(codes) if code), 0)
+        tail = errors[rank].strip().splitlines()[-3:]
+        row = {"config": config, "size": size, "status": "error",
+               "error": (" | ".join(tail)[-400:]) + which(rank)}
     row["seconds"] = seconds
+    row.setdefault("world_size", args.nproc)  # an ok row has the process group's own
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(row, indent=1))
+    os.replace(tmp, out)
     return row
+
+
+def _rank_files(out: Path, nproc: int) -> list[Path]:
+    """Where each rank of a size writes its row: ``out`` itself for one process."""
+    if nproc == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}.rank{rank}.json") for rank in range(nproc)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+#: Seconds the other ranks are given to finish once one rank has ended badly (they are then stopped:
+#: a collective would wait for the missing rank until the process group's timeout).
+RANK_GRACE_S = 10.0
+
+
+def _run_ranks(cmd: list[str], nproc: int, timeout: float) -> tuple[list | None, list[str]]:
+    """Run ``cmd`` as ``nproc`` ranks (torchrun's environment when more than one) and wait for them.
+    Returns each rank's exit code (None for one stopped here) -- or None for all when the size ran
+    past ``timeout`` -- and each rank's stderr."""
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # near-full sizes fragment otherwise
+    if nproc > 1:
+        env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()))
+    with tempfile.TemporaryDirectory(prefix="size-ladder-") as logs:
+        procs, files = [], []
+        for rank in range(nproc):
+            files.append(open(Path(logs) / f"rank{rank}.err", "w+"))
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if nproc > 1 else env
+            procs.append(subprocess.Popen(cmd + (["--rank-json"] if nproc > 1 else []), env=rank_env,
+                                          stderr=files[-1], stdout=None if rank == 0 else subprocess.DEVNULL))
+        deadline, stop_at, timed_out, stopped = time.monotonic() + timeout, None, False, set()
+        while [proc.poll() for proc in procs].count(None):  # polls every rank (sets its returncode)
+            now = time.monotonic()
+            if stop_at is None and any(proc.returncode not in (None, 0) for proc in procs):
+                stop_at = now + RANK_GRACE_S
+            if stop_at is None and nproc > 1 and any(proc.returncode == 0 for proc in procs) \
+                    and _some_rank_failed(cmd, nproc):
+                stop_at = now + RANK_GRACE_S
+            if now > deadline or (stop_at is not None and now > stop_at):
+                timed_out = now > deadline
+                for rank, proc in enumerate(procs):
+                    if proc.poll() is None:
+                        proc.kill()
+                        stopped.add(rank)
+                for proc in procs:
+                    proc.wait()
+                break
+            time.sleep(0.2)
+        errors = []
+        for handle in files:
+            handle.seek(0)
+            errors.append(handle.read())
+            handle.close()
+    codes = None if timed_out else [None if rank in stopped else proc.returncode for rank, proc in enumerate(procs)]
+    return codes, errors
+
+
+def _some_rank_failed(cmd: list[str], nproc: int) -> bool:
+    """Whether a rank that has ended wrote a row other than ``ok`` (out of memory: it exits cleanly)."""
+    out = Path(cmd[cmd.index("--json") + 1])
+    for path in _rank_files(out, nproc):
+        try:
+            if json.loads(path.read_text()).get("status") != "ok":
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def fmt_table(rows: list[dict]) -> str:
@@ -387,8 +547,9 @@ def fmt_table(rows: list[dict]) -> str:
                       if grads.get("overlap_step_s") else f"{cpu_step:.2f}" if cpu_step else "")
         status = r["status"] + (f" ({r['where']})" if r.get("where") else "")
         params = f"{r['params'] / 1e9:.2f}B" if r.get("params") else ""
+        config = r["config"] + (f" x{r['world_size']}" if r.get("world_size", 1) > 1 else "")
         lines.append(
-            f"| {r['config']} | {r['size']} | {params} | {status} | {num('step_s', digits=2)} "
+            f"| {config} | {r['size']} | {params} | {status} | {num('step_s', digits=2)} "
             f"| {num('tokens_per_s', digits=0)} | {num('model_tflops')} | {num('mfu', 0.01)}{'%' if 'mfu' in r else ''} "
             f"| {num('peak_gpu_bytes', 2**30)} | {num('peak_host_rss_bytes', 2**30)} | {fetched} "
             f"| {disk} | {waited} | {traffic} | {adds} | {background} |")
@@ -400,9 +561,15 @@ def main(argv=None) -> int:
     if args.child:
         config, size = args.child.split(":")
         row = run_child(config, size, args)
-        tmp = args.json.with_suffix(".tmp")
+        out = args.json
+        if args.rank_json:
+            out = _rank_files(args.json, int(os.environ["WORLD_SIZE"]))[int(os.environ["RANK"])]
+        tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(row, indent=1))
-        os.replace(tmp, args.json)
+        os.replace(tmp, out)
+        if args.rank_json and row["status"] != "ok":
+            sys.stdout.flush()
+            os._exit(0)  # the others wait in a collective for this rank: no process-group teardown
         return 0
     out_dir = (args.json.parent if args.json else Path("reports")) / "size_ladder_rows"
     out_dir.mkdir(parents=True, exist_ok=True)

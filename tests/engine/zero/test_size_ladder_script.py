@@ -113,3 +113,76 @@ def test_the_table_shows_the_cpu_steps_time_and_a_background_steps_waits():
     assert second.endswith("| 1.50 |")
     assert third.endswith("|  |")
     assert all(line.count("|") == header.count("|") for line in table.splitlines())
+
+
+def test_sizes_by_name_or_by_layer_count():
+    assert size_ladder.size_shape("13b") == (40, 5120, 40)
+    assert size_ladder.size_shape("13b-80l") == (80, 5120, 40)
+    assert size_ladder.size_shape("6.7b-64l") == (64, 4096, 32)
+    layers, hidden, _ = size_ladder.size_shape("13b-80l")
+    assert size_ladder.parameter_count(layers, hidden, 1024) == pytest.approx(25.43e9, rel=1e-3)
+    for bad in ("14b", "13b-0l", "13b-80", "13b-x1l", "-8l"):
+        with pytest.raises(ValueError, match="unknown size"):
+            size_ladder.size_shape(bad)
+    with pytest.raises(SystemExit):
+        size_ladder.parse_args(["--sizes", "1.3b,13b-80"])
+    with pytest.raises(SystemExit):
+        size_ladder.parse_args(["--nproc", "0"])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ladder2") / "ladder.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "size_ladder.py"), "--tiny", "--nproc", "2",
+           "--configs", "stage3,offload", "--sizes", "tiny-a", "--json", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())["rows"], out.parent / "size_ladder_rows"
+
+
+def test_two_processes_join_one_group_and_count_both_ranks_tokens(two_ranks):
+    stdout, rows, row_dir = two_ranks
+    assert [(r["config"], r["status"], r["world_size"]) for r in rows] == [("stage3", "ok", 2), ("offload", "ok", 2)]
+    for row in rows:
+        assert row["tokens_per_step"] == 2 * (2 * 64 * 2)  # two ranks, each micro-batch 2 x seq 64 x accum 2
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+        assert len(row["losses"]) == 3 and row["losses"][-1] < row["losses"][0]
+    assert rows[1]["param_offload_per_step"]["fetches"] > 0
+    assert "| stage3 x2 | tiny-a |" in stdout and "| offload x2 | tiny-a |" in stdout
+    assert sorted(p.name for p in row_dir.iterdir()) == ["offload-tiny-a.json", "stage3-tiny-a.json"]
+
+
+FAKE_RANK = """
+import json, os, signal, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+out = Path(args[args.index("--json") + 1])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+assert "--rank-json" in args and os.environ["MASTER_PORT"].isdigit()
+if rank == world - 1:
+    if os.environ["FAKE_FAILURE"] == "oom":
+        row = {"config": "stage3", "size": "tiny-a", "status": "oom", "where": "step 1", "rank": rank}
+        out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps(row))
+        sys.exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)  # the others wait in a collective for the rank that is gone
+"""
+
+
+@pytest.mark.parametrize("failure", ["oom", "killed"])
+def test_a_rank_that_fails_stops_the_others_and_is_named(failure, tmp_path, monkeypatch):
+    script = tmp_path / "fake_rank.py"
+    script.write_text(FAKE_RANK)
+    monkeypatch.setattr(size_ladder, "__file__", str(script))
+    monkeypatch.setattr(size_ladder, "RANK_GRACE_S", 0.5)
+    monkeypatch.setenv("FAKE_FAILURE", failure)
+    args = size_ladder.parse_args(["--tiny", "--nproc", "3"])
+    row = size_ladder.run_size("stage3", "tiny-a", args, tmp_path, timeout=60)
+    assert row["seconds"] < 30 and row["world_size"] == 3
+    if failure == "oom":
+        assert (row["status"], row["where"], row["rank"]) == ("oom", "step 1", 2)
+    else:
+        assert row["status"] == "killed" and row["error"] == "signal 9 (host memory) (rank 2)"
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".json"] == ["stage3-tiny-a.json"]
+    assert json.loads((tmp_path / "stage3-tiny-a.json").read_text()) == row
