@@ -4,7 +4,8 @@
 #             against a 2% injected step slowdown (calibrated to a measured 2% first, CALIBRATE_PAIRS
 #             pairs a try), threshold 2%, <= 15 pairs (SESSIONS x REPEATS each)
 #   autotune  benchmarks/autotune_vs_grid.sh gpt2_355m: the tuned search against the full grid
-#   kernels   the kernel benchmarks (KERNEL_SELECT, a pytest -k expression; KERNEL_ROUNDS rounds, 15,
+#   kernels   the kernel benchmarks (KERNEL_SELECT, a pytest -k expression; one that selects none stops
+#             the part with exit 2 before any repeat; KERNEL_ROUNDS rounds, 15,
 #             after KERNEL_WARMUP_S seconds of untimed calls, 1.5; rounds of at least KERNEL_ROUND_MS, 0: off)
 #             once unpinned as the baseline, then KREPEATS times: an A/A run replaying the baseline's
 #             kernel choices and a run with every dslab kernel slowed 3% on the device
@@ -25,7 +26,11 @@
 #             such a baseline (KERNEL_SELECT=layer_norm KERNEL_ROUND_MS=700 KERNEL_ROUNDS=10, one H200,
 #             torch 2.11, 2026-11-30); so are h200_linear_cross_entropy_700ms.json and
 #             h200_cross_entropy_700ms.json, and h200_bias_gelu_700ms.json, h200_bias_dropout_residual_700ms.json and
-#             h200_adamw_700ms.json (KERNEL_SELECT=adamw; a module name such as fused_adam selects too). Kernels at the power limit take 700 ms rounds: at 200 ms
+#             h200_adamw_700ms.json (KERNEL_SELECT=adamw; a module name such as fused_adam selects too),
+#             h200_attention_700ms.json (KERNEL_SELECT=attention, 14 benchmarks: 226 s for the baseline
+#             with its autotune, 159 s pinned A/A, 284 s slowed, so a baseline and a repeat of both kinds
+#             span two calls) and h200_llama_ops_700ms.json (10 of llama_ops' 12, without the rope
+#             forward+backward; 10 benchmarks ran 241 s slowed). Kernels at the power limit take 700 ms rounds: at 200 ms
 #             the cross-entropy's plain rounds swung 7.7% and its slowed runs passed, unresolved.
 # Several parts in one call run in order: bash benchmarks/gate_gpu.sh detect autotune
 # Results and logs land in $OUT; each part's table prints last.
@@ -57,7 +62,11 @@ for part in "$@"; do
           --kernel-rounds "${KERNEL_ROUNDS:-15}" --kernel-warmup-s "${KERNEL_WARMUP_S:-1.5}" \
           --kernel-round-ms "${KERNEL_ROUND_MS:-0}" --benchmark-json="$kdir/$name.json" --benchmark-save-data "$@" \
           > "$kdir/$name.log" 2>&1
-        echo "$name: pytest exit $?"
+        local rc=$?
+        echo "$name: pytest exit $rc"
+        if [ "$rc" = 5 ]; then  # pytest's "no tests collected": the repeats would select nothing too
+          echo "gate_gpu.sh: KERNEL_SELECT='$select' selects no kernel benchmark (see $name.log)" >&2; exit 2
+        fi
       }
       if [ -n "${KERNEL_BASE:-}" ]; then
         [ -f "$KERNEL_BASE" ] || { echo "gate_gpu.sh: KERNEL_BASE=$KERNEL_BASE: no such file" >&2; exit 2; }

@@ -84,6 +84,12 @@ def cases(device) -> list[Case]:
 
     qkv = randn(BATCH, SEQ, HEADS + 2 * KV_HEADS, HEAD_DIM, grad=True)
     q, k = qkv[:, :, :HEADS], qkv[:, :, HEADS:HEADS + KV_HEADS]
+
+    def split():
+        # Views taken in the call, as a model's attention does: a view's backward runs on the
+        # stream its forward ran on, so views made once here, on the default stream, would put
+        # their backward there during a CUDA-graph capture on another stream and fail it.
+        return qkv[:, :, :HEADS], qkv[:, :, HEADS:HEADS + KV_HEADS]
     inv_freq = rope_inv_freq(HEAD_DIM, 500000.0, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     cos, sin = rope_tables(torch.arange(SEQ, device=device), inv_freq.to(device))
@@ -95,8 +101,8 @@ def cases(device) -> list[Case]:
              torch=lambda: _torch_rope(q, k, cos, sin), bytes_moved=2 * rotated * e,
              notes="PyTorch: transformers' rotate_half form, ~10 kernels"),
         Case(op="rope q+k forward+backward", shape=rope_shape,
-             dslab=lambda: torch.autograd.grad(apply_rope(q, k, cos, sin), qkv, (dq, dk)),
-             torch=lambda: torch.autograd.grad(_torch_rope(q, k, cos, sin), qkv, (dq, dk)),
+             dslab=lambda: torch.autograd.grad(apply_rope(*split(), cos, sin), qkv, (dq, dk)),
+             torch=lambda: torch.autograd.grad(_torch_rope(*split(), cos, sin), qkv, (dq, dk)),
              bytes_moved=4 * rotated * e, notes="the gradient lands in the packed qkv's q and k columns"),
     ]
     return out
