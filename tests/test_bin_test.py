@@ -15,7 +15,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 case "$*" in
   *"serial and not gpu"*) echo "serial threads: ${OMP_NUM_THREADS:-unset}"; echo "tests/test_timing.py ...";
                           echo "${SERIAL_TOTALS}"; exit "${SERIAL_RC}" ;;
-  *) echo "main threads: ${OMP_NUM_THREADS:-unset}"; echo "bringing up nodes...";
+  *) echo "main threads: ${OMP_NUM_THREADS:-unset}"; echo "main args: $*"; echo "bringing up nodes...";
      echo "=========== ${MAIN_TOTALS} ==========="; exit "${MAIN_RC}" ;;
 esac
 """
@@ -72,3 +72,10 @@ def test_the_main_pass_workers_run_one_intra_op_thread_each(checkout, extra, mai
     done = run_bin_test(checkout, 0, 0, **extra)
     assert done.returncode == 0, done.stderr
     assert f"main threads: {main}" in done.stdout and f"serial threads: {serial}" in done.stdout
+
+
+def test_the_main_pass_keeps_a_modules_tests_on_one_worker(checkout):
+    """``--dist loadscope``: a module-scoped fixture that starts gloo processes runs once, not on both workers."""
+    done = run_bin_test(checkout, 0, 0)
+    (args,) = [line for line in done.stdout.splitlines() if line.startswith("main args: ")]
+    assert "-n 2 --dist loadscope" in args and "-m not gpu and not serial -q" in args
