@@ -6,7 +6,8 @@ For each projection of a GPT-2 layer of width ``--hidden`` (QKV, attention out, 
 at ``--rows`` rows, bf16: ``F.linear`` with its bias (cuBLAS), ``decode_linear`` as the engine runs
 it (its fixed block sizes; the QKV and MLP-up rows with their residual add and layer norm in front, as in the
 fused step: from 2 rows in a kernel of their own, and also timed in every program's prologue), and
-``decode_linear`` without a prologue under each of the kernel's configurations.
+``decode_linear`` without a prologue under each of the kernel's configurations (at one row the
+persistent row kernel's, :data:`dslab.kernels.decode.decode_row_triton.ROW_SWEEP`).
 Timing as in ``inference_kernels_bench.py``: calls cycling over enough weight copies to exceed four
 L2 caches, captured in one CUDA graph, median replay. GB/s counts the weight bytes only; the
 percentage divides by the device-to-device copy bandwidth (bytes read + written per second).
@@ -31,6 +32,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from dslab.kernels.decode import decode_linear_triton as kernels  # noqa: E402
+from dslab.kernels.decode import decode_row_triton as row  # noqa: E402
 from dslab.kernels.decode.decode_linear import decode_linear  # noqa: E402
 from dslab.kernels.quant.int8_linear import quantize_int8  # noqa: E402
 
@@ -76,7 +78,10 @@ def main() -> None:
     copy = copy_bandwidth_gbs()
     h, m = args.hidden, args.rows
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; hidden {h}, rows {m}, bf16", flush=True)
-    configs = kernels.sweep(kernels.row_block(m))
+    if m == 1:  # the persistent one-row kernel's configurations
+        configs, forced, label = row.ROW_SWEEP, row.forced_row_config, "row BN %d BK %d w%d x%d/SM"
+    else:
+        configs, forced, label = kernels.sweep(kernels.row_block(m)), kernels.forced_config, "BN %d BK %d w%d s%d"
     results = []
     for name, (n, k), prologue in (("qkv", (3 * h, h), True), ("attn out", (h, h), False),
                                    ("mlp up", (4 * h, h), True), ("mlp down", (h, 4 * h), False)):
@@ -115,9 +120,9 @@ def main() -> None:
                 linear_module.PROLOGUE_KERNEL_MIN_ROWS = default
             results.append((name, f"{n}x{k}", label, us, weight_bytes / us / 1e3))
         for config in configs:
-            with kernels.forced_config(config):
+            with forced(config):
                 us = graph_time_us([lambda op=op: op() for op in ops], args.inner, args.reps)
-            results.append((name, f"{n}x{k}", "BN %d BK %d w%d s%d" % config, us, weight_bytes / us / 1e3))
+            results.append((name, f"{n}x{k}", label % config, us, weight_bytes / us / 1e3))
         if m == 1 and not args.int8:
             for config in BARE_CONFIGS:
                 us = graph_time_us([lambda w=w: bare_gemv(x[0], w, config) for w in weights], args.inner, args.reps)

@@ -21,12 +21,16 @@ fastest choice these rows show; a model without a fused step has the op-by-op va
   ``_decode_linear_kernel`` serves every projection; its place in the layer tells which), and the
   launches outside the layers (embedding, final norm, LM head), found as the step's run of
   ``num_hidden_layers`` identical blocks;
+- the fused and op-by-op variants are captured without programmatic dependent launch; the engine's
+  default (``DSLAB_DEPENDENT_LAUNCH=auto``) launches the batch-1 step's kernels dependent, which is
+  the next variant;
 - ``--dependent-launch``: a third variant, the fused step captured with programmatic dependent
   launch (:func:`dslab.kernels.dispatch.dependent_launch`), timed in the same interleave; its
   logits must equal the fused step's bit for bit (same kernels, same order of arithmetic);
 - ``--attention-combine``: another variant, the fused step captured with decode attention's fused
   combine (:func:`dslab.kernels.decode.decode_attention_triton.combine_mode`), timed in the same
-  interleave; its logits must equal the fused step's bit for bit (the same sums in the same order);
+  interleave (with dependent launch at batch 1 when ``--dependent-launch`` is given, as the engine
+  runs it); its logits must equal the fused step's bit for bit (the same sums in the same order);
 - the weights-read floor: the weight bytes at the measured device-to-device copy bandwidth
   (``Tensor.copy_`` of 1 GiB, bytes read + written per second: what the memory system moves), about
   the best a batch-1 step can do.
@@ -181,8 +185,9 @@ def main() -> None:
             for batch in (int(b) for b in args.batches.split(",")):
                 prompts = make_prompts(batch, PROMPT, engine.module.vocab_size, 0, device)
                 fusable = hasattr(engine.module, "fused_decode")
-                plain = Variant(engine, prompts, False)
-                fused = Variant(engine, prompts, True) if fusable else plain
+                with dependent_launches(False):  # the engine's default (auto) is one of these or the dependent variant
+                    plain = Variant(engine, prompts, False)
+                    fused = Variant(engine, prompts, True) if fusable else plain
                 variants = (fused, plain) if fusable else (plain,)
                 dependent = None
                 if fusable and args.dependent_launch:
@@ -194,7 +199,7 @@ def main() -> None:
                     variants = (fused, dependent, plain)
                 combined = None
                 if fusable and args.attention_combine:
-                    with combine_mode("fused"):
+                    with combine_mode("fused"), dependent_launches(args.dependent_launch and batch == 1):
                         combined = Variant(engine, prompts, True, name="fused, attention combine fused")
                     variants = (*variants[:-1], combined, plain)
                 for variant in variants:

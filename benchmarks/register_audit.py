@@ -43,6 +43,7 @@ def decode_rows() -> list[tuple[str, object]]:
 
     from dslab.kernels.decode import decode_linear_triton as kernels
     from dslab.kernels.decode import decode_prologue_triton as prologue
+    from dslab.kernels.decode import decode_row_triton as row
 
     linear = importlib.import_module("dslab.kernels.decode.decode_linear")  # the package attribute is the function
 
@@ -66,6 +67,23 @@ def decode_rows() -> list[tuple[str, object]]:
                 paired = act == 3 or rope
                 block_m = kernels.row_block(m)
                 in_linear = norm and m < linear.PROLOGUE_KERNEL_MIN_ROWS
+                if m == 1:  # the persistent one-row kernel: its configuration and its sweep's
+                    for config in [None, *row.ROW_SWEEP]:
+                        with row.forced_row_config(config):
+                            shape = row.plan(False, n, k, SMS, int8, paired)
+                        c = shape["constexprs"]
+                        meta = dict(HAS_X_ROWS=False, HAS_R=norm, HAS_R_ROWS=False, HAS_R_OFFSET=False, WRITE_A=norm,
+                                    HAS_NORM=norm, RMS_NORM=norm and model.startswith("llama"), INT8=int8,
+                                    HAS_BIAS=not rope, ACT=act, KV_SCATTER=rope or (name == "qkv"), ROPE=rope,
+                                    PAIRED=paired, DOT_FP32=False, PRECISION="tf32", BF16_BY_HAND=False,
+                                    STATS_BLOCK=min(1 << (k - 1).bit_length(), 4096), **c)
+                        kinds = dict(types, W="*i8") if int8 else types
+                        label = (f"decode_row {model} {name}{' int8' if int8 else ''} "
+                                 f"{c['BLOCK_N']}x{c['BLOCK_K']} w{shape['options']['num_warps']} "
+                                 f"{'default' if config is None else 'sweep'}")
+                        rows.append((label, lambda kinds=kinds, meta=meta, options=shape["options"]: assemble(
+                            row._decode_row_kernel, kinds, meta, **options)))
+                    continue
                 shape = kernels.plan(block_m, False, -(-m // block_m), n, k, 2 * SMS, int8, in_linear, paired)
                 meta = dict(HAS_X_ROWS=False, HAS_R=in_linear, HAS_R_ROWS=False, HAS_R_OFFSET=False, WRITE_A=in_linear,
                             HAS_NORM=in_linear, RMS_NORM=in_linear and model.startswith("llama"), INT8=int8,

@@ -99,47 +99,61 @@ def planned_backend(device: torch.device | str | None = None) -> str:
 
 
 DEPENDENT_LAUNCH_ENV = "DSLAB_DEPENDENT_LAUNCH"
-_dependent_override: bool | None = None
+#: ``DSLAB_DEPENDENT_LAUNCH``'s values: on for every decode launch, off, or on for one-row launches
+#: (batch-1 decode steps) only, the default.
+DEPENDENT_LAUNCH_MODES = ("1", "0", "auto")
+_dependent_override: bool | str | None = None
 _dependent_supported: dict[int, bool] = {}
 
 
-def set_dependent_launch(enabled: bool | None) -> None:
-    """Turn programmatic dependent launch of the decode kernels on or off for the whole process
-    (None goes back to ``DSLAB_DEPENDENT_LAUNCH``)."""
+def set_dependent_launch(enabled: bool | str | None) -> None:
+    """Turn programmatic dependent launch of the decode kernels on (True), off (False) or to
+    one-row launches only (``"auto"``) for the whole process (None goes back to
+    ``DSLAB_DEPENDENT_LAUNCH``)."""
     global _dependent_override
+    if enabled not in (True, False, None, "auto"):
+        raise ValueError(f"set_dependent_launch: give True, False, 'auto' or None, got {enabled!r}")
     _dependent_override = enabled
 
 
 @contextlib.contextmanager
-def dependent_launches(enabled: bool):
-    """Programmatic dependent launch of the decode kernels on (or off) inside the block; a CUDA
-    graph captured inside keeps it."""
+def dependent_launches(enabled: bool | str):
+    """Programmatic dependent launch of the decode kernels on (or off, or ``"auto"``) inside the
+    block; a CUDA graph captured inside keeps it."""
     global _dependent_override
-    previous, _dependent_override = _dependent_override, bool(enabled)
+    previous, _dependent_override = _dependent_override, enabled if enabled == "auto" else bool(enabled)
     try:
         yield
     finally:
         _dependent_override = previous
 
 
-def _dependent_launch_wanted() -> bool:
+def _dependent_launch_wanted(rows: int | None = None) -> bool:
+    """Whether a launch over ``rows`` rows (None: not known) is asked to be dependent: on, off, or
+    ``auto``'s one row."""
     if _dependent_override is not None:
-        return _dependent_override
-    value = os.environ.get(DEPENDENT_LAUNCH_ENV, "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{DEPENDENT_LAUNCH_ENV}={value!r}: give 1 (on) or 0 (off)")
-    return value == "1"
+        mode = _dependent_override
+    else:
+        value = os.environ.get(DEPENDENT_LAUNCH_ENV, "auto") or "auto"
+        if value not in DEPENDENT_LAUNCH_MODES:
+            raise ValueError(f"{DEPENDENT_LAUNCH_ENV}={value!r}: give 1 (on), 0 (off) or auto (one-row launches)")
+        mode = {"1": True, "0": False}.get(value, value)
+    return rows == 1 if mode == "auto" else mode
 
 
-def dependent_launch(device: torch.device) -> bool:
-    """Whether the decode kernels (:mod:`dslab.kernels.decode`) on ``device`` launch with
-    programmatic dependent launch: asked for (``DSLAB_DEPENDENT_LAUNCH=1``,
-    :func:`set_dependent_launch` or :func:`dependent_launches`; off by default), on a CUDA device of
-    compute capability 9.0 or later (Hopper), with a Triton that has grid dependency control
+def dependent_launch(device: torch.device, rows: int | None = None) -> bool:
+    """Whether a decode kernel (:mod:`dslab.kernels.decode`) over ``rows`` rows on ``device``
+    launches with programmatic dependent launch: asked for (``DSLAB_DEPENDENT_LAUNCH``,
+    :func:`set_dependent_launch` or :func:`dependent_launches`: ``1`` on, ``0`` off, ``auto``, the
+    default, on for one-row launches, the batch-1 decode step's), on a CUDA device of compute
+    capability 9.0 or later (Hopper), with a Triton that has grid dependency control
     (``tl.extra.cuda.gdc_wait``), and not under the interpreter. Such a launch may start while the
     kernel before it on the stream still runs: each kernel then waits (``gdc_wait``) before it
-    touches anything an earlier kernel writes, and may read what none writes (its weights) first."""
-    if not _dependent_launch_wanted() or interpreting() or torch.device(device).type != "cuda":
+    touches anything an earlier kernel writes, and may read what none writes (its weights) first.
+    ``auto``'s choice is measured (``benchmarks/decode_profile.py --dependent-launch`` on an H200,
+    Llama-3.2-1B): the batch-1 step of persistent one-row kernels is faster with it, the 8-row
+    step of tensor-core tiles slower."""
+    if not _dependent_launch_wanted(rows) or interpreting() or torch.device(device).type != "cuda":
         return False
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index

@@ -3,7 +3,8 @@
 the tokens and logits of ordinary launches. A dependent launch starts while the kernel before it
 runs and must wait before touching what that kernel writes: a kernel that read too early would give
 different numbers, at random. So the check repeats: a chain of decode_linear launches (residual
-adds, RMSNorm, split-K partials and counters, the next launch reading the last one's output)
+adds, RMSNorm; at one row the persistent row kernel, at three the tile kernel with its split-K
+partials and counters; the next launch reading the last one's output)
 replayed from a CUDA graph many times, and greedy generation of GPT-2 and Llama layouts (the fused
 step, attention's split and combine kernels) under graphs, against the same without dependent
 launch."""
@@ -16,6 +17,7 @@ from tiny_models import hf_gpt2, hf_llama, prompts
 
 import dslab
 import dslab.kernels.decode.decode_linear_triton as linear_triton
+import dslab.kernels.decode.decode_row_triton as row_triton
 from dslab.kernels.decode.decode_linear import decode_linear
 from dslab.kernels.dispatch import dependent_launch, dependent_launches
 
@@ -39,25 +41,29 @@ def _chain(x, weights, norms):
     return h + residual
 
 
-def test_a_chain_of_dependent_launches_replays_to_the_ordinary_launches_result():
+@pytest.mark.parametrize("rows", [1, 3])  # the persistent one-row kernel; the tile kernel (split K)
+def test_a_chain_of_dependent_launches_replays_to_the_ordinary_launches_result(rows):
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden, wide, layers = 2048, 8192, 6
     weights = [(torch.randn(wide, hidden, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02,
                 torch.randn(hidden, wide, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02)
                for _ in range(layers)]
     norms = [torch.rand(hidden, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(layers)]
-    x = torch.randn(1, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
     launched = []
-    real = linear_triton.launch
+    real = {module: module.launch for module in (linear_triton, row_triton)}
 
-    def spy(*args):
-        launched.append(args[-1])
-        return real(*args)
+    def spy(module):
+        def launch(*args):
+            launched.append((module.__name__.rsplit(".", 1)[1], args[-1]))
+            return real[module](*args)
+        return launch
 
     results = {}
     for dependent in (False, True):
         with dependent_launches(dependent):
-            linear_triton.launch = spy
+            for module in real:
+                module.launch = spy(module)
             try:
                 static = x.clone()
                 _chain(static, weights, norms)  # compiles
@@ -66,7 +72,8 @@ def test_a_chain_of_dependent_launches_replays_to_the_ordinary_launches_result()
                 with torch.cuda.graph(graph):
                     out = _chain(static, weights, norms)
             finally:
-                linear_triton.launch = real
+                for module, launch in real.items():
+                    module.launch = launch
         outputs = []
         for i in range(50):
             static.copy_(x * (1 + i % 3))
@@ -74,7 +81,10 @@ def test_a_chain_of_dependent_launches_replays_to_the_ordinary_launches_result()
             outputs.append(out.clone())
         torch.cuda.synchronize()
         results[dependent] = outputs
-    assert launched.count(True) == launched.count(False) == 2 * 2 * layers  # a warm-up chain and a capture
+    # a warm-up chain and a capture of each, every launch by the kernel of its row count
+    kernel = "decode_row_triton" if rows == 1 else "decode_linear_triton"
+    assert launched.count((kernel, True)) == launched.count((kernel, False)) == 2 * 2 * layers
+    assert len(launched) == 2 * 2 * 2 * layers
     for ordinary, dependent in zip(results[False], results[True]):
         assert torch.equal(ordinary, dependent)
 

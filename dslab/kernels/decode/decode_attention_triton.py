@@ -64,28 +64,39 @@ def _combine_row(M_PART, L_PART, ACC_PART, OUT, bh, heads, stride_ob, stride_oh,
                  HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                  BF16_BY_HAND: tl.constexpr, CACHE_GLOBAL: tl.constexpr):
     """Row ``bh``'s output from its splits' partials (module docstring, step 2); ``CACHE_GLOBAL``
-    reads them past L1 (``.cg``), as the fused combine must: other programs wrote them."""
+    reads them past L1 (``.cg``), as the fused combine must: other programs wrote them. The splits
+    are added one after another in split order, so the sums do not depend on how a launch's
+    warps would lay out a reduction: the fused combine (the split kernel's warps) and the combine
+    kernel (its own) give the same bits."""
     b = bh // heads
     h = bh % heads
     splits = tl.arange(0, BLOCK_SPLITS)
     in_range = splits < SPLITS
     dims = tl.arange(0, HEAD_DIM)
-    part = bh * SPLITS + splits
+    row = bh * SPLITS
     if CACHE_GLOBAL:
-        m = tl.load(M_PART + part, mask=in_range, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(L_PART + part, mask=in_range, other=0.0, cache_modifier=".cg")
-        acc = tl.load(ACC_PART + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], mask=in_range[:, None],
-                      other=0.0, cache_modifier=".cg")
+        m = tl.load(M_PART + row + splits, mask=in_range, other=float("-inf"), cache_modifier=".cg")
     else:
-        m = tl.load(M_PART + part, mask=in_range, other=float("-inf"))
-        l = tl.load(L_PART + part, mask=in_range, other=0.0)
-        acc = tl.load(ACC_PART + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], mask=in_range[:, None],
-                      other=0.0)
-    m_max = tl.max(m, axis=0)
+        m = tl.load(M_PART + row + splits, mask=in_range, other=float("-inf"))
+    m_max = tl.max(m, axis=0)  # a maximum is exact in any order
     # All splits empty: M = -inf, and -inf - (-inf) would be NaN; 2^(-inf - 0) = 0 for each split.
-    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    numerator = tl.sum(acc * weight[:, None], axis=0)
-    denominator = tl.sum(l * weight, axis=0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    numerator = tl.zeros((HEAD_DIM,), tl.float32)
+    denominator = tl.zeros((1,), tl.float32)
+    one = tl.arange(0, 1)
+    for s in tl.static_range(SPLITS):
+        part = row + s
+        if CACHE_GLOBAL:
+            m_s = tl.load(M_PART + part + one, cache_modifier=".cg")
+            l_s = tl.load(L_PART + part + one, cache_modifier=".cg")
+            acc_s = tl.load(ACC_PART + part.to(tl.int64) * HEAD_DIM + dims, cache_modifier=".cg")
+        else:
+            m_s = tl.load(M_PART + part + one)
+            l_s = tl.load(L_PART + part + one)
+            acc_s = tl.load(ACC_PART + part.to(tl.int64) * HEAD_DIM + dims)
+        weight = tl.exp2(m_s - m_ref)
+        numerator += acc_s * weight
+        denominator += l_s * weight
     out = numerator / tl.where(denominator > 0.0, denominator, 1.0)
     tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
              cast_rounding(out, OUT.dtype.element_ty, BF16_BY_HAND))
@@ -269,7 +280,7 @@ def decode_attention(
     else:
         m_part = l_part = acc_part = out  # not read or written with one split
     num_warps = 4 if head_dim * block_n >= 4096 else 2
-    dependent = dict(launch_pdl=True, USE_GDC=True) if dependent_launch(q.device) else {}
+    dependent = dict(launch_pdl=True, USE_GDC=True) if dependent_launch(q.device, batch) else {}
     fused = combine == "fused" and splits > 1 and batch * heads <= COUNTERS
     counters = _counters(q.device) if fused else m_part
     with device_guard(q):

@@ -14,7 +14,8 @@ about eleven (RMSNorm, QKV GEMM, rope, two cache scatters, attention's two, outp
 gate/up GEMM, SwiGLU, down GEMM). With this op, either layout launches five: ``decode_linear`` for QKV
 (the residual add and norm in front, rope and the cache writes behind), attention, the output
 projection, the MLP's first GEMM (add, norm, bias, GELU or SwiGLU), its second.
-:mod:`dslab.kernels.decode.decode_linear_triton` says how the kernel does it. From
+:mod:`dslab.kernels.decode.decode_linear_triton` says how the kernel does it (at one row
+:mod:`dslab.kernels.decode.decode_row_triton`'s persistent kernel runs instead). From
 :data:`PROLOGUE_KERNEL_MIN_ROWS` rows a launch with a norm first runs the add and the norm in a
 kernel of its own (:mod:`dslab.kernels.decode.decode_prologue_triton`), then the linear on its
 output: one launch more, instead of every program's pass over the rows.
@@ -79,6 +80,9 @@ MAX_ROWS = 64
 #: Rows from which a launch with a norm computes the norm in a kernel of its own first
 #: (:mod:`dslab.kernels.decode.decode_prologue_triton`), not in every program's prologue.
 PROLOGUE_KERNEL_MIN_ROWS = 2
+#: One row runs :mod:`dslab.kernels.decode.decode_row_triton`'s persistent kernel; False runs the
+#: tile-per-program kernel at one row too (benchmarks compare the two in one run).
+ROW_KERNEL = True
 
 
 def _rows(table: torch.Tensor, rows: torch.Tensor | None, offset: torch.Tensor | None) -> torch.Tensor:
@@ -229,7 +233,8 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def _programs_wanted(device: torch.device) -> int:
-    """Programs to fill the device: two per SM (four under the interpreter, so CPU tests split K)."""
+    """Programs to fill the device: two per SM (four under the interpreter, so CPU tests split K;
+    half of it is the SM count the batch-1 kernel sizes its grid by)."""
     if device.type != "cuda":
         return 4
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -240,6 +245,13 @@ def _triton_module():
     from dslab.kernels.decode import decode_linear_triton
 
     return decode_linear_triton
+
+
+@functools.cache
+def _row_module():
+    from dslab.kernels.decode import decode_row_triton
+
+    return decode_row_triton
 
 
 def _prologue_kernel(x, x_rows, residual, residual_rows, residual_row_offset, norm, rms_norm, a_out, k, dummy):
@@ -303,8 +315,9 @@ def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_ro
     paired = span > 0
     block_m = kernels.row_block(m)
     programs = _programs_wanted(x.device)
-    partial_size = kernels.partial_elements(m, n, k, block_m, programs, interpreting(), weight.dtype == torch.int8,
-                                            paired)
+    row_kernel = block_m == 1 and ROW_KERNEL
+    partial_size = 0 if row_kernel else kernels.partial_elements(m, n, k, block_m, programs, interpreting(),
+                                                                   weight.dtype == torch.int8, paired)
     partial = torch.empty(partial_size, dtype=torch.float32, device=x.device) if partial_size else dummy
     counters = _counters(x.device) if partial_size else dummy
     bf16_by_hand = interpreting() and x.dtype == torch.bfloat16
@@ -337,8 +350,11 @@ def _triton(x, weight, bias, scale, x_rows, residual, residual_rows, residual_ro
         STATS_BLOCK=32 if interpreting() else min(1 << (k - 1).bit_length(), 4096 // block_m),
     )
     with device_guard(x):
-        kernels.launch(block_m, interpreting(), -(-m // block_m), n, k, programs, args, meta,
-                       dependent_launch(x.device))
+        if row_kernel:
+            _row_module().launch(interpreting(), n, k, programs // 2, args, meta, dependent_launch(x.device, m))
+        else:
+            kernels.launch(block_m, interpreting(), -(-m // block_m), n, k, programs, args, meta,
+                           dependent_launch(x.device, m))
     return (y, a_out) if return_sum else y
 
 

@@ -159,6 +159,48 @@ def _prologue(a, ks, k_end, rows, row_mask, pid_n, X, x_base, R, r_base, A_OUT, 
 
 
 @triton.jit
+def _row_bases(X_ROWS, R_ROWS, R_OFFSET, rows, row_mask, stride_x, stride_r, HAS_X_ROWS: tl.constexpr,
+               HAS_R: tl.constexpr, HAS_R_ROWS: tl.constexpr, HAS_R_OFFSET: tl.constexpr):
+    """The offsets of ``rows``' x (``x_rows`` gathered) and residual (``residual_rows -
+    residual_row_offset`` gathered) in their tables."""
+    if HAS_X_ROWS:
+        x_base = tl.load(X_ROWS + rows, mask=row_mask, other=0).to(tl.int64) * stride_x
+    else:
+        x_base = rows.to(tl.int64) * stride_x
+    r_base = x_base
+    if HAS_R:
+        if HAS_R_ROWS:
+            r_index = tl.load(R_ROWS + rows, mask=row_mask, other=0).to(tl.int64)
+            if HAS_R_OFFSET:
+                r_index -= tl.load(R_OFFSET + rows, mask=row_mask, other=0).to(tl.int64)
+            r_base = r_index * stride_r
+        else:
+            r_base = rows.to(tl.int64) * stride_r
+    return x_base, r_base
+
+
+@triton.jit
+def _single_block_h(X, x_base, R, r_base, A_OUT, stride_a, NORM_W, NORM_B, ks, K, rows, row_mask, pid_n, eps,
+                    HAS_R: tl.constexpr, WRITE_A: tl.constexpr, HAS_NORM: tl.constexpr, RMS_NORM: tl.constexpr,
+                    BF16_BY_HAND: tl.constexpr):
+    """``h`` of rows whose K is the one block ``ks``: ``a`` loaded once, the norm's statistics from it
+    in registers (``a`` stored by the programs of column block 0)."""
+    mask = row_mask[:, None] & (ks < K)[None, :]
+    a = _load_a(X, x_base, R, r_base, ks, mask, HAS_R, BF16_BY_HAND)
+    mean = tl.zeros((a.shape[0],), dtype=tl.float32)
+    rstd = tl.zeros((a.shape[0],), dtype=tl.float32)
+    if HAS_NORM:
+        if RMS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / K + eps)
+        else:
+            mean = tl.sum(a, axis=1) / K
+            centred = tl.where(mask, a - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / K + eps)
+    return _prologue(a, ks, K, rows, row_mask, pid_n, X, x_base, R, r_base, A_OUT, stride_a, NORM_W, NORM_B,
+                     mean, rstd, True, HAS_R, WRITE_A, HAS_NORM, RMS_NORM, BF16_BY_HAND)
+
+
+@triton.jit
 def _multiply(acc, w, h, INT8: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr,
               PRECISION: tl.constexpr):
     """``h`` ``[BLOCK_M, BLOCK_K]`` times the weight tile ``w`` ``[BLOCK_N, BLOCK_K]`` into ``acc``
@@ -231,19 +273,8 @@ def _decode_linear_kernel(
         # next kernel start its own weight reads
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if HAS_X_ROWS:
-        x_base = tl.load(X_ROWS + rows, mask=row_mask, other=0).to(tl.int64) * stride_x
-    else:
-        x_base = rows.to(tl.int64) * stride_x
-    r_base = x_base
-    if HAS_R:
-        if HAS_R_ROWS:
-            r_index = tl.load(R_ROWS + rows, mask=row_mask, other=0).to(tl.int64)
-            if HAS_R_OFFSET:
-                r_index -= tl.load(R_OFFSET + rows, mask=row_mask, other=0).to(tl.int64)
-            r_base = r_index * stride_r
-        else:
-            r_base = rows.to(tl.int64) * stride_r
+    x_base, r_base = _row_bases(X_ROWS, R_ROWS, R_OFFSET, rows, row_mask, stride_x, stride_r, HAS_X_ROWS, HAS_R,
+                                HAS_R_ROWS, HAS_R_OFFSET)
 
     if BLOCK_M == 1:  # elementwise products summed once after the loop: no reduction per K block
         acc_2d = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -254,17 +285,8 @@ def _decode_linear_kernel(
     mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if SINGLE_BLOCK:  # K is one block: the statistics come from the tile in registers, one load
-        mask = row_mask[:, None] & (ks < K)[None, :]
-        a = _load_a(X, x_base, R, r_base, ks, mask, HAS_R, BF16_BY_HAND)
-        if HAS_NORM:
-            if RMS_NORM:
-                rstd = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / K + eps)
-            else:
-                mean = tl.sum(a, axis=1) / K
-                centred = tl.where(mask, a - mean[:, None], 0.0)
-                rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / K + eps)
-        h = _prologue(a, ks, k_end, rows, row_mask, pid_n, X, x_base, R, r_base, A_OUT, stride_a, NORM_W, NORM_B,
-                      mean, rstd, True, HAS_R, WRITE_A, HAS_NORM, RMS_NORM, BF16_BY_HAND)
+        h = _single_block_h(X, x_base, R, r_base, A_OUT, stride_a, NORM_W, NORM_B, ks, K, rows, row_mask, pid_n, eps,
+                            HAS_R, WRITE_A, HAS_NORM, RMS_NORM, BF16_BY_HAND)
         acc_2d = _multiply(acc_2d, w_first, h, INT8, BLOCK_M, DOT_FP32, PRECISION)
         if PAIRED:
             acc_2d_2 = _multiply(acc_2d_2, w_first_2, h, INT8, BLOCK_M, DOT_FP32, PRECISION)

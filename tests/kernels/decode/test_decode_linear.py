@@ -137,17 +137,20 @@ def test_bad_arguments_name_the_problem():
 
 
 @needs_interpreter
-def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
+@pytest.mark.parametrize("rows", [1, 3])
+def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(monkeypatch, rows):
     """N = 45 makes 3 column tiles for the interpreter's 4 wanted programs: K splits in 2; the
-    last split of each tile adds the partials in split order and resets the tile's counter."""
+    last split of each tile adds the partials in split order and resets the tile's counter. One
+    row runs the tile kernel here (``ROW_KERNEL = False``; the engine runs the persistent one)."""
     import importlib
 
     module = importlib.import_module("dslab.kernels.decode.decode_linear")  # the package attribute is the function
     from dslab.kernels.decode.decode_linear_triton import INTERPRETER_BLOCK_K, INTERPRETER_BLOCK_N, plan_split_k
 
+    monkeypatch.setattr(module, "ROW_KERNEL", False)
     assert plan_split_k(-(-N // INTERPRETER_BLOCK_N), K, INTERPRETER_BLOCK_K, 4)[0] == 2
     g = torch.Generator().manual_seed(21)
-    x, weight = torch.randn(1, K, generator=g), torch.randn(N, K, generator=g)
+    x, weight = torch.randn(rows, K, generator=g), torch.randn(N, K, generator=g)
     with kernel_backend("triton"):
         first = decode_linear(x, weight)
         second = decode_linear(x, weight)
