@@ -3,8 +3,8 @@
     python3 benchmarks/generate_gaps.py [--preset llama3_1b] [--batch 1] [--new 64] [--trials 3]
 
 Injects one random transformers model (the suites' builder, bf16), then per trial runs a greedy
-``engine.generate`` of ``--new`` tokens after a 32-token prompt (graphs captured by a warm-up
-call first) and reports:
+``engine.generate`` of ``--new`` tokens after a 32-token prompt as the inference suites call it
+(graphs captured by a warm-up call first) and reports:
 
 - ``per-token ms``: the engine's token clock (``engine.token_clock``, CUDA events after each
   token: what ``dslab bench`` reports), median over the gaps and trials;
@@ -44,9 +44,11 @@ def main() -> None:
     device = torch.device("cuda")
     build = build_hf_llama if args.preset.startswith("llama") else build_hf_gpt2
     model = build(args.preset, {}, 0, torch.bfloat16, device)
-    engine = init_inference(model, dtype=torch.bfloat16, max_out_tokens=PROMPT + args.new + 16)
+    # room for the generations and the step replays after them (each replay writes one more position)
+    engine = init_inference(model, dtype=torch.bfloat16, max_out_tokens=PROMPT + args.new + 50 * args.trials + 16)
     prompts = make_prompts(args.batch, PROMPT, engine.module.vocab_size, 0, device)
-    run = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+    # as the suites call it (dslab/bench/inference.py): the model's generation config (eos id 0) applies
+    run = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=args.new)
     engine.generate(prompts, **run)  # captures the graphs
     engine.generate(prompts, **run)
     torch.cuda.synchronize()
@@ -86,7 +88,7 @@ def main() -> None:
     offset = step_sequence.index(anchor)
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, **run)
+        out = engine.generate(prompts, **run)
         torch.cuda.synchronize()
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -100,8 +102,8 @@ def main() -> None:
         if name not in step_names:
             outside[name] += e - s
     busy = busy_step + sum(outside.values())
-    steps = args.new - 1
-    print(f"{torch.cuda.get_device_name()}: {args.preset} batch {args.batch}, {args.new} new tokens")
+    steps = out.shape[1] - PROMPT - 1  # decode steps (an eos may end it early)
+    print(f"{torch.cuda.get_device_name()}: {args.preset} batch {args.batch}, {out.shape[1] - PROMPT} new tokens")
     print(f"per-token ms (token clock, median of {len(gaps)} gaps): {per_token:.4f}")
     print(f"step ms (graph replays): {step:.4f}")
     print(f"profiled: span {span / steps / 1e3:.4f} ms a token; busy {busy / steps / 1e3:.4f} "

@@ -153,17 +153,30 @@ def _decode_split_kernel(
         tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
                  cast_rounding(out, OUT.dtype.element_ty, BF16_BY_HAND))
     else:
-        part = bh * SPLITS + split
-        one = tl.arange(0, 1)
-        tl.store(M_PART + part + one, m)
-        tl.store(L_PART + part + one, l)
-        tl.store(ACC_PART + part.to(tl.int64) * HEAD_DIM + dims, acc)
+        # Fused combine, a row whose valid range lies in one chunk (every split of the row reads the
+        # same bounds, so all agree): its split normalises and stores the output itself, the others
+        # have nothing to do, and no partial, counter or combine is touched. The bits are the
+        # combine's: one non-empty split combines to acc * 2^0 / (l * 2^0) plus zeros.
+        alone = False
         if FUSED_COMBINE:
-            arrived = tl.atomic_add(COUNTERS + bh, 1)  # acq_rel: the stores above are visible to the last
-            if arrived == SPLITS - 1:
-                _combine_row(M_PART, L_PART, ACC_PART, OUT, bh, heads, stride_ob, stride_oh, HEAD_DIM, SPLITS,
-                             BLOCK_SPLITS, BF16_BY_HAND, True)
-                tl.atomic_xchg(COUNTERS + bh, 0)
+            alone = (end > start) & (start // chunk == (end - 1) // chunk)
+        if alone:
+            if lo < hi:
+                out = acc / l
+                tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
+                         cast_rounding(out, OUT.dtype.element_ty, BF16_BY_HAND))
+        else:
+            part = bh * SPLITS + split
+            one = tl.arange(0, 1)
+            tl.store(M_PART + part + one, m)
+            tl.store(L_PART + part + one, l)
+            tl.store(ACC_PART + part.to(tl.int64) * HEAD_DIM + dims, acc)
+            if FUSED_COMBINE:
+                arrived = tl.atomic_add(COUNTERS + bh, 1)  # acq_rel: the stores above are visible to the last
+                if arrived == SPLITS - 1:
+                    _combine_row(M_PART, L_PART, ACC_PART, OUT, bh, heads, stride_ob, stride_oh, HEAD_DIM, SPLITS,
+                                 BLOCK_SPLITS, BF16_BY_HAND, True)
+                    tl.atomic_xchg(COUNTERS + bh, 0)
 
 
 @triton.jit

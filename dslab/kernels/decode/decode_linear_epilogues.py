@@ -33,16 +33,6 @@ from dslab.kernels.activation.bias_gelu_triton import _gelu_and_grad, _sigmoid_p
 
 
 @triton.jit
-def _scale_bias(acc, w_rows, col_mask, SCALE, BIAS, INT8: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``acc * scale[w_rows] + bias[w_rows]`` (each where given), fp32."""
-    if INT8:
-        acc = acc * tl.load(SCALE + w_rows, mask=col_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(BIAS + w_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
-@triton.jit
 def _scatter_qkv(value, cols, rows64, out_mask, pos, Q_OUT, K_CACHE, V_CACHE, stride_q, stride_kb, stride_kh,
                  stride_ks, stride_vb, stride_vh, stride_vs, head_dim, q_width, kv_width,
                  BF16_BY_HAND: tl.constexpr):
@@ -63,6 +53,40 @@ def _scatter_qkv(value, cols, rows64, out_mask, pos, Q_OUT, K_CACHE, V_CACHE, st
 
 
 @triton.jit
+def operands(rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BIAS, WRITE_POS, COS, SIN, span, stride_cos,
+             INT8: tl.constexpr, HAS_BIAS: tl.constexpr, KV_SCATTER: tl.constexpr, ROPE: tl.constexpr,
+             PAIRED: tl.constexpr):
+    """What a tile's epilogue reads besides its sums: ``(scale, scale_2, bias, bias_2, cos, sin,
+    pos)``, the int8 scales and the biases of its weight rows ``w_rows`` (and ``w_rows + span``),
+    the rows' rotary tables at its half-columns, and the rows' cache positions (zeros where the
+    launch has none). Loaded apart from :func:`finish_with` so that a kernel may request them
+    before its sums are reduced."""
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    scale = tl.zeros(cols.shape, tl.float32)
+    scale_2 = scale
+    bias = scale
+    bias_2 = scale
+    if INT8:
+        scale = tl.load(SCALE + w_rows, mask=col_mask, other=0.0)
+        if PAIRED:
+            scale_2 = tl.load(SCALE + w_rows + span, mask=col_mask, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + w_rows, mask=col_mask, other=0.0).to(tl.float32)
+        if PAIRED:
+            bias_2 = tl.load(BIAS + w_rows + span, mask=col_mask, other=0.0).to(tl.float32)
+    cos = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32) + 1.0
+    sin = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32)
+    pos = tl.zeros((rows.shape[0], 1), tl.int64)
+    if ROPE:
+        tables = rows64 * stride_cos + (cols - (cols // span) * span)[None, :]
+        cos = tl.load(COS + tables, mask=out_mask, other=1.0)
+        sin = tl.load(SIN + tables, mask=out_mask, other=0.0)
+    if ROPE or KV_SCATTER:
+        pos = tl.load(WRITE_POS + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
+    return scale, scale_2, bias, bias_2, cos, sin, pos
+
+
+@triton.jit
 def finish(acc, acc_2, rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BIAS, Y, Q_OUT, K_CACHE, V_CACHE,
            WRITE_POS, COS, SIN, span, stride_y, stride_q, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
            stride_vs, stride_cos, head_dim, q_width, kv_width, INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -70,11 +94,31 @@ def finish(acc, acc_2, rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BI
            BF16_BY_HAND: tl.constexpr):
     """The epilogue of a finished tile (see the module docstring): ``acc`` the sums of weight rows
     ``w_rows``, and of a paired launch ``acc_2`` those of rows ``w_rows + span``; ``cols`` the
-    output columns (weight rows, or pairs)."""
+    output columns (weight rows, or pairs). Its :func:`operands` loaded here."""
+    scale, scale_2, bias, bias_2, cos, sin, pos = operands(
+        rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BIAS, WRITE_POS, COS, SIN, span, stride_cos, INT8,
+        HAS_BIAS, KV_SCATTER, ROPE, PAIRED)
+    finish_with(acc, acc_2, scale, scale_2, bias, bias_2, cos, sin, pos, cols, row_mask, col_mask, rows64, Y, Q_OUT,
+                K_CACHE, V_CACHE, span, stride_y, stride_q, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                stride_vs, head_dim, q_width, kv_width, INT8, HAS_BIAS, ACT, KV_SCATTER, ROPE, PAIRED, BF16_BY_HAND)
+
+
+@triton.jit
+def finish_with(acc, acc_2, scale, scale_2, bias, bias_2, cos, sin, pos, cols, row_mask, col_mask, rows64, Y, Q_OUT,
+                K_CACHE, V_CACHE, span, stride_y, stride_q, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                stride_vs, head_dim, q_width, kv_width, INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                ACT: tl.constexpr, KV_SCATTER: tl.constexpr, ROPE: tl.constexpr, PAIRED: tl.constexpr,
+                BF16_BY_HAND: tl.constexpr):
+    """:func:`finish` with its :func:`operands` given."""
     out_mask = row_mask[:, None] & col_mask[None, :]
-    acc = _scale_bias(acc, w_rows, col_mask, SCALE, BIAS, INT8, HAS_BIAS)
-    if PAIRED:
-        acc_2 = _scale_bias(acc_2, w_rows + span, col_mask, SCALE, BIAS, INT8, HAS_BIAS)
+    if INT8:
+        acc = acc * scale[None, :]
+        if PAIRED:
+            acc_2 = acc_2 * scale_2[None, :]
+    if HAS_BIAS:
+        acc += bias[None, :]
+        if PAIRED:
+            acc_2 += bias_2[None, :]
     if ACT == 3:
         sig, _ = _sigmoid_parts(acc, True)
         y = acc * sig * acc_2
@@ -84,12 +128,8 @@ def finish(acc, acc_2, rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BI
         head = cols // span
         half = cols - head * span
         rotated = (head < (q_width + kv_width) // head_dim)[None, :]
-        tables = rows64 * stride_cos + half[None, :]
-        cos = tl.load(COS + tables, mask=out_mask, other=1.0)
-        sin = tl.load(SIN + tables, mask=out_mask, other=0.0)
         first = tl.where(rotated, acc * cos - acc_2 * sin, acc)
         second = tl.where(rotated, acc_2 * cos + acc * sin, acc_2)
-        pos = tl.load(WRITE_POS + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
         first_cols = head * head_dim + half
         _scatter_qkv(first, first_cols, rows64, out_mask, pos, Q_OUT, K_CACHE, V_CACHE, stride_q, stride_kb,
                      stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, head_dim, q_width, kv_width, BF16_BY_HAND)
@@ -99,7 +139,6 @@ def finish(acc, acc_2, rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BI
         if ACT != 0:
             acc, _ = _gelu_and_grad(acc, ACT == 2, True, False)
         if KV_SCATTER:
-            pos = tl.load(WRITE_POS + rows, mask=row_mask, other=0).to(tl.int64)[:, None]
             _scatter_qkv(acc, cols, rows64, out_mask, pos, Q_OUT, K_CACHE, V_CACHE, stride_q, stride_kb, stride_kh,
                          stride_ks, stride_vb, stride_vh, stride_vs, head_dim, q_width, kv_width, BF16_BY_HAND)
         else:

@@ -11,6 +11,8 @@ program always has a tile in flight. One wave of programs, resident for the whol
   :data:`MAX_ROW_BLOCK_K`), ``a = x (+ residual)``, the norm's statistics and ``h`` stay in
   registers for all of the program's tiles; with K in several blocks the statistics are computed
   once and ``h``'s blocks are recomputed per tile from L2-resident rows;
+- a tile's epilogue operands (int8 scales, biases, rotary tables, cache positions) are requested
+  with its first instructions, so their latency passes while its sums are reduced;
 - under programmatic dependent launch (``USE_GDC``) a program requests its first tile, waits for
   the kernel before it, and lets the next kernel launch at once: the next kernel's programs fit
   beside this one's (one wave each) and request their own first tiles while this kernel streams.
@@ -33,7 +35,7 @@ import contextlib
 import triton
 import triton.language as tl
 
-from dslab.kernels.decode.decode_linear_epilogues import finish
+from dslab.kernels.decode.decode_linear_epilogues import finish_with, operands
 from dslab.kernels.decode.decode_linear_triton import (_multiply, _prologue, _row_bases, _row_rms, _row_stats,
                                                       _single_block_h)
 
@@ -113,6 +115,10 @@ def _decode_row_kernel(
     for tile in range(pid, tiles, programs):
         w_next, w_next_2, cols_next, col_mask_next, w_rows_next = _weight_tile(
             W, tile + programs, offs, ks, K, n_cols, span, BLOCK_N, PAIRED)
+        # the epilogue's scales, biases, rotary tables and cache positions, requested before the sums
+        scale, scale_2, bias, bias_2, cos, sin, pos = operands(
+            rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BIAS, WRITE_POS, COS, SIN, span, stride_cos, INT8,
+            HAS_BIAS, KV_SCATTER, ROPE, PAIRED)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if not SINGLE_BLOCK:  # h's first block; a is stored by the program of tile 0
@@ -134,23 +140,30 @@ def _decode_row_kernel(
         total_2 = total
         if PAIRED:
             total_2 = tl.sum(acc_2, axis=1)[None, :]
-        finish(total, total_2, rows, cols, w_rows, row_mask, col_mask, rows64, SCALE, BIAS, Y, Q_OUT, K_CACHE,
-               V_CACHE, WRITE_POS, COS, SIN, span, stride_y, stride_q, stride_kb, stride_kh, stride_ks, stride_vb,
-               stride_vh, stride_vs, stride_cos, head_dim, q_width, kv_width, INT8, HAS_BIAS, ACT, KV_SCATTER, ROPE,
-               PAIRED, BF16_BY_HAND)
+        finish_with(total, total_2, scale, scale_2, bias, bias_2, cos, sin, pos, cols, row_mask, col_mask, rows64, Y,
+                    Q_OUT, K_CACHE, V_CACHE, span, stride_y, stride_q, stride_kb, stride_kh, stride_ks, stride_vb,
+                    stride_vh, stride_vs, head_dim, q_width, kv_width, INT8, HAS_BIAS, ACT, KV_SCATTER, ROPE, PAIRED,
+                    BF16_BY_HAND)
         w, w_2, cols, col_mask, w_rows = w_next, w_next_2, cols_next, col_mask_next, w_rows_next
 
 
-def row_config(n: int, k: int, int8: bool) -> tuple[int, int, int, int]:
+def row_config(n: int, k: int, int8: bool, paired: bool = False) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, programs per SM)`` at one row, fixed by shape (at 2-20 us a
-    launch a tuner would rank configurations by noise; ``benchmarks/decode_chain_bench.py`` and
-    ``decode_linear_bench.py`` chose these on an H200): a whole row per K block up to
-    :data:`MAX_ROW_BLOCK_K`; 4 rows a tile and 4 programs of 8 warps an SM up to K = 2048, 2 rows
-    and 2 programs above (K = 8192: 32 KB a tile, as 4 x 2048)."""
+    launch a tuner would rank configurations by noise; ``benchmarks/decode_chain_bench.py`` chose
+    these on an H200, each group of Llama-3.2-1B's projections timed in the step's chain of
+    dependent launches): a whole row per K block up to :data:`MAX_ROW_BLOCK_K`; up to K = 2048, 2
+    rows a tile and 8 programs of 4 warps an SM over 8192 rows or more (gate/up, the LM head), 8
+    rows (4 rope pairs) and 2 programs of 8 warps for a narrower paired launch (rotary QKV: fewer,
+    wider tiles for its heavier epilogue), else 4 rows and 4 programs of 8 warps; above, 2 rows and
+    2 programs of 8 warps (K = 8192: 32 KB a tile)."""
     block_k = min(MAX_ROW_BLOCK_K, triton.next_power_of_2(k))
-    if block_k <= 2048:
-        return 4, block_k, 8, 4
-    return 2, block_k, 8, 2
+    if block_k > 2048:
+        return 2, block_k, 8, 2
+    if n >= 8192:
+        return 2, block_k, 4, 8
+    if paired:
+        return 8, block_k, 8, 2
+    return 4, block_k, 8, 4
 
 
 _forced: tuple | None = None
@@ -174,7 +187,7 @@ def plan(interpret: bool, n: int, k: int, multiprocessors: int, int8: bool, pair
     if interpret:
         block_n, block_k, per_sm, options = INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K, None, {}
     else:
-        block_n, block_k, warps, per_sm = _forced or row_config(n, k, int8)
+        block_n, block_k, warps, per_sm = _forced or row_config(n, k, int8, paired)
         block_k = block_k or min(MAX_ROW_BLOCK_K, triton.next_power_of_2(k))
         options = dict(num_warps=warps, num_stages=1)
     if paired:

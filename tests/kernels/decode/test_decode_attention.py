@@ -217,3 +217,43 @@ def test_the_fused_combine_gives_the_combine_kernels_output(dtype, splits, block
     with pytest.raises(ValueError, match="combine mode"):
         with triton_impl.combine_mode("atomic"):
             pass
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_fused_combine_of_a_row_within_one_chunk(dtype, monkeypatch):
+    """combine="fused" and a row whose valid range lies in one chunk (3 splits of 16 positions
+    over 37): that chunk's split normalises and stores the row itself, and no split stores
+    partials or counts (their buffers are poisoned with NaN, and the counters stay at zero). Rows
+    that straddle chunks or are empty take the combine; every row equals the combine kernel's
+    output bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    batch = 5
+    q = torch.randn(batch, HEADS, 32, generator=gen).to(dtype)
+    k = torch.randn(batch, HEADS, S_MAX, 32, generator=gen).to(dtype)
+    v = torch.randn(batch, HEADS, S_MAX, 32, generator=gen).to(dtype)
+    start = torch.tensor([0, 17, 10, 7, 32], dtype=torch.int32)  # chunk 0; chunk 1; straddles; empty; chunk 2
+    end = torch.tensor([5, 30, 20, 7, 37], dtype=torch.int32)
+    want = triton_impl.decode_attention(q, k, v, start, end, 32**-0.5, 3, 8, combine="kernel")
+    real_empty = torch.empty
+
+    made = []
+
+    def poisoned(*shape, **kwargs):  # the partials' buffers start as NaN: what a split stores shows
+        tensor = real_empty(*shape, **kwargs)
+        made.append(tensor)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = triton_impl.decode_attention(q, k, v, start, end, 32**-0.5, 3, 8, combine="fused")
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert torch.equal(got, want)
+    m_part = next(t for t in made if t.shape == (batch * HEADS, 3))
+    rows = m_part.view(batch, HEADS, 3)
+    assert rows[[0, 1, 4]].isnan().all()  # alone in a chunk: nothing stored
+    assert not rows[[2, 3]].isnan().any()  # straddling, and empty: the splits stored their partials
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    assert int(triton_impl._counters(q.device)[:batch * HEADS].abs().sum()) == 0
+    exact = decode_attention_reference(q.double(), k.double(), v.double(), start, end)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.double(), exact, **tolerance)

@@ -106,12 +106,16 @@ def test_rotary_gqa_and_gathered_rows_write_the_same_cache(monkeypatch, rope):
     torch.testing.assert_close(got[3], table[17:18])
 
 
-def test_plan_streams_whole_rows_in_one_wave_of_programs():
-    # Llama-3.2-1B's projections on 132 SMs: 4 rows a tile up to K = 2048, 2 at 8192, whole rows
-    qkv = row.plan(False, 3072, 2048, 132, False, True)
-    assert qkv["constexprs"] == dict(BLOCK_N=2, BLOCK_K=2048, SINGLE_BLOCK=True)  # 2 rope pairs = 4 rows
-    assert qkv["grid"] == (528,) and qkv["options"] == dict(num_warps=8, num_stages=1)
-    assert row.plan(False, 2048, 2048, 132, False, False)["grid"] == (512,)  # 512 tiles: one each
+def test_plan_streams_whole_rows_in_strided_tiles():
+    # Llama-3.2-1B's projections on 132 SMs, whole rows of K a block
+    qkv = row.plan(False, 3072, 2048, 132, False, True)  # rotary QKV: 4 rope pairs (8 rows) a tile
+    assert qkv["constexprs"] == dict(BLOCK_N=4, BLOCK_K=2048, SINGLE_BLOCK=True)
+    assert qkv["grid"] == (264,) and qkv["options"] == dict(num_warps=8, num_stages=1)  # 384 tiles
+    o_proj = row.plan(False, 2048, 2048, 132, False, False)
+    assert o_proj["constexprs"]["BLOCK_N"] == 4 and o_proj["grid"] == (512,)  # 512 tiles: one each
+    gate_up = row.plan(False, 16384, 2048, 132, False, True)  # SwiGLU: 1 pair (2 rows) a tile
+    assert gate_up["constexprs"]["BLOCK_N"] == 1 and gate_up["grid"] == (1056,)
+    assert gate_up["options"]["num_warps"] == 4
     down = row.plan(False, 2048, 8192, 132, False, False)
     assert down["constexprs"] == dict(BLOCK_N=2, BLOCK_K=8192, SINGLE_BLOCK=True) and down["grid"] == (264,)
     wide = row.plan(False, 4096, 14336, 132, True, False)  # K past 8192: blocks of 8192
