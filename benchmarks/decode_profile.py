@@ -21,9 +21,10 @@ fastest choice these rows show; a model without a fused step has the op-by-op va
   ``_decode_linear_kernel`` serves every projection; its place in the layer tells which), and the
   launches outside the layers (embedding, final norm, LM head), found as the step's run of
   ``num_hidden_layers`` identical blocks;
-- the fused and op-by-op variants are captured without programmatic dependent launch; the engine's
-  default (``DSLAB_DEPENDENT_LAUNCH=auto``) launches the batch-1 step's kernels dependent, which is
-  the next variant;
+- the fused and op-by-op variants are captured without programmatic dependent launch and with
+  decode attention's combine kernel; the engine's defaults (``DSLAB_DEPENDENT_LAUNCH=auto``: the
+  batch-1 step's kernels launched dependent; attention's fused combine) are the next variants
+  (``--attention-combine --dependent-launch`` at batch 1: the engine's step);
 - ``--dependent-launch``: a third variant, the fused step captured with programmatic dependent
   launch (:func:`dslab.kernels.dispatch.dependent_launch`), timed in the same interleave; its
   logits must equal the fused step's bit for bit (same kernels, same order of arithmetic);
@@ -185,13 +186,15 @@ def main() -> None:
             for batch in (int(b) for b in args.batches.split(",")):
                 prompts = make_prompts(batch, PROMPT, engine.module.vocab_size, 0, device)
                 fusable = hasattr(engine.module, "fused_decode")
-                with dependent_launches(False):  # the engine's default (auto) is one of these or the dependent variant
+                # without dependent launch and with attention's combine kernel: the engine's defaults
+                # (dependent launch at batch 1, the fused combine) are the variants below
+                with dependent_launches(False), combine_mode("kernel"):
                     plain = Variant(engine, prompts, False)
                     fused = Variant(engine, prompts, True) if fusable else plain
                 variants = (fused, plain) if fusable else (plain,)
                 dependent = None
                 if fusable and args.dependent_launch:
-                    with dependent_launches(True):
+                    with dependent_launches(True), combine_mode("kernel"):
                         if not dependent_launch(device):
                             raise SystemExit("--dependent-launch: this GPU or Triton has no programmatic dependent "
                                              "launch (compute capability 9.0 and tl.extra.cuda.gdc_wait)")

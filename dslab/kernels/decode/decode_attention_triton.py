@@ -20,8 +20,10 @@ With one split the first kernel normalises and writes ``out`` itself (one launch
 its partials and bumps its row's counter (an atomic with acquire-release order, so its stores are
 visible to whoever reads the count), and the split that arrives last combines the row's partials
 in split order (the same sums as the combine kernel, whoever finished when) and resets the
-counter for the next launch, CUDA-graph replays included. A decode step then launches one
-attention kernel per layer, not two.
+counter for the next launch, CUDA-graph replays included; a row whose valid range lies inside one
+split's chunk is normalised and stored by that split alone (no partials, no counter). A decode
+step then launches one attention kernel per layer, not two. The fused combine is the default
+(:func:`combine_mode` has the measurements); ``combine="kernel"`` launches the combine kernel.
 
 Under programmatic dependent launch (:func:`dslab.kernels.dispatch.dependent_launch`) both kernels
 wait for the kernel before them (``gdc_wait``) before their first access, then let the next one
@@ -194,16 +196,18 @@ def _decode_combine_kernel(
 
 #: How a launch with several splits combines them (module docstring).
 COMBINE_MODES = ("kernel", "fused")
-_combine_mode = "kernel"
+_combine_mode = "fused"
 
 
 @contextlib.contextmanager
 def combine_mode(mode: str):
-    """Launch decode attention with ``combine=mode`` inside the block (``"kernel"`` outside any:
-    the decode benchmarks time both, ``benchmarks/decode_profile.py --attention-combine``). On an
-    H200, Llama-3.2-1B's fused decode step ran 0.988x as fast with ``"fused"`` at batch 1 (0.907
-    against 0.896 ms; 16 launches fewer, 16 us more kernel time) and 1.013x at batch 8, so the
-    combine kernel stays the default."""
+    """Launch decode attention with ``combine=mode`` inside the block (``"fused"`` outside any: the
+    decode benchmarks time both, ``benchmarks/decode_profile.py --attention-combine``). On an H200
+    (2026-12-01, with a row inside one chunk normalised by its split alone), the fused step ran
+    faster with ``"fused"`` in all six cases timed: Llama-3.2-1B 0.8565 -> 0.8437 ms at batch 1
+    (dependent launches), 1.6713 -> 1.6317 at batch 8; GPT-2 124M 0.2497 -> 0.2409 and 0.4561 ->
+    0.4385; GPT-2 1.5B 1.4937 -> 1.4572 and 2.6322 -> 2.5166. (Before that shortcut, at batch 1,
+    it had been 0.988x as fast as the combine kernel.)"""
     global _combine_mode
     if mode not in COMBINE_MODES:
         raise ValueError(f"decode attention combine mode must be 'kernel' or 'fused', got {mode!r}")

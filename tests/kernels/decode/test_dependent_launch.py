@@ -120,7 +120,11 @@ def test_decode_attention_launches_pass_the_dependent_launch(monkeypatch, depend
     q = torch.zeros(1, 4, 32)
     cache = torch.zeros(1, 2, 64, 32)
     bounds = torch.zeros(1, dtype=torch.int32)
-    attention_triton.decode_attention(q, cache, cache, bounds, bounds + 5, 0.1, splits=2, block_n=16)
+    attention_triton.decode_attention(q, cache, cache, bounds, bounds + 5, 0.1, splits=2, block_n=16, combine="kernel")
     for kernel in (split, combine):
         (_, kwargs), = kernel.launches
         assert kwargs.get("launch_pdl", False) is dependent and kwargs.get("USE_GDC", False) is dependent
+    split.launches.clear()
+    attention_triton.decode_attention(q, cache, cache, bounds, bounds + 5, 0.1, splits=2, block_n=16)  # fused
+    (_, kwargs), = split.launches
+    assert kwargs["FUSED_COMBINE"] and kwargs.get("launch_pdl", False) is dependent and len(combine.launches) == 1
