@@ -73,6 +73,7 @@ import torch
 from dslab.inference.decode import DecodeRunner
 from dslab.inference.modules import InferenceTransformer
 from dslab.inference.timing import TokenClock
+from dslab.kernels.decode.greedy_step import greedy_step
 
 EOS_CHECK_INTERVAL = 8
 DEFAULT_NEW_TOKENS = 20  # transformers' default max_length, counted beyond the prompt
@@ -481,6 +482,20 @@ def generate_tokens(model: InferenceTransformer, runner: DecodeRunner, input_ids
                 scores_kept.append(scores)
             if keep_logits:
                 logits_kept.append(raw)
+        elif not stopping.criteria:  # greedy: the token, the pads, the writes and the eos marks in two launches
+            tokens = greedy_step(logits, sequence, length, slot.tokens[:batch] if step > 0 else None,
+                                 stopping.finished if stopping.eos is not None else None, stopping.finish_step,
+                                 stopping.eos, args.pad, step)
+            produced = step + 1
+            if clock is not None:
+                clock.tick()
+            if step + 1 == max_new_tokens:
+                break
+            if step == 0:
+                slot.start(tokens, prompt_len, valid_start)
+            if stopping.active and (step + 1) % EOS_CHECK_INTERVAL == 0 and bool(stopping.finished.all()):
+                break
+            continue
         else:
             tokens = greedy_tokens(logits)
         if stopping.eos is not None:

@@ -35,3 +35,20 @@ def test_triton_kernels_give_the_reference_tokens(model, dtype, new_tokens):
         if expected_logits is not None:
             err = ((engine(ids, attention_mask=mask) - expected_logits).abs() * mask[..., None]).max().item()
             assert err < 1e-4
+
+
+def test_greedy_loop_with_eos_ids_on_the_triton_path(model):
+    """The greedy loop's two-launch work between steps (kernels/decode/greedy_step.py) on the
+    Triton path: a row that produces an eos id is padded from then on, generation stops once all
+    have, and the output equals the reference backend's."""
+    ids, mask = prompts(3, 8, pads=[0, 3, 1])
+    with kernel_backend("torch"):
+        reference = dslab.init_inference(model, dtype=torch.float32, max_out_tokens=24)
+        free = reference.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
+        eos = int(free[0, 8 + 1])  # row 0's second new token
+        expected = reference.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+    assert expected.shape[1] <= 8 + 6 and (expected[0, 8 + 2:] == 0).all()
+    with kernel_backend("triton"):
+        engine = dslab.init_inference(model, dtype=torch.float32, max_out_tokens=24)
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos,
+                                           pad_token_id=0), expected)
