@@ -1,5 +1,8 @@
 """The Triton kernel of :mod:`dslab.kernels.decode.decode_linear`: one weight-streaming GEMM for the few
-rows of a decode step, with the small ops around it folded into its prologue and epilogue.
+rows of a decode step, with the small ops around it folded into its prologue and epilogue. At one
+row the engine runs :mod:`dslab.kernels.decode.decode_row_triton`'s persistent kernel instead
+(same prologue and epilogues); this kernel's one-row path stays for comparison
+(``decode_linear.ROW_KERNEL = False``, ``benchmarks/decode_chain_bench.py``).
 
 ``_decode_linear_kernel``, grid ``(column tiles, cdiv(M, BLOCK_M), split_k)``. Each program
 owns ``BLOCK_N`` output columns of ``BLOCK_M`` rows and walks its split's range of K:

@@ -1,11 +1,12 @@
 """The batch-1 kernel of :mod:`dslab.kernels.decode.decode_linear`: a persistent weight stream for
 one row, with the same prologue and epilogues as :mod:`dslab.kernels.decode.decode_linear_triton`.
 
-``_decode_row_kernel``, grid ``(programs,)`` with ``programs = min(tiles, ROW_PROGRAMS_PER_SM *
-SMs)``: program ``p`` owns the output tiles ``p, p + programs, p + 2 programs, ...`` of ``BLOCK_N``
-weight rows (pairs of rows for a paired launch: SwiGLU, rotary QKV) and streams them one after
-another, the next tile's weights requested before the current tile is reduced and stored, so a
-program always has a tile in flight. One wave of programs, resident for the whole launch:
+``_decode_row_kernel``, grid ``(programs,)`` with ``programs = min(tiles, programs per SM x SMs)``
+(:func:`row_config`): program ``p`` owns the output tiles ``p, p + programs, p + 2 programs, ...``
+of ``BLOCK_N`` weight rows (pairs of rows for a paired launch: SwiGLU, rotary QKV) and streams them
+one after another, the next tile's weights requested before the current tile is reduced and
+stored, so a program always has a tile in flight. A few programs an SM (one or two waves, as
+registers allow), each streaming many tiles on the large projections:
 
 - the prologue runs once a program, not once a tile: with K in one block (``SINGLE_BLOCK``, up to
   :data:`MAX_ROW_BLOCK_K`), ``a = x (+ residual)``, the norm's statistics and ``h`` stay in
@@ -14,14 +15,15 @@ program always has a tile in flight. One wave of programs, resident for the whol
 - a tile's epilogue operands (int8 scales, biases, rotary tables, cache positions) are requested
   with its first instructions, so their latency passes while its sums are reduced;
 - under programmatic dependent launch (``USE_GDC``) a program requests its first tile, waits for
-  the kernel before it, and lets the next kernel launch at once: the next kernel's programs fit
-  beside this one's (one wave each) and request their own first tiles while this kernel streams.
+  the kernel before it, and lets the next kernel launch at once: the next kernel's programs, as
+  SM room frees, request their own first tiles while this kernel streams.
 
-Measured on an H200 (``benchmarks/decode_chain_bench.py``: Llama-3.2-1B's 65 batch-1 projections,
-2.47 GB of bf16 weights, one CUDA graph), the tile-per-program kernel streamed them in 711.6 us
-(82% of copy bandwidth) and 735.9 us with dependent launch; the persistent stream took 700.8 us
-and 660.7 us with dependent launch (89%). No split K at one row: whole rows of up to 8192 weights
-make enough tiles at every width worth streaming.
+Measured on an H200 (``benchmarks/decode_chain_bench.py``: Llama-3.2-1B's 65 batch-1 projections
+as the fused step launches them, 2.47 GB of bf16 weights, one CUDA graph, 2026-12-01): the
+tile-per-program kernel streamed them in 771 us (76% of copy bandwidth) and 791 us with dependent
+launch; this kernel in 802 us alone and 722 us with dependent launch (81%), which is how the
+batch-1 step runs it (:func:`dslab.kernels.dispatch.dependent_launch`). No split K at one row:
+whole rows of up to 8192 weights make enough tiles at every width worth streaming.
 
 The products are elementwise ``[BLOCK_N, BLOCK_K]`` multiplies in fp32 summed once a tile (a
 tensor-core tile would be 15/16 padding at one row); int8 weights convert exactly and their
