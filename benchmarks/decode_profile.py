@@ -7,8 +7,9 @@
 
 For each preset x batch x dtype it injects one random transformers model (GPT-2 for ``gpt2_*``
 presets, Llama for ``llama*``; bf16, the suite's seed), prefills a 32-token prompt and captures the
-step's CUDA graph for both variants (fused at every batch here; the engine fuses batch 1 only, the
-fastest choice these rows show; a model without a fused step has the op-by-op variant only), then:
+step's CUDA graph for both variants (fused at every batch here; the engine fuses GPT-2 up to 8
+rows, Llama at 1, the fastest choices these rows show; a model without a fused step has the
+op-by-op variant only), then:
 
 - ``ms/step``: the graph replayed ``--replays`` times back to back between CUDA events (the step
   alone: no token choice, no host work between steps), median of ``--trials``; both variants
@@ -73,14 +74,15 @@ class Variant:
         self.runner = DecodeRunner(engine.module, engine.max_seq, True)  # its own slot and graph
         fusable = hasattr(engine.module, "fused_decode")
         if fusable:
+            previous = engine.module.fused_decode, engine.module.fused_decode_rows
             engine.module.fused_decode = fused
-            engine.module.fused_decode_rows = 64  # fused at every batch here (the engine fuses batch 1 only)
+            engine.module.fused_decode_rows = 64  # fused at every batch here (the engine's own limit is per model)
         self.slot = self.runner.slot(prompts.shape[0])
         self.prompts = prompts
         self.reset()
         self.runner.step(self.slot)  # captures
         if fusable:
-            engine.module.fused_decode, engine.module.fused_decode_rows = True, 1
+            engine.module.fused_decode, engine.module.fused_decode_rows = previous
 
     def reset(self):
         with torch.no_grad():

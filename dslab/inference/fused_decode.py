@@ -28,16 +28,17 @@ separate ops round), except that bias and GELU act on the GEMM's fp32 accumulato
 rounded output, and int8 weights multiply in fp32 before their scale instead of being dequantised
 to the activations' dtype first: within bf16 rounding of the op-by-op step (tests/inference).
 
-By default only batch 1 runs fused (``fused_decode_rows = 1``): there the step is a chain of
-weight-streaming GEMVs whose launches and small ops dominate, and fusing them is 1.15-1.4x faster
-on an H200 (``benchmarks/decode_profile.py``). From a few rows on, cuBLAS's tensor-core GEMMs beat
-the kernel's tensor-core tile (GPT-2 1.5B at batch 32: 4.20 ms fused against 3.45 op by op; Llama-3.2-1B
-at batch 8: 1.91 against 1.34), so larger buckets run op by op; the kernel itself takes up to 64
-rows (the tests run the fused step at batch 3). At 8 rows the tile's bare GEMMs are within 1.0-1.2x
-of cuBLAS's; what the fused step lost there was its norm prologues, whose row statistics every
-column program recomputed (QKV with add and LayerNorm 25 us against 11 bare, on an H200). From 2
-rows the norm now runs in a kernel of its own in front of the linear
-(:mod:`dslab.kernels.decode.decode_prologue_triton`); the batch-8 figures above predate that.
+By default buckets of up to 8 rows run fused (``fused_decode_rows = 8``): there the step is a
+chain of weight-streaming GEMMs whose launches and small ops dominate. On an H200
+(``benchmarks/decode_profile.py``, 2026-12-01) the fused step took, against op by op: GPT-2 124M
+0.241 ms against 0.553 at batch 1 and 0.456 against 0.620 at batch 8; GPT-2 1.5B 1.457 against
+2.843 and 2.632 against 3.117. From more rows on, cuBLAS's tensor-core GEMMs beat the kernel's
+tensor-core tile (GPT-2 1.5B at batch 32: 4.20 ms fused against 3.45 op by op), so larger buckets
+run op by op; the kernel itself takes up to 64 rows (the tests run the fused step at batch 3).
+Llama's step (:mod:`dslab.inference.fused_decode_llama`) keeps batch 1 only: its op-by-op step
+at 8 rows is faster (1.33 ms against 1.63 fused). From 2 rows the norm runs in a kernel of its own
+in front of the linear (:mod:`dslab.kernels.decode.decode_prologue_triton`) rather than in every
+column program's prologue.
 """
 
 from __future__ import annotations

@@ -220,10 +220,10 @@ class InferenceTransformer(nn.Module):
         self.pooler = InferenceLinear(*spec.pooler, dtype, device) if spec.pooler else None
         self.nsp = InferenceLinear(*spec.nsp, dtype, device) if spec.nsp else None
         #: Whether :meth:`decode_step` may run the fused step (:mod:`dslab.inference.fused_decode`),
-        #: and up to how many rows; off, every step runs op by op (the A/B of
+        #: and up to how many rows (8: see that module); off, every step runs op by op (the A/B of
         #: benchmarks/decode_profile.py).
         self.fused_decode = True
-        self.fused_decode_rows = 1
+        self.fused_decode_rows = 8
 
     # --- pieces ----------------------------------------------------------------------------------
 

@@ -102,8 +102,8 @@ def test_greedy_tokens_equal_with_and_without_fusion(model):
 def test_when_the_step_is_not_fused(model):
     engine = dslab.init_inference(model, dtype=torch.float32, max_out_tokens=16)
     module = engine.module
-    assert unfused_reason(module, 1) is None
-    assert unfused_reason(module, 2) == "2 rows > fused_decode_rows (1)"
+    assert unfused_reason(module, 1) is None and unfused_reason(module, 8) is None
+    assert unfused_reason(module, 16) == "16 rows > fused_decode_rows (8)"
     module.fused_decode_rows = 1000
     assert unfused_reason(module, 64) is None
     assert unfused_reason(module, 65) == "65 rows > fused_decode_rows (64)"
