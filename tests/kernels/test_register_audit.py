@@ -1,6 +1,7 @@
 """dslab.kernels.register_audit on this CPU (Triton's CUDA backend and ptxas, no GPU), and what it
 guards: ptxas's report is parsed; decode_linear's launch configurations for Llama-3.2-1B's
-projections spill no registers on an H200 (sm_90) at 1, 8 and 16 rows and with int8 weights (a
+projections spill no registers on an H200 (sm_90) at 1 row (the persistent row kernel), 8 and 16
+rows, and with int8 weights (a
 paired launch of 16 rows on 32 x 128 tiles with 4 warps spilled 224 bytes a thread); every
 attention launch plan's candidate list at head dim 128 (Llama-3B/8B's, where the 4-warp tiles
 spill) ends with an 8-warp configuration that spills nothing, which the autotuner can pick. The kernels compile in a child process: the
@@ -29,7 +30,8 @@ AUDIT = textwrap.dedent('''
     from dslab.kernels.attention import attention_triton_bwd as bwd
 
     rows = [row for row in audit.decode_rows()
-            if row[0].startswith("decode_linear llama3_1b") and " x64 " not in row[0]]
+            if row[0].startswith("decode_linear llama3_1b") and " x64 " not in row[0]
+            or row[0].startswith("decode_row llama3_1b") and row[0].endswith(" default")]
     prologue = [row for row in audit.decode_rows() if row[0].startswith("decode_prologue")]
     # at head dim 128, the candidate each plan's list ends with (the one chosen to spill nothing)
     from dslab.kernels.attention import attention_triton as fwd
@@ -73,8 +75,10 @@ def audited() -> dict[str, list[int]]:
 
 
 def test_decode_linear_launches_spill_nothing(audited):
-    decode = {label: figures for label, figures in audited.items() if label.startswith("decode_linear")}
-    assert len(decode) == 14  # 4 projections at 1, 8 and 16 rows, 2 with int8 at 1 row
+    decode = {label: figures for label, figures in audited.items() if label.startswith(("decode_linear", "decode_row"))}
+    # 4 projections at 8 and 16 rows (the tile kernel); at 1 row (the persistent row kernel's
+    # default configurations), and 2 of them with int8 weights
+    assert len(decode) == 14 and sum(label.startswith("decode_row") for label in decode) == 6
     assert {label: figures for label, figures in decode.items() if figures[1]} == {}
 
 
