@@ -75,8 +75,7 @@ class Chain:
         self.residual = torch.randn(1, HIDDEN, **bf16)
         self.attn = torch.randn(1, HEADS * HEAD_DIM, **bf16)
         self.q = torch.empty(1, HEADS * HEAD_DIM, **bf16)
-        self.caches = [(torch.zeros(1, KV_HEADS, 256, HEAD_DIM, **bf16), torch.zeros(1, KV_HEADS, 256, HEAD_DIM, **bf16))
-                       for _ in range(layers)]
+        self.caches = [tuple(torch.zeros(1, KV_HEADS, 256, HEAD_DIM, **bf16) for _ in range(2)) for _ in range(layers)]
         self.write_pos = torch.tensor([40], device=device)
         inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM))
         self.rope = rope_tables(self.write_pos, inv_freq)

@@ -81,8 +81,8 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    step_sequence = [e.name for e in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                                            key=lambda e: e.time_range.start)]
+    cuda_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    step_sequence = [e.name for e in sorted(cuda_events, key=lambda e: e.time_range.start)]
     step_names = set(step_sequence)
     anchor = "_decode_split_kernel"  # decode attention: in every step, never in the prefill
     offset = step_sequence.index(anchor)

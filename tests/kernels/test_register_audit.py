@@ -75,7 +75,8 @@ def audited() -> dict[str, list[int]]:
 
 
 def test_decode_linear_launches_spill_nothing(audited):
-    decode = {label: figures for label, figures in audited.items() if label.startswith(("decode_linear", "decode_row"))}
+    decode = {label: figures for label, figures in audited.items()
+              if label.startswith(("decode_linear", "decode_row"))}
     # 4 projections at 8 and 16 rows (the tile kernel); at 1 row (the persistent row kernel's
     # default configurations), and 2 of them with int8 weights
     assert len(decode) == 14 and sum(label.startswith("decode_row") for label in decode) == 6

@@ -1,9 +1,10 @@
 """Programmatic dependent launch of the decode kernels, on a CPU: when it is asked for and when it
 is refused (never on a CPU, under the interpreter, or before Hopper; by default one-row launches
-only), that a dependent launch of decode_linear's two kernels and of decode attention passes ``launch_pdl`` with the kernels' ``USE_GDC`` and an
-ordinary one passes neither. The kernels with ``USE_GDC`` off are the ones the interpreter tests of
-this folder check against the reference; whether dependent launches give the same results on a GPU
-is tests/inference/test_dependent_launch_gpu.py's."""
+only), that a dependent launch of decode_linear's two kernels and of decode attention passes
+``launch_pdl`` with the kernels' ``USE_GDC`` and an ordinary one passes neither. The kernels
+with ``USE_GDC`` off are the ones the interpreter tests of this folder check against the
+reference; whether dependent launches give the same results on a GPU is
+tests/inference/test_dependent_launch_gpu.py's."""
 
 from __future__ import annotations
 
