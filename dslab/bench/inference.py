@@ -172,8 +172,9 @@ class GenerateArm:
 
     def _generate(self) -> torch.Tensor:
         new = self.case.max_new_tokens
-        if self.engine is not None:
-            return self.engine.generate(self.prompts, attention_mask=self.mask, max_new_tokens=new)
+        if self.engine is not None:  # the same loop as transformers' arms below: every row makes all `new` tokens
+            return self.engine.generate(self.prompts, attention_mask=self.mask, max_new_tokens=new,
+                                        min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         from transformers import StoppingCriteriaList
 
         static = {"cache_implementation": "static"} if self.name == "hf-static" else {}

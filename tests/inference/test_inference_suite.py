@@ -127,3 +127,26 @@ def test_bad_run_options(tmp_path):
         run_suite(SUITE, scale="tiny", arms=["torch"], out=tmp_path, stream=io.StringIO())
     with pytest.raises(ValueError, match="--zero-stage applies to training suites"):
         run_suite(SUITE, scale="tiny", zero_stage=1, out=tmp_path, stream=io.StringIO())
+
+
+def test_the_dslab_arm_makes_every_new_token_as_transformers_arms_do():
+    """The model's generation config names an eos id the model produces at its second new token:
+    transformers' arms ignore it (eos_token_id=None, min_new_tokens), and so does dslab's, so every
+    arm times the same number of tokens."""
+    import torch
+    from tiny_models import hf_gpt2, prompts
+
+    from dslab.bench.inference import GenerateArm
+    from dslab.bench.inference_suite import InferenceCase
+
+    model = hf_gpt2()
+    ids, _ = prompts(2, 6)
+    free = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generation_config.eos_token_id = int(free[0, 6 + 1])
+    case = InferenceCase(name="b2", batch=2, prompt_len=6, max_new_tokens=5)
+    arms = {name: GenerateArm(name, model, ids, case, "fp32", {}, torch.device("cpu")) for name in ("dslab", "hf")}
+    for name, arm in arms.items():
+        tokens, clock = arm.run()
+        assert torch.equal(tokens, free), name
+        assert clock["new_tokens"] == 5, name
