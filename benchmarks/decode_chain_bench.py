@@ -42,16 +42,19 @@ from inference_kernels_bench import copy_bandwidth_gbs  # noqa: E402
 
 from dslab.kernels.attention.rope import rope_tables  # noqa: E402
 from dslab.kernels.decode.decode_linear import decode_linear  # noqa: E402
+from dslab.kernels.decode import decode_row_triton as row_triton  # noqa: E402
 from dslab.kernels.decode.decode_row_triton import forced_row_config  # noqa: E402
 from dslab.kernels.dispatch import dependent_launches  # noqa: E402
 
 linear_module = importlib.import_module("dslab.kernels.decode.decode_linear")  # the package attribute is the function
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 8192, 32, 8, 64, 128256
-#: (BLOCK_N, BLOCK_K (0: whole row), num_warps, programs per SM) tried at K <= 2048, and at K = 8192.
-SMALL_K = [(4, 0, 8, 4), (4, 0, 8, 3), (4, 0, 8, 6), (2, 0, 4, 8), (2, 0, 4, 12), (2, 0, 8, 4), (4, 0, 4, 4),
-           (8, 0, 8, 2), (1, 0, 4, 8)]
-LARGE_K = [(2, 0, 8, 2), (2, 0, 16, 2), (1, 0, 8, 4), (1, 0, 4, 4), (2, 2048, 8, 4), (4, 2048, 8, 2)]
+#: (BLOCK_N, BLOCK_K (0: whole row), num_warps, programs per SM (0: as many as an SM holds, one wave))
+#: tried at K <= 2048, and at K = 8192.
+SMALL_K = [(4, 0, 8, 4), (2, 0, 4, 8), (8, 0, 8, 2), (8, 0, 8, 0), (4, 0, 8, 0), (2, 0, 8, 0), (1, 0, 8, 0),
+           (4, 0, 4, 0), (2, 0, 4, 0), (1, 0, 4, 0), (8, 0, 16, 0), (4, 0, 16, 0)]
+LARGE_K = [(2, 0, 8, 2), (2, 0, 8, 0), (2, 0, 16, 0), (1, 0, 8, 0), (1, 0, 4, 0), (1, 0, 16, 0), (2, 2048, 8, 0),
+           (4, 2048, 8, 0), (2, 2048, 4, 0)]
 
 
 class Chain:
@@ -106,6 +109,15 @@ class Chain:
         return self.logits
 
 
+def defaults() -> dict[str, tuple]:
+    """Each projection's default configuration (:func:`row_triton.row_config`)."""
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    return dict(qkv=row_triton.row_config(qkv_rows, HIDDEN, False, True), o=row_triton.row_config(HIDDEN, HIDDEN, False),
+                gate_up=row_triton.row_config(2 * INTER, HIDDEN, False, True),
+                down=row_triton.row_config(HIDDEN, INTER, False),
+                lm_head=row_triton.row_config(VOCAB, HIDDEN, False))
+
+
 def capture(fn) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -130,7 +142,7 @@ def row_kernel(enabled: bool):
 
 def label(config) -> str:
     block_n, block_k, warps, per_sm = config
-    return f"BN{block_n} BK{block_k or 'row'} w{warps} x{per_sm}"
+    return f"BN{block_n} BK{block_k or 'row'} w{warps} x{per_sm or 'resident'}"
 
 
 def main() -> None:
@@ -150,6 +162,12 @@ def main() -> None:
     print(f"row kernel against tile kernel over the chain: logits equal bit for bit: {torch.equal(got, want)}; "
           f"max |difference| {(got.float() - want.float()).abs().max().item():.3e}", flush=True)
 
+    resident = {name: config[:3] + (0,) for name, config in defaults().items()}
+    one_wave = chain.run(resident.get).clone()
+    print(f"every default configuration resident (one wave) against the defaults: max |difference| "
+          f"{(one_wave.float() - got.float()).abs().max().item():.3e} (max |logit| {got.float().abs().max().item():.2f})",
+          flush=True)
+
     variants = {}
     for pdl in (False, True):
         with row_kernel(False), dependent_launches(pdl):
@@ -161,7 +179,13 @@ def main() -> None:
             with dependent_launches(True):
                 variants[f"row + PDL, {'+'.join(group)} {label(config)}"] = capture(
                     lambda c=config, g=group: chain.run(lambda name: c if name in g else None))
-    print(f"captured {len(variants)} variants", flush=True)
+    with dependent_launches(True):
+        variants["row + PDL, every default resident"] = capture(lambda: chain.run(resident.get))
+    print(f"captured {len(variants)} variants; programs an SM holds, per resident configuration compiled:", flush=True)
+    for key, per_sm in row_triton._resident_cache.items():
+        constexprs = dict(key[3])
+        print(f"  BN{constexprs['BLOCK_N']} BK{constexprs['BLOCK_K']} {dict(key[4]).get('num_warps')} warps, "
+              f"paired {dict(key[5])['PAIRED']}, norm {dict(key[5])['HAS_NORM']}: {per_sm} an SM")
 
     times = {name: [] for name in variants}
     for _ in range(args.trials):
@@ -183,6 +207,11 @@ def main() -> None:
         us = statistics.median(ts)
         gbs = chain.bytes / us / 1e3
         print(f"{name:<44} {us:>12.1f} {gbs:>7.0f} {100 * gbs / copy:>6.1f}% {base / us:>7.3f}x")
+    print("\nfastest configuration of each group (the others at their defaults):")
+    for group in ("qkv", "o", "gate_up+lm_head", "down"):
+        tried = {name: statistics.median(ts) for name, ts in times.items() if name.startswith(f"row + PDL, {group} ")}
+        best = min(tried, key=tried.get)
+        print(f"  {group:<16} {best.split(group + ' ', 1)[1]:<28} {tried[best]:.1f} us")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ are split over ``splits`` programs per (b, h) (flash-decoding, Dao et al. 2023):
    device memory), walks them in blocks of ``BLOCK_N`` with an online softmax in fp32 (base 2, the
    scale folded into q) and writes its running max ``m``, its sum ``l`` and its unnormalised output
    ``acc`` [D] in fp32. A split whose range is empty writes ``m = -inf, l = 0, acc = 0``: it
-   contributes nothing. Reads ``2 * L_s * D`` cache elements for the ``L_s`` valid positions of the
-   split (loads are masked to them: masked positions are never read); writes ``D + 2`` floats.
+   contributes nothing. The split's first block is requested together with q and the bounds (one
+   round trip to memory where three would follow each other), so it is read whole (within
+   ``s_max``) and masked in the arithmetic; later blocks read only their valid positions. Reads
+   about ``2 * L_s * D`` cache elements for the ``L_s`` valid positions of the split; writes
+   ``D + 2`` floats.
 2. ``_decode_combine_kernel``, grid ``(B * H,)``: ``out = sum_s 2^(m_s - M) acc_s / sum_s
    2^(m_s - M) l_s`` with ``M = max_s m_s``; an all-empty row (M = -inf) gives zeros, never NaN.
    Reads ``splits * (D + 2)`` floats, writes D elements of out.
@@ -50,6 +53,7 @@ import triton.language as tl
 
 from dslab.kernels._grid import device_guard
 from dslab.kernels._triton_compat import cast_rounding
+from dslab.kernels.decode.l2_prefetch import CHUNK, prefetch_args, prefetch_l2
 from dslab.kernels.dispatch import dependent_launch, interpreting
 
 LOG2_E = 1.4426950408889634
@@ -105,14 +109,35 @@ def _combine_row(M_PART, L_PART, ACC_PART, OUT, bh, heads, stride_ob, stride_oh,
 
 
 @triton.jit
+def _attend_block(q, k, v, positions, lo, hi, m, l, acc):
+    """The online softmax over one block of cache positions: ``k``/``v`` ``[BLOCK_N, D]`` as loaded,
+    the positions outside ``[lo, hi)`` masked (score -inf, value row 0: whatever bits a masked row
+    holds, it adds nothing and no NaN). A block without a valid position leaves ``m, l, acc`` as
+    they are (its maximum is -inf: the exponents use 0 instead, and every ``p`` is 0)."""
+    valid = (positions >= lo) & (positions < hi)
+    scores = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))  # base-2 logits
+    m_new = tl.maximum(m, tl.max(scores, axis=0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(scores - m_ref)
+    v = tl.where(valid[:, None], v.to(tl.float32), 0.0)
+    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    l = l * alpha + tl.sum(p, axis=0)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_split_kernel(
-    Q, K, V, START, END, OUT, M_PART, L_PART, ACC_PART, COUNTERS,
+    Q, K, V, START, END, OUT, M_PART, L_PART, ACC_PART, COUNTERS, PREFETCH,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, heads, s_max, chunk, qk_scale,
+    stride_ob, stride_oh, heads, s_max, chunk, qk_scale, prefetch_bytes,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     KV_GROUP: tl.constexpr, FUSED_COMBINE: tl.constexpr = False, BLOCK_SPLITS: tl.constexpr = 1,
-    USE_GDC: tl.constexpr = False,
+    HAS_PREFETCH: tl.constexpr = False, THREADS: tl.constexpr = 128, USE_GDC: tl.constexpr = False,
 ):
+    if HAS_PREFETCH:  # a later kernel's bytes, asked of L2 at once (no kernel of the step writes them)
+        prefetch_l2(PREFETCH, prefetch_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
+                    tl.num_programs(0) * tl.num_programs(1), THREADS, CHUNK)
     if USE_GDC:  # a programmatic dependent launch: wait for the kernel before it before any access
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -121,35 +146,34 @@ def _decode_split_kernel(
     b = bh // heads
     h = bh % heads
     kv_h = h // KV_GROUP
-    start = tl.load(START + b).to(tl.int32)
-    end = tl.load(END + b).to(tl.int32)
-    lo = tl.maximum(start, split * chunk)
-    hi = tl.minimum(tl.minimum(end, (split + 1) * chunk), s_max)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + dims).to(tl.float32) * qk_scale
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
+    # The split's first block is requested with q and the bounds, not after them: one round trip to
+    # memory, not three. It is read within the cache (positions below s_max) whatever the bounds, and
+    # its positions outside them are masked in the arithmetic (a cache row never written may hold
+    # any bits: its score is -inf and its value row 0, never NaN).
+    first = split * chunk  # a multiple of BLOCK_N
+    positions = first + tl.arange(0, BLOCK_N)
+    inside = (positions < s_max)[:, None]
+    k_first = tl.load(k_base + positions.to(tl.int64)[:, None] * stride_ks + dims[None, :], mask=inside, other=0.0)
+    v_first = tl.load(v_base + positions.to(tl.int64)[:, None] * stride_vs + dims[None, :], mask=inside, other=0.0)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + dims).to(tl.float32) * qk_scale
+    start = tl.load(START + b).to(tl.int32)
+    end = tl.load(END + b).to(tl.int32)
+    lo = tl.maximum(start, first)
+    hi = tl.minimum(tl.minimum(end, first + chunk), s_max)
     m = tl.full((1,), float("-inf"), tl.float32)
     l = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
-    # Blocks aligned to BLOCK_N (the chunks are multiples of it). An empty range (lo >= hi) runs
-    # none; otherwise each block holds at least one valid position, so the running max is finite
-    # after the first and no exp2(-inf - -inf) arises.
-    first = (lo // BLOCK_N) * BLOCK_N
-    for block_start in range(first, tl.where(lo < hi, hi, first), BLOCK_N):
+    m, l, acc = _attend_block(q, k_first, v_first, positions, lo, hi, m, l, acc)
+    # the chunk's later blocks (its positions below hi), their loads masked to the valid positions
+    for block_start in range(first + BLOCK_N, hi, BLOCK_N):
         positions = block_start + tl.arange(0, BLOCK_N)
-        valid = (positions >= lo) & (positions < hi)
-        k = tl.load(k_base + positions.to(tl.int64)[:, None] * stride_ks + dims[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        scores = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))  # base-2 logits [BLOCK_N]
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new)
-        v = tl.load(v_base + positions.to(tl.int64)[:, None] * stride_vs + dims[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
-        m = m_new
+        valid = ((positions >= lo) & (positions < hi))[:, None]
+        k = tl.load(k_base + positions.to(tl.int64)[:, None] * stride_ks + dims[None, :], mask=valid, other=0.0)
+        v = tl.load(v_base + positions.to(tl.int64)[:, None] * stride_vs + dims[None, :], mask=valid, other=0.0)
+        m, l, acc = _attend_block(q, k, v, positions, lo, hi, m, l, acc)
     if SPLITS == 1:
         out = acc / tl.where(l > 0.0, l, 1.0)  # an empty range: acc = 0, out = 0
         tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
@@ -265,12 +289,15 @@ def decode_attention(
     splits: int | None = None,
     block_n: int | None = None,
     combine: str | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the kernels; inputs already validated (q [B, H, D] with any strides, caches
     [B, H_kv, S_max, D] with unit stride along D and H_kv dividing H, bounds [B] on q's device). ``splits`` and
     ``block_n`` override :func:`plan_splits` and :func:`block_size` (tests). ``combine``: ``"kernel"``
     (a combine launch after the splits) or ``"fused"`` (the last split of a row combines it;
-    module docstring); None: :func:`combine_mode`'s."""
+    module docstring); None: :func:`combine_mode`'s. ``prefetch``: a contiguous tensor whose bytes the
+    split kernel asks L2 for as it starts (:mod:`dslab.kernels.decode.l2_prefetch`; a later kernel's
+    weights), None for none."""
     combine = combine or _combine_mode
     if combine not in COMBINE_MODES:
         raise ValueError(f"decode_attention: combine must be 'kernel' or 'fused', got {combine!r}")
@@ -300,15 +327,16 @@ def decode_attention(
     dependent = dict(launch_pdl=True, USE_GDC=True) if dependent_launch(q.device, batch) else {}
     fused = combine == "fused" and splits > 1 and batch * heads <= COUNTERS
     counters = _counters(q.device) if fused else m_part
+    prefetch_ptr, prefetch_bytes, has_prefetch = prefetch_args(prefetch, interpreting(), q)
     with device_guard(q):
         _decode_split_kernel[(batch * heads, splits)](
-            q, k_cache, v_cache, valid_start, valid_end, out, m_part, l_part, acc_part, counters,
+            q, k_cache, v_cache, valid_start, valid_end, out, m_part, l_part, acc_part, counters, prefetch_ptr,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-            heads, s_max, chunk, scale * LOG2_E,
+            heads, s_max, chunk, scale * LOG2_E, prefetch_bytes,
             HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits, BF16_BY_HAND=bf16_by_hand,
             KV_GROUP=heads // k_cache.shape[1], FUSED_COMBINE=fused, BLOCK_SPLITS=triton.next_power_of_2(splits),
-            num_warps=num_warps, **dependent,
+            HAS_PREFETCH=has_prefetch, THREADS=32 * num_warps, num_warps=num_warps, **dependent,
         )
         if splits > 1 and not fused:
             _decode_combine_kernel[(batch * heads,)](

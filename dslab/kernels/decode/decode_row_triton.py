@@ -47,6 +47,9 @@ MAX_ROW_BLOCK_K = 8192
 #: (BLOCK_K 0: the whole row up to MAX_ROW_BLOCK_K).
 ROW_SWEEP = [(4, 0, 8, 4), (4, 0, 4, 4), (2, 0, 4, 8), (2, 0, 8, 2), (4, 0, 8, 8), (8, 0, 8, 2), (1, 0, 8, 4),
              (2, 0, 16, 2), (4, 1024, 8, 4), (2, 2048, 8, 4)]
+#: ``programs per SM`` in a configuration: as many programs as an SM holds at once, from the
+#: compiled kernel's registers, warps and shared memory (:func:`resident_per_sm`): one wave.
+RESIDENT = 0
 #: The interpreter's blocks and programs: several K blocks, several tiles a program in CPU tests.
 INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K, INTERPRETER_PROGRAMS = 16, 32, 2
 
@@ -154,17 +157,17 @@ def row_config(n: int, k: int, int8: bool, paired: bool = False) -> tuple[int, i
     launch a tuner would rank configurations by noise; ``benchmarks/decode_chain_bench.py`` chose
     these on an H200, each group of Llama-3.2-1B's projections timed in the step's chain of
     dependent launches): a whole row per K block up to :data:`MAX_ROW_BLOCK_K`; up to K = 2048, 2
-    rows a tile and 8 programs of 4 warps an SM over 8192 rows or more (gate/up, the LM head), 8
-    rows (4 rope pairs) and 2 programs of 8 warps for a narrower paired launch (rotary QKV: fewer,
-    wider tiles for its heavier epilogue), else 4 rows and 4 programs of 8 warps; above, 2 rows and
-    2 programs of 8 warps (K = 8192: 32 KB a tile)."""
+    rows a tile (one rope or SwiGLU pair) in programs of 4 warps, as many as the SMs hold, over 8192
+    rows or more (gate/up, the LM head) and for a narrower paired launch (rotary QKV), else 4 rows
+    and 4 programs of 8 warps an SM; above, 2 rows and programs of 8 warps, as many as the SMs hold
+    (K = 8192: 32 KB a tile). Programs as many as the SMs hold (:data:`RESIDENT`) stream in one
+    wave; on the 2026-12-01 H200 chain the rotary QKV launches took 15 us less a step so (700 us
+    for the 65 projections, against 715 at 2 programs of 4 rope pairs and 8 warps an SM)."""
     block_k = min(MAX_ROW_BLOCK_K, triton.next_power_of_2(k))
     if block_k > 2048:
-        return 2, block_k, 8, 2
-    if n >= 8192:
-        return 2, block_k, 4, 8
-    if paired:
-        return 8, block_k, 8, 2
+        return 2, block_k, 8, RESIDENT
+    if n >= 8192 or paired:
+        return 2, block_k, 4, RESIDENT
     return 4, block_k, 8, 4
 
 
@@ -183,9 +186,44 @@ def forced_row_config(config: tuple[int, int, int, int] | None):
         _forced = previous
 
 
+def resident_per_sm(registers: int, warps: int, shared: int, regs_per_sm: int = 65536,
+                    threads_per_sm: int = 2048, shared_per_sm: int = 233472, max_blocks: int = 32) -> int:
+    """Programs of ``warps`` warps at ``registers`` a thread and ``shared`` bytes of shared memory
+    that one SM holds at once (at least 1). Registers are allocated a warp at a time in units of
+    256; each resident block also reserves 1 KB of shared memory (Hopper's defaults)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = (regs_per_sm // max(per_warp, 1)) // warps
+    by_threads = threads_per_sm // (32 * warps)
+    by_shared = shared_per_sm // (shared + 1024)
+    return max(1, min(by_registers, by_threads, by_shared, max_blocks))
+
+
+_resident_cache: dict = {}
+
+
+def _resident(device, key, compile_kernel) -> int:
+    """:func:`resident_per_sm` of the kernel ``compile_kernel()`` compiles (``key`` names it), on
+    ``device``'s SMs; cached per key."""
+    if key not in _resident_cache:
+        import torch
+
+        compiled = compile_kernel()
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        props = torch.cuda.get_device_properties(device)
+        _resident_cache[key] = resident_per_sm(
+            compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared,
+            getattr(props, "regs_per_multiprocessor", 65536),
+            getattr(props, "max_threads_per_multi_processor", 2048),
+            getattr(props, "shared_memory_per_multiprocessor", 233472))
+    return _resident_cache[key]
+
+
 def plan(interpret: bool, n: int, k: int, multiprocessors: int, int8: bool, paired: bool) -> dict:
     """A launch's ``grid``, block constexprs (``BLOCK_N`` in pairs for a paired launch, ``BLOCK_K``,
-    ``SINGLE_BLOCK``) and options (none under the interpreter)."""
+    ``SINGLE_BLOCK``), options (none under the interpreter), ``tiles`` and ``per_sm`` (programs an
+    SM; :data:`RESIDENT`: as many as fit, which :func:`launch` caps ``grid`` to once compiled)."""
     if interpret:
         block_n, block_k, per_sm, options = INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K, None, {}
     else:
@@ -195,17 +233,29 @@ def plan(interpret: bool, n: int, k: int, multiprocessors: int, int8: bool, pair
     if paired:
         block_n = max(1, block_n // 2)  # the same weight rows a tile as an unpaired launch
     tiles = triton.cdiv(n // 2 if paired else n, block_n)
-    programs = min(tiles, INTERPRETER_PROGRAMS if interpret else per_sm * multiprocessors)
-    return dict(grid=(programs,), options=options,
+    if interpret:
+        programs = min(tiles, INTERPRETER_PROGRAMS)
+    else:
+        programs = min(tiles, (per_sm or 32) * multiprocessors)
+    return dict(grid=(programs,), options=options, tiles=tiles, per_sm=per_sm,
                 constexprs=dict(BLOCK_N=block_n, BLOCK_K=block_k, SINGLE_BLOCK=k <= block_k))
 
 
 def launch(interpret: bool, n: int, k: int, multiprocessors: int, args: tuple, meta: dict,
            dependent: bool = False) -> None:
     """Launch the kernel as :func:`plan` lays it out; ``dependent``: a programmatic dependent launch
-    (:func:`dslab.kernels.dispatch.dependent_launch`; never under the interpreter)."""
+    (:func:`dslab.kernels.dispatch.dependent_launch`; never under the interpreter). A
+    :data:`RESIDENT` configuration launches as many programs as the SMs hold at once."""
     shape = plan(interpret, n, k, multiprocessors, meta["INT8"], meta["PAIRED"])
     options = dict(shape["options"])
     if dependent and not interpret:
         options.update(launch_pdl=True, USE_GDC=True)
-    _decode_row_kernel[shape["grid"]](*args, **shape["constexprs"], **options, **meta)
+    grid = shape["grid"]
+    if not interpret and shape["per_sm"] == RESIDENT:
+        x, w = args[0], args[8]
+        key = (x.device.index, x.dtype, w.dtype, tuple(sorted(shape["constexprs"].items())),
+               tuple(sorted(options.items())), tuple(sorted(meta.items())))
+        per_sm = _resident(x.device, key, lambda: _decode_row_kernel.warmup(
+            *args, grid=grid, **shape["constexprs"], **options, **meta))
+        grid = (min(shape["tiles"], per_sm * multiprocessors),)
+    _decode_row_kernel[grid](*args, **shape["constexprs"], **options, **meta)

@@ -108,16 +108,18 @@ def test_rotary_gqa_and_gathered_rows_write_the_same_cache(monkeypatch, rope):
 
 def test_plan_streams_whole_rows_in_strided_tiles():
     # Llama-3.2-1B's projections on 132 SMs, whole rows of K a block
-    qkv = row.plan(False, 3072, 2048, 132, False, True)  # rotary QKV: 4 rope pairs (8 rows) a tile
-    assert qkv["constexprs"] == dict(BLOCK_N=4, BLOCK_K=2048, SINGLE_BLOCK=True)
-    assert qkv["grid"] == (264,) and qkv["options"] == dict(num_warps=8, num_stages=1)  # 384 tiles
+    # programs as many as the SMs hold (known once compiled: the plan's grid is the bound of 32 an SM)
+    qkv = row.plan(False, 3072, 2048, 132, False, True)  # rotary QKV: 1 rope pair (2 rows) a tile
+    assert qkv["constexprs"] == dict(BLOCK_N=1, BLOCK_K=2048, SINGLE_BLOCK=True) and qkv["tiles"] == 1536
+    assert qkv["per_sm"] == row.RESIDENT and qkv["options"] == dict(num_warps=4, num_stages=1)
     o_proj = row.plan(False, 2048, 2048, 132, False, False)
     assert o_proj["constexprs"]["BLOCK_N"] == 4 and o_proj["grid"] == (512,)  # 512 tiles: one each
     gate_up = row.plan(False, 16384, 2048, 132, False, True)  # SwiGLU: 1 pair (2 rows) a tile
-    assert gate_up["constexprs"]["BLOCK_N"] == 1 and gate_up["grid"] == (1056,)
+    assert gate_up["constexprs"]["BLOCK_N"] == 1 and gate_up["tiles"] == 8192 and gate_up["per_sm"] == row.RESIDENT
     assert gate_up["options"]["num_warps"] == 4
     down = row.plan(False, 2048, 8192, 132, False, False)
-    assert down["constexprs"] == dict(BLOCK_N=2, BLOCK_K=8192, SINGLE_BLOCK=True) and down["grid"] == (264,)
+    assert down["constexprs"] == dict(BLOCK_N=2, BLOCK_K=8192, SINGLE_BLOCK=True) and down["tiles"] == 1024
+    assert down["per_sm"] == row.RESIDENT and down["options"]["num_warps"] == 8
     wide = row.plan(False, 4096, 14336, 132, True, False)  # K past 8192: blocks of 8192
     assert wide["constexprs"] == dict(BLOCK_N=2, BLOCK_K=8192, SINGLE_BLOCK=False)
     with row.forced_row_config((8, 0, 4, 2)):
@@ -125,3 +127,21 @@ def test_plan_streams_whole_rows_in_strided_tiles():
     assert forced["grid"] == (264,) and forced["constexprs"]["BLOCK_N"] == 8 and forced["options"]["num_warps"] == 4
     small = row.plan(True, 45, 70, 132, False, False)  # the interpreter's blocks and 2 programs
     assert small["grid"] == (2,) and small["constexprs"] == dict(BLOCK_N=16, BLOCK_K=32, SINGLE_BLOCK=False)
+
+
+def test_resident_programs_follow_registers_threads_and_shared_memory():
+    # registers go a warp at a time in units of 256: 176 a thread of 8 warps is 5632 a warp, 11 warps of 65536
+    assert row.resident_per_sm(176, 8, 0) == 1
+    assert row.resident_per_sm(102, 8, 0) == 2  # 3328 a warp: 19 warps
+    assert row.resident_per_sm(64, 8, 0) == 4
+    assert row.resident_per_sm(32, 4, 0) == 16  # threads bound it as well: 2048 / 128
+    assert row.resident_per_sm(32, 1, 0) == 32  # at most 32 blocks an SM
+    assert row.resident_per_sm(40, 4, 100 * 1024) == 2  # shared memory: 1 KB reserved a block
+    assert row.resident_per_sm(255, 32, 0) == 1  # never fewer than one
+
+
+def test_a_resident_configuration_plans_its_programs_at_launch():
+    with row.forced_row_config((2, 0, 8, row.RESIDENT)):
+        shape = row.plan(False, 16384, 2048, 132, False, True)
+    assert shape["per_sm"] == row.RESIDENT and shape["tiles"] == 8192
+    assert shape["grid"] == (32 * 132,)  # an upper bound until the compiled kernel's registers are known
