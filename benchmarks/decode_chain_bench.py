@@ -112,7 +112,8 @@ class Chain:
 def defaults() -> dict[str, tuple]:
     """Each projection's default configuration (:func:`row_triton.row_config`)."""
     qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    return dict(qkv=row_triton.row_config(qkv_rows, HIDDEN, False, True), o=row_triton.row_config(HIDDEN, HIDDEN, False),
+    return dict(qkv=row_triton.row_config(qkv_rows, HIDDEN, False, True),
+                o=row_triton.row_config(HIDDEN, HIDDEN, False),
                 gate_up=row_triton.row_config(2 * INTER, HIDDEN, False, True),
                 down=row_triton.row_config(HIDDEN, INTER, False),
                 lm_head=row_triton.row_config(VOCAB, HIDDEN, False))
@@ -165,7 +166,8 @@ def main() -> None:
     resident = {name: config[:3] + (0,) for name, config in defaults().items()}
     one_wave = chain.run(resident.get).clone()
     print(f"every default configuration resident (one wave) against the defaults: max |difference| "
-          f"{(one_wave.float() - got.float()).abs().max().item():.3e} (max |logit| {got.float().abs().max().item():.2f})",
+          f"{(one_wave.float() - got.float()).abs().max().item():.3e} "
+          f"(max |logit| {got.float().abs().max().item():.2f})",
           flush=True)
 
     variants = {}

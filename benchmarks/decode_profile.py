@@ -3,7 +3,7 @@
 
     python3 benchmarks/decode_profile.py [--presets gpt2_124m,gpt2_1558m] [--batches 1,32]
         [--dtypes bf16,int8] [--replays 100] [--trials 5] [--top 8] [--dependent-launch]
-        [--attention-combine] [--prefetch 0,8,16,24]
+        [--attention-combine]
 
 For each preset x batch x dtype it injects one random transformers model (GPT-2 for ``gpt2_*``
 presets, Llama for ``llama*``; bf16, the suite's seed), prefills a 32-token prompt and captures the
@@ -33,9 +33,6 @@ op-by-op variant only), then:
   combine (:func:`dslab.kernels.decode.decode_attention_triton.combine_mode`), timed in the same
   interleave (with dependent launch at batch 1 when ``--dependent-launch`` is given, as the engine
   runs it); its logits must equal the fused step's bit for bit (the same sums in the same order);
-- ``--prefetch MB,...``: Llama's fused step as the engine launches it, once for each size of the
-  gate/up prefetch its attention launches issue (:mod:`dslab.kernels.decode.l2_prefetch`), timed in
-  the same interleave; their logits must be equal bit for bit (a prefetch changes no result);
 - the weights-read floor: the weight bytes at the measured device-to-device copy bandwidth
   (``Tensor.copy_`` of 1 GiB, bytes read + written per second: what the memory system moves), about
   the best a batch-1 step can do.
@@ -61,7 +58,6 @@ from inference_kernels_bench import copy_bandwidth_gbs  # noqa: E402
 from dslab.bench.inference import build_hf_gpt2, build_hf_llama, make_prompts  # noqa: E402
 from dslab.inference import init_inference  # noqa: E402
 from dslab.inference.decode import DecodeRunner  # noqa: E402
-from dslab.inference.fused_decode_llama import gate_up_prefetch  # noqa: E402
 from dslab.kernels.decode.decode_attention_triton import combine_mode  # noqa: E402
 from dslab.kernels.dispatch import dependent_launch, dependent_launches  # noqa: E402
 
@@ -178,9 +174,6 @@ def main() -> None:
     parser.add_argument("--attention-combine", action="store_true",
                         help="also time the fused step captured with decode attention's fused combine "
                              "(the last split of a row combines it: one launch per layer, not two)")
-    parser.add_argument("--prefetch", type=lambda text: [float(v) for v in text.split(",")], default=None,
-                        help="MB of gate/up weights each Llama layer's attention launch asks L2 for, one variant "
-                             "each (e.g. 0,8,16,24): the engine's launches otherwise, timed in the same interleave")
     args = parser.parse_args()
     device = torch.device("cuda")
     read_gbs = copy_bandwidth_gbs()
@@ -214,12 +207,6 @@ def main() -> None:
                     with combine_mode("fused"), dependent_launches(args.dependent_launch and batch == 1):
                         combined = Variant(engine, prompts, True, name="fused, attention combine fused")
                     variants = (*variants[:-1], combined, plain)
-                prefetched = []
-                if fusable and args.prefetch and preset.startswith("llama"):
-                    for mb in args.prefetch:  # the engine's launches (dependent at batch 1, fused combine)
-                        with combine_mode("fused"), dependent_launches(batch == 1), \
-                                gate_up_prefetch(int(mb * 2 ** 20)):
-                            prefetched.append(Variant(engine, prompts, True, name=f"gate/up prefetch {mb:g} MB"))
                 for variant in variants:
                     variant.reset()
                 a, b = fused.steps(8), plain.steps(8)
@@ -237,16 +224,9 @@ def main() -> None:
                     combined.reset()
                     c, d = fused.steps(8), combined.steps(8)
                     combined_equal = all(torch.equal(x, y) for x, y in zip(c, d))
-                prefetch_equal = True
-                if prefetched:
-                    for variant in prefetched:
-                        variant.reset()
-                    first_steps = prefetched[0].steps(8)
-                    for variant in prefetched[1:]:
-                        prefetch_equal &= all(torch.equal(x, y) for x, y in zip(first_steps, variant.steps(8)))
-                times = {variant.name: [] for variant in (*variants, *prefetched)}
+                times = {variant.name: [] for variant in variants}
                 for _ in range(args.trials):
-                    for variant in (*variants, *prefetched):
+                    for variant in variants:
                         times[variant.name].append(variant.time_ms(args.replays))
                 t_plain = statistics.median(times[plain.name])
                 t_fused = statistics.median(times["fused"]) if fusable else float("nan")
@@ -265,10 +245,6 @@ def main() -> None:
                     print(f"  fused with attention's fused combine: {t_combined:.4f} ms/step "
                           f"({t_fused / t_combined:.3f}x the fused step); logits over 8 steps equal to the fused "
                           f"step's bit for bit: {combined_equal}", flush=True)
-                for variant in prefetched:
-                    print(f"  {variant.name} a layer: {statistics.median(times[variant.name]):.4f} ms/step", flush=True)
-                if prefetched:
-                    print(f"  logits over 8 steps equal bit for bit whatever the prefetch: {prefetch_equal}", flush=True)
                 for variant in variants:
                     kernels = variant.kernels()
                     launches = sum(c for c, _ in kernels.values())

@@ -16,8 +16,9 @@ Layer 0's QKV launch gathers its input from the word embeddings (``x = E[tokens]
 add: the layout has no position embeddings), and the LM head is one more ``decode_linear`` with
 the final RMSNorm in front, its logits cut to the vocabulary: 5 launches a layer, the head, and
 one small launch a step for the rotary tables and the valid range
-(:func:`dslab.kernels.decode.step_tables.step_tables`), against about 11 a layer op by op (RMSNorm, QKV GEMM, rope,
-two cache scatters, attention's two, output GEMM, RMSNorm, gate/up GEMM, SwiGLU, down GEMM).
+(:func:`dslab.kernels.decode.step_tables.step_tables`), against about 11 a layer op by op
+(RMSNorm, QKV GEMM, rope, two cache scatters, attention's two, output GEMM, RMSNorm, gate/up GEMM,
+SwiGLU, down GEMM).
 Each launch reads its weight once; the gate/up launch writes ``I`` columns, never the ``2 I`` of
 the GEMM.
 
@@ -36,43 +37,12 @@ has GPT-2's figures, whose fused step wins up to 8 rows).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from dslab.inference.fused_decode import linear, rows_reason
 from dslab.kernels.decode.decode_attention import decode_attention
 from dslab.kernels.decode.decode_linear import decode_linear
 from dslab.kernels.decode.step_tables import step_tables
-
-
-#: Bytes of each layer's gate/up weights that its attention launch asks L2 for
-#: (:mod:`dslab.kernels.decode.l2_prefetch`). None: on an H200 (2026-12-01, batch-1 Llama-3.2-1B,
-#: the engine's launches) the step took 0.7699 ms without, 0.7728 with 8 MB, 0.7869 with 16,
-#: 0.7975 with 24 and 0.8058 with 32: the prefetch delays the attention's own reads more than it
-#: speeds the gate/up stream.
-GATE_UP_PREFETCH_BYTES = 0
-_gate_up_prefetch = GATE_UP_PREFETCH_BYTES
-
-
-@contextlib.contextmanager
-def gate_up_prefetch(nbytes: int):
-    """Run the fused step with ``nbytes`` of gate/up prefetch a layer inside the block (0: none;
-    ``benchmarks/decode_profile.py --prefetch`` times several)."""
-    global _gate_up_prefetch
-    if nbytes < 0:
-        raise ValueError(f"gate_up_prefetch: nbytes must be >= 0, got {nbytes}")
-    previous, _gate_up_prefetch = _gate_up_prefetch, nbytes
-    try:
-        yield
-    finally:
-        _gate_up_prefetch = previous
-
-
-def _prefix(weight: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-    """The first ``nbytes`` of ``weight`` (whole rows, contiguous), None for none."""
-    rows = min(weight.shape[0], nbytes // max(1, weight[0].numel() * weight.element_size()))
-    return weight[:rows] if rows > 0 and weight.is_contiguous() else None
 
 
 def unfused_reason(model, rows: int) -> str | None:
@@ -110,7 +80,7 @@ def fused_decode_step(model, tokens: torch.Tensor, write_pos: torch.Tensor, vali
         else:
             q, x = linear(layer.qkv, d, residual=x, rms_norm=norm, return_sum=True, kv=kv)
         context = decode_attention(q.view(rows, layer.heads, head_dim), keys, values, valid_start, valid_end,
-                                   scale=layer.scale, prefetch=_prefix(layer.gate_up.weight, _gate_up_prefetch))
+                                   scale=layer.scale)
         a = layer.tp.all_reduce(linear(layer.out_proj, context.view(rows, -1)))
         norm = (layer.mlp_norm.weight, layer.mlp_norm.eps)
         h, x = linear(layer.gate_up, a, residual=x, rms_norm=norm, activation="swiglu", return_sum=True)

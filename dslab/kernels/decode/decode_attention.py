@@ -168,10 +168,10 @@ def _validate(q, k_cache, v_cache, valid_start, valid_end, scale) -> None:
         raise ValueError(f"scale must be positive, got {scale}")
 
 
-def _triton_path(q, k_cache, v_cache, valid_start, valid_end, scale, prefetch=None) -> torch.Tensor:
-    if use_custom_op():  # the op's schema has no prefetch: a hint, dropped while tracing
+def _triton_path(q, k_cache, v_cache, valid_start, valid_end, scale) -> torch.Tensor:
+    if use_custom_op():
         return _decode_attention_op(q, k_cache, v_cache, valid_start, valid_end, scale)
-    return _triton_module().decode_attention(q, k_cache, v_cache, valid_start, valid_end, scale, prefetch=prefetch)
+    return _triton_module().decode_attention(q, k_cache, v_cache, valid_start, valid_end, scale)
 
 
 def decode_attention(
@@ -181,15 +181,10 @@ def decode_attention(
     valid_start: torch.Tensor,
     valid_end: torch.Tensor,
     scale: float | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q ``[B, H, D]`` over ``k_cache``/``v_cache`` ``[B, H_kv, S_max, D]`` positions
     ``valid_start[b] <= j < valid_end[b]``, query head ``h`` with kv head ``h // (H // H_kv)``
     (``H % H_kv == 0``); returns ``[B, H, D]`` in q's dtype (see the module docstring). Forward-only.
-
-    ``prefetch``: a contiguous tensor on q's device (a later kernel's weights) whose bytes the
-    compiled Triton kernel asks L2 for as it starts (:mod:`dslab.kernels.decode.l2_prefetch`); a
-    hint that changes no result, ignored by the reference, the interpreter and the custom op.
 
     The Triton path runs on CUDA tensors (or under the ``triton`` backend with
     ``TRITON_INTERPRET=1``) for fp32/fp16/bf16 and D in {16, 32, 64, 128}, and never synchronises
@@ -200,13 +195,6 @@ def decode_attention(
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     triton_ok = (q.dtype in TRITON_DTYPES and q.shape[-1] in TRITON_HEAD_DIMS and k_cache.shape[2] > 0
                  and q.shape[0] * q.shape[1] > 0 and use_triton(q, k_cache, v_cache, valid_start, valid_end))
-    if prefetch is not None and (not isinstance(prefetch, torch.Tensor) or prefetch.device != q.device):
-        raise ValueError(f"prefetch must be a tensor on q's device {q.device}, got "
-                         f"{getattr(prefetch, 'device', type(prefetch).__name__)}")
-    if triton_ok:
-        def compute(*inputs):
-            return _triton_path(*inputs, scale, prefetch)
-    else:
-        def compute(*inputs):
-            return decode_attention_reference(*inputs, scale)
-    return run_forward_only("dslab::decode_attention", compute, q, k_cache, v_cache, valid_start, valid_end)
+    compute = _triton_path if triton_ok else decode_attention_reference
+    return run_forward_only("dslab::decode_attention",
+                            lambda *inputs: compute(*inputs, scale), q, k_cache, v_cache, valid_start, valid_end)

@@ -53,7 +53,6 @@ import triton.language as tl
 
 from dslab.kernels._grid import device_guard
 from dslab.kernels._triton_compat import cast_rounding
-from dslab.kernels.decode.l2_prefetch import CHUNK, prefetch_args, prefetch_l2
 from dslab.kernels.dispatch import dependent_launch, interpreting
 
 LOG2_E = 1.4426950408889634
@@ -128,16 +127,13 @@ def _attend_block(q, k, v, positions, lo, hi, m, l, acc):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, START, END, OUT, M_PART, L_PART, ACC_PART, COUNTERS, PREFETCH,
+    Q, K, V, START, END, OUT, M_PART, L_PART, ACC_PART, COUNTERS,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, heads, s_max, chunk, qk_scale, prefetch_bytes,
+    stride_ob, stride_oh, heads, s_max, chunk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     KV_GROUP: tl.constexpr, FUSED_COMBINE: tl.constexpr = False, BLOCK_SPLITS: tl.constexpr = 1,
-    HAS_PREFETCH: tl.constexpr = False, THREADS: tl.constexpr = 128, USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):
-    if HAS_PREFETCH:  # a later kernel's bytes, asked of L2 at once (no kernel of the step writes them)
-        prefetch_l2(PREFETCH, prefetch_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
-                    tl.num_programs(0) * tl.num_programs(1), THREADS, CHUNK)
     if USE_GDC:  # a programmatic dependent launch: wait for the kernel before it before any access
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -289,15 +285,12 @@ def decode_attention(
     splits: int | None = None,
     block_n: int | None = None,
     combine: str | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the kernels; inputs already validated (q [B, H, D] with any strides, caches
     [B, H_kv, S_max, D] with unit stride along D and H_kv dividing H, bounds [B] on q's device). ``splits`` and
     ``block_n`` override :func:`plan_splits` and :func:`block_size` (tests). ``combine``: ``"kernel"``
     (a combine launch after the splits) or ``"fused"`` (the last split of a row combines it;
-    module docstring); None: :func:`combine_mode`'s. ``prefetch``: a contiguous tensor whose bytes the
-    split kernel asks L2 for as it starts (:mod:`dslab.kernels.decode.l2_prefetch`; a later kernel's
-    weights), None for none."""
+    module docstring); None: :func:`combine_mode`'s."""
     combine = combine or _combine_mode
     if combine not in COMBINE_MODES:
         raise ValueError(f"decode_attention: combine must be 'kernel' or 'fused', got {combine!r}")
@@ -327,16 +320,15 @@ def decode_attention(
     dependent = dict(launch_pdl=True, USE_GDC=True) if dependent_launch(q.device, batch) else {}
     fused = combine == "fused" and splits > 1 and batch * heads <= COUNTERS
     counters = _counters(q.device) if fused else m_part
-    prefetch_ptr, prefetch_bytes, has_prefetch = prefetch_args(prefetch, interpreting(), q)
     with device_guard(q):
         _decode_split_kernel[(batch * heads, splits)](
-            q, k_cache, v_cache, valid_start, valid_end, out, m_part, l_part, acc_part, counters, prefetch_ptr,
+            q, k_cache, v_cache, valid_start, valid_end, out, m_part, l_part, acc_part, counters,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-            heads, s_max, chunk, scale * LOG2_E, prefetch_bytes,
+            heads, s_max, chunk, scale * LOG2_E,
             HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits, BF16_BY_HAND=bf16_by_hand,
             KV_GROUP=heads // k_cache.shape[1], FUSED_COMBINE=fused, BLOCK_SPLITS=triton.next_power_of_2(splits),
-            HAS_PREFETCH=has_prefetch, THREADS=32 * num_warps, num_warps=num_warps, **dependent,
+            num_warps=num_warps, **dependent,
         )
         if splits > 1 and not fused:
             _decode_combine_kernel[(batch * heads,)](

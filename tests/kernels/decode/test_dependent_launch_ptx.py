@@ -30,7 +30,7 @@ COMPILE = textwrap.dedent('''
     FP32_POINTERS = {"SCALE", "COS", "SIN", "PARTIAL", "M_PART", "L_PART", "ACC_PART"}
     # bf16 pointers by kernel module (decode_linear's K is a size, attention's the key cache)
     POINTERS = {"linear": {"X", "R", "A_OUT", "NORM_W", "NORM_B", "W", "BIAS", "Y", "Q_OUT", "K_CACHE", "V_CACHE"},
-                "attention": {"Q", "K", "V", "OUT", "PREFETCH"}}
+                "attention": {"Q", "K", "V", "OUT"}}
     MODULES = {"linear": decode_linear_triton, "attention": decode_attention_triton}
 
     def ptx(module, name, meta, use_gdc):
@@ -75,10 +75,6 @@ CASES = {
     "attention-split-fused-combine": ["attention", "_decode_split_kernel",
                                       dict(HEAD_DIM=64, BLOCK_N=64, SPLITS=4, BF16_BY_HAND=False, KV_GROUP=4,
                                            FUSED_COMBINE=True, BLOCK_SPLITS=4)],
-    # the split kernel asking L2 for a later kernel's weights as it starts
-    "attention-split-prefetch": ["attention", "_decode_split_kernel",
-                                 dict(HEAD_DIM=64, BLOCK_N=64, SPLITS=4, BF16_BY_HAND=False, KV_GROUP=4,
-                                      FUSED_COMBINE=True, BLOCK_SPLITS=4, HAS_PREFETCH=True, THREADS=128)],
     "attention-combine": ["attention", "_decode_combine_kernel",
                           dict(HEAD_DIM=64, SPLITS=4, BLOCK_SPLITS=4, BF16_BY_HAND=False)],
 }
@@ -131,21 +127,10 @@ def test_decode_linear_reads_weights_then_waits_before_anything_else(compiled, c
     assert "griddepcontrol" not in plain
 
 
-@pytest.mark.parametrize("case", ["attention-split", "attention-split-fused-combine", "attention-split-prefetch",
-                                  "attention-combine"])
+@pytest.mark.parametrize("case", ["attention-split", "attention-split-fused-combine", "attention-combine"])
 def test_decode_attention_waits_before_its_first_access(compiled, case):
     plain, text = compiled[case]
     assert "griddepcontrol.launch_dependents" in text
     assert before_wait(text) == []
     assert "griddepcontrol" not in plain
 
-
-def test_the_prefetch_is_issued_before_the_wait_and_only_with_its_flag(compiled):
-    """The bulk L2 prefetch of a later kernel's weights is asked for before the split kernel waits
-    on the kernel before it (it reads no output of any kernel), and the other cases have none."""
-    plain, text = compiled["attention-split-prefetch"]
-    prefetch = "cp.async.bulk.prefetch.L2.global"
-    assert prefetch in plain and prefetch in text
-    assert text.index(prefetch) < text.index("griddepcontrol.wait")
-    assert all(prefetch not in ptx for case, texts in compiled.items() if case != "attention-split-prefetch"
-               for ptx in texts)

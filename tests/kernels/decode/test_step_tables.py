@@ -11,7 +11,8 @@ from dslab.kernels import kernel_backend
 from dslab.kernels.decode.step_tables import step_tables, step_tables_reference
 from dslab.kernels.dispatch import interpreting
 
-needs_interpreter = pytest.mark.skipif(not interpreting(), reason="the Triton interpreter runs on CPU (TRITON_INTERPRET=1)")
+needs_interpreter = pytest.mark.skipif(not interpreting(),
+                                       reason="the Triton interpreter runs on CPU (TRITON_INTERPRET=1)")
 
 
 @needs_interpreter
