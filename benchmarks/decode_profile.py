@@ -3,7 +3,7 @@
 
     python3 benchmarks/decode_profile.py [--presets gpt2_124m,gpt2_1558m] [--batches 1,32]
         [--dtypes bf16,int8] [--replays 100] [--trials 5] [--top 8] [--dependent-launch]
-        [--attention-combine]
+        [--attention-combine] [--short-cache]
 
 For each preset x batch x dtype it injects one random transformers model (GPT-2 for ``gpt2_*``
 presets, Llama for ``llama*``; bf16, the suite's seed), prefills a 32-token prompt and captures the
@@ -33,6 +33,9 @@ op-by-op variant only), then:
   combine (:func:`dslab.kernels.decode.decode_attention_triton.combine_mode`), timed in the same
   interleave (with dependent launch at batch 1 when ``--dependent-launch`` is given, as the engine
   runs it); its logits must equal the fused step's bit for bit (the same sums in the same order);
+- ``--short-cache``: the engine's step (``--attention-combine``'s variant) against the same with
+  decode attention's short caches split over programs and combined as longer ones are, instead of
+  one block a row (:data:`dslab.kernels.decode.decode_attention_triton.SHORT_CACHE_ELEMENTS`);
 - the weights-read floor: the weight bytes at the measured device-to-device copy bandwidth
   (``Tensor.copy_`` of 1 GiB, bytes read + written per second: what the memory system moves), about
   the best a batch-1 step can do.
@@ -58,7 +61,7 @@ from inference_kernels_bench import copy_bandwidth_gbs  # noqa: E402
 from dslab.bench.inference import build_hf_gpt2, build_hf_llama, make_prompts  # noqa: E402
 from dslab.inference import init_inference  # noqa: E402
 from dslab.inference.decode import DecodeRunner  # noqa: E402
-from dslab.kernels.decode.decode_attention_triton import combine_mode  # noqa: E402
+from dslab.kernels.decode.decode_attention_triton import combine_mode, short_cache  # noqa: E402
 from dslab.kernels.dispatch import dependent_launch, dependent_launches  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
@@ -174,6 +177,9 @@ def main() -> None:
     parser.add_argument("--attention-combine", action="store_true",
                         help="also time the fused step captured with decode attention's fused combine "
                              "(the last split of a row combines it: one launch per layer, not two)")
+    parser.add_argument("--short-cache", action="store_true",
+                        help="also time the engine's step with decode attention's short caches split over "
+                             "programs and combined, as longer caches are (not one block a row)")
     args = parser.parse_args()
     device = torch.device("cuda")
     read_gbs = copy_bandwidth_gbs()
@@ -207,6 +213,10 @@ def main() -> None:
                     with combine_mode("fused"), dependent_launches(args.dependent_launch and batch == 1):
                         combined = Variant(engine, prompts, True, name="fused, attention combine fused")
                     variants = (*variants[:-1], combined, plain)
+                split_cache = None
+                if fusable and args.short_cache:  # the engine's launches with every cache split and combined
+                    with combine_mode("fused"), dependent_launches(batch == 1), short_cache(False):
+                        split_cache = Variant(engine, prompts, True, name="engine, short cache split")
                 for variant in variants:
                     variant.reset()
                 a, b = fused.steps(8), plain.steps(8)
@@ -224,9 +234,10 @@ def main() -> None:
                     combined.reset()
                     c, d = fused.steps(8), combined.steps(8)
                     combined_equal = all(torch.equal(x, y) for x, y in zip(c, d))
-                times = {variant.name: [] for variant in variants}
+                timed = (*variants, split_cache) if split_cache is not None else variants
+                times = {variant.name: [] for variant in timed}
                 for _ in range(args.trials):
-                    for variant in variants:
+                    for variant in timed:
                         times[variant.name].append(variant.time_ms(args.replays))
                 t_plain = statistics.median(times[plain.name])
                 t_fused = statistics.median(times["fused"]) if fusable else float("nan")
@@ -245,6 +256,17 @@ def main() -> None:
                     print(f"  fused with attention's fused combine: {t_combined:.4f} ms/step "
                           f"({t_fused / t_combined:.3f}x the fused step); logits over 8 steps equal to the fused "
                           f"step's bit for bit: {combined_equal}", flush=True)
+                if split_cache is not None:
+                    engine_like = combined or fused
+                    engine_like.reset()
+                    split_cache.reset()
+                    c, d = engine_like.steps(1), split_cache.steps(1)
+                    print(f"  engine's launches with the short cache split and combined: "
+                          f"{statistics.median(times[split_cache.name]):.4f} ms/step against "
+                          f"{statistics.median(times[engine_like.name]):.4f} with one block a row "
+                          f"({engine_like.name}); first step's logits max |difference| "
+                          f"{(c[0] - d[0]).abs().max().item():.2e} of max |logit| {d[0].abs().max().item():.2f}",
+                          flush=True)
                 for variant in variants:
                     kernels = variant.kernels()
                     launches = sum(c for c, _ in kernels.values())

@@ -132,7 +132,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, heads, s_max, chunk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BF16_BY_HAND: tl.constexpr,
     KV_GROUP: tl.constexpr, FUSED_COMBINE: tl.constexpr = False, BLOCK_SPLITS: tl.constexpr = 1,
-    USE_GDC: tl.constexpr = False,
+    ONE_BLOCK: tl.constexpr = False, USE_GDC: tl.constexpr = False,
 ):
     if USE_GDC:  # a programmatic dependent launch: wait for the kernel before it before any access
         tl.extra.cuda.gdc_wait()
@@ -163,13 +163,14 @@ def _decode_split_kernel(
     l = tl.zeros((1,), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
     m, l, acc = _attend_block(q, k_first, v_first, positions, lo, hi, m, l, acc)
-    # the chunk's later blocks (its positions below hi), their loads masked to the valid positions
-    for block_start in range(first + BLOCK_N, hi, BLOCK_N):
-        positions = block_start + tl.arange(0, BLOCK_N)
-        valid = ((positions >= lo) & (positions < hi))[:, None]
-        k = tl.load(k_base + positions.to(tl.int64)[:, None] * stride_ks + dims[None, :], mask=valid, other=0.0)
-        v = tl.load(v_base + positions.to(tl.int64)[:, None] * stride_vs + dims[None, :], mask=valid, other=0.0)
-        m, l, acc = _attend_block(q, k, v, positions, lo, hi, m, l, acc)
+    if not ONE_BLOCK:
+        # the chunk's later blocks (its positions below hi), their loads masked to the valid positions
+        for block_start in range(first + BLOCK_N, hi, BLOCK_N):
+            positions = block_start + tl.arange(0, BLOCK_N)
+            valid = ((positions >= lo) & (positions < hi))[:, None]
+            k = tl.load(k_base + positions.to(tl.int64)[:, None] * stride_ks + dims[None, :], mask=valid, other=0.0)
+            v = tl.load(v_base + positions.to(tl.int64)[:, None] * stride_vs + dims[None, :], mask=valid, other=0.0)
+            m, l, acc = _attend_block(q, k, v, positions, lo, hi, m, l, acc)
     if SPLITS == 1:
         out = acc / tl.where(l > 0.0, l, 1.0)  # an empty range: acc = 0, out = 0
         tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
@@ -253,6 +254,32 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _counter_buffers[key]
 
 
+#: A cache of up to this many elements a head (S_max rounded up to a power of two, times D) is read
+#: as one block by one program a row: one round trip to memory, no split to combine.
+SHORT_CACHE_ELEMENTS = 16384
+_short_cache = True
+
+
+@contextlib.contextmanager
+def short_cache(enabled: bool):
+    """Plan short caches as one block a row (:data:`SHORT_CACHE_ELEMENTS`) inside the block, or as
+    any other cache (split over programs, then combined) when ``enabled`` is False: the decode
+    benchmarks time both (``benchmarks/decode_profile.py --short-cache``)."""
+    global _short_cache
+    previous, _short_cache = _short_cache, enabled
+    try:
+        yield
+    finally:
+        _short_cache = previous
+
+
+def short_block(s_max: int, head_dim: int) -> int | None:
+    """The one block (positions, a power of two) that reads a whole cache of ``s_max`` positions
+    when it is short (:data:`SHORT_CACHE_ELEMENTS`), else None."""
+    block = triton.next_power_of_2(max(s_max, 1))
+    return block if _short_cache and block * head_dim <= SHORT_CACHE_ELEMENTS else None
+
+
 def block_size(head_dim: int) -> int:
     """Cache positions per loop step: 4096 elements of k (8 KB in bf16), at most 128 positions."""
     return min(128, 4096 // head_dim)
@@ -302,8 +329,11 @@ def decode_attention(
         k_cache = k_cache.contiguous()
     if v_cache.stride(-1) != 1:
         v_cache = v_cache.contiguous()
-    block_n = block_n or block_size(head_dim)
-    if splits is None:
+    whole = short_block(s_max, head_dim) if splits is None and block_n is None else None
+    block_n = whole or block_n or block_size(head_dim)
+    if whole is not None:  # a short cache: one block, one program a row
+        splits, chunk = 1, whole
+    elif splits is None:
         splits, chunk = plan_splits(batch * heads, s_max, block_n, q.device)
     else:
         chunk = triton.cdiv(triton.cdiv(s_max, splits), block_n) * block_n
@@ -316,7 +346,9 @@ def decode_attention(
         acc_part = torch.empty((batch * heads, splits, head_dim), dtype=torch.float32, device=q.device)
     else:
         m_part = l_part = acc_part = out  # not read or written with one split
-    num_warps = 4 if head_dim * block_n >= 4096 else 2
+    # 16 elements of each of k and v a thread in a short cache's one block, 4 to 16 warps
+    num_warps = (max(4, min(16, head_dim * block_n // 1024)) if whole is not None
+                 else 4 if head_dim * block_n >= 4096 else 2)
     dependent = dict(launch_pdl=True, USE_GDC=True) if dependent_launch(q.device, batch) else {}
     fused = combine == "fused" and splits > 1 and batch * heads <= COUNTERS
     counters = _counters(q.device) if fused else m_part
@@ -328,7 +360,7 @@ def decode_attention(
             heads, s_max, chunk, scale * LOG2_E,
             HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS=splits, BF16_BY_HAND=bf16_by_hand,
             KV_GROUP=heads // k_cache.shape[1], FUSED_COMBINE=fused, BLOCK_SPLITS=triton.next_power_of_2(splits),
-            num_warps=num_warps, **dependent,
+            ONE_BLOCK=chunk == block_n, num_warps=num_warps, **dependent,
         )
         if splits > 1 and not fused:
             _decode_combine_kernel[(batch * heads,)](

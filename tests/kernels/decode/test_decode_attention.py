@@ -258,3 +258,38 @@ def test_the_fused_combine_of_a_row_within_one_chunk(dtype, monkeypatch):
     exact = decode_attention_reference(q.double(), k.double(), v.double(), start, end)
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.double(), exact, **tolerance)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_short_cache_is_read_as_one_block_a_row(dtype, monkeypatch):
+    """S_MAX = 37 positions of D = 32 fit one block of 64 positions: one program a row, one block
+    (no loop, no partials), within rounding of the cache split over programs and combined, both
+    at the fp64 reference's distance; without the rule (short_cache(False)) the plan is as for any
+    cache. A cache longer than SHORT_CACHE_ELEMENTS a head is not one block."""
+    launches = []
+    kernel = triton_impl._decode_split_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append((grid, meta["BLOCK_N"], meta["SPLITS"], meta["ONE_BLOCK"]))
+                return kernel[grid](*args, **meta)
+            return launch
+
+    q, k, v, start, end = _inputs(32, dtype, seed=3)
+    exact = decode_attention_reference(q.double(), k.double(), v.double(), start, end)
+    monkeypatch.setattr(triton_impl, "_decode_split_kernel", Recording())
+    with kernel_backend("triton"):
+        whole = decode_attention(q, k, v, start, end)
+        split = triton_impl.decode_attention(q, k, v, start, end, 32 ** -0.5, splits=3, block_n=8)
+        with triton_impl.short_cache(False):
+            decode_attention(q, k, v, start, end)
+    assert launches[0] == ((BATCH * HEADS, 1), 64, 1, True)
+    assert launches[1] == ((BATCH * HEADS, 3), 8, 3, False)  # chunks of 2 blocks of 8
+    assert launches[2][1] == triton_impl.block_size(32)  # without the rule: the planned blocks
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _relative_error(whole, exact) < tolerance and _relative_error(split, exact) < tolerance
+    torch.testing.assert_close(whole[2], torch.zeros_like(whole[2]))  # the empty row
+    assert triton_impl.short_block(37, 32) == 64 and triton_impl.short_block(257, 64) is None
+    assert triton_impl.short_block(160, 64) == 256 and triton_impl.short_block(160, 128) is None
