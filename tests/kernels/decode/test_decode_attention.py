@@ -263,7 +263,8 @@ def test_the_fused_combine_of_a_row_within_one_chunk(dtype, monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_short_cache_is_read_as_one_block_a_row(dtype, monkeypatch):
-    """S_MAX = 37 positions of D = 32 fit one block of 64 positions: one program a row, one block
+    """S_MAX = 37 positions of D = 32 fit one block of 64 positions: with no more rows than SMs, one
+    program a row, one block
     (no loop, no partials), within rounding of the cache split over programs and combined, both
     at the fp64 reference's distance; without the rule (short_cache(False)) the plan is as for any
     cache. A cache longer than SHORT_CACHE_ELEMENTS a head is not one block."""
@@ -277,7 +278,7 @@ def test_a_short_cache_is_read_as_one_block_a_row(dtype, monkeypatch):
                 return kernel[grid](*args, **meta)
             return launch
 
-    q, k, v, start, end = _inputs(32, dtype, seed=3)
+    q, k, v, start, end = (t[1:] for t in _inputs(32, dtype, seed=3))  # 4 rows (as many as the SMs): padded, empty
     exact = decode_attention_reference(q.double(), k.double(), v.double(), start, end)
     monkeypatch.setattr(triton_impl, "_decode_split_kernel", Recording())
     with kernel_backend("triton"):
@@ -285,11 +286,14 @@ def test_a_short_cache_is_read_as_one_block_a_row(dtype, monkeypatch):
         split = triton_impl.decode_attention(q, k, v, start, end, 32 ** -0.5, splits=3, block_n=8)
         with triton_impl.short_cache(False):
             decode_attention(q, k, v, start, end)
-    assert launches[0] == ((BATCH * HEADS, 1), 64, 1, True)
-    assert launches[1] == ((BATCH * HEADS, 3), 8, 3, False)  # chunks of 2 blocks of 8
+    assert launches[0] == ((2 * HEADS, 1), 64, 1, True)
+    assert launches[1] == ((2 * HEADS, 3), 8, 3, False)  # chunks of 2 blocks of 8
     assert launches[2][1] == triton_impl.block_size(32)  # without the rule: the planned blocks
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert _relative_error(whole, exact) < tolerance and _relative_error(split, exact) < tolerance
-    torch.testing.assert_close(whole[2], torch.zeros_like(whole[2]))  # the empty row
-    assert triton_impl.short_block(37, 32) == 64 and triton_impl.short_block(257, 64) is None
-    assert triton_impl.short_block(160, 64) == 256 and triton_impl.short_block(160, 128) is None
+    torch.testing.assert_close(whole[1], torch.zeros_like(whole[1]))  # the empty row
+    cpu = torch.device("cpu")  # the interpreter's stand-in SMs
+    assert triton_impl.short_block(37, 32, BATCH * HEADS, cpu) is None  # more rows than SMs
+    assert triton_impl.short_block(37, 32, triton_impl.INTERPRETER_SMS, cpu) == 64
+    assert triton_impl.short_block(257, 64, 1, cpu) is None
+    assert triton_impl.short_block(160, 64, 1, cpu) == 256 and triton_impl.short_block(160, 128, 1, cpu) is None
