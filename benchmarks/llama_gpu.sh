@@ -13,6 +13,9 @@
 #             attention's fused combine, op by op;
 #             at batch 8 the fused step runs decode_linear's 16-row tensor-core tiles), and
 #             decode_linear_bench.py's sweep of those tiles' configurations at 8 rows, hidden 2048
+#             (--short-cache: the engine's step against decode attention's short caches split)
+#   chain     benchmarks/decode_chain_bench.py: the batch-1 step's 65 projections alone, each group's
+#             row-kernel configurations (a few programs an SM, or as many as the SMs hold) timed
 # Several parts in one call run in order: bash benchmarks/llama_gpu.sh tests train1b
 # Reports and logs land in $OUT; each part's table prints last.
 set -u
@@ -49,11 +52,15 @@ for part in "$@"; do
         > "$OUT/decode_tests.log" 2>&1
       tail -5 "$OUT/decode_tests.log"
       timeout "${DECODE_S:-300}" python3 benchmarks/decode_profile.py --presets llama3_1b --batches 1,8 --trials 5 \
-        --dependent-launch --attention-combine > "$OUT/decode_profile.log" 2>&1
-      grep -E "^==|dependent launch:|fused combine:|kernels/step" "$OUT/decode_profile.log"; tail -4 "$OUT/decode_profile.log"
+        --dependent-launch --attention-combine --short-cache > "$OUT/decode_profile.log" 2>&1
+      grep -E "^==|dependent launch:|fused combine:|short cache|kernels/step" "$OUT/decode_profile.log"
+      tail -4 "$OUT/decode_profile.log"
       timeout "${SWEEP_S:-150}" python3 benchmarks/decode_linear_bench.py --hidden 2048 --rows 8 \
         > "$OUT/decode_linear_rows8.log" 2>&1
       tail -12 "$OUT/decode_linear_rows8.log" ;;
-    *) echo "llama_gpu.sh: unknown part '$part' (tests, kernels, train1b, train3b, infer, decode)" >&2; exit 2 ;;
+    chain)
+      timeout "${CHAIN_S:-240}" python3 benchmarks/decode_chain_bench.py --trials 5 > "$OUT/decode_chain.log" 2>&1
+      grep -vE "^row \+ PDL, " "$OUT/decode_chain.log" | tail -32 ;;
+    *) echo "llama_gpu.sh: unknown part '$part' (tests, kernels, train1b, train3b, infer, decode, chain)" >&2; exit 2 ;;
   esac
 done

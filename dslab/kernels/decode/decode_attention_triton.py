@@ -40,7 +40,10 @@ query head, as without grouping.
 
 ``splits`` and ``chunk`` depend only on the shapes and the device (:func:`plan_splits`), never on
 the valid lengths, so one CUDA graph serves every decode step; a step reads only the valid part of
-the cache, splits past ``valid_end`` return at once.
+the cache, splits past ``valid_end`` return at once. A short cache (:data:`SHORT_CACHE_ELEMENTS`)
+with no more rows than SMs is one split of one block: each row's program reads its whole cache in
+one round trip and normalises its output itself (a batch-1 decode step's attention then has no
+partials, no counter and no loop).
 """
 
 from __future__ import annotations

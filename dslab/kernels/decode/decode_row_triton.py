@@ -5,8 +5,9 @@ one row, with the same prologue and epilogues as :mod:`dslab.kernels.decode.deco
 (:func:`row_config`): program ``p`` owns the output tiles ``p, p + programs, p + 2 programs, ...``
 of ``BLOCK_N`` weight rows (pairs of rows for a paired launch: SwiGLU, rotary QKV) and streams them
 one after another, the next tile's weights requested before the current tile is reduced and
-stored, so a program always has a tile in flight. A few programs an SM (one or two waves, as
-registers allow), each streaming many tiles on the large projections:
+stored, so a program always has a tile in flight. The large launches run as many programs as the
+SMs hold at once (:data:`RESIDENT`: the grid is set from the compiled kernel's registers, one wave
+of programs each streaming many tiles), the others a few programs an SM:
 
 - the prologue runs once a program, not once a tile: with K in one block (``SINGLE_BLOCK``, up to
   :data:`MAX_ROW_BLOCK_K`), ``a = x (+ residual)``, the norm's statistics and ``h`` stay in
