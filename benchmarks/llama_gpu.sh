@@ -14,6 +14,9 @@
 #             at batch 8 the fused step runs decode_linear's 16-row tensor-core tiles), and
 #             decode_linear_bench.py's sweep of those tiles' configurations at 8 rows, hidden 2048
 #             (--short-cache: the engine's step against decode attention's short caches split)
+#   profile   benchmarks/profile_arms.py suites/llama --case 1b: the dslab arm (graphed, and eager with
+#             its ops' shapes) beside torch-compile, kernel time per step by category
+#   gaps      benchmarks/generate_gaps.py: a batch-1 generated token beyond its decode step
 #   chain     benchmarks/decode_chain_bench.py: the batch-1 step's 65 projections alone, each group's
 #             row-kernel configurations (a few programs an SM, or as many as the SMs hold) timed
 # Several parts in one call run in order: bash benchmarks/llama_gpu.sh tests train1b
@@ -58,9 +61,18 @@ for part in "$@"; do
       timeout "${SWEEP_S:-150}" python3 benchmarks/decode_linear_bench.py --hidden 2048 --rows 8 \
         > "$OUT/decode_linear_rows8.log" 2>&1
       tail -12 "$OUT/decode_linear_rows8.log" ;;
+    profile)
+      timeout "${PROFILE_S:-420}" python3 benchmarks/profile_arms.py suites/llama --case 1b --shapes \
+        --variants "${VARIANTS:-dslab-noprof,dslab-eager,torch-compile}" --trials 3 --steps 10 \
+        --out "$OUT/profile" > "$OUT/profile.log" 2>&1
+      tail -30 "$OUT/profile.log" ;;
+    gaps)
+      timeout "${GAPS_S:-180}" python3 benchmarks/generate_gaps.py --preset llama3_1b --batch 1 --new 64 \
+        > "$OUT/gaps.log" 2>&1
+      tail -25 "$OUT/gaps.log" ;;
     chain)
       timeout "${CHAIN_S:-240}" python3 benchmarks/decode_chain_bench.py --trials 5 > "$OUT/decode_chain.log" 2>&1
       grep -vE "^row \+ PDL, " "$OUT/decode_chain.log" | tail -32 ;;
-    *) echo "llama_gpu.sh: unknown part '$part' (tests, kernels, train1b, train3b, infer, decode, chain)" >&2; exit 2 ;;
+    *) echo "llama_gpu.sh: unknown part '$part' (tests, kernels, train1b, train3b, infer, decode, profile, gaps, chain)" >&2; exit 2 ;;
   esac
 done

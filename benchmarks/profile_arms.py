@@ -20,9 +20,9 @@ steps (:func:`device_idle`: launch gaps between dependent kernels, and longer wa
 kernels on either side) says where.
 
 Last, the kernels' device time per step by category (:func:`kernel_category`: attention forward
-and backward, GEMMs, cross-entropy, layer norm, optimizer, casts and copies, other fused or
-elementwise work), one column per variant and the difference of each to the first: the size of
-each lever between dslab and a plain arm.
+and backward, GEMMs, cross-entropy, layer norm (RMSNorm too), rope, SwiGLU, optimizer, casts and
+copies, other fused or elementwise work), one column per variant and the difference of each to
+the first: the size of each lever between dslab and a plain arm.
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ CATEGORIES = (
                        "sdpa_sm90_flash_fprop", "flash_attn")),
     ("cross-entropy", ("cross_entropy", "log_softmax", "nll_loss", "=_forward_kernel", "=_backward_kernel",
                        "=_loss_and_grad_kernel")),
-    ("layer norm", ("layer_norm", "layernorm")),
+    ("layer norm", ("layer_norm", "layernorm", "rms_norm", "rmsnorm")),
+    ("rope", ("_rope_kernel", "rotary")),
+    ("swiglu", ("swiglu", "silu")),
     ("optimizer", ("adam", "multi_tensor", "_foreach")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "sm90_", "sm80_")),
     ("casts and copies", ("copy", "_to_copy", "cast", "cat_", "memcpy", "memset")),

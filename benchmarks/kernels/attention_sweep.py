@@ -51,6 +51,7 @@ from bench_attention import SHAPES  # noqa: E402
 
 from dslab.kernels.attention import attention_triton, attention_triton_bwd  # noqa: E402
 from dslab.kernels.attention.attention import attention  # noqa: E402
+from dslab.kernels.dispatch import kernel_backend  # noqa: E402
 
 CLOCK_HZ = 1.98e9  # H100/H200 boost clock: turns the sleep's seconds into cycles (a longer sleep is harmless)
 
@@ -227,7 +228,8 @@ def check(q, k, v, grad, causal) -> dict:
                     [t.float() for t in (q, k, v, grad)])
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         flash = run(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), (q, k, v, grad))
-    ours = run(lambda a, b, c: attention(a, b, c, causal=causal), (q, k, v, grad))
+    with kernel_backend("triton"):  # the Triton kernels (a differentiated causal call would go to cuDNN)
+        ours = run(lambda a, b, c: attention(a, b, c, causal=causal), (q, k, v, grad))
     names = ("out", "dq", "dk", "dv")
     return {n: (rel_err(o, e), rel_err(f, e)) for n, o, f, e in zip(names, ours, flash, exact)}
 
@@ -392,7 +394,8 @@ def main():
         tuners = autotuners(head_dim)
 
         def dslab_fwd():
-            return attention(q, k, v, causal=causal)
+            with kernel_backend("triton"):
+                return attention(q, k, v, causal=causal)
 
         def sdpa_fwd():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

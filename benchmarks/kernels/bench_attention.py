@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from common import Case  # benchmarks/kernels/ is on sys.path (run.py and conftest.py put it there)
 from dslab.kernels.attention.attention import attention
+from dslab.kernels.dispatch import kernel_backend
 
 SHAPES = [
     # (label, batch, heads, seq, head_dim, causal, target, dropout_p)
@@ -61,7 +62,8 @@ def _case(device, label, batch, heads, seq, head_dim, causal, target, dropout_p)
     grad = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
 
     def run_dslab():
-        out = attention(q, k, v, causal=causal, dropout_p=dropout_p)
+        with kernel_backend("triton"):  # the Triton kernels, not attention_cudnn's path for causal calls
+            out = attention(q, k, v, causal=causal, dropout_p=dropout_p)
         return torch.autograd.grad(out, (q, k, v), grad)
 
     def run_torch():

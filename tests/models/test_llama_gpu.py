@@ -33,13 +33,19 @@ def _train(kernels, config, state, graphs, steps=6):
     return losses, model
 
 
-def test_dslab_set_with_graphs_trains_to_the_torch_sets_losses():
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_dslab_set_with_graphs_trains_to_the_torch_sets_losses(backend):
+    """``auto``: attention on cuDNN's kernels on Hopper (dslab.kernels.attention.attention_cudnn);
+    ``triton``: on dslab's."""
+    from dslab.kernels.dispatch import kernel_backend
+
     config = dataclasses.replace(llama_tiny(layers=3, hidden=512, heads=8, kv_heads=2, head_dim=64,
                                             intermediate=1376, vocab_size=5000), vocab_pad_multiple=64)
     torch.manual_seed(3)
     state = LlamaForCausalLM(config, kernels="torch").state_dict()
     ref, _ = _train("torch", config, state, graphs=False)
-    ours, model = _train("dslab", config, state, graphs=True)
+    with kernel_backend(backend):
+        ours, model = _train("dslab", config, state, graphs=True)
     assert ref[-1] < ref[0] - 0.5
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=2e-2, atol=0.0)
     stats = model.cuda_graph_stats

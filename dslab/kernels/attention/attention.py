@@ -32,7 +32,10 @@ with q ``[batch, heads, seq_q, head_dim]``, k and v ``[batch, kv_heads, seq_k, h
 The same attention straight from a packed ``[batch, seq, 3 * hidden]`` projection is
 :mod:`dslab.kernels.attention.attention_packed`.
 
-Backends (:mod:`dslab.kernels.dispatch`): Triton (:mod:`dslab.kernels.attention.attention_triton`, ``_bwd``)
+Backends (:mod:`dslab.kernels.dispatch`): cuDNN's fused attention for the causal calls on Hopper
+that autograd will differentiate and that :func:`dslab.kernels.attention.attention_cudnn.eligible_split`
+accepts (its backward is faster there: that module says by how much; with dropout and no ``seed``
+its mask comes from torch's generator); Triton (:mod:`dslab.kernels.attention.attention_triton`, ``_bwd``)
 for fp16 and bf16 inputs when ``use_triton`` says so; :func:`attention_reference` otherwise. The
 Triton path is the custom ops ``dslab::attention_forward`` / ``dslab::attention_backward`` under ``torch.compile``, and an
 ``autograd.Function`` making the same launches in eager mode. fp32
@@ -45,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from dslab.kernels.attention import attention_triton, attention_triton_bwd
+from dslab.kernels.attention import attention_cudnn, attention_triton, attention_triton_bwd
 from dslab.kernels.dispatch import use_custom_op, use_triton
 
 HEAD_DIMS = (32, 64, 128)
@@ -350,6 +353,8 @@ def attention(
     _validate(q, k, v, key_padding_mask, dropout_p, scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if attention_cudnn.eligible_split(q, k, v, causal, key_padding_mask, dropout_p, seed):
+        return attention_cudnn.attention(q, k, v, float(dropout_p), float(scale))
     if seed is not None:
         seed = _seed_tensor(seed, q.device)
     has_work = q.numel() > 0 and k.shape[2] > 0

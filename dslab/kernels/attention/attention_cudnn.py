@@ -1,9 +1,11 @@
-"""Causal self-attention from a packed projection on cuDNN's fused attention (through PyTorch's
+"""Causal self-attention on cuDNN's fused attention (through PyTorch's
 ``scaled_dot_product_attention`` with its cuDNN backend), where that measured faster than
-dslab's Triton kernels.
+dslab's Triton kernels: from a packed projection (:func:`attention_packed`), and from separate q, k
+and v with fewer key/value heads than query heads or as many (:func:`attention`).
 
-:func:`dslab.kernels.attention.attention_packed.attention_packed` hands a call here when :func:`eligible`
-says so: a CUDA device of compute capability 9.x (Hopper), bf16 or fp16, causal, no key padding
+:func:`dslab.kernels.attention.attention_packed.attention_packed` hands a call here when
+:func:`eligible` says so, :func:`dslab.kernels.attention.attention.attention` when
+:func:`eligible_split` does: a CUDA device of compute capability 9.x (Hopper), bf16 or fp16, causal, no key padding
 mask, head dim 64 or 128, no seed passed in (the dropout mask then comes from torch's generator,
 as in ``F.dropout``; with a seed the Triton kernels run, whose mask is a function of it), torch's
 deterministic algorithms off, the ``auto`` kernel backend (``triton`` forces dslab's kernels, as
@@ -14,6 +16,12 @@ the whole training step with its CUDA graphs, dslab's Triton attention against t
 process: 33.03 against 32.31 ms/step (5 trials). Per layer, cuDNN's backward (~290 us with
 dropout) is what wins: the Triton backward takes ~410 us, ~355 without dropout; the forwards are
 ~190 (cuDNN) and ~225 us (Triton) with dropout, ~90 us each without.
+
+Grouped-query attention (Llama-3.2-1B's layer: 32 query heads over 8 key/value heads, head dim 64,
+seq 2048, micro-batch 8, no dropout; ``benchmarks/profile_arms.py suites/llama --case 1b`` on an
+H200, 2026-12-01): dslab's Triton kernels took 428 us forward and 1,817 us backward a layer,
+cuDNN's (reading the 8 key/value heads without repeating them, as ``torch.compile`` runs the
+model) 405 and 1,324: 8.3 ms of the 236 ms training step.
 
 q, k and v are strided views of qkv (no copy in); the output's heads are merged with a view
 where cuDNN lays it out as ``[batch, seq, heads, head_dim]``. The backward's dq, dk, dv are
@@ -48,13 +56,14 @@ def _sdpa_backend():
     return SDPBackend.CUDNN_ATTENTION
 
 
-def _cudnn_can_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, causal: bool) -> bool:
+def _cudnn_can_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, causal: bool,
+                   enable_gqa: bool = False) -> bool:
     params_type = getattr(torch.backends.cuda, "SDPAParams", None)
     can_use = getattr(torch.backends.cuda, "can_use_cudnn_attention", None)
     if params_type is None or can_use is None or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     try:
-        params = params_type(q, k, v, None, dropout_p, causal, False)
+        params = params_type(q, k, v, None, dropout_p, causal, enable_gqa)
     except TypeError:  # an SDPAParams of another signature
         return False
     return bool(can_use(params, False))
@@ -111,6 +120,37 @@ def eligible(qkv: torch.Tensor, heads: int, causal: bool, key_padding_mask: Opti
         return False
     q, k, v = _split(qkv, heads)
     return _cudnn_can_run(q, k, v, dropout_p, causal)
+
+
+def eligible_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   key_padding_mask: Optional[torch.Tensor], dropout_p: float, seed) -> bool:
+    """Whether :func:`attention` should run this call of q ``[B, Hq, Sq, D]``, k and v ``[B, Hkv,
+    Sk, D]`` (module docstring), for inputs that :func:`dslab.kernels.attention.attention.attention`
+    has validated. Only a call that autograd will differentiate: cuDNN's lead is in the backward
+    (the forwards are within 6%), and a forward alone (the inference engine's prefill) stays on
+    dslab's kernels."""
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return False
+    reason = ineligible_reason(
+        is_cuda=q.is_cuda, dtype=q.dtype, head_dim=q.shape[-1], causal=bool(causal),
+        has_padding_mask=key_padding_mask is not None, has_seed=seed is not None, kernel_backend=backend(),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        capability=_capability(q.device.index) if q.is_cuda else None,
+    )
+    if reason is not None or q.numel() == 0 or k.shape[2] == 0:
+        return False
+    return _cudnn_can_run(q, k, v, dropout_p, causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, scale: float) -> torch.Tensor:
+    """Causal attention of q ``[B, Hq, Sq, D]`` over k, v ``[B, Hkv, Sk, D]`` (query head ``h`` on
+    key/value head ``h // (Hq // Hkv)``) -> ``[B, Hq, Sq, D]`` on cuDNN, the contract of
+    :func:`dslab.kernels.attention.attention.attention`."""
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_sdpa_backend()):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 @triton.jit

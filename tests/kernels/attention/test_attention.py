@@ -54,9 +54,15 @@ def _padding(kind, batch, seq_k, device="cpu", seed=1):
     return mask.to(device)
 
 
-def _forward_backward(q, k, v, grad, **kwargs):
+def _forward_backward(q, k, v, grad, backend=None, **kwargs):
+    """(out, dq, dk, dv) of :func:`attention`; ``backend`` "triton" keeps a causal call on Hopper on
+    dslab's kernels instead of cuDNN's (:mod:`dslab.kernels.attention.attention_cudnn`)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = attention(q, k, v, **kwargs)
+    if backend is None:
+        out = attention(q, k, v, **kwargs)
+    else:
+        with kernel_backend(backend):
+            out = attention(q, k, v, **kwargs)
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
@@ -517,7 +523,7 @@ def test_gpu_benchmark_shapes_against_sdpa(batch, heads, seq, head_dim, causal):
     from torch.nn.attention import SDPBackend
 
     q, k, v, grad = _inputs(batch, heads, seq, seq, head_dim, torch.bfloat16, device="cuda", seed=20)
-    got = _forward_backward(q, k, v, grad, causal=causal)
+    got = _forward_backward(q, k, v, grad, backend="triton", causal=causal)
     exact = _sdpa_forward_backward(*(t.float() for t in (q, k, v, grad)), causal, SDPBackend.EFFICIENT_ATTENTION)
     flash = _sdpa_forward_backward(q, k, v, grad, causal, SDPBackend.FLASH_ATTENTION)
     for name, g, e, lo in zip(("out", "dq", "dk", "dv"), got, exact, flash):
@@ -552,8 +558,8 @@ def test_gpu_masks_and_dropout_against_reference(seq_q, seq_k, head_dim, dtype, 
 @pytest.mark.gpu
 def test_gpu_backward_is_deterministic():
     q, k, v, grad = _inputs(4, 8, 1000, 1000, 64, torch.bfloat16, device="cuda", seed=22)
-    first = _forward_backward(q, k, v, grad, causal=True)
-    second = _forward_backward(q, k, v, grad, causal=True)
+    first = _forward_backward(q, k, v, grad, backend="triton", causal=True)
+    second = _forward_backward(q, k, v, grad, backend="triton", causal=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -572,7 +578,7 @@ def test_gpu_cached_launch_matches_triton_launch(seq_q, seq_k, head_dim, causal,
 
     batch, heads = 2, 3
     mask = _padding(padding, batch, seq_k, device="cuda")
-    kwargs = dict(causal=causal, key_padding_mask=mask, dropout_p=dropout_p)
+    kwargs = dict(causal=causal, key_padding_mask=mask, dropout_p=dropout_p, backend="triton")
     first = _inputs(batch, heads, seq_q, seq_k, head_dim, torch.bfloat16, device="cuda", seed=30)
     second = _inputs(batch, heads, seq_q, seq_k, head_dim, torch.bfloat16, device="cuda", seed=31)
     attention_triton.clear_launch_caches()
@@ -612,7 +618,7 @@ def test_gpu_cached_launch_grid_follows_the_batch():
                             device="cuda")
         out = buffer[pad:pad + batch]
         attention_triton.attention_forward(q, k, v, None, None, True, 0.0, head_dim**-0.5, out=out)
-        cached[batch] = (out, *_forward_backward(q, k, v, grad, causal=True))
+        cached[batch] = (out, *_forward_backward(q, k, v, grad, backend="triton", causal=True))
         torch.cuda.synchronize()
         assert torch.isnan(buffer[:pad]).all() and torch.isnan(buffer[pad + batch:]).all(), f"batch {batch}"
         keys = {id(c): len(c.entries) for c in attention_triton.CachedLaunch.instances}
@@ -622,7 +628,7 @@ def test_gpu_cached_launch_grid_follows_the_batch():
     attention_triton.clear_launch_caches()
     for batch in batches:
         q, k, v, grad = inputs[batch]
-        direct = _forward_backward(q, k, v, grad, causal=True)
+        direct = _forward_backward(q, k, v, grad, backend="triton", causal=True)
         for name, a, b in zip(("out (into a view)", "out", "dq", "dk", "dv"), cached[batch], (direct[0], *direct)):
             assert torch.equal(a, b), f"batch {batch}: {name}"
 

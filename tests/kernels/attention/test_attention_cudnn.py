@@ -174,3 +174,128 @@ def test_gpu_cudnn_dropout_is_unbiased_and_new_on_each_graph_replay():
         replays.append((out.clone(), dqkv.clone()))
     assert not torch.equal(replays[0][0], replays[1][0]) and not torch.equal(replays[0][1], replays[1][1])
     assert torch.isfinite(replays[0][1]).all()
+
+
+# --- separate q, k, v (grouped-query attention) ---------------------------------------------------
+
+
+def _gqa_inputs(batch, heads, kv_heads, seq, head_dim, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, head_dim, generator=gen).transpose(1, 2)
+    kv = torch.randn(batch, seq, 2, kv_heads, head_dim, generator=gen)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [b, s, h, d] views, as the Llama layer's
+    grad = torch.randn(batch, heads, seq, head_dim, generator=gen)
+    return [t.to(device=device, dtype=torch.bfloat16) for t in (q, k, v, grad)]
+
+
+def test_split_path_needs_a_call_autograd_will_differentiate(monkeypatch):
+    """With the device conditions met (stubbed on the CPU), a call whose inputs need no gradient,
+    or one under no_grad, stays on dslab's kernels: the inference engine's prefill."""
+    monkeypatch.setattr(attention_cudnn, "ineligible_reason", lambda **_: None)
+    monkeypatch.setattr(attention_cudnn, "_cudnn_can_run", lambda *args, **kwargs: True)
+    q, k, v, _ = _gqa_inputs(1, 4, 2, 8, 64)
+    assert not attention_cudnn.eligible_split(q, k, v, True, None, 0.0, None)
+    leaf = q.detach().requires_grad_()
+    assert attention_cudnn.eligible_split(leaf, k, v, True, None, 0.0, None)
+    with torch.no_grad():
+        assert not attention_cudnn.eligible_split(leaf, k, v, True, None, 0.0, None)
+
+
+def test_split_path_asks_cudnn_with_gqa_only_for_fewer_kv_heads(monkeypatch):
+    asked = []
+    monkeypatch.setattr(attention_cudnn, "ineligible_reason", lambda **_: None)
+    monkeypatch.setattr(attention_cudnn, "_cudnn_can_run",
+                        lambda q, k, v, p, causal, enable_gqa=False: asked.append(enable_gqa) or True)
+    for kv_heads in (2, 4):
+        q, k, v, _ = _gqa_inputs(1, 4, kv_heads, 8, 64)
+        assert attention_cudnn.eligible_split(q.requires_grad_(), k, v, True, None, 0.0, None)
+    assert asked == [True, False]
+
+
+def test_attention_hands_an_eligible_call_to_cudnn(monkeypatch):
+    """:func:`attention` calls :func:`attention_cudnn.attention` with its scale when
+    :func:`attention_cudnn.eligible_split` accepts the call, and returns what it returns."""
+    from dslab.kernels.attention.attention import attention, attention_reference
+
+    calls = []
+
+    def recorded(q, k, v, dropout_p, scale):
+        calls.append((dropout_p, scale))
+        return attention_reference(q, k, v, causal=True, scale=scale)
+
+    monkeypatch.setattr(attention_cudnn, "eligible_split", lambda *args: True)
+    monkeypatch.setattr(attention_cudnn, "attention", recorded)
+    q, k, v, _ = (t.float() for t in _gqa_inputs(1, 4, 2, 8, 64, seed=3))
+    out = attention(q, k, v, causal=True, scale=0.5)
+    assert calls == [(0.0, 0.5)]
+    assert torch.equal(out, attention_reference(q, k, v, causal=True, scale=0.5))
+
+
+def _gqa_run(q, k, v, grad, backend="auto"):
+    from dslab.kernels.attention.attention import attention
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with kernel_backend(backend):
+        out = attention(q, k, v, causal=True)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,heads,kv_heads,seq,head_dim", [
+    (2, 32, 8, 512, 64),  # Llama-3.2-1B's heads
+    (1, 24, 8, 333, 128),  # 3B's, an odd length
+    (2, 4, 4, 200, 64),  # as many kv heads as query heads
+])
+def test_gpu_split_path_matches_the_reference_and_the_triton_kernels(batch, heads, kv_heads, seq, head_dim):
+    """On Hopper a differentiated causal call takes cuDNN; its output and dq, dk, dv (dk, dv summed
+    over each group's query heads) match the fp32 reference within bf16 rounding, as the Triton
+    kernels' do; a call without gradients stays on the Triton kernels (bit for bit theirs)."""
+    from dslab.kernels.attention.attention import attention, attention_reference
+
+    if not _hopper():
+        pytest.skip("the cuDNN path runs on compute capability 9.x")
+    q, k, v, grad = _gqa_inputs(batch, heads, kv_heads, seq, head_dim, device="cuda", seed=seq)
+    assert attention_cudnn.eligible_split(q.detach().requires_grad_(), k, v, True, None, 0.0, None)
+    got = _gqa_run(q, k, v, grad)
+    triton_got = _gqa_run(q, k, v, grad, backend="triton")
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_out = attention_reference(*leaves, causal=True)
+    ref = (ref_out, *torch.autograd.grad(ref_out, leaves, grad.float()))
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    for name, g, t, r in zip(("out", "dq", "dk", "dv"), got, triton_got, ref):
+        assert g.shape == r.shape, name
+        assert rel(g, r) < 2e-2, name
+        assert rel(g, r) < 2 * rel(t, r) + 1e-3, name
+    assert not torch.equal(got[1], triton_got[1])  # two implementations: the path was taken
+    with torch.no_grad():
+        inference = attention(q, k, v, causal=True)
+    assert torch.equal(inference, triton_got[0])
+
+
+@pytest.mark.gpu
+def test_gpu_split_path_inside_a_cuda_graph_equals_eager():
+    if not _hopper():
+        pytest.skip("the cuDNN path runs on compute capability 9.x")
+    from dslab.kernels.attention.attention import attention
+
+    q, k, v, grad = _gqa_inputs(2, 8, 2, 256, 64, device="cuda", seed=71)
+    eager = _gqa_run(q, k, v, grad)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            out = attention(*leaves, causal=True)
+            torch.autograd.grad(out, leaves, grad)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention(*leaves, causal=True)
+        grads = torch.autograd.grad(out, leaves, grad)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), eager):
+        assert torch.equal(a, b), name
