@@ -482,7 +482,7 @@ def generate_tokens(model: InferenceTransformer, runner: DecodeRunner, input_ids
                 scores_kept.append(scores)
             if keep_logits:
                 logits_kept.append(raw)
-        elif not stopping.criteria:  # greedy: the token, the pads, the writes and the eos marks in two launches
+        elif not stopping.criteria:  # greedy: the token, the pads, the writes and the eos marks in one launch
             tokens = greedy_step(logits, sequence, length, slot.tokens[:batch] if step > 0 else None,
                                  stopping.finished if stopping.eos is not None else None, stopping.finish_step,
                                  stopping.eos, args.pad, step)

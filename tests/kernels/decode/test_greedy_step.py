@@ -1,7 +1,7 @@
 """greedy_step (the greedy loop's work between two decode steps) under the Triton interpreter
 against its op-by-op reference on fresh random logits: the token is argmax's (ties across and
 within blocks: the first; NaN: the first NaN; rows of -inf; a vocabulary that does not fill whole
-blocks), finished rows get the pad, the sequence column and the next step's tokens are written,
+blocks; one block and several, whose last program picks), finished rows get the pad, the sequence column and the next step's tokens are written,
 and eos ids mark rows finished at this step (only rows not finished before)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dslab.kernels import kernel_backend
-from dslab.kernels.decode.greedy_step import BLOCK, greedy_step, greedy_step_reference
+from dslab.kernels.decode.greedy_step import BLOCK, MAX_ROWS, greedy_step, greedy_step_reference
 from dslab.kernels.dispatch import interpreting
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="the Triton interpreter runs on CPU (TRITON_INTERPRET=1)")
@@ -19,7 +19,7 @@ needs_interpreter = pytest.mark.skipif(not interpreting(), reason="the Triton in
 def _logits(rows, vocab, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g).to(dtype)
-    logits[1, [3, vocab - 2, BLOCK + 1]] = 40.0  # a tie within and across blocks
+    logits[1, [3, vocab - 2, (BLOCK + 1) % vocab]] = 40.0  # a tie within and across blocks
     logits[2, [vocab - 1, 9]] = float("nan")
     logits[3] = float("-inf")
     logits[4, vocab - 1] = 50.0  # the last logit, in the padded block
@@ -72,12 +72,27 @@ def test_without_next_tokens_or_finished_rows():
         assert torch.equal(tokens, logits.argmax(-1)) and torch.equal(sequence[:, 2], tokens)
 
 
+@needs_interpreter
+def test_consecutive_launches_each_pick_their_own_tokens():
+    """The rows' arrival counters are reset by each row's last program: launch after launch (with
+    other row counts between) the last program of every row picks that launch's argmax."""
+    for call, rows in enumerate((3, 5, 3, 1)):
+        logits = torch.randn(rows, 3 * BLOCK + 5, generator=torch.Generator().manual_seed(call))
+        logits[:, (call * 997) % logits.shape[1]] = 30.0
+        sequence = torch.zeros(rows, 2, dtype=torch.long)
+        with kernel_backend("triton"):
+            tokens = greedy_step(logits, sequence, 1)
+        assert torch.equal(tokens, logits.argmax(-1)) and torch.equal(sequence[:, 1], tokens)
+
+
 def test_bad_arguments_name_the_problem():
     logits = torch.randn(2, 10)
     with pytest.raises(ValueError, match="sequence must be int64 \\[2, > 3\\]"):
         greedy_step(logits, torch.zeros(2, 3, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="eos needs finished and finish_step"):
         greedy_step(logits, torch.zeros(2, 5, dtype=torch.long), 1, eos=torch.tensor([1]))
+    with kernel_backend("triton"), pytest.raises(ValueError, match="at most 16384 rows"):
+        greedy_step(torch.randn(MAX_ROWS + 1, 4), torch.zeros(MAX_ROWS + 1, 2, dtype=torch.long), 1)
 
 
 @pytest.mark.gpu
