@@ -19,6 +19,8 @@
 #   gaps      benchmarks/generate_gaps.py: a batch-1 generated token beyond its decode step
 #   chain     benchmarks/decode_chain_bench.py: the batch-1 step's 65 projections alone, each group's
 #             row-kernel configurations (a few programs an SM, or as many as the SMs hold) timed
+# The liger arm needs Liger-Kernel on the machine: carry its wheel in .whl/ (gpu_setup.sh installs
+# every wheel there), e.g. pip download --no-deps -d .whl liger-kernel; without it the arm is skipped.
 # Several parts in one call run in order: bash benchmarks/llama_gpu.sh tests train1b
 # Reports and logs land in $OUT; each part's table prints last.
 set -u
