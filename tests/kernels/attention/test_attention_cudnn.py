@@ -245,6 +245,7 @@ def _gqa_run(q, k, v, grad, backend="auto"):
     (2, 32, 8, 512, 64),  # Llama-3.2-1B's heads
     (1, 24, 8, 333, 128),  # 3B's, an odd length
     (2, 4, 4, 200, 64),  # as many kv heads as query heads
+    (1, 4, 2, 12289, 128),  # suites/long_context's heads on one of 4 Ulysses ranks, a long odd sequence
 ])
 def test_gpu_split_path_matches_the_reference_and_the_triton_kernels(batch, heads, kv_heads, seq, head_dim):
     """On Hopper a differentiated causal call takes cuDNN; its output and dq, dk, dv (dk, dv summed
